@@ -1,0 +1,50 @@
+# One command per habit. `make run` and `make test` work on a fresh machine.
+PY_SYS ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.miles-installed
+RECIPE ?= recipes/default.yaml
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+
+.PHONY: setup run test check lint fmt bench slurm-up slurm-down clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch pinned to the CPU build on disk here; GPU machines bring their own torch
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/miles train $(RECIPE)
+	$(VENV)/bin/miles plot runs/default
+
+test: setup
+	$(PYTEST) tests
+
+check: setup lint
+	$(PYTEST) -m "not slow and not slurm and not gpu" tests
+
+lint: setup
+	$(VENV)/bin/ruff check miles tests bench launchers
+	$(VENV)/bin/ruff format --check miles tests bench launchers
+
+fmt: setup
+	$(VENV)/bin/ruff check --fix miles tests bench launchers
+	$(VENV)/bin/ruff format miles tests bench launchers
+
+bench: setup
+	$(PY) -m bench
+
+slurm-up:
+	bash slurm/up.sh
+
+slurm-down:
+	bash slurm/down.sh
+
+clean:
+	rm -rf runs .pytest_cache

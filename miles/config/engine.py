@@ -1,0 +1,34 @@
+"""Settings of the rollout engines: which engine, how many, how big."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from miles.config.base import Section
+
+
+class EngineConfig(Section):
+    """Rollout engine processes (the embedded engine or SGLang servers)."""
+
+    kind: Literal["embedded", "sglang"] = "embedded"
+    """`embedded` is Miles' own engine (CPU or GPU); `sglang` starts real SGLang servers (GPU clusters)."""
+    num_engines: int = 1
+    """Engine processes on one host (local runs); the sglang-router is put in front when more than one."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the embedded engine; `auto` picks cuda when available."""
+    max_running_requests: int = 64
+    """Requests decoded together in one engine (continuous batching width)."""
+    max_total_tokens: int = 65536
+    """KV-cache capacity of one engine in tokens."""
+    mem_fraction_static: float = 0.5
+    """SGLang: fraction of GPU memory for weights and KV cache."""
+    tp_size: int = 1
+    """SGLang: tensor-parallel size of one server."""
+    dp_size: int = 1
+    """SGLang: data-parallel replicas inside one server."""
+    ep_size: int = 1
+    """SGLang: expert-parallel size of one server."""
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    """Load-balancing policy of the sglang-router."""
+    startup_timeout_s: float = 300.0
+    """How long to wait for every engine to report healthy."""

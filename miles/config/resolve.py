@@ -1,0 +1,120 @@
+"""recipe + profile + overrides -> one frozen Plan, with every derived value logged.
+
+This is the only place where values are derived. The steps run in order, each small:
+merge the layers, validate the schema, fill derived defaults, check cross-section rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from miles.config.base import ConfigError, explain
+from miles.config.loading import apply_overrides, deep_merge, read_yaml
+from miles.config.plan import Plan
+
+log = logging.getLogger("miles.config")
+
+
+def _derive(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Values that follow from others; returned as {section: {key: value}} updates."""
+    derived: dict[str, dict[str, Any]] = {"run": {}, "rollout": {}, "train": {}, "model": {}}
+    derived["run"]["runs_root"] = os.path.abspath(plan.run.runs_root)
+    if not os.path.isabs(plan.model.path):
+        derived["model"]["path"] = os.path.abspath(plan.model.path)
+    if plan.rollout.buffer_capacity_groups is None:
+        derived["rollout"]["buffer_capacity_groups"] = 2 * plan.rollout.prompts_per_step
+    if plan.train.loss.eps_clip_high is None:
+        derived["train"]["loss"] = plan.train.loss.model_copy(
+            update={"eps_clip_high": plan.train.loss.eps_clip}
+        )
+    return derived
+
+
+def _check(plan: Plan) -> None:
+    """Cross-section rules; each error names the key to change."""
+    r, t = plan.rollout, plan.train
+    positive = {
+        "rollout.prompts_per_step": r.prompts_per_step,
+        "rollout.n_samples_per_prompt": r.n_samples_per_prompt,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.max_concurrency_per_engine": r.max_concurrency_per_engine,
+        "engine.num_engines": plan.engine.num_engines,
+        "train.num_ranks": t.num_ranks,
+        "train.steps": t.steps,
+        "weights.update_interval": plan.weights.update_interval,
+        "weights.bucket_mb": plan.weights.bucket_mb,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1 (got {value})")
+    if r.max_staleness < 0:
+        raise ConfigError(f"rollout.max_staleness must be >= 0 (got {r.max_staleness})")
+    if r.buffer_capacity_groups is not None and r.buffer_capacity_groups < r.prompts_per_step:
+        raise ConfigError(
+            f"rollout.buffer_capacity_groups ({r.buffer_capacity_groups}) must be >= rollout.prompts_per_step "
+            f"({r.prompts_per_step}), or the trainer could never take a full batch"
+        )
+    if t.loss.dual_clip is not None and t.loss.dual_clip <= 1.0:
+        raise ConfigError(f"train.loss.dual_clip must be > 1 (got {t.loss.dual_clip})")
+    if t.optimizer_offload == "nvme" and not t.offload_dir:
+        raise ConfigError("train.optimizer_offload=nvme needs train.offload_dir (a node-local directory)")
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resolve(
+    recipe: str | Path | dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    profile_defaults: dict[str, Any] | None = None,
+) -> Plan:
+    """Build the frozen Plan: profile defaults < recipe < overrides, then derive, check, log."""
+    data = read_yaml(recipe) if isinstance(recipe, (str, Path)) else dict(recipe or {})
+    data = deep_merge(profile_defaults or {}, data)
+    data = apply_overrides(data, overrides or [])
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as e:
+        raise explain(
+            e, Plan, source=f"recipe {recipe}" if isinstance(recipe, (str, Path)) else "config"
+        ) from None
+    updates = _derive(plan)
+    sections = {k: getattr(plan, k).model_copy(update=v) for k, v in updates.items() if v}
+    before = _flatten(plan.model_dump())
+    plan = plan.model_copy(update=sections)
+    _check(plan)
+    for key, value in _flatten(plan.model_dump()).items():
+        if before.get(key) != value:
+            log.info("derived %s = %r", key, value)
+    return plan
+
+
+def write_plan(plan: Plan, path: str | Path) -> None:
+    """Write the plan as YAML atomically (write a temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False))
+    os.replace(tmp, path)
+
+
+def read_plan(path: str | Path) -> Plan:
+    """Read a plan written by write_plan (already resolved; validated again, not re-derived)."""
+    data = read_yaml(path)
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        raise explain(e, Plan, source=str(path)) from None

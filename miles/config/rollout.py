@@ -1,0 +1,69 @@
+"""What is generated each step, how, and how it is scored and buffered; plus evaluation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from miles.config.base import Section
+
+
+class TaskConfig(Section):
+    """Where prompts and answers come from."""
+
+    name: str = "digits"
+    """Built-in task (`digits`, `jsonl`, `reasoning_gym`); see miles/rollout/tasks.py."""
+    path: str | None = None
+    """Dataset file (JSONL or Parquet) for the `jsonl` task; rows need `prompt` and `answer`."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt."""
+    answer_key: str = "answer"
+    """Column holding the reference answer."""
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """Task-specific options (e.g. the reasoning-gym dataset name and its size)."""
+    eval_size: int = 64
+    """Held-out prompts for evaluation (disjoint from training prompts)."""
+
+
+class RolloutConfig(Section):
+    """Generation for training."""
+
+    task: TaskConfig = TaskConfig()
+    reward: str = "miles.rollout.rewards:exact_match"
+    """Reward function as `module:function` (dotted path); built-ins live in miles/rollout/rewards.py."""
+    prompts_per_step: int = 16
+    """Prompt groups per training step."""
+    n_samples_per_prompt: int = 8
+    """Samples per prompt (the group of GRPO)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    max_new_tokens: int = 16
+    """Cap on response length in tokens."""
+    max_concurrency_per_engine: int = 64
+    """Requests in flight per engine."""
+    schedule: Literal["sync", "async"] = "async"
+    """`sync`: generate a batch, train, sync weights. `async`: a producer keeps samples in flight."""
+    max_staleness: int = 1
+    """Groups generated more than this many weight versions ago go to the staleness policy."""
+    buffer_policy: str = "keep"
+    """Buffer policy name (keep, drop_stale, retry_stale, dynamic_sampling) or `module:function`."""
+    buffer_capacity_groups: int | None = None
+    """Bound of the buffer in groups (default: 2 x prompts_per_step)."""
+    pause_mode: Literal["abort", "in_place"] = "in_place"
+    """How in-flight requests meet a weight update: dropped and retried, or continued with new weights."""
+
+
+class EvalConfig(Section):
+    """Evaluation on held-out prompts, on the shared engines."""
+
+    every_steps: int = 5
+    """Evaluate every N training steps (and before the first); 0 turns evaluation off."""
+    samples_per_prompt: int = 4
+    """k of pass@k; pass@1 is the mean over these samples."""
+    temperature: float = 0.0
+    """Sampling temperature for evaluation (0: greedy, then pass@k = pass@1)."""

@@ -1,0 +1,88 @@
+"""How the policy is trained: backend, parallelism, optimiser, objective, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from miles.config.base import Section
+
+
+class LossConfig(Section):
+    """The RL objective (see miles/train/losses/)."""
+
+    advantage: Literal["grpo", "reinforce_pp", "gspo"] = "grpo"
+    """Advantage estimator."""
+    normalize_std: bool = True
+    """GRPO: divide group-centred rewards by the group std."""
+    eps_clip: float = 0.2
+    """PPO clip lower epsilon."""
+    eps_clip_high: float | None = None
+    """PPO clip upper epsilon (clip-higher); default: eps_clip."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages; None: off."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """Token-level mean over the batch, or mean of per-sequence means."""
+    kl_coef: float = 0.0
+    """Weight of KL to the frozen reference policy (0: no reference model is kept)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    kl_in_reward: bool = False
+    """Apply KL as a per-token reward penalty instead of a loss term."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    tis: Literal["off", "truncate", "mask"] = "off"
+    """Train/rollout mismatch correction: truncated importance weights, or masking tokens out of band."""
+    tis_clip: float = 2.0
+    """Upper bound of the TIS weight (mask: the band is [1/tis_clip, tis_clip])."""
+    old_logprobs: Literal["recompute", "rollout"] = "rollout"
+    """Old-policy log-probs: recomputed by the trainer before the update, or taken from the rollout."""
+
+
+class CheckpointConfig(Section):
+    """Checkpointing of the full training state."""
+
+    every_steps: int = 0
+    """Save every N steps (0: only at the end of the run)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted after a new one is complete."""
+
+
+class TrainConfig(Section):
+    """The trainer."""
+
+    backend: Literal["fsdp", "megatron"] = "fsdp"
+    """Training backend (same interface; see miles/train/__init__.py)."""
+    num_ranks: int = 1
+    """Trainer processes (local runs; on Slurm the actor group decides)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Trainer device; `auto` picks cuda when available."""
+    steps: int = 20
+    """Training steps in the run."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Max global grad norm (0: off)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one micro-batch per rank (sequences are packed up to it)."""
+    mini_batches_per_step: int = 1
+    """Optimiser updates per step (PPO epochs over mini-batches)."""
+    optimizer_offload: Literal["none", "cpu", "nvme"] = "none"
+    """Where optimiser state lives (see miles/train/offload/)."""
+    offload_dir: str | None = None
+    """NVMe offload directory on node-local disk (one sub-directory per rank)."""
+    offload_bucket_mb: int = 256
+    """Bucket size of streamed optimiser state in MiB."""
+    loss: LossConfig = LossConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tensor_parallel: int = 1
+    """Megatron: tensor-parallel size."""
+    pipeline_parallel: int = 1
+    """Megatron: pipeline-parallel size."""
+    expert_parallel: int = 1
+    """Megatron: expert-parallel size."""

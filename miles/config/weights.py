@@ -1,0 +1,20 @@
+"""How new weights travel from the trainer into the live engines."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from miles.config.base import Section
+
+
+class WeightsConfig(Section):
+    """Weight synchronisation."""
+
+    transport: Literal["disk", "distributed"] = "distributed"
+    """`disk`: safetensors + /update_weights_from_disk; `distributed`: broadcast over an update group."""
+    bucket_mb: int = 512
+    """Upper bound of one bucket of tensors in MiB."""
+    update_interval: int = 1
+    """Push weights every N training steps."""
+    check: bool = False
+    """After each sync, compare engine weights with trainer weights (costly; for tests and debugging)."""

@@ -1,0 +1,120 @@
+"""Write a tiny random-initialised causal LM and a locally trained tokenizer with a chat template.
+
+The result is an ordinary Hugging Face directory (config.json, model.safetensors, tokenizer.json),
+loadable by transformers' Auto classes, used by tests and by the default CPU run. Digits are single
+tokens so that arithmetic tasks have one token per digit. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+_WORDS = (
+    "the a an of to and in is was for on with as by at from it that this be are what which how many "
+    "sum add plus minus times answer question compute number digit result equals total reverse copy "
+    "count letters word sequence next value solve find list sort first last find user assistant system "
+    "you are helpful think step please give only final"
+).split()
+
+ARCHS = {
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "llama": "LlamaConfig",
+}
+
+
+def _corpus(n_lines: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 12))]
+        nums = [str(rng.randint(0, 999)) for _ in range(rng.randint(0, 3))]
+        ops = rng.choice(["+", "-", "*", "=", "?", ".", ",", ":", "(", ")"])
+        lines.append(" ".join(words + nums) + ops)
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 384, seed: int = 0):
+    """A byte-level BPE tokenizer with single-digit tokens and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **sizes: int):
+    """A transformers config of the given family with tiny default sizes (overridable)."""
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+    dims = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    dims.update(sizes)
+    extra = {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]} if arch == "qwen3" else {}
+    cls = getattr(transformers, ARCHS[arch])
+    return cls(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        **extra,
+        **dims,
+    )
+
+
+def init_tiny(
+    out_dir: str | Path, arch: str = "qwen2", seed: int = 0, vocab_size: int = 384, **sizes: int
+) -> Path:
+    """Create the tiny model directory (fp32 safetensors + tokenizer); returns its path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    tok = build_tokenizer(vocab_size, seed)
+    cfg = model_config(arch, len(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,59 @@
+"""The unit of rollout data shared by rollout, buffer and trainer: one sampled trajectory.
+
+Plain dataclasses with lists (no torch), so they cross process boundaries as JSON or pickle and the
+config/launch side never needs torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    """How a trajectory ended."""
+
+    COMPLETED = "completed"  # the model stopped (EOS / stop token)
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"  # dropped by a weight update in abort mode or by an abort request
+    FAILED = "failed"  # the engine or the environment failed
+
+
+@dataclass
+class Sample:
+    """One trajectory: prompt + response tokens and everything training needs about them."""
+
+    group_id: int
+    """Index of the prompt group (all samples of one prompt share it)."""
+    index: int
+    """Position inside the group."""
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    """Per response token: 1 if the model produced it and it is trained on, 0 for tool/user/template tokens."""
+    rollout_logprobs: list[float] = field(default_factory=list)
+    """Per response token: log-prob under the engine that sampled it (0.0 where loss_mask is 0)."""
+    reward: float = 0.0
+    status: Status = Status.COMPLETED
+    weight_versions: list[int] = field(default_factory=list)
+    """Weight version of every response token span, one entry per token (in_place updates mix versions)."""
+    prompt: str = ""
+    response: str = ""
+    answer: Any = None
+    """Reference answer of the task, given to the reward function."""
+    routed_experts: bytes | None = None
+    """R3: base64 int32 expert ids [tokens-1, layers, top_k] as returned by the engine."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.weight_versions) if self.weight_versions else 0

@@ -1,0 +1,71 @@
+"""The typed config: unknown keys, overrides, derivation, round trip, and no torch on import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from miles.config import ConfigError, read_plan, resolve, write_plan
+
+
+def test_unknown_key_names_nearest() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.temprature.*rollout\.temperature"):
+        resolve({"rollout": {"temprature": 0.5}})
+
+
+def test_unknown_section_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="rolout"):
+        resolve({"rolout": {}})
+
+
+def test_override_wins_and_is_typed() -> None:
+    plan = resolve({"rollout": {"temperature": 1.0}}, ["rollout.temperature=0.7", "train.steps=3"])
+    assert plan.rollout.temperature == 0.7
+    assert plan.train.steps == 3
+
+
+def test_bad_type_names_key() -> None:
+    with pytest.raises(ConfigError, match="train.steps"):
+        resolve({}, ["train.steps=many"])
+
+
+def test_malformed_override() -> None:
+    with pytest.raises(ConfigError, match="section.key=value"):
+        resolve({}, ["no-equals-sign"])
+
+
+def test_derived_values(tmp_path) -> None:
+    plan = resolve({"run": {"runs_root": str(tmp_path)}, "rollout": {"prompts_per_step": 3}})
+    assert plan.rollout.buffer_capacity_groups == 6
+    assert plan.train.loss.eps_clip_high == plan.train.loss.eps_clip
+
+
+def test_cross_section_check() -> None:
+    with pytest.raises(ConfigError, match="buffer_capacity_groups"):
+        resolve({"rollout": {"prompts_per_step": 8, "buffer_capacity_groups": 4}})
+    with pytest.raises(ConfigError, match="offload_dir"):
+        resolve({"train": {"optimizer_offload": "nvme"}})
+
+
+def test_plan_is_frozen() -> None:
+    plan = resolve({})
+    with pytest.raises(Exception):
+        plan.train.steps = 5  # type: ignore[misc]
+
+
+def test_round_trip(tmp_path) -> None:
+    plan = resolve({"rollout": {"task": {"name": "digits"}}}, ["train.lr=0.01"])
+    write_plan(plan, tmp_path / "plan.yaml")
+    assert read_plan(tmp_path / "plan.yaml") == plan
+
+
+def test_missing_recipe_file() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve("/nonexistent/recipe.yaml")
+
+
+def test_config_and_launch_import_no_torch() -> None:
+    code = "import sys, miles.config, miles.launch, miles.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
