@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from miles.config import ConfigError, read_plan, resolve, write_plan
 
@@ -51,7 +52,7 @@ def test_cross_section_check() -> None:
 
 def test_plan_is_frozen() -> None:
     plan = resolve({})
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         plan.train.steps = 5  # type: ignore[misc]
 
 
