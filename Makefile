@@ -23,7 +23,7 @@ run: setup
 	$(VENV)/bin/miles train $(RECIPE)
 	$(VENV)/bin/miles plot runs/default
 
-test: setup
+test: setup lint
 	$(PYTEST) tests
 
 check: setup lint
