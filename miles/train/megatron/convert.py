@@ -1,0 +1,235 @@
+"""Hugging Face <-> Megatron-core GPTModel: configs, parameter names, fused layouts, TP shards.
+
+Dense decoder families (Qwen2, Qwen3, Llama) map one to one onto Megatron's GPTModel:
+
+    HF                                              Megatron (global layer i)
+    model.embed_tokens.weight                       embedding.word_embeddings.weight
+    model.layers.i.input_layernorm.weight           decoder.layers.i.input_layernorm.weight
+    model.layers.i.self_attn.{q,k,v}_proj.{w,b}     decoder.layers.i.self_attention.linear_qkv.{w,b}
+    model.layers.i.self_attn.{q,k}_norm.weight      decoder.layers.i.self_attention.{q,k}_layernorm.weight
+    model.layers.i.self_attn.o_proj.weight          decoder.layers.i.self_attention.linear_proj.weight
+    model.layers.i.post_attention_layernorm.weight  decoder.layers.i.pre_mlp_layernorm.weight
+    model.layers.i.mlp.{gate,up}_proj.weight        decoder.layers.i.mlp.linear_fc1.weight
+    model.layers.i.mlp.down_proj.weight             decoder.layers.i.mlp.linear_fc2.weight
+    model.norm.weight                               decoder.final_layernorm.weight
+    lm_head.weight                                  output_layer.weight
+
+Two tensors are fused. `linear_qkv` stores, for each of the G key/value groups in turn, that group's
+Q heads (H/G heads), then its K head, then its V head: rows [g*(H/G+2)*d, (g+1)*(H/G+2)*d) belong to
+group g, which is what HF's `repeat_kv` pairs (query head j uses kv head j // (H/G)). `linear_fc1`
+is [gate; up]. Tensor parallelism splits column-parallel weights on rows and row-parallel ones on
+columns; the fused tensors split per group / per half so that every rank holds whole heads and a
+matching gate/up pair. With Transformer Engine's layer spec the two pre-norms live inside the
+following linear (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
+
+Pure tensor code: nothing here imports megatron, so the mapping is testable without it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Per-layer names that map one to one (local layer spec).
+_LAYER_PLAIN = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+# Transformer Engine's spec fuses the pre-norms into the next linear.
+_TE_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+# Tensor-parallel split dimension per Megatron suffix (absent: replicated).
+_TP_DIM = {
+    "embedding.word_embeddings.weight": 0,
+    "output_layer.weight": 0,
+    "self_attention.linear_qkv.weight": 0,
+    "self_attention.linear_qkv.bias": 0,
+    "self_attention.linear_proj.weight": 1,
+    "mlp.linear_fc1.weight": 0,
+    "mlp.linear_fc2.weight": 1,
+}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The few HF config numbers the mapping needs."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    tied: bool
+    te_names: bool = False
+    """Use Transformer Engine's fused-norm names instead of the local spec's."""
+
+    @classmethod
+    def from_hf(cls, cfg, te_names: bool = False) -> Shapes:
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        return cls(
+            cfg.num_hidden_layers,
+            heads,
+            kv,
+            head_dim,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            bool(getattr(cfg, "tie_word_embeddings", False)),
+            te_names,
+        )
+
+
+def _norm_name(suffix: str, shapes: Shapes) -> str:
+    return _TE_NORMS.get(suffix, suffix) if shapes.te_names else suffix
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shapes) -> torch.Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) -> Megatron's group-interleaved linear_qkv."""
+    g, d = s.num_kv_heads, s.head_dim
+    rest = q.shape[1:]
+    parts = (q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def unpack_qkv(qkv: torch.Tensor, s: Shapes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of pack_qkv."""
+    g, d = s.num_kv_heads, s.head_dim
+    per_group = s.num_heads // g * d
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, per_group + 2 * d, *rest)
+    q, k, v = grouped.split([per_group, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
+    """Full HF state dict -> full Megatron state dict (global layer numbers, no TP split)."""
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not s.tied:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(s.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_suffix, mg_suffix in _LAYER_PLAIN.items():
+            if src + hf_suffix in hf:
+                out[dst + _norm_name(mg_suffix, s)] = hf[src + hf_suffix]
+        attn = src + "self_attn."
+        for kind in ("weight", "bias"):
+            if f"{attn}q_proj.{kind}" in hf:
+                q, k, v = (hf[f"{attn}{p}_proj.{kind}"] for p in "qkv")
+                out[f"{dst}self_attention.linear_qkv.{kind}"] = pack_qkv(q, k, v, s)
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+    return out
+
+
+def megatron_to_hf(mg: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
+    """Full Megatron state dict (global layer numbers) -> HF state dict; extra state is ignored."""
+    return dict(iter_megatron_to_hf(mg.items(), s))
+
+
+def iter_megatron_to_hf(
+    items: Iterable[tuple[str, torch.Tensor]], s: Shapes
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (megatron name, full tensor) -> (HF name, tensor); fused tensors expand to several."""
+    inverse = {_norm_name(v, s): k for k, v in _LAYER_PLAIN.items()}
+    for name, t in items:
+        if name.endswith("_extra_state"):
+            continue
+        if name == "embedding.word_embeddings.weight":
+            yield "model.embed_tokens.weight", t
+        elif name == "decoder.final_layernorm.weight":
+            yield "model.norm.weight", t
+        elif name == "output_layer.weight":
+            yield "lm_head.weight", t
+        else:
+            m = _LAYER.match(name)
+            if m is None:
+                raise KeyError(f"unmapped Megatron parameter {name!r}")
+            i, suffix = m.groups()
+            yield from _layer_to_hf(f"model.layers.{i}.", suffix, t, s, inverse)
+
+
+def _layer_to_hf(prefix: str, suffix: str, t: torch.Tensor, s: Shapes, inverse: dict[str, str]):
+    if suffix in inverse:
+        yield prefix + inverse[suffix], t
+    elif suffix.startswith("self_attention.linear_qkv."):
+        kind = suffix.rsplit(".", 1)[1]
+        for p, part in zip("qkv", unpack_qkv(t, s), strict=True):
+            yield f"{prefix}self_attn.{p}_proj.{kind}", part
+    elif suffix == "mlp.linear_fc1.weight":
+        gate, up = t.chunk(2, dim=0)
+        yield prefix + "mlp.gate_proj.weight", gate
+        yield prefix + "mlp.up_proj.weight", up
+    else:
+        raise KeyError(f"unmapped Megatron parameter {prefix}{suffix!r}")
+
+
+def _suffix(name: str) -> str:
+    m = _LAYER.match(name)
+    return m.group(2) if m else name
+
+
+def tp_shard(name: str, full: torch.Tensor, rank: int, size: int, s: Shapes) -> torch.Tensor:
+    """The slice of a full Megatron tensor that tensor-parallel rank `rank` of `size` holds."""
+    suffix = _suffix(name)
+    dim = _TP_DIM.get(suffix)
+    if dim is None or size == 1:
+        return full
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]], dim=0)
+    if suffix.startswith("self_attention.linear_qkv."):
+        groups = full.reshape(s.num_kv_heads, -1, *full.shape[1:])
+        return groups.chunk(size)[rank].reshape(-1, *full.shape[1:])
+    return full.chunk(size, dim=dim)[rank]
+
+
+def tp_unshard(name: str, shards: list[torch.Tensor], s: Shapes) -> torch.Tensor:
+    """Inverse of tp_shard: the full tensor from every rank's slice, in rank order."""
+    suffix = _suffix(name)
+    dim = _TP_DIM.get(suffix)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if suffix == "mlp.linear_fc1.weight":
+        halves = [sh.chunk(2, dim=0) for sh in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def check_tp(s: Shapes, tp: int) -> str | None:
+    """Why this model cannot be split `tp` ways (None when it can)."""
+    for what, n in (("num_key_value_heads", s.num_kv_heads), ("vocab_size", s.vocab)):
+        if n % tp:
+            return f"{what}={n} is not divisible by train.tensor_parallel={tp}"
+    return None
+
+
+def to_local(name: str, layer_offset: int) -> str:
+    """Global layer number -> the number a pipeline stage starting at layer_offset uses."""
+    m = _LAYER.match(name)
+    return f"decoder.layers.{int(m.group(1)) - layer_offset}.{m.group(2)}" if m else name
+
+
+def to_global(name: str, layer_offset: int) -> str:
+    """Inverse of to_local."""
+    m = _LAYER.match(name)
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}" if m else name
+
+
+def layer_of(name: str) -> int | None:
+    """Global layer index of a Megatron name (None for embedding, final norm, output layer)."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,183 @@
+"""Build a Megatron-core GPTModel from a Hugging Face config and load / read its HF weights.
+
+Megatron's local layer spec is used (no Transformer Engine needed), with one change: its core
+attention materialises the [b, heads, s, s] score matrix, so it is swapped for `SDPAttention`,
+PyTorch's fused scaled-dot-product attention (same maths: softmax(q k^T / sqrt(d) + causal) v). Where
+Transformer Engine is installed its own spec is used unchanged. Imports megatron lazily (callers
+import this module only when `train.backend` is megatron).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles.train.megatron import convert
+
+
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class SDPAttention(torch.nn.Module):
+    """Core attention for Megatron's SelfAttention through torch's scaled_dot_product_attention.
+
+    Causal self-attention on right-padded [s, b] batches (padding follows every real token, so the
+    causal mask alone keeps real tokens from seeing it). No packed sequences, no attention bias.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.scale = kwargs.get("softmax_scale")
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        assert packed_seq_params is None and attention_bias is None, "SDPAttention: padded batches only"
+        # [s, b, heads, d] -> [b, heads, s, d]; kv heads repeated so any SDPA kernel applies.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.heads_per_group > 1:
+            k = k.repeat_interleave(self.heads_per_group, dim=1)
+            v = v.repeat_interleave(self.heads_per_group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def transformer_config(hf_cfg: Any, dtype: torch.dtype, tp: int, pp: int, use_cpu: bool = False):
+    """Megatron TransformerConfig equivalent to a Qwen2/Qwen3/Llama HF config."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s = convert.Shapes.from_hf(hf_cfg)
+    arch = hf_cfg.model_type
+    if arch not in ("qwen2", "qwen3", "llama"):
+        raise ValueError(f"model type {arch!r} has no Megatron mapping; known: qwen2, qwen3, llama")
+    return TransformerConfig(
+        num_layers=s.num_layers,
+        hidden_size=s.hidden,
+        ffn_hidden_size=hf_cfg.intermediate_size,
+        num_attention_heads=s.num_heads,
+        num_query_groups=s.num_kv_heads,
+        kv_channels=s.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch == "qwen2" or bool(getattr(hf_cfg, "attention_bias", False)),
+        qk_layernorm=arch == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # only to pass a validator that checks it with variable lengths
+        use_cpu_initialization=use_cpu,
+    )
+
+
+def layer_spec(tf_cfg: Any):
+    """Transformer Engine's layer spec where installed, else the local spec with SDPAttention."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if has_transformer_engine():
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tf_cfg.qk_layernorm)
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=tf_cfg.qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_gpt(hf_cfg: Any, tf_cfg: Any, pre_process: bool = True, post_process: bool = True):
+    """The GPTModel of this pipeline stage (layers are split by Megatron's own rule)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=tf_cfg,
+        transformer_layer_spec=layer_spec(tf_cfg),
+        vocab_size=hf_cfg.vocab_size,
+        max_sequence_length=hf_cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=False,
+        share_embeddings_and_output_weights=bool(getattr(hf_cfg, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_cfg),
+    )
+
+
+def rope_theta(hf_cfg: Any) -> int:
+    """RoPE base: transformers 5 keeps it in rope_parameters, 4.x as rope_theta."""
+    params = getattr(hf_cfg, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling {params.get('rope_type')!r} has no Megatron mapping here")
+    return int(params.get("rope_theta") or hf_cfg.rope_theta)
+
+
+def shapes_of(hf_cfg: Any) -> convert.Shapes:
+    return convert.Shapes.from_hf(hf_cfg, te_names=has_transformer_engine())
+
+
+def layer_offset(model: torch.nn.Module) -> int:
+    """Global index of this stage's first layer."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def load_hf_into(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_cfg: Any) -> None:
+    """Copy a full HF state dict into this rank's GPTModel (its pipeline stage and TP slice)."""
+    from megatron.core import parallel_state as ps
+
+    s = shapes_of(hf_cfg)
+    full = convert.hf_to_megatron(hf_state, s)
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    offset = layer_offset(model)
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    for local_name, param in own.items():
+        name = convert.to_global(local_name, offset)
+        if name not in full and name == "output_layer.weight" and s.tied:
+            name = "embedding.word_embeddings.weight"
+        if name not in full:
+            raise KeyError(f"no HF weight maps to Megatron parameter {name!r}")
+        shard = convert.tp_shard(name, full[name], tp_rank, tp_size, s)
+        if shard.shape != param.shape:
+            raise ValueError(f"{name}: HF gives {tuple(shard.shape)}, model has {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(shard)
+
+
+def read_hf_state(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of the safetensors files of an HF model directory (on CPU)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path} (model.path must be an HF model directory)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
