@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from miles.config.base import Section
+
+
+class SglangLaunchConfig(Section):
+    """Server flags for `engine.kind: sglang` beyond the engine section (rendered by miles.launch.sglang)."""
+
+    context_length: int | None = None
+    """--context-length: prompt + response tokens one request may hold (None: the model's)."""
+    capture_routed_experts: bool = False
+    """R3: record the experts each token was routed to and return them (--enable-return-routed-experts)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further launch_server flags, passed through verbatim."""
 
 
 class LaunchConfig(Section):
@@ -17,6 +30,23 @@ class LaunchConfig(Section):
     rollout_nodes: int = 1
     """Nodes of the rollout group."""
     actor_nodes: int = 1
-    """Nodes of the actor (trainer) group."""
+    """Nodes of the actor (trainer) group (the whole job when colocated)."""
+    actor_tasks_per_node: int | None = None
+    """Trainer ranks per node (default: the profile's GPUs per node, 1 on CPU-only profiles)."""
+    engines_per_node: int | None = None
+    """Engine servers per rollout node (default: sglang GPUs per node / (tp*dp); embedded engine.num_engines)."""
     time_limit_min: int = 60
     """Slurm time limit in minutes."""
+    partition: str | None = None
+    """Slurm partition (default: the profile's)."""
+    container_image: str | None = None
+    """Container image for every step (default: the profile's)."""
+    requeue: bool = True
+    """On USR2 before the time limit: checkpoint, then requeue; the requeued job resumes by itself."""
+    array_parallelism: int = 4
+    """Sweeps as job arrays: points running at once (the %k of --array)."""
+    sweep_tag: str | None = None
+    """Tag shared by the points of one sweep (set by `miles sweep`)."""
+    pipeline_last_stage_layers: int | None = None
+    """Megatron: transformer layers on the last pipeline stage (the rest split evenly); None: even split."""
+    sglang: SglangLaunchConfig = SglangLaunchConfig()
