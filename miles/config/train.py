@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from miles.config.base import Section
 
 
@@ -22,17 +24,17 @@ class LossConfig(Section):
     """Dual-clip constant c > 1 for negative advantages; None: off."""
     aggregation: Literal["token", "sequence"] = "token"
     """Token-level mean over the batch, or mean of per-sequence means."""
-    kl_coef: float = 0.0
+    kl_coef: float = Field(0.0, ge=0.0)
     """Weight of KL to the frozen reference policy (0: no reference model is kept)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator."""
     kl_in_reward: bool = False
     """Apply KL as a per-token reward penalty instead of a loss term."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus weight."""
     tis: Literal["off", "truncate", "mask"] = "off"
     """Train/rollout mismatch correction: truncated importance weights, or masking tokens out of band."""
-    tis_clip: float = 2.0
+    tis_clip: float = Field(2.0, gt=1.0)
     """Upper bound of the TIS weight (mask: the band is [1/tis_clip, tis_clip])."""
     old_logprobs: Literal["recompute", "rollout"] = "rollout"
     """Old-policy log-probs: recomputed by the trainer before the update, or taken from the rollout."""
@@ -43,7 +45,7 @@ class CheckpointConfig(Section):
 
     every_steps: int = 0
     """Save every N steps (0: only at the end of the run)."""
-    keep_last: int = 2
+    keep_last: int = Field(2, ge=1)
     """Complete checkpoints kept; older ones are deleted after a new one is complete."""
 
 
@@ -58,26 +60,36 @@ class TrainConfig(Section):
     """Trainer device; `auto` picks cuda when available."""
     steps: int = 20
     """Training steps in the run."""
-    lr: float = 1e-3
+    lr: float = Field(1e-3, ge=0.0)
     """Peak learning rate."""
-    warmup_steps: int = 0
+    warmup_steps: int = Field(0, ge=0)
     """Linear warmup steps."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """LR shape after warmup, from `lr` down to `min_lr` at `steps`."""
+    min_lr: float = Field(0.0, ge=0.0)
+    """Final learning rate of the linear / cosine decay."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
-    grad_clip: float = 1.0
+    grad_clip: float = Field(1.0, ge=0.0)
     """Max global grad norm (0: off)."""
-    max_tokens_per_microbatch: int = 8192
+    max_tokens_per_microbatch: int = Field(8192, ge=1)
     """Token budget of one micro-batch per rank (sequences are packed up to it)."""
-    mini_batches_per_step: int = 1
+    mini_batches_per_step: int = Field(1, ge=1)
     """Optimiser updates per step (PPO epochs over mini-batches)."""
+    collective_timeout_s: int = Field(600, ge=1)
+    """Timeout of every collective of the trainer's process group."""
     optimizer_offload: Literal["none", "cpu", "nvme"] = "none"
     """Where optimiser state lives (see miles/train/offload/)."""
     offload_dir: str | None = None
     """NVMe offload directory on node-local disk (one sub-directory per rank)."""
     offload_bucket_mb: int = 256
     """Bucket size of streamed optimiser state in MiB."""
+    offload_moment_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Storage dtype of offloaded Adam moments (fp32: bit-exact AdamW; bf16: half the bytes)."""
+    offload_require_local: bool = True
+    """Refuse an offload_dir on a network filesystem (NFS, Lustre, GPFS, ...)."""
     loss: LossConfig = LossConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     tensor_parallel: int = 1

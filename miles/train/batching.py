@@ -1,0 +1,166 @@
+"""From a step's samples to rank shards and packed micro-batches (shared by the train backends).
+
+Every rank receives the same full list of samples, so every rank can compute every rank's plan
+without talking to the others; that is what keeps the number of forward/backward passes (each one
+a collective under FSDP) equal on all ranks.
+
+- Sharding: longest sample first, each to the rank holding the fewest tokens so far (ties: lowest
+  rank). Deterministic, and balances tokens rather than sample counts.
+- Micro-batching is **sequence packing**: first-fit-decreasing into bins of at most
+  `max_tokens_per_microbatch` tokens (prompt + response). A sample longer than the budget gets a
+  micro-batch of its own. One packed micro-batch is a single row: input_ids [1, T] and
+  position_ids [1, T] restarting at 0 for each sequence. Hugging Face models turn such
+  position_ids (with attention_mask=None) into a block-diagonal causal mask, so packed sequences
+  never attend to each other and the loss equals the unpacked loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.sample import Sample
+
+
+def check_samples(samples: Sequence[Sample]) -> None:
+    """Raise ValueError naming the first sample whose per-token lists do not match its response."""
+    for s in samples:
+        n = len(s.response_ids)
+        where = f"sample (group_id={s.group_id}, index={s.index})"
+        if not s.prompt_ids:
+            raise ValueError(f"{where} has no prompt_ids")
+        if len(s.loss_mask) != n:
+            raise ValueError(f"{where}: loss_mask has {len(s.loss_mask)} entries for {n} response tokens")
+        if len(s.rollout_logprobs) != n:
+            raise ValueError(
+                f"{where}: rollout_logprobs has {len(s.rollout_logprobs)} entries for {n} response tokens "
+                "(request return_logprob from the engine)"
+            )
+
+
+def shard_by_tokens(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices of samples per rank, balancing total tokens (longest first, to the lightest rank)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    loads = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for i in order:
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[rank].append(i)
+        loads[rank] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+def pack_by_budget(lengths: Sequence[int], indices: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit-decreasing bins of sample indices whose total length stays within `budget`."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return bins
+
+
+@dataclass
+class Packed:
+    """One packed micro-batch: model inputs plus where each response token's prediction sits."""
+
+    samples: list[int]
+    """Indices (into the step's sample list) of the packed sequences, in packing order."""
+    input_ids: Tensor
+    """[1, T] token ids of all packed sequences."""
+    position_ids: Tensor
+    """[1, T] positions, restarting at 0 for each sequence."""
+    logit_index: Tensor
+    """[N] position in the row whose logits predict each response token."""
+    targets: Tensor
+    """[N] the response token ids."""
+    seq_index: Tensor
+    """[N] which packed sequence (0..len(samples)-1) each response token belongs to."""
+    mask: Tensor
+    """[N] loss_mask as float."""
+    rollout_logp: Tensor
+    """[N] the engine's log-probs."""
+
+
+def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
+    """Build the packed tensors of `indices` (CPU; the backend moves them to its device)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    logit_index: list[int] = []
+    targets: list[int] = []
+    seq_index: list[int] = []
+    mask: list[float] = []
+    rollout: list[float] = []
+    for k, i in enumerate(indices):
+        s = samples[i]
+        start = len(ids) + len(s.prompt_ids)
+        ids.extend(s.tokens)
+        pos.extend(range(len(s.tokens)))
+        logit_index.extend(range(start - 1, start - 1 + len(s.response_ids)))
+        targets.extend(s.response_ids)
+        seq_index.extend([k] * len(s.response_ids))
+        mask.extend(float(m) for m in s.loss_mask)
+        rollout.extend(float(x) for x in s.rollout_logprobs)
+    return Packed(
+        samples=list(indices),
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([pos], dtype=torch.long),
+        logit_index=torch.tensor(logit_index, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        seq_index=torch.tensor(seq_index, dtype=torch.long),
+        mask=torch.tensor(mask, dtype=torch.float32),
+        rollout_logp=torch.tensor(rollout, dtype=torch.float32),
+    )
+
+
+@dataclass
+class RankPlan:
+    """What one rank trains in one mini-batch, plus the global counts every rank agrees on."""
+
+    micro_batches: list[list[int]]
+    """Sample indices per micro-batch of this rank."""
+    n_micro: int
+    """Micro-batches every rank runs (the maximum over ranks; short ranks run empty passes)."""
+    total_tokens: int
+    """Trained tokens (loss_mask 1) in the mini-batch over all ranks."""
+    total_seqs: int
+    """Sequences with at least one trained token over all ranks."""
+
+
+def plan_rank(
+    samples: Sequence[Sample], indices: Sequence[int], rank: int, world_size: int, budget: int
+) -> RankPlan:
+    """Shard the mini-batch `indices` over ranks and pack this rank's part into micro-batches."""
+    lengths = {i: len(samples[i].tokens) for i in indices}
+    ordered = list(indices)
+    shards = shard_by_tokens([lengths[i] for i in ordered], world_size)
+    per_rank = [pack_by_budget(lengths, [ordered[j] for j in shard], budget) for shard in shards]
+    trained = [sum(samples[i].loss_mask) for i in indices]
+    return RankPlan(
+        micro_batches=per_rank[rank],
+        n_micro=max(1, max(len(p) for p in per_rank)),
+        total_tokens=int(sum(trained)),
+        total_seqs=sum(1 for t in trained if t > 0),
+    )
+
+
+def response_logprobs(logits: Tensor, packed: Packed, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Log-probs of the response tokens and the (temperature-scaled) logits at their positions.
+
+    The engine samples from softmax(z / temperature) and reports log-probs of that distribution,
+    so the trainer scales its logits the same way.
+    """
+    z = logits.index_select(0, packed.logit_index).float()
+    if temperature != 1.0:
+        z = z / temperature
+    logp = torch.log_softmax(z, dim=-1).gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+    return logp, z

@@ -1,0 +1,99 @@
+"""Advantage estimators: one scalar per sample from rewards and group structure.
+
+Samples with equal group_id answered the same prompt. With group G(i) of sample i, rewards r:
+
+    GRPO (Shao et al., 2024):   A_i = (r_i - mean_G(i) r) / (std_G(i) r + eps)   (std: unbiased, n-1;
+                                the division is skipped when normalize_std is off)
+    REINFORCE++ with baseline   a_i = r_i - mean_G(i) r, then whitened over the batch, weighting each
+    (Hu et al., 2025):          sample by its trained tokens c_i (the token-level whitening):
+                                A_i = (a_i - mu) / (sigma + eps),  mu = sum c a / sum c,
+                                sigma^2 = sum c (a - mu)^2 / sum c
+    GSPO (Zheng et al., 2025):  the GRPO advantage; what makes GSPO is its sequence-level ratio,
+                                which the registry entry turns on (see policy.py).
+
+A group of one sample has std 0 and advantage 0. The advantage of a sample applies to each of its
+response tokens; a KL reward penalty (kl.py) adds a per-token part on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.config.train import LossConfig
+
+EPS = 1e-6
+
+
+def group_mean_std(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Per sample: mean and unbiased std of the rewards of its group (std 0 for groups of one)."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    rewards = rewards.double()
+    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add(0, inverse, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups, dtype=rewards.dtype).index_add(0, inverse, rewards) / count
+    dev2 = (rewards - mean[inverse]).square()
+    var = torch.zeros(n_groups, dtype=rewards.dtype).index_add(0, inverse, dev2) / (count - 1).clamp(min=1)
+    return mean[inverse], var.sqrt()[inverse]
+
+
+def grpo_advantages(
+    rewards: Tensor, group_ids: Tensor, token_counts: Tensor, normalize_std: bool = True
+) -> Tensor:
+    """GRPO: group-centred rewards, optionally divided by the group std."""
+    mean, std = group_mean_std(rewards, group_ids)
+    adv = rewards.double() - mean
+    if normalize_std:
+        adv = adv / (std + EPS)
+    return adv.float()
+
+
+def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, token_counts: Tensor) -> Tensor:
+    """REINFORCE++ with a group-mean baseline, whitened over the batch with token weights."""
+    mean, _ = group_mean_std(rewards, group_ids)
+    adv = rewards.double() - mean
+    c = token_counts.double()
+    if c.sum() <= 0:
+        c = torch.ones_like(c)
+    mu = (c * adv).sum() / c.sum()
+    sigma = ((c * (adv - mu).square()).sum() / c.sum()).sqrt()
+    return ((adv - mu) / (sigma + EPS)).float()
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """An advantage function plus what the policy loss must do with it."""
+
+    compute: Callable[[Tensor, Tensor, Tensor, LossConfig], Tensor]
+    """(rewards, group_ids, token_counts, loss config) -> one advantage per sample."""
+    sequence_ratio: bool = False
+    """Use the GSPO sequence-level ratio in the clipped loss instead of the token ratio."""
+
+
+def _grpo(r: Tensor, g: Tensor, c: Tensor, cfg: LossConfig) -> Tensor:
+    return grpo_advantages(r, g, c, cfg.normalize_std)
+
+
+def _reinforce_pp(r: Tensor, g: Tensor, c: Tensor, cfg: LossConfig) -> Tensor:
+    return reinforce_pp_advantages(r, g, c)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": AdvantageEstimator(_grpo),
+    "reinforce_pp": AdvantageEstimator(_reinforce_pp),
+    "gspo": AdvantageEstimator(_grpo, sequence_ratio=True),
+}
+
+
+def get_estimator(name: str) -> AdvantageEstimator:
+    """The registered estimator `name`; the error lists the known names."""
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+        raise ValueError(
+            f"unknown advantage estimator {name!r} (train.loss.advantage); known: {known}"
+        ) from None

@@ -1,0 +1,97 @@
+"""The RL objective of one micro-batch, composed from the pure functions in miles/train/losses/.
+
+For the flat response tokens of a micro-batch (log-probs under the current policy `logp`, the old
+policy `old_logp`, the engine `rollout_logp`, optionally the reference `ref_logp`):
+
+    A_t    = A_i(t) + [kl_in_reward] kl_penalty(k(old, ref))        advantage per token
+    l_t    = logp_t - old_t   (GSPO: the sequence mean of l, broadcast)
+    pg_t   = w_tis_t * ppo_clip_loss(l_t, A_t)
+    loss   = sum_t w_t pg_t  +  kl_coef sum_t w_t k(logp, ref)_t  -  entropy_coef sum_t w_t H_t
+
+w are the global aggregation weights (aggregate.py), so the per-micro-batch losses of all ranks add
+up to the step's loss. Backends are responsible for the forward passes and the gradient scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.config.train import LossConfig
+from miles.train.losses import entropy_from_logits, kl_estimate, kl_penalty, ppo_clip_loss, tis_weights
+from miles.train.losses.policy import sequence_log_ratio
+
+
+@dataclass
+class TokenBatch:
+    """Flat response tokens of one micro-batch; every tensor has one entry per token."""
+
+    logp: Tensor
+    """Log-probs of the sampled tokens under the policy being trained (carries the gradient)."""
+    old_logp: Tensor
+    rollout_logp: Tensor
+    advantages: Tensor
+    """The sample's advantage, repeated on each of its tokens."""
+    mask: Tensor
+    """1.0 where the token is trained on (loss_mask), else 0.0."""
+    weights: Tensor
+    """Global aggregation weights (aggregate.token_weights)."""
+    seq_index: Tensor
+    n_seqs: int
+    ref_logp: Tensor | None = None
+    logits: Tensor | None = None
+    """Logits at the response positions; needed for the entropy bonus and metric."""
+
+
+def policy_objective(
+    tb: TokenBatch, cfg: LossConfig, sequence_ratio: bool = False
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss to back-propagate and detached metric sums.
+
+    Metric sums come in two kinds: names ending in `_loss` are already weighted (sum over the whole
+    batch gives the value); the others are sums over trained tokens (divide by the token count).
+    """
+    mask = tb.mask.to(tb.logp.dtype)
+    advantages = tb.advantages
+    has_ref = tb.ref_logp is not None
+    if has_ref and cfg.kl_in_reward:
+        kl_old = kl_estimate(tb.old_logp, tb.ref_logp, cfg.kl_estimator)
+        advantages = advantages + kl_penalty(kl_old, mask, tb.seq_index, tb.n_seqs, cfg.kl_coef)
+    log_ratio = tb.logp - tb.old_logp
+    if sequence_ratio:
+        log_ratio = sequence_log_ratio(log_ratio, mask, tb.seq_index, tb.n_seqs)
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    pg, clipped = ppo_clip_loss(log_ratio, advantages, cfg.eps_clip, eps_high, cfg.dual_clip)
+    w_tis, tis_hit = tis_weights(tb.old_logp, tb.rollout_logp, cfg.tis, cfg.tis_clip)
+    pg_loss = (tb.weights * w_tis * pg).sum()
+    loss = pg_loss
+    zero = pg_loss.detach() * 0
+    kl_loss, kl_sum = zero, zero
+    if has_ref:
+        kl = kl_estimate(tb.logp, tb.ref_logp, cfg.kl_estimator)
+        kl_sum = (mask * kl).sum().detach()
+        if not cfg.kl_in_reward and cfg.kl_coef > 0:
+            kl_loss = cfg.kl_coef * (tb.weights * kl).sum()
+            loss = loss + kl_loss
+    entropy_loss, entropy_sum = zero, zero
+    if tb.logits is not None:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef > 0):
+            entropy = entropy_from_logits(tb.logits)
+        entropy_sum = (mask * entropy).sum().detach()
+        if cfg.entropy_coef > 0:
+            entropy_loss = -cfg.entropy_coef * (tb.weights * entropy).sum()
+            loss = loss + entropy_loss
+    sums = {
+        "loss": loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "kl_loss": kl_loss.detach(),
+        "entropy_loss": entropy_loss.detach(),
+        "kl": kl_sum,
+        "entropy": entropy_sum,
+        "clip_frac": (mask * clipped).sum(),
+        "tis_weight": (mask * w_tis).sum(),
+        "tis_clip_frac": (mask * tis_hit).sum(),
+    }
+    return loss, sums
