@@ -1,0 +1,1 @@
+"""Trainer -> engine weight synchronisation: bucketing, transports, versioning, equality check."""

@@ -1,0 +1,139 @@
+"""`python -m miles.engine --model DIR ...`: serve one embedded engine over SGLang's HTTP API.
+
+With --port 0 the OS picks the port. Once the server accepts requests, `{"url": ..., "pid": ...}`
+is written atomically (temporary file + rename) to --url-file, which launchers and the Slurm
+rendezvous read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.engine.scheduler import Scheduler
+from miles.engine.server import EngineState, build_app, model_path_of
+
+log = logging.getLogger("miles.engine")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m miles.engine", description=__doc__)
+    p.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: let the OS choose")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on GPU"
+    )
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-total-tokens", type=int, default=65536, help="KV-cache capacity in tokens")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="new tokens per prefill forward")
+    p.add_argument("--url-file", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> frozenset[int]:
+    ids = set(spec.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _tokenizer(model_dir: Path):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        log.warning("no tokenizer in %s (%s): only input_ids requests will work", model_dir, e)
+        return None
+
+
+def build_state(args: argparse.Namespace) -> EngineState:
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda given but CUDA is not available; use --device cpu")
+    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    torch.manual_seed(args.seed)
+    model_dir = Path(args.model)
+    spec = ModelSpec.from_dir(model_dir)
+    decoder = Decoder(spec, load_weights(model_dir), device, dtype)
+    scheduler = Scheduler(decoder, args.max_running_requests, args.max_total_tokens, args.max_prefill_tokens)
+    tok = _tokenizer(model_dir)
+    server_args = {
+        "model_path": model_path_of(args.model),
+        "tokenizer_path": model_path_of(args.model),
+        "host": args.host,
+        "port": args.port,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "max_running_requests": args.max_running_requests,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "random_seed": args.seed,
+        "tp_size": 1,
+        "dp_size": 1,
+        "page_size": 1,
+    }
+    return EngineState(
+        scheduler, model_path_of(args.model), tok, server_args, _eos_ids(model_dir, spec, tok), args.seed
+    )
+
+
+def write_url_file(path: str, url: str) -> None:
+    """Atomically publish the engine's URL and PID (readers never see a partial file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    os.replace(tmp, target)
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, url_file: str | None) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started:
+        log.info("serving at %s", url)
+        if url_file:
+            write_url_file(url_file, url)
+    await task
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = build_state(args)
+    engine_thread = threading.Thread(target=state.scheduler.run, name="engine", daemon=True)
+    engine_thread.start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    state.server_args["port"] = port
+    config = uvicorn.Config(build_app(state), log_level="warning", timeout_keep_alive=60)
+    server = uvicorn.Server(config)
+    try:
+        asyncio.run(_serve(server, sock, f"http://{host}:{port}", args.url_file))
+    finally:
+        state.scheduler.stop()
+        engine_thread.join(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Token-slot bookkeeping for the KV pool: free slots, reference counts, and the prefix cache.
+
+Every token whose keys/values are cached occupies one slot of the pool. A slot is owned by the
+running requests that read it and by prefix-cache entries; it returns to the free list when its
+reference count drops to zero. The prefix cache keeps the token sequences of finished requests with
+their slots, so a later request that starts with the same tokens (multi-turn, a shared system
+prompt, the samples of one group) reuses them instead of recomputing. Sharing is exact because
+the K/V of position p depends only on tokens[0..p] and the weights; the cache is flushed when the
+weights change. Entries are evicted least-recently-used when slots run out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class _Entry:
+    tokens: list[int]
+    slots: list[int]
+
+
+class SlotAllocator:
+    """Free list and reference counts of the pool's slots, plus the LRU prefix cache."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._refs = [0] * num_slots
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._next_id = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(len(e.slots) for e in self._entries.values())
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n fresh slots (ref 1), evicting cache entries as needed; None if the pool cannot hold them."""
+        while len(self._free) < n and self._entries:
+            self._drop(next(iter(self._entries)))
+        if len(self._free) < n:
+            return None
+        out = [self._free.pop() for _ in range(n)]
+        for s in out:
+            self._refs[s] = 1
+        return out
+
+    def retain(self, slots: list[int]) -> None:
+        for s in slots:
+            self._refs[s] += 1
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            self._refs[s] -= 1
+            if self._refs[s] == 0:
+                self._free.append(s)
+
+    def match(self, tokens: list[int], limit: int) -> list[int]:
+        """Slots of the longest cached prefix of `tokens` (at most `limit` tokens), retained for the caller."""
+        best_id, best_len = None, 0
+        for eid, e in self._entries.items():
+            n = common_prefix_len(e.tokens, tokens[:limit])
+            if n > best_len:
+                best_id, best_len = eid, n
+        if best_id is None:
+            return []
+        self._entries.move_to_end(best_id)
+        slots = self._entries[best_id].slots[:best_len]
+        self.retain(slots)
+        return slots
+
+    def insert(self, tokens: list[int], slots: list[int]) -> None:
+        """Cache a finished sequence (tokens whose K/V are in `slots`); entries it extends are dropped."""
+        assert len(tokens) == len(slots)
+        for eid in [
+            eid
+            for eid, e in self._entries.items()
+            if len(e.tokens) <= len(tokens)
+            and e.slots == slots[: len(e.slots)]
+            and e.tokens == tokens[: len(e.tokens)]
+        ]:
+            self._drop(eid)
+        self.retain(slots)
+        self._entries[self._next_id] = _Entry(list(tokens), list(slots))
+        self._next_id += 1
+
+    def flush(self) -> None:
+        for eid in list(self._entries):
+            self._drop(eid)
+
+    def _drop(self, eid: int) -> None:
+        self.release(self._entries.pop(eid).slots)

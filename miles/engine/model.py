@@ -1,0 +1,218 @@
+"""The embedded engine's decoder: the Llama / Qwen2 / Qwen3 family over a token-slot KV cache.
+
+Maths (per layer, pre-norm):
+    h   = x + W_o · Attn(RoPE(q), RoPE(k), v),   q,k,v = W_{q,k,v} · RMSNorm(x) (+ bias for Qwen2)
+    out = h + W_down · (silu(W_gate · RMSNorm(h)) * (W_up · RMSNorm(h)))
+    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)        (Qwen3 also normalises q and k per head)
+    RoPE: rotate pairs (i, i + d/2) by angle pos * theta^(-2i/d)   (the "rotate_half" layout of HF)
+    Attn: softmax(q k^T / sqrt(d)) v with grouped-query heads (each kv head serves H/KVH q heads).
+
+The KV cache is a flat pool of token slots per layer ([slots, kv_heads, head_dim]); a request owns
+the list of slots of its tokens, so no memory is spent on padding and requests sharing a prefix
+share slots. One forward runs a whole batch: the new tokens of every request packed together
+(decode: one token each), keys gathered from the pool into a padded [batch, context] view for one
+scaled-dot-product-attention call. Left out: rope scaling variants (llama3/yarn), sliding window,
+MoE, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder, read from an HF config.json."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelSpec:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"model architecture {arch!r} is not supported; known: {sorted(SUPPORTED_ARCHS)}"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        eos = cfg.get("eos_token_id")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        )
+
+
+@dataclass
+class Batch:
+    """One forward's inputs: packed new tokens plus where each request's keys live in the pool."""
+
+    input_ids: torch.Tensor  # [T] new tokens of all requests, packed
+    positions: torch.Tensor  # [T] absolute positions of those tokens
+    write_slots: torch.Tensor  # [T] pool slots the new tokens' K/V go to
+    query_index: torch.Tensor  # [B, Qmax] index into the packed tokens (padding points at 0)
+    query_pos: torch.Tensor  # [B, Qmax] positions of the queries (padding: -1, sees nothing but key 0)
+    context_slots: torch.Tensor  # [B, Lmax] pool slots of each request's context (padding: slot 0)
+    last_index: torch.Tensor  # [B] index of each request's last new token in the packed tokens
+
+
+def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the HF safetensors files in a directory, by HF name."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+class Decoder:
+    """Weights by HF name plus a forward over a Batch; the KV pool is owned by the caller."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype):
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.params: dict[str, torch.Tensor] = {}
+        self.load(weights, strict=True)
+        half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
+        self.inv_freq = (1.0 / spec.rope_theta**half).float()
+
+    def expected_names(self) -> list[str]:
+        s = self.spec
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not s.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            if s.arch == "Qwen2ForCausalLM":
+                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            if s.arch == "Qwen3ForCausalLM":
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        return names
+
+    def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
+        """Copy tensors in by HF name; unknown names or wrong shapes raise ValueError naming them."""
+        known = set(self.expected_names())
+        unknown = [n for n in weights if n not in known and not (n == "lm_head.weight")]
+        if unknown:
+            raise ValueError(f"unknown weight names for {self.spec.arch}: {unknown[:5]}")
+        if strict and (missing := sorted(known - set(weights))):
+            raise ValueError(f"checkpoint lacks weights: {missing[:5]}")
+        for name, tensor in weights.items():
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            old = self.params.get(name)
+            if old is not None and tuple(old.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape of {name}: engine {tuple(old.shape)}, got {tuple(tensor.shape)}")
+            self.params[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        if name not in self.params:
+            raise KeyError(name)
+        return self.params[name]
+
+    def new_kv_pool(self, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s = self.spec
+        shape = (num_slots, s.num_kv_heads, s.head_dim)
+        mk = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
+        return [(mk(), mk()) for _ in range(s.num_layers)]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+    def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool) -> torch.Tensor:
+        s, p = self.spec, f"model.layers.{i}.self_attn."
+        T = x.shape[0]
+        q = F.linear(x, self.params[p + "q_proj.weight"], self.params.get(p + "q_proj.bias"))
+        k = F.linear(x, self.params[p + "k_proj.weight"], self.params.get(p + "k_proj.bias"))
+        v = F.linear(x, self.params[p + "v_proj.weight"], self.params.get(p + "v_proj.bias"))
+        q = q.view(T, s.num_heads, s.head_dim)
+        k = k.view(T, s.num_kv_heads, s.head_dim)
+        v = v.view(T, s.num_kv_heads, s.head_dim)
+        if s.arch == "Qwen3ForCausalLM":
+            q, k = (
+                self._norm(q, self.params[p + "q_norm.weight"]),
+                self._norm(k, self.params[p + "k_norm.weight"]),
+            )
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        k_pool, v_pool = pool[i]
+        k_pool[b.write_slots] = k
+        v_pool[b.write_slots] = v
+        # [B, heads, len, dim] views for one batched attention call
+        qb = q[b.query_index].transpose(1, 2)
+        kb = k_pool[b.context_slots].transpose(1, 2)
+        vb = v_pool[b.context_slots].transpose(1, 2)
+        key_pos = torch.arange(b.context_slots.shape[1], device=x.device)
+        mask = key_pos[None, None, :] <= b.query_pos.clamp(min=0)[:, :, None]
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], enable_gqa=True)
+        out = out.transpose(1, 2).reshape(-1, s.num_heads * s.head_dim)
+        valid = (b.query_pos >= 0).reshape(-1)
+        packed = torch.empty(T, out.shape[1], device=x.device, dtype=out.dtype)
+        packed[b.query_index.reshape(-1)[valid]] = out[valid]
+        return F.linear(packed, self.params[p + "o_proj.weight"])
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}.mlp."
+        gate = F.linear(x, self.params[p + "gate_proj.weight"])
+        up = F.linear(x, self.params[p + "up_proj.weight"])
+        return F.linear(F.silu(gate) * up, self.params[p + "down_proj.weight"])
+
+    @torch.inference_mode()
+    def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Logits (fp32) at each request's last new token: [B, vocab]. Writes the new K/V to the pool."""
+        x = self.params["model.embed_tokens.weight"][b.input_ids]
+        freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            x = x + self._attention(
+                i, self._norm(x, self.params[p + "input_layernorm.weight"]), b, cos, sin, pool
+            )
+            x = x + self._mlp(i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]))
+        x = self._norm(x[b.last_index], self.params["model.norm.weight"])
+        return F.linear(x, self.get("lm_head.weight")).float()

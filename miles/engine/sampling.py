@@ -1,0 +1,127 @@
+"""Per-request sampling parameters (SGLang's names) and the batched, seeded sampler.
+
+Maths: log-probs are those of the raw model distribution, log softmax(z) (temperature 1, before
+top-k/top-p), as SGLang reports by default. Sampling draws from softmax(z / T) restricted to the
+top-k tokens and to the smallest set of most likely tokens whose mass reaches top_p, using the
+Gumbel-max trick: argmax_i (z_i / T + g_i) with g_i = -log(-log u_i). The uniforms u_i are a hash
+of (seed, step, token id), so a request's sample depends only on its own seed and position, not on
+which other requests share the batch; T = 0 is greedy (argmax z).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+# SGLang fields we accept only at their default value (the embedded engine does not implement them).
+_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop": None,
+    "stop_regex": None,
+    "logit_bias": None,
+    "custom_params": None,
+}
+
+
+class SamplingParams(BaseModel):
+    """SGLang's `sampling_params` object (same field names and defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    sampling_seed: int | None = None
+    stream_interval: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    n: int = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Raise ValueError naming a parameter the embedded engine does not implement."""
+        for name, default in _UNSUPPORTED_DEFAULTS.items():
+            value = getattr(self, name)
+            if value != default and not (name in ("stop", "stop_regex") and not value):
+                raise ValueError(
+                    f"sampling_params.{name}={value!r} is not supported by the embedded engine "
+                    f"(leave it at {default!r}; use stop_token_ids for stopping)"
+                )
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """Murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] floats in (0, 1), a pure function of (seed, step, token id)."""
+    s = _fmix32(seeds & _MASK32)
+    s = _fmix32((s ^ (steps * 0x9E3779B1)) & _MASK32)
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _fmix32((s[:, None] ^ ((tok[None, :] * 0x27D4EB2F) & _MASK32)) & _MASK32)
+    return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled token ids [B] and their raw log-probs [B] from fp32 logits [B, V].
+
+    top_k holds V where the request has no top-k limit; temperature 0 means greedy.
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    greedy_tok = logits.argmax(dim=-1)
+    if bool((temperature == 0).all()):
+        tokens = greedy_tok
+    else:
+        scaled = logits / temperature.clamp(min=1e-6)[:, None]
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        rank = torch.arange(logits.shape[1], device=logits.device)
+        keep = (rank[None, :] < top_k[:, None]) & ((probs.cumsum(-1) - probs) < top_p[:, None])
+        gumbel = -torch.log(-torch.log(uniforms(seeds, steps, logits.shape[1]).gather(1, order)))
+        choice = ordered.masked_fill(~keep, float("-inf")).add(gumbel).argmax(dim=-1)
+        tokens = torch.where(temperature == 0, greedy_tok, order.gather(1, choice[:, None])[:, 0])
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]

@@ -1,0 +1,374 @@
+"""Continuous batching: one thread that admits, prefills, decodes and retires requests.
+
+Each loop turn is one engine step:
+    admit waiting requests that fit (slots, width) -> one batched prefill forward for them
+    -> one batched decode forward over every running request -> retire the finished ones.
+Requests join between steps and leave the moment they finish, so the batch never waits for its
+slowest member. HTTP handlers never touch the batch: they append to an inbox (thread-safe deque)
+and wait on a Future; administrative operations (pause, weight updates, flush) take the step lock,
+so they run between two steps and see a consistent state.
+
+Pause modes (as SGLang's /pause_generation): `abort` finishes every request with an abort reason;
+`retract` frees the KV of running requests and puts them back in the queue (they continue after
+/continue_generation by re-reading prompt + output so far); `in_place` freezes them, KV included,
+so after a weight update they continue with the new weights. Every output token records the weight
+version that produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles.engine.kv_cache import SlotAllocator
+from miles.engine.model import Batch, Decoder
+from miles.engine.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    """Pool slots of tokens[: len(slots)]; their K/V is computed for tokens[: kv_len]."""
+    kv_len: int = 0
+    row: int = -1
+    cached_tokens: int = 0
+    cache_epoch: int = -1
+    finish: dict[str, Any] | None = None
+    abort_requested: bool = False
+    done: Future = field(default_factory=Future)
+    created_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class Scheduler:
+    """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        max_running_requests: int,
+        max_total_tokens: int,
+        max_prefill_tokens: int = 8192,
+    ):
+        self.decoder = decoder
+        self.max_running = max_running_requests
+        self.max_total_tokens = max_total_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_context = min(decoder.spec.max_position_embeddings, max_total_tokens)
+        self.weight_version = "default"
+        self.lock = threading.Lock()
+        self.paused = False
+        self.released = False
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str | None] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._cache_epoch = 0
+        self.num_steps = 0
+        self._alloc_memory()
+
+    def _alloc_memory(self) -> None:
+        self.pool = self.decoder.new_kv_pool(self.max_total_tokens)
+        self.slots = SlotAllocator(self.max_total_tokens)
+        dev = self.decoder.device
+        self.table = torch.zeros(self.max_running, self.max_context, dtype=torch.int64, device=dev)
+        self._free_rows = list(range(self.max_running - 1, -1, -1))
+
+    # ---- called from other threads ----
+    def submit(self, req: Request) -> None:
+        self._inbox.append(req)
+        self._wake.set()
+
+    def abort(self, rid: str | None) -> None:
+        """Abort one request by rid, or all requests when rid is None."""
+        self._aborts.append(rid)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def pause(self, mode: str) -> int:
+        """Stop stepping (see module docstring); returns the number of requests affected."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; known: {', '.join(PAUSE_MODES)}")
+        with self.lock:
+            self.paused = True
+            self._drain_inbox()
+            n = len(self.running) + len(self.waiting)
+            if mode == "abort":
+                self._abort_all("paused with mode=abort")
+            elif mode == "retract":
+                for req in reversed(self.running):
+                    self._retract(req)
+            return n
+
+    def resume(self) -> None:
+        with self.lock:
+            self.paused = False
+        self._wake.set()
+
+    def update_weights(self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> None:
+        """Load tensors by HF name between two steps; invalidates the prefix cache."""
+        with self.lock:
+            if abort_all:
+                self._drain_inbox()
+                self._abort_all("aborted for a weight update")
+            self.decoder.load(weights)
+            self._flush_locked()
+            if version is not None:
+                self.weight_version = str(version)
+
+    def flush_cache(self) -> None:
+        with self.lock:
+            self._flush_locked()
+
+    def release_memory(self) -> None:
+        """Free the KV pool (running requests are retracted first); resume_memory rebuilds it."""
+        with self.lock:
+            for req in reversed(self.running):
+                self._retract(req)
+            self._flush_locked()
+            self.released = True
+            self.pool, self.table = [], torch.empty(0)
+            if self.decoder.device.type == "cuda":
+                self.decoder.params = {k: v.cpu() for k, v in self.decoder.params.items()}
+                torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        with self.lock:
+            if self.released:
+                if self.decoder.device.type == "cuda":
+                    self.decoder.params = {
+                        k: v.to(self.decoder.device) for k, v in self.decoder.params.items()
+                    }
+                self._alloc_memory()
+                self.released = False
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting) + len(self._inbox),
+            "num_free_token_slots": self.slots.num_free,
+            "num_prefix_cached_tokens": self.slots.num_cached_tokens,
+            "num_steps": self.num_steps,
+            "paused": self.paused,
+            "memory_released": self.released,
+        }
+
+    # ---- the engine thread ----
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            with self.lock:
+                self._drain_inbox()
+                busy = not (self.paused or self.released) and self.step()
+            if not busy:
+                self._wake.wait(1.0)
+        with self.lock:
+            self._drain_inbox()
+            self._abort_all("engine shutting down")
+
+    def step(self) -> bool:
+        """One engine step; False when there was nothing to do."""
+        admitted = self._admit()
+        if admitted:
+            self._forward(admitted)
+        if self.running:
+            self._forward([r for r in self.running if r not in admitted] if admitted else list(self.running))
+        self._retire()
+        self.num_steps += 1
+        return bool(admitted or self.running or self.waiting and not self.paused)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            self.waiting.append(self._inbox.popleft())
+        while self._aborts:
+            rid = self._aborts.popleft()
+            for req in [*self.running, *self.waiting]:
+                if rid is None or req.rid == rid:
+                    req.abort_requested = True
+        kept = deque()
+        for req in self.waiting:
+            if req.abort_requested:
+                self._finish(req, {"type": "abort", "message": "aborted by request"})
+            else:
+                kept.append(req)
+        self.waiting = kept
+
+    def _abort_all(self, message: str) -> None:
+        for req in [*self.running, *self.waiting]:
+            self._free(req)
+            self._finish(req, {"type": "abort", "message": message})
+        self.running, self.waiting = [], deque()
+
+    def _flush_locked(self) -> None:
+        self.slots.flush()
+        self._cache_epoch += 1
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests into the batch while width, prefill budget and slots allow."""
+        admitted: list[Request] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_running and self._free_rows:
+            req = self.waiting[0]
+            tokens = req.tokens
+            matched = self.slots.match(tokens, limit=len(tokens) - 1)
+            need = len(tokens) - len(matched)
+            fresh = self.slots.allocate(need) if need <= budget or not admitted else None
+            if fresh is None:
+                self.slots.release(matched)
+                if not admitted and not self.running:
+                    self.waiting.popleft()
+                    self._finish(req, {"type": "abort", "message": "request does not fit in the KV cache"})
+                    continue
+                break
+            self.waiting.popleft()
+            budget -= need
+            req.slots = matched + fresh
+            req.kv_len = len(matched)
+            req.cached_tokens += len(matched)
+            req.cache_epoch = self._cache_epoch
+            req.row = self._free_rows.pop()
+            self.table[req.row, : len(req.slots)] = torch.tensor(req.slots, device=self.table.device)
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def _grow(self, reqs: list[Request]) -> list[Request]:
+        """Give each decoding request one more slot, retracting the newest requests if the pool is full."""
+        while reqs:
+            fresh = self.slots.allocate(len(reqs))
+            if fresh is not None:
+                for req, s in zip(reqs, fresh, strict=True):
+                    self.table[req.row, len(req.slots)] = s
+                    req.slots.append(s)
+                return reqs
+            victim = reqs.pop()
+            if len(victim.tokens) >= self.max_total_tokens:
+                self._free(victim)
+                self.running.remove(victim)
+                self._finish(victim, {"type": "abort", "message": "sequence outgrew the KV cache"})
+            else:
+                self._retract(victim)
+        return reqs
+
+    def _retract(self, req: Request) -> None:
+        self._free(req)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def _free(self, req: Request) -> None:
+        if req.row >= 0:
+            self.slots.release(req.slots)
+            self._free_rows.append(req.row)
+        req.slots, req.kv_len, req.row = [], 0, -1
+
+    def _forward(self, reqs: list[Request]) -> None:
+        """One batched forward over `reqs` (their not-yet-cached tokens), then sample one token each."""
+        decode = [r for r in reqs if len(r.slots) == r.kv_len == len(r.tokens) - 1]
+        reqs = [r for r in reqs if len(r.slots) != r.kv_len] + self._grow(decode)
+        if not reqs:
+            return
+        batch = self._make_batch(reqs)
+        logits = self.decoder.forward(batch, self.pool)
+        for req in reqs:
+            req.kv_len = len(req.slots)
+        p = [r.params for r in reqs]
+        dev = logits.device
+        vocab = logits.shape[1]
+        tokens, logps = sample(
+            logits,
+            torch.tensor([x.temperature for x in p], device=dev),
+            torch.tensor([x.top_p for x in p], device=dev),
+            torch.tensor([x.top_k if x.top_k > 0 else vocab for x in p], device=dev),
+            torch.tensor([r.seed for r in reqs], device=dev),
+            torch.tensor([len(r.output) for r in reqs], device=dev),
+        )
+        for req, tok, lp in zip(reqs, tokens.tolist(), logps.tolist(), strict=True):
+            req.output.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(self.weight_version)
+            self._check_finish(req, tok)
+
+    def _make_batch(self, reqs: list[Request]) -> Batch:
+        dev = self.table.device
+        starts, counts, ids, pos = [], [], [], []
+        for req in reqs:
+            tokens = req.tokens
+            first = req.kv_len
+            starts.append(len(ids))
+            counts.append(len(tokens) - first)
+            ids.extend(tokens[first:])
+            pos.extend(range(first, len(tokens)))
+        positions = torch.tensor(pos, device=dev)
+        rows = torch.tensor([r.row for r in reqs], device=dev)
+        start_t = torch.tensor(starts, device=dev)
+        count_t = torch.tensor(counts, device=dev)
+        j = torch.arange(max(counts), device=dev)
+        valid = j[None, :] < count_t[:, None]
+        query_index = torch.where(valid, start_t[:, None] + j[None, :], 0)
+        lengths = [len(r.slots) for r in reqs]
+        row_pos = positions.new_tensor([i for i, c in enumerate(counts) for _ in range(c)])
+        return Batch(
+            input_ids=torch.tensor(ids, device=dev),
+            positions=positions,
+            write_slots=self.table[rows[row_pos], positions],
+            query_index=query_index,
+            query_pos=torch.where(valid, positions[query_index], -1),
+            context_slots=self.table[rows, : max(lengths)],
+            last_index=start_t + count_t - 1,
+        )
+
+    def _check_finish(self, req: Request, tok: int) -> None:
+        if req.abort_requested:
+            req.finish = {"type": "abort", "message": "aborted by request"}
+        elif tok in req.stop_ids:
+            req.finish = {"type": "stop", "matched": tok}
+        elif len(req.output) >= req.params.max_new_tokens:
+            req.finish = {"type": "length", "length": req.params.max_new_tokens}
+        elif len(req.tokens) >= self.max_context:
+            req.finish = {"type": "length", "length": len(req.output)}
+
+    def _retire(self) -> None:
+        for req in [r for r in self.running if r.finish is not None or r.abort_requested]:
+            if req.finish is None:
+                req.finish = {"type": "abort", "message": "aborted by request"}
+            n = len(req.tokens) - 1
+            if req.cache_epoch == self._cache_epoch and req.finish["type"] != "abort" and len(req.slots) == n:
+                self.slots.insert(req.tokens[:n], req.slots)
+            self._free(req)
+            self.running.remove(req)
+            self._finish(req, req.finish)
+
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        req.finish = reason
+        if not req.done.done():
+            req.done.set_result(req)

@@ -1,0 +1,55 @@
+"""The weight-update process group shared by a trainer rank and the engines.
+
+Built the way SGLang builds its update group (TCP rendezvous at master_address:master_port, a store
+prefixed with the group name, a fresh process group beside, not instead of, the default one), so a
+trainer can talk to real SGLang servers and to the embedded engine alike. The trainer is rank 0;
+engine i of n (one rank each) is rank rank_offset + i. Backend `gloo` on CPU, `nccl` on GPU.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+BACKENDS = ("gloo", "nccl")
+
+
+def init_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = "weight_update_group",
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> dist.ProcessGroup:
+    """Join (rank 0: host) the update group; blocks until all world_size ranks have joined."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown backend {backend!r} for the weight-update group; known: {', '.join(BACKENDS)}"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the update group of size {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+    )
+    # Ranks of this group are its own ranks (it is not a sub-group of the default world).
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def broadcast_from_trainer(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Broadcast in place from group rank 0 (the trainer) to every engine rank."""
+    dist.broadcast(tensor, group=group, group_src=0)
+
+
+def destroy_update_group(group: dist.ProcessGroup) -> None:
+    dist.destroy_process_group(group)
