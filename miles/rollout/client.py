@@ -1,0 +1,266 @@
+"""Async HTTP client for SGLang's native API: real SGLang servers, the embedded engine, the router.
+
+Only fields of SGLang's protocol are sent, so the same client works against all three. Transport
+failures and 502/503/504 answers (an engine restarting, a router with no worker yet) are retried
+with backoff for calls that are safe to repeat; weight-update calls are never retried (a repeated
+broadcast would desynchronise the update group). Every error names the URL and the server's
+message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+RETRY_STATUSES = (502, 503, 504)
+VERSIONS_KEY = "miles_output_token_weight_versions"
+
+
+class EngineError(RuntimeError):
+    """An engine (or router) call failed; the message names the URL, the route and the reason."""
+
+    def __init__(self, url: str, message: str, status: int | None = None):
+        super().__init__(f"{url}: {message}" + (f" (HTTP {status})" if status else ""))
+        self.url = url
+        self.status = status
+
+
+@dataclass
+class GenerateResult:
+    """One /generate answer, typed."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """`stop`, `length` or `abort`."""
+    weight_version: str
+    weight_versions: list[str]
+    """Weight version per output token (from the embedded engine; else weight_version repeated)."""
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    text: str = ""
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_reply(cls, reply: dict[str, Any]) -> GenerateResult:
+        meta = reply.get("meta_info", {})
+        rows = meta.get("output_token_logprobs") or []
+        output_ids = list(reply.get("output_ids") or [row[1] for row in rows])
+        version = str(meta.get("weight_version", ""))
+        finish = meta.get("finish_reason") or {}
+        return cls(
+            rid=str(meta.get("id", "")),
+            output_ids=output_ids,
+            logprobs=[float(row[0]) for row in rows],
+            finish_reason=finish.get("type", "abort") if isinstance(finish, dict) else str(finish),
+            weight_version=version,
+            weight_versions=list(meta.get(VERSIONS_KEY) or [version] * len(output_ids)),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+            cached_tokens=int(meta.get("cached_tokens", 0)),
+            text=reply.get("text", ""),
+            meta_info=meta,
+        )
+
+
+class SGLangClient:
+    """One engine (or router) URL. Safe to share between tasks of one event loop."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        max_connections: int = 1024,
+    ):
+        self.url = url.rstrip("/")
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:
+            # An httpx client is bound to the loop that created it; a new loop gets a new client.
+            self._http = httpx.AsyncClient(timeout=self.timeout, limits=self.limits)
+            self._loop = loop
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = None
+
+    async def request(
+        self, method: str, route: str, body: Any = None, *, retry: bool = True
+    ) -> httpx.Response:
+        """Send one call; raise EngineError on failure (after retries where allowed)."""
+        attempts = 1 + (self.retries if retry else 0)
+        last = ""
+        for attempt in range(attempts):
+            try:
+                resp = await self._client().request(method, self.url + route, json=body)
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                last = f"{route}: {type(e).__name__}: {e}"
+                status = None
+            else:
+                if resp.status_code < 400:
+                    return resp
+                status = resp.status_code
+                last = f"{route}: {_message(resp)}"
+                if status not in RETRY_STATUSES:
+                    raise EngineError(self.url, last, status)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise EngineError(self.url, f"{last} (after {attempts} attempt(s))", status)
+
+    async def _post(self, route: str, body: Any = None, *, retry: bool = True) -> Any:
+        resp = await self.request("POST", route, body, retry=retry)
+        return _json(resp)
+
+    async def _get(self, route: str) -> Any:
+        return _json(await self.request("GET", route))
+
+    # ---- generation ----
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        return GenerateResult.from_reply(await self._post("/generate", body))
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    # ---- health and info ----
+    async def health(self) -> bool:
+        try:
+            resp = await self._client().get(self.url + "/health", timeout=5.0)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return resp.status_code == 200
+
+    async def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise EngineError(self.url, f"/health not OK after {timeout_s} s")
+            await asyncio.sleep(poll_s)
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._get("/get_model_info")
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._get("/get_server_info")
+
+    async def get_weight_version(self) -> str:
+        return str((await self._get("/get_weight_version"))["weight_version"])
+
+    # ---- control ----
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._post("/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self.request("POST", "/flush_cache")
+
+    # ---- weights ----
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> dict[str, Any]:
+        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
+        return _checked(self.url, await self._post("/update_weights_from_disk", body, retry=False))
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return _checked(self.url, await self._post("/init_weights_update_group", body, retry=False))
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+        }
+        return _checked(self.url, await self._post("/update_weights_from_distributed", body, retry=False))
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return await self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        return str(data.get("message") or data.get("detail") or data)[:500]
+    return str(data)[:500]
+
+
+def _json(resp: httpx.Response) -> Any:
+    if not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+def _checked(url: str, reply: Any) -> dict[str, Any]:
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise EngineError(url, str(reply.get("message")))
+    return reply
