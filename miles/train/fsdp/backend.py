@@ -1,0 +1,345 @@
+"""FSDP2 train backend: `fully_shard` over a Hugging Face causal LM, driven by the RL objective.
+
+Every decoder layer and then the root module are wrapped with `fully_shard`, sharding parameters,
+gradients and optimiser state over all ranks of the default process group (gloo on CPU, NCCL on
+GPU; miles/cluster/distributed.py). With `model.dtype = bfloat16` the forward/backward runs in bf16
+while FSDP keeps fp32 master weights and reduces gradients in fp32 (MixedPrecisionPolicy), so AdamW
+updates fp32 parameters.
+
+One `train(samples)` step: advantages from the whole batch's groups; the batch is cut into
+`train.mini_batches_per_step` mini-batches (one optimiser update each); each mini-batch is sharded
+over ranks and packed into micro-batches (miles/train/batching.py); gradients accumulate over
+micro-batches, are clipped to `train.grad_clip`, then AdamW steps; the LR schedule steps once per
+training step. Losses use global normalisers and are scaled by the world size because FSDP averages
+gradients over ranks, so N ranks compute the same update as one.
+
+Before any update, one no-grad pass computes the old-policy log-probs (`train.loss.old_logprobs =
+recompute`) and the frozen reference policy's log-probs (`kl_coef > 0`). The train/rollout
+mismatch metric is measured on log-probs computed before the step's first update (that pass, or
+else the first mini-batch's forward).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from miles.cluster.distributed import init_distributed
+from miles.config import ConfigError, Plan
+from miles.sample import Sample
+from miles.train.batching import Packed, RankPlan, check_samples, pack, plan_rank, response_logprobs
+from miles.train.fsdp import checkpoint
+from miles.train.fsdp.weights import bucketize, iter_full_tensors
+from miles.train.losses import get_estimator, token_weights
+from miles.train.objective import TokenBatch, policy_objective
+from miles.train.optim import build_optimizer, build_scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# metric sums all-reduced at the end of a step; *_loss are already weighted, the rest are token sums
+_LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
+_TOKEN_KEYS = ("kl", "entropy", "clip_frac", "tis_weight", "tis_clip_frac")
+
+
+def pick_device(name: str) -> torch.device:
+    """`train.device` -> a torch.device ("auto": CUDA when present, the local rank's GPU)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; set train.device=cpu or auto")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype, trainable: bool) -> nn.Module:
+    """Load a HF causal LM in fp32 and wrap each decoder layer, then the root, with fully_shard."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(device)
+    model.requires_grad_(trainable)
+    model.train(trainable)
+    mp = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
+    )
+    layer_types = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_types:
+            fully_shard(module, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+class FSDPBackend:
+    """TrainBackend over FSDP2 (see miles/train/backend.py for the contract)."""
+
+    plan: Plan
+    device: torch.device
+    model: nn.Module
+    ref_model: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    rank: int
+    world_size: int
+    step: int
+    _offloaded: bool
+    _moved: list[tuple[dict[str, Any], str]]
+
+    def __init__(self) -> None:
+        self.ref_model = None
+        self.step = 0
+        self._offloaded = False
+        self._moved = []
+
+    def setup(self, plan: Plan) -> None:
+        """Process group, sharded policy (and reference), optimiser and LR schedule."""
+        t = plan.train
+        self.plan = plan
+        self.device = pick_device(t.device)
+        init_distributed(self.device.type, t.collective_timeout_s)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(plan.run.seed)
+        self.estimator = get_estimator(t.loss.advantage)
+        dtype = _DTYPES[plan.model.dtype]
+        self.model = load_sharded(plan.model.path, self.device, dtype, trainable=True)
+        if t.loss.kl_coef > 0:
+            self.ref_model = load_sharded(plan.model.path, self.device, dtype, trainable=False)
+        self.optimizer = build_optimizer(self.model.parameters(), t, rank=self.rank)
+        self.scheduler = build_scheduler(self.optimizer, t)
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        """One training step over `samples` (the same full list on every rank)."""
+        if self._offloaded:
+            raise RuntimeError("train() while offloaded: call onload() first")
+        if not samples:
+            raise ValueError("train() needs at least one sample")
+        start = time.perf_counter()
+        check_samples(samples)
+        t = self.plan.train
+        counts = torch.tensor([float(sum(s.loss_mask)) for s in samples])
+        rewards = torch.tensor([float(s.reward) for s in samples])
+        groups = torch.tensor([s.group_id for s in samples])
+        adv = self.estimator.compute(rewards, groups, counts, t.loss).tolist()
+        n_mini = min(t.mini_batches_per_step, len(samples))
+        chunks = [c.tolist() for c in torch.arange(len(samples)).chunk(n_mini)]
+        plans = [
+            plan_rank(samples, c, self.rank, self.world_size, t.max_tokens_per_microbatch) for c in chunks
+        ]
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        stats = torch.zeros(len(_LOSS_KEYS) + len(_TOKEN_KEYS) + 2, dtype=torch.float64)
+        old, ref = self._pre_forward(samples, plans, stats)
+        grad_norms = []
+        for k, rank_plan in enumerate(plans):
+            measure = k == 0 and t.loss.old_logprobs != "recompute"
+            grad_norms.append(self._update(samples, rank_plan, adv, old, ref, stats, measure))
+        self.scheduler.step()
+        self.step += 1
+        dist.all_reduce(stats_dev := stats.to(self.device))
+        return self._metrics(stats_dev.cpu(), plans, grad_norms, lr, start, rewards)
+
+    def _forward(self, model: nn.Module, packed: Packed) -> tuple[Tensor, Tensor]:
+        out = model(
+            input_ids=packed.input_ids.to(self.device),
+            position_ids=packed.position_ids.to(self.device),
+            use_cache=False,
+        )
+        dev = Packed(
+            **{k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in vars(packed).items()}
+        )
+        return response_logprobs(out.logits[0], dev, self.plan.rollout.temperature)
+
+    def _micro_batches(self, samples: list[Sample], rank_plan: RankPlan) -> Iterator[tuple[bool, Packed]]:
+        """This rank's packed micro-batches, padded with throw-away ones up to the ranks' maximum."""
+        for k in range(rank_plan.n_micro):
+            real = k < len(rank_plan.micro_batches)
+            yield real, pack(samples, rank_plan.micro_batches[k] if real else [0])
+
+    @torch.no_grad()
+    def _pre_forward(
+        self, samples: list[Sample], plans: list[RankPlan], stats: Tensor
+    ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+        """Per-sample old-policy (recompute) and reference log-probs, before any update."""
+        recompute = self.plan.train.loss.old_logprobs == "recompute"
+        old: dict[int, Tensor] = {}
+        ref: dict[int, Tensor] = {}
+        if not recompute and self.ref_model is None:
+            return old, ref
+        for rank_plan in plans:
+            for real, packed in self._micro_batches(samples, rank_plan):
+                if recompute:
+                    logp, _ = self._forward(self.model, packed)
+                    if real:
+                        old.update(_split(logp, packed))
+                        self._add_mismatch(stats, logp, packed)
+                if self.ref_model is not None:
+                    ref_logp, _ = self._forward(self.ref_model, packed)
+                    if real:
+                        ref.update(_split(ref_logp, packed))
+        return old, ref
+
+    def _update(
+        self,
+        samples: list[Sample],
+        rank_plan: RankPlan,
+        adv: list[float],
+        old: dict[int, Tensor],
+        ref: dict[int, Tensor],
+        stats: Tensor,
+        measure_mismatch: bool,
+    ) -> float:
+        """Accumulate gradients over this rank's micro-batches, clip, and take one optimiser step."""
+        cfg = self.plan.train
+        self.optimizer.zero_grad(set_to_none=True)
+        for k, (real, packed) in enumerate(self._micro_batches(samples, rank_plan)):
+            self.model.set_requires_gradient_sync(k == rank_plan.n_micro - 1)
+            logp, logits = self._forward(self.model, packed)
+            tb = self._token_batch(packed, logp, logits, adv, old, ref, rank_plan)
+            loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio)
+            # FSDP averages gradients over ranks; the global weights already normalise the loss
+            (loss * (self.world_size if real else 0.0)).backward()
+            if real:
+                values = [sums[key] for key in _LOSS_KEYS + _TOKEN_KEYS]
+                stats[: len(values)] += torch.stack(values).double().cpu()
+                if measure_mismatch:
+                    self._add_mismatch(stats, logp.detach(), packed)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        return float(norm)
+
+    def _token_batch(
+        self,
+        packed: Packed,
+        logp: Tensor,
+        logits: Tensor,
+        adv: list[float],
+        old: dict[int, Tensor],
+        ref: dict[int, Tensor],
+        rank_plan: RankPlan,
+    ) -> TokenBatch:
+        d = self.device
+        idx = packed.samples
+        lengths = torch.bincount(packed.seq_index, minlength=len(idx))
+        rollout = packed.rollout_logp.to(d)
+        mask = packed.mask.to(d)
+        seq_index = packed.seq_index.to(d)
+        mode = self.plan.train.loss.aggregation
+        return TokenBatch(
+            logp=logp,
+            old_logp=torch.cat([old[i] for i in idx]) if old else rollout,
+            rollout_logp=rollout,
+            advantages=torch.tensor([adv[i] for i in idx]).repeat_interleave(lengths).to(d),
+            mask=mask,
+            weights=token_weights(
+                mask, seq_index, len(idx), mode, rank_plan.total_tokens, rank_plan.total_seqs
+            ),
+            seq_index=seq_index,
+            n_seqs=len(idx),
+            ref_logp=torch.cat([ref[i] for i in idx]) if ref else None,
+            logits=logits,
+        )
+
+    def _add_mismatch(self, stats: Tensor, logp: Tensor, packed: Packed) -> None:
+        mask = packed.mask.to(logp.device)
+        diff = (logp.float() - packed.rollout_logp.to(logp.device)).abs()
+        stats[-2] += float((mask * diff).sum())
+        stats[-1] += float(mask.sum())
+
+    def _metrics(
+        self,
+        stats: Tensor,
+        plans: list[RankPlan],
+        grad_norms: list[float],
+        lr: float,
+        start: float,
+        rewards: Tensor,
+    ) -> dict[str, float]:
+        n_loss = len(_LOSS_KEYS)
+        tokens = sum(p.total_tokens for p in plans)
+        out = {key: float(stats[i]) / len(plans) for i, key in enumerate(_LOSS_KEYS)}
+        for j, key in enumerate(_TOKEN_KEYS):
+            out[key] = float(stats[n_loss + j]) / max(tokens, 1)
+        out["tis_weight_mean"] = out.pop("tis_weight")
+        out["logprob_mismatch"] = float(stats[-2]) / max(float(stats[-1]), 1.0)
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["lr"] = lr
+        out["tokens"] = float(tokens)
+        out["reward_mean"] = float(rewards.mean())
+        out["step_time_s"] = time.perf_counter() - start
+        return out
+
+    # ---- weights, checkpoints, memory -----------------------------------------------------------
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+        """Full HF-named tensors in `plan.model.dtype`, on the trainer device, in bounded buckets."""
+        dtype = _DTYPES[self.plan.model.dtype]
+        return bucketize(iter_full_tensors(self.model, dtype), bucket_bytes, keep=self.rank == 0)
+
+    def save(self, step: int, extra: dict[str, Any] | None = None) -> str:
+        """Checkpoint the full training state under <run_dir>/checkpoints/step_<step>/."""
+        ckpt = self.plan.train.checkpoint
+        out = checkpoint.save_checkpoint(
+            self.plan.run_dir, step, self.model, self.optimizer, self.scheduler, extra, ckpt.keep_last
+        )
+        return str(out)
+
+    def load(self, step: int | None = None) -> dict[str, Any]:
+        """Restore a checkpoint (None: the latest complete one); returns the caller's `extra`."""
+        self.step, extra = checkpoint.load_checkpoint(
+            self.plan.run_dir, step, self.model, self.optimizer, self.scheduler
+        )
+        return extra
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Write an inference-ready Hugging Face directory of the current weights (rank 0 writes)."""
+        return checkpoint.export_hf(self.model, self.plan.model.path, out_dir, _DTYPES[self.plan.model.dtype])
+
+    def offload(self) -> None:
+        """Move weights, gradients and optimiser state to host memory (no-op on CPU)."""
+        if self._offloaded:
+            raise RuntimeError("offload() called twice; every offload() needs an onload()")
+        self._offloaded = True
+        self._move(torch.device("cpu"))
+
+    def onload(self) -> None:
+        """Bring back what offload() moved to host memory."""
+        if not self._offloaded:
+            raise RuntimeError("onload() without a preceding offload()")
+        self._offloaded = False
+        self._move(self.device)
+
+    def _move(self, target: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                model.to(target)
+        # only state that lived on the accelerator moves; an offloading optimiser keeps its own
+        if target.type == "cpu":
+            self._moved = [
+                (state, key)
+                for state in self.optimizer.state.values()
+                for key, value in state.items()
+                if isinstance(value, Tensor) and value.device.type != "cpu"
+            ]
+        for state, key in self._moved:
+            state[key] = state[key].to(target)
+        if target.type == "cpu":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+def _split(logp: Tensor, packed: Packed) -> dict[int, Tensor]:
+    """Per-sample pieces of a packed micro-batch's response log-probs."""
+    lengths = torch.bincount(packed.seq_index, minlength=len(packed.samples)).tolist()
+    return dict(zip(packed.samples, logp.detach().split(lengths), strict=True))

@@ -1,0 +1,175 @@
+"""Checkpoints of the FSDP backend: full training state with torch.distributed.checkpoint (DCP).
+
+Layout of `<run_dir>/checkpoints/step_<N>/`:
+
+    state/          DCP files: model and optimiser state as sharded DTensors. DCP stores each shard
+                    with its global offsets, so a checkpoint written by R ranks loads on any R'.
+    optimizer/      only with an offloading optimiser that has save_state(dir)/load_state(dir):
+                    it writes its own state there and DCP holds the model alone.
+    trainer.pt      rank 0: step, LR-scheduler state, the caller's `extra` (loop state, data position)
+    rng_rank<r>.pt  per rank: torch (CPU and CUDA) and Python RNG states
+    .complete       written last, by rank 0, after every rank has finished writing
+
+Only directories with `.complete` count; `keep_last` complete checkpoints are kept. `export_hf`
+writes an inference-ready Hugging Face directory (config, tokenizer, model.safetensors).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from miles.train.fsdp.weights import iter_full_tensors
+
+COMPLETE = ".complete"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """`<run_dir>/checkpoints/step_<step>`."""
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
+def complete_steps(run_dir: str | Path) -> list[int]:
+    """Steps with a complete checkpoint, ascending."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return sorted(s for s in steps if (step_dir(run_dir, s) / COMPLETE).exists())
+
+
+def latest_complete_step(run_dir: str | Path) -> int | None:
+    """The newest step with a complete checkpoint, or None."""
+    steps = complete_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _has_own_state(optimizer: torch.optim.Optimizer) -> bool:
+    return callable(getattr(optimizer, "save_state", None)) and callable(
+        getattr(optimizer, "load_state", None)
+    )
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    extra: dict[str, Any] | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Write the full training state of `step` (collective: every rank calls it); returns the dir."""
+    rank = dist.get_rank()
+    out = step_dir(run_dir, step)
+    if rank == 0 and out.exists():
+        shutil.rmtree(out)  # a leftover of a crash mid-save, or a deliberate re-save of this step
+    dist.barrier()
+    if _has_own_state(optimizer):
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(out / "state"))
+        optimizer.save_state(str(out / "optimizer"))
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out / "state"))
+    torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
+    if rank == 0:
+        trainer = {"step": step, "scheduler": scheduler.state_dict(), "extra": extra or {}}
+        torch.save(trainer, out / "trainer.pt")
+    dist.barrier()
+    if rank == 0:
+        (out / COMPLETE).write_text(f"{step}\n")
+        for old in complete_steps(run_dir)[:-keep_last]:
+            shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+    dist.barrier()
+    return out
+
+
+def load_checkpoint(
+    run_dir: str | Path,
+    step: int | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+) -> tuple[int, dict[str, Any]]:
+    """Restore the state of `step` (None: the latest complete); returns (step, extra). Collective."""
+    if step is None:
+        step = latest_complete_step(run_dir)
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
+    src = step_dir(run_dir, step)
+    if not (src / COMPLETE).exists():
+        found = ", ".join(map(str, complete_steps(run_dir))) or "none"
+        raise FileNotFoundError(f"checkpoint {src} is missing or incomplete; complete steps: {found}")
+    if _has_own_state(optimizer):
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(src / "state"))
+        set_model_state_dict(model, state["model"])
+        optimizer.load_state(str(src / "optimizer"))
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(src / "state"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer = torch.load(src / "trainer.pt", weights_only=False)
+    scheduler.load_state_dict(trainer["scheduler"])
+    rng_file = src / f"rng_rank{dist.get_rank()}.pt"
+    _set_rng_state(torch.load(rng_file if rng_file.exists() else src / "rng_rank0.pt", weights_only=False))
+    dist.barrier()
+    return int(trainer["step"]), trainer["extra"]
+
+
+def export_hf(model: nn.Module, model_path: str | Path, out_dir: str | Path, dtype: torch.dtype) -> Path:
+    """Write config, tokenizer and model.safetensors of the current weights (collective; rank 0 writes)."""
+    from transformers import AutoTokenizer
+
+    rank = dist.get_rank()
+    out = Path(out_dir)
+    tensors = {}
+    for name, tensor in iter_full_tensors(model, dtype):
+        if rank == 0:
+            tensors[name] = tensor.cpu().contiguous()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "model.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / "model.safetensors")
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype
+        config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(out)
+        AutoTokenizer.from_pretrained(str(model_path)).save_pretrained(out)
+    dist.barrier()
+    return out

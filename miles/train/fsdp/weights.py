@@ -1,0 +1,54 @@
+"""Full weights out of an FSDP2-sharded model, one parameter at a time, in bounded buckets.
+
+Each sharded parameter is all-gathered on its own (`DTensor.full_tensor()`, a collective that every
+rank runs in the same order), so at most one full parameter plus one bucket is alive at a time,
+never a second copy of the model. Names are the Hugging Face state-dict names; a parameter shared
+by two names (tied embeddings) is sent once, under its first name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+
+def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(name, full tensor) for every distinct state-dict entry, gathered one at a time (collective)."""
+    seen: set[int] = set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        tensor = value.detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def bucketize(
+    named: Iterable[tuple[str, Tensor]], bucket_bytes: int, keep: bool = True
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Group tensors into buckets of at most `bucket_bytes` (a larger tensor alone in its bucket).
+
+    With keep=False the same bucket boundaries are produced but the buckets are empty: ranks that
+    take part in the gathers without using the result stay in step with the one that does.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes}); set weights.bucket_mb")
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    count = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if count and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size, count = [], 0, 0
+        if keep:
+            bucket.append((name, tensor))
+        size += nbytes
+        count += 1
+    if count:
+        yield bucket
