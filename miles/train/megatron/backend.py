@@ -1,0 +1,317 @@
+"""The Megatron-core train backend: GPTModel with tensor / pipeline / data parallelism.
+
+Same five methods and metrics as the FSDP backend (see miles/train/backend.py); the RL objective is
+miles/train/objective.py. Every rank is given the same full list of samples; the step is split into
+`train.mini_batches_per_step` optimiser updates, each mini-batch is dealt round-robin over the
+data-parallel ranks and cut into micro-batches that Megatron's pipeline schedule runs.
+
+Gradient scaling. objective.py returns per micro-batch a partial sum whose total over the whole
+mini-batch is the loss L (global aggregation weights). Megatron's schedule divides each micro-batch
+loss by the number of micro-batches and its DDP averages gradients over the DP ranks, so the loss
+handed to it is multiplied by both: the resulting gradient is exactly dL/dtheta.
+
+Precision: bf16 parameters inside Megatron's Float16Module, fp32 gradient reduction and fp32 master
+weights in the distributed optimizer (Adam). Needs CUDA: megatron-core's forward allocates on the
+current CUDA device and uses the CUDA RNG tracker.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles.config import ConfigError
+from miles.sample import Sample
+from miles.train.megatron import batch as B
+from miles.train.megatron import checkpoint, memory, weights
+from miles.train.megatron import model as M
+from miles.train.optim import lr_factor
+
+
+def require_megatron(plan: Any) -> None:
+    """Raise ConfigError (naming train.backend) when this machine cannot run the backend."""
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "train.backend=megatron needs CUDA GPUs (megatron-core's forward is CUDA-only) and none is "
+            "visible here: set train.backend=fsdp to train on CPU, or run on a GPU node"
+        )
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "train.backend=megatron needs megatron-core: `pip install megatron-core` on the trainer "
+            "nodes, or set train.backend=fsdp"
+        ) from None
+    if plan.train.loss.kl_coef > 0:
+        raise ConfigError(
+            "train.loss.kl_coef > 0 needs a reference model, which the megatron backend does not keep "
+            "yet: set train.loss.kl_coef=0 or train.backend=fsdp"
+        )
+
+
+class MegatronBackend:
+    """TrainBackend on megatron-core (see the module docstring)."""
+
+    plan: Any
+    hf_cfg: Any
+    model: Any
+    """Megatron DDP wrapper around (Float16Module around) this rank's GPTModel stage."""
+    optimizer: Any
+    step_count: int
+    offloader: memory.StorageOffloader | None
+
+    def __init__(self) -> None:
+        self.plan = self.hf_cfg = self.model = self.optimizer = None
+        self.step_count = 0
+        self.offloader = None
+
+    # ---------------------------------------------------------------- setup
+    def setup(self, plan: Any) -> None:
+        """Process groups, model (from plan.model.path), DDP wrapper and distributed optimizer."""
+        require_megatron(plan)
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from transformers import AutoConfig
+
+        from miles.cluster.distributed import init_distributed
+
+        t = plan.train
+        init_distributed("cuda", float(getattr(t, "collective_timeout_s", 600)))
+        world = dist.get_world_size()
+        if world % (t.tensor_parallel * t.pipeline_parallel):
+            raise ConfigError(
+                f"{world} trainer ranks are not divisible by train.tensor_parallel * "
+                f"train.pipeline_parallel = {t.tensor_parallel * t.pipeline_parallel}"
+            )
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(t.tensor_parallel, t.pipeline_parallel)
+        model_parallel_cuda_manual_seed(plan.run.seed)
+        self.plan, self.hf_cfg = plan, AutoConfig.from_pretrained(plan.model.path)
+        problem = M.convert.check_tp(M.shapes_of(self.hf_cfg), t.tensor_parallel)
+        if problem:
+            raise ConfigError(problem)
+        if self.hf_cfg.num_hidden_layers % t.pipeline_parallel:
+            raise ConfigError(
+                f"num_hidden_layers={self.hf_cfg.num_hidden_layers} is not divisible by "
+                f"train.pipeline_parallel={t.pipeline_parallel}"
+            )
+        self.model, self.optimizer = self._build()
+
+    def _build(self):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        t = self.plan.train
+        dtype = torch.bfloat16 if self.plan.model.dtype == "bfloat16" else torch.float32
+        tf = M.transformer_config(self.hf_cfg, dtype, t.tensor_parallel, t.pipeline_parallel)
+        gpt = M.build_gpt(self.hf_cfg, tf, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        gpt.cuda(torch.cuda.current_device())
+        M.load_hf_into(gpt, M.read_hf_state(self.plan.model.path), self.hf_cfg)
+        wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        ddp = DistributedDataParallel(tf, ddp_cfg, wrapped)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.betas[0],
+            adam_beta2=t.betas[1],
+            clip_grad=t.grad_clip,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        )
+        optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+        tf.finalize_model_grads_func = finalize_model_grads
+        tf.grad_scale_func = optimizer.scale_loss
+        tf.no_sync_func = ddp.no_sync
+        return ddp, optimizer
+
+    @property
+    def temperature(self) -> float:
+        """The engine samples from softmax(z / T) and reports those log-probs; the trainer matches it."""
+        return float(self.plan.rollout.temperature) or 1.0
+
+    @property
+    def gpt(self):
+        """This rank's GPTModel stage (unwrapped)."""
+        m = self.model.module
+        return m.module if hasattr(m, "module") else m
+
+    # ---------------------------------------------------------------- train
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        """One step: mini_batches_per_step optimiser updates over `samples` (same list on every rank)."""
+        from megatron.core import parallel_state as ps
+
+        from miles.train.batching import check_samples
+        from miles.train.losses import get_estimator
+
+        check_samples(samples)
+        start = time.perf_counter()
+        cfg, t = self.plan.train.loss, self.plan.train
+        est = get_estimator(cfg.advantage)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups = torch.tensor([s.group_id for s in samples])
+        counts = torch.tensor([float(sum(s.loss_mask or [1] * s.response_length)) for s in samples])
+        adv = est.compute(rewards, groups, counts, cfg).tolist()
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        n_mini = t.mini_batches_per_step
+        if len(samples) < n_mini * dp:
+            raise ConfigError(
+                f"{len(samples)} samples cannot feed train.mini_batches_per_step={n_mini} x {dp} "
+                "data-parallel ranks: lower mini_batches_per_step or raise the rollout batch"
+            )
+        old = self._old_logprobs(samples, adv) if cfg.old_logprobs == "recompute" else None
+        totals: dict[str, float] = {}
+        for k in range(n_mini):
+            ids = list(range(k * len(samples) // n_mini, (k + 1) * len(samples) // n_mini))
+            mine = ids[dp_rank::dp]
+            metrics = self._update([samples[i] for i in ids], [samples[i] for i in mine], mine, adv, old)
+            for name, v in metrics.items():
+                totals[name] = totals.get(name, 0.0) + (v if name == "tokens" else v / n_mini)
+        totals["step_time_s"] = time.perf_counter() - start
+        return totals
+
+    def _update(self, mini, mine, mine_ids, adv, old) -> dict[str, float]:
+        """One optimiser update over a mini-batch (`mini`: all of it; `mine`: this DP rank's part)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        t = self.plan.train
+        lr = t.lr * lr_factor(self.step_count, t)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        masks = [s.loss_mask or [1] * s.response_length for s in mini]
+        norm = (sum(map(sum, masks)), sum(1 for m in masks if sum(m) > 0))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        mbs = B.pack(mine, [adv[i] for i in mine_ids], t.max_tokens_per_microbatch, dev)
+        old_mine = None if old is None else [old[i] for i in mine_ids]
+        scale = len(mbs) * ps.get_data_parallel_world_size()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, norm=norm, scale=scale, old=old_mine),
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=max(m.tokens.shape[1] for m in mbs),
+            micro_batch_size=max(m.tokens.shape[0] for m in mbs),
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        self.step_count += 1
+        metrics = self._reduce_metrics(out, norm[0])
+        metrics.update(grad_norm=float(grad_norm or 0.0), lr=lr, update_skipped=float(not ok))
+        return metrics
+
+    def _forward_step(self, data_iterator, model, norm, scale, old):
+        mb = next(data_iterator)
+        out = model(mb.tokens, mb.positions, None)
+        return out, partial(self._loss, mb, norm, scale, old)
+
+    def _loss(self, mb: B.MicroBatch, norm, scale, old, logits):
+        from miles.train.losses import get_estimator, token_weights
+        from miles.train.objective import TokenBatch, policy_objective
+
+        cfg = self.plan.train.loss
+        resp = B.response_logits(logits, mb, self.temperature)
+        logp = B.token_logprobs(resp, mb.targets)
+        if old is None:
+            old_logp = mb.rollout_logp
+        else:
+            old_logp = torch.cat([old[i] for i in mb.sample_ids]).to(logp.device)
+        n = len(mb.sample_ids)
+        w = token_weights(mb.mask, mb.seq_index, n, cfg.aggregation, norm[0], norm[1])
+        tb = TokenBatch(
+            logp, old_logp, mb.rollout_logp, mb.advantages, mb.mask, w, mb.seq_index, n, None, resp
+        )
+        loss, sums = policy_objective(tb, cfg, get_estimator(cfg.advantage).sequence_ratio)
+        sums["logprob_mismatch"] = (mb.mask * (logp.detach() - mb.rollout_logp).abs()).sum()
+        sums["tokens"] = mb.mask.sum()
+        return loss * scale, sums
+
+    def _reduce_metrics(self, outputs: list[dict], total_tokens: int) -> dict[str, float]:
+        """Sum micro-batch metric sums over the DP ranks; `_loss` names are final, others per token."""
+        from megatron.core import parallel_state as ps
+
+        names = sorted(outputs[0]) if outputs else []
+        names_obj = [names]
+        dist.broadcast_object_list(names_obj, src=dist.get_world_size() - 1)
+        names = names_obj[0]
+        vec = torch.zeros(len(names), dtype=torch.float64, device="cuda")
+        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+            for o in outputs:
+                vec += torch.stack([o[k].double() for k in names])
+        dist.all_reduce(vec)
+        tokens = max(float(vec[names.index("tokens")]), 1.0)
+        return {
+            k: float(v) if k.endswith("_loss") else float(v) / tokens for k, v in zip(names, vec, strict=True)
+        }
+
+    @torch.no_grad()
+    def _old_logprobs(self, samples: list[Sample], adv: list[float]) -> list[Tensor] | None:
+        """Log-probs of every sample's response under the current weights (last pipeline stage only)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        mbs = B.pack(samples, adv, self.plan.train.max_tokens_per_microbatch, dev)
+        found: list[Tensor | None] = [None] * len(samples)
+
+        def collect(mb, logits):
+            logp = B.token_logprobs(B.response_logits(logits, mb, self.temperature), mb.targets)
+            for i, part in zip(
+                mb.sample_ids, logp.split([samples[i].response_length for i in mb.sample_ids]), strict=True
+            ):
+                found[i] = part
+            return logits.sum() * 0, {}
+
+        def step(it, model):
+            mb = next(it)
+            return model(mb.tokens, mb.positions, None), partial(collect, mb)
+
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=max(m.tokens.shape[1] for m in mbs),
+            micro_batch_size=max(m.tokens.shape[0] for m in mbs),
+            forward_only=True,
+        )
+        return found
+
+    # ------------------------------------------------------- weights, state
+    def export_weights(self, bucket_bytes: int):
+        """HF-named full tensors in buckets of at most bucket_bytes; rank 0 gets them, others empty lists.
+
+        Collective: every rank must iterate to the end.
+        """
+        for bucket in weights.export_buckets(self.gpt, self.hf_cfg, bucket_bytes):
+            yield bucket if dist.get_rank() == 0 else []
+
+    def save(self, step: int, extra: dict[str, Any] | None = None) -> str:
+        return checkpoint.save(self, step, extra)
+
+    def load(self, step: int | None = None) -> dict[str, Any]:
+        return checkpoint.load(self, step)
+
+    def offload(self) -> None:
+        """Move parameters, gradient buffers and optimiser state to pinned host memory."""
+        # Rebuilt each time: Adam's state appears only at the first step.
+        self.offloader = memory.StorageOffloader(memory.training_tensors(self))
+        self.offloader.offload()
+
+    def onload(self) -> None:
+        if self.offloader is not None:
+            self.offloader.onload()

@@ -1,0 +1,106 @@
+"""Samples -> right-padded micro-batches for GPTModel, and logits -> per-response-token tensors.
+
+A micro-batch holds whole sequences, right-padded to its longest one, as many as fit the token
+budget `max_tokens_per_microbatch` counted with padding (at least one). The logit at position p
+predicts token p+1, so response token j of a sample with prompt length P is scored by the logit at
+P+j-1. `rows`/`cols` address those logits; every per-token tensor is flat in that order, sequence
+after sequence (the layout miles/train/objective.py expects).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.sample import Sample
+
+
+@dataclass
+class MicroBatch:
+    """One forward pass worth of sequences, on the training device."""
+
+    tokens: Tensor
+    """[b, s] token ids, right-padded with 0."""
+    positions: Tensor
+    """[b, s] position ids."""
+    rows: Tensor
+    cols: Tensor
+    """Flat response-token coordinates of the logits that score them."""
+    targets: Tensor
+    """Flat response token ids."""
+    mask: Tensor
+    rollout_logp: Tensor
+    advantages: Tensor
+    seq_index: Tensor
+    """Index of each flat token's sequence inside this micro-batch."""
+    sample_ids: list[int]
+    """Index of each sequence in the list given to `pack`."""
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy, order-preserving split of sequence indices so that b * max_len <= max_tokens."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def pack(samples: list[Sample], advantages: list[float], max_tokens: int, device: torch.device):
+    """Micro-batches of `samples` (advantages: one per sample, same order)."""
+    groups = plan_micro_batches([len(s.tokens) for s in samples], max_tokens)
+    return [_one(samples, advantages, idx, device) for idx in groups]
+
+
+def _one(samples: list[Sample], advantages: list[float], idx: list[int], device: torch.device) -> MicroBatch:
+    seqs = [samples[i] for i in idx]
+    width = max(len(s.tokens) for s in seqs)
+    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    rows, cols, targets, mask, rollout, adv, seq = [], [], [], [], [], [], []
+    for b, s in enumerate(seqs):
+        tokens[b, : len(s.tokens)] = torch.tensor(s.tokens)
+        n, p = s.response_length, len(s.prompt_ids)
+        rows += [b] * n
+        cols += range(p - 1, p + n - 1)
+        targets += s.response_ids
+        mask += s.loss_mask or [1] * n
+        rollout += s.rollout_logprobs or [0.0] * n
+        adv += [advantages[idx[b]]] * n
+        seq += [b] * n
+    positions = torch.arange(width).expand(len(seqs), width)
+
+    def t(x, dtype):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return MicroBatch(
+        tokens=tokens.to(device),
+        positions=positions.to(device),
+        rows=t(rows, torch.long),
+        cols=t(cols, torch.long),
+        targets=t(targets, torch.long),
+        mask=t(mask, torch.float32),
+        rollout_logp=t(rollout, torch.float32),
+        advantages=t(adv, torch.float32),
+        seq_index=t(seq, torch.long),
+        sample_ids=list(idx),
+    )
+
+
+def response_logits(logits: Tensor, mb: MicroBatch, temperature: float = 1.0) -> Tensor:
+    """[T, V] fp32 logits at the positions that score the response tokens, divided by temperature."""
+    z = logits[mb.rows, mb.cols].float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def token_logprobs(resp_logits: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(logits)[target] per token."""
+    return torch.log_softmax(resp_logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)

@@ -1,0 +1,99 @@
+"""Save / load the full training state of the Megatron backend under the run's checkpoint directory.
+
+Layout of <run_dir>/checkpoints/step_N/ (step directories, `.complete` markers and pruning are shared
+with the FSDP backend, miles/train/fsdp/checkpoint.py):
+
+    megatron/model_tpT_ppP.pt        this stage's GPTModel state (its TP slice), by data-parallel rank 0
+    megatron/optim_tpT_ppP.pt        optimizer param groups
+    megatron/optim_state_tpT_ppP.pt  fp32 master weights and Adam moments, gathered from the
+                                     data-parallel shards by Megatron's distributed optimizer
+    megatron/rng_rankR.pt            RNG states
+    trainer.pt                       step counter and the caller's `extra`, by rank 0
+    .complete                        written last, by rank 0, after every rank has finished
+
+Resuming needs the same tensor / pipeline sizes; the data-parallel size may change.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.train.fsdp.checkpoint import COMPLETE, complete_steps, latest_complete_step, step_dir
+
+
+def _files(run_dir: str, step: int) -> tuple[Path, Path, Path]:
+    from megatron.core import parallel_state as ps
+
+    tag = f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+    d = step_dir(run_dir, step) / "megatron"
+    return d / f"model_{tag}.pt", d / f"optim_{tag}.pt", d / f"optim_state_{tag}.pt"
+
+
+def _rng() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
+    """Collective over all trainer ranks; returns the step directory."""
+    from megatron.core import parallel_state as ps
+
+    run_dir, rank = backend.plan.run_dir, dist.get_rank()
+    model_f, optim_f, state_f = _files(run_dir, step)
+    model_f.parent.mkdir(parents=True, exist_ok=True)
+    if ps.get_data_parallel_rank() == 0:
+        state = {k: v for k, v in backend.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        torch.save(state, model_f)
+        torch.save(backend.optimizer.state_dict(), optim_f)
+    backend.optimizer.save_parameter_state(str(state_f))
+    torch.save(_rng(), model_f.parent / f"rng_rank{rank}.pt")
+    out = step_dir(run_dir, step)
+    if rank == 0:
+        torch.save({"step": step, "step_count": backend.step_count, "extra": extra or {}}, out / "trainer.pt")
+    dist.barrier()
+    if rank == 0:
+        (out / COMPLETE).write_text(f"{step}\n")
+        for old in complete_steps(run_dir)[: -backend.plan.train.checkpoint.keep_last]:
+            shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+    dist.barrier()
+    return str(out)
+
+
+def load(backend: Any, step: int | None) -> dict[str, Any]:
+    """Collective; restores weights, master weights, moments, RNG and the step; returns `extra`."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    run_dir = backend.plan.run_dir
+    step = latest_complete_step(run_dir) if step is None else step
+    if step is None or not (step_dir(run_dir, step) / COMPLETE).exists():
+        found = ", ".join(map(str, complete_steps(run_dir))) or "none"
+        raise FileNotFoundError(
+            f"no complete checkpoint for step {step} in {run_dir}; complete steps: {found}"
+        )
+    model_f, optim_f, state_f = _files(run_dir, step)
+    if not model_f.exists():
+        raise FileNotFoundError(
+            f"no Megatron checkpoint {model_f}: was it saved by the megatron backend with the same "
+            "train.tensor_parallel and train.pipeline_parallel?"
+        )
+    backend.gpt.load_state_dict(torch.load(model_f, map_location="cpu"), strict=False)
+    backend.optimizer.load_state_dict(torch.load(optim_f, map_location="cpu", weights_only=False))
+    backend.optimizer.load_parameter_state(str(state_f))
+    rng = torch.load(model_f.parent / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
+    trainer = torch.load(step_dir(run_dir, step) / "trainer.pt", weights_only=False)
+    backend.step_count = int(trainer["step_count"])
+    dist.barrier()
+    return trainer["extra"]

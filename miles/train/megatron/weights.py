@@ -1,0 +1,95 @@
+"""Full, HF-named weights out of a tensor/pipeline-parallel GPTModel, streamed in bounded buckets.
+
+Each parameter is rebuilt where it lives: the tensor-parallel slices are all-gathered inside the TP
+group (convert.tp_unshard puts fused tensors back together), then the owning pipeline stage
+broadcasts the full tensor to the other stages. Every rank therefore yields the same stream and
+must consume it to the end (the loop is collective). Data-parallel replicas need no traffic: after
+an optimiser step Megatron's distributed optimizer has already all-gathered the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.train.megatron import convert
+from miles.train.megatron import model as M
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _tp_full(name: str, p: torch.Tensor, s: convert.Shapes) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_tensor_model_parallel_world_size()
+    if size == 1 or convert._TP_DIM.get(convert._suffix(name)) is None:
+        return p.detach()
+    shards = [torch.empty_like(p) for _ in range(size)]
+    dist.all_gather(shards, p.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return convert.tp_unshard(name, shards, s)
+
+
+def iter_megatron_full(gpt: torch.nn.Module, s: convert.Shapes) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global Megatron name, full tensor) for every parameter of every stage, stage by stage."""
+    from megatron.core import parallel_state as ps
+
+    offset = M.layer_offset(gpt)
+    mine = [(convert.to_global(n, offset), p) for n, p in gpt.named_parameters()]
+    if s.tied:  # the last stage's copy of the tied embedding is not a weight of its own
+        mine = [(n, p) for n, p in mine if n != "output_layer.weight"]
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        for name, p in mine:
+            yield name, _tp_full(name, p, s)
+        return
+    group = ps.get_pipeline_model_parallel_group()
+    meta = [(n, tuple(p.shape), p.dtype) for n, p in mine]
+    stages: list[Any] = [None] * pp
+    dist.all_gather_object(stages, meta, group=group)
+    own = dict(mine)
+    me = ps.get_pipeline_model_parallel_rank()
+    for stage, entries in enumerate(stages):
+        src = dist.get_global_rank(group, stage)
+        for name, shape, dtype in entries:
+            if stage == me:
+                full = _tp_full(name, own[name], s).contiguous()
+            else:
+                full_shape = _full_shape(name, shape, s)
+                full = torch.empty(full_shape, dtype=dtype, device=torch.cuda.current_device())
+            dist.broadcast(full, src=src, group=group)
+            yield name, full
+
+
+def _full_shape(name: str, shard_shape: tuple[int, ...], s: convert.Shapes) -> tuple[int, ...]:
+    from megatron.core import parallel_state as ps
+
+    dim = convert._TP_DIM.get(convert._suffix(name))
+    if dim is None:
+        return shard_shape
+    out = list(shard_shape)
+    out[dim] *= ps.get_tensor_model_parallel_world_size()
+    return tuple(out)
+
+
+def bucketize(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group (name, tensor) into lists of at most bucket_bytes; a larger tensor travels alone."""
+    bucket: Bucket = []
+    size = 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def export_buckets(gpt: torch.nn.Module, hf_cfg: Any, bucket_bytes: int) -> Iterator[Bucket]:
+    """HF-named full tensors of the whole model in buckets (collective over all trainer ranks)."""
+    s = M.shapes_of(hf_cfg)
+    return bucketize(convert.iter_megatron_to_hf(iter_megatron_full(gpt, s), s), bucket_bytes)
