@@ -1,1 +1,34 @@
-"""Trainer -> engine weight synchronisation: bucketing, transports, versioning, equality check."""
+"""Trainer -> engine weight synchronisation: bucketing, transports, versioning, equality check.
+
+`TRANSPORTS` maps `weights.transport` config values to WeightTransport implementations.
+"""
+
+from __future__ import annotations
+
+from miles.weights.bucket import iter_buckets
+from miles.weights.check import check_weights
+from miles.weights.disk import DiskTransport
+from miles.weights.distributed import DistributedTransport
+from miles.weights.transport import Bucket, EngineAdmin, WeightTransport
+
+TRANSPORTS: dict[str, type] = {"disk": DiskTransport, "distributed": DistributedTransport}
+
+
+def get_transport(name: str) -> type:
+    """The transport class for a `weights.transport` value; the error lists the known names."""
+    if name not in TRANSPORTS:
+        raise KeyError(f"unknown weight transport {name!r}; known: {', '.join(TRANSPORTS)}")
+    return TRANSPORTS[name]
+
+
+__all__ = [
+    "TRANSPORTS",
+    "Bucket",
+    "DiskTransport",
+    "DistributedTransport",
+    "EngineAdmin",
+    "WeightTransport",
+    "check_weights",
+    "get_transport",
+    "iter_buckets",
+]

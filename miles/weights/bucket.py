@@ -1,0 +1,33 @@
+"""Group named tensors into buckets of at most `bucket_bytes` for transfer.
+
+Order is preserved; a tensor larger than the limit travels alone in its own bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from miles.weights.transport import Bucket
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Yield lists of (name, tensor) whose total size stays <= bucket_bytes (bar single large tensors)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes} (set weights.bucket_mb >= 1)")
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in named_tensors:
+        n = tensor_bytes(tensor)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += n
+    if bucket:
+        yield bucket

@@ -1,0 +1,81 @@
+"""DiskTransport: write each version as safetensors under the run directory, engines reload it.
+
+Layout: <root>/v<version>/model-00001.safetensors ... (one file per bucket), plus config and
+tokenizer files copied from `template_dir` when given (a real SGLang server reloads a full HF
+directory). A version directory is written under a temporary name and renamed when complete, so an
+engine never reads a half-written version; the previous version is deleted after a successful push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode
+
+_TEMPLATE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+
+
+class DiskTransport:
+    """Safetensors on a shared filesystem + /update_weights_from_disk on every engine."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineAdmin],
+        root: str | Path,
+        *,
+        template_dir: str | Path | None = None,
+        pause_mode: str | None = "in_place",
+    ):
+        check_pause_mode(pause_mode)
+        self.engines = list(engines)
+        self.root = Path(root)
+        self.template_dir = Path(template_dir) if template_dir else None
+        self.pause_mode = pause_mode
+        self.current: Path | None = None
+
+    async def setup(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, buckets: Iterable[Bucket], version: str) -> Path:
+        """Write one version directory atomically; returns its final path."""
+        final = self.root / f"v{version}"
+        tmp = self.root / f".v{version}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if self.template_dir is not None:
+            for f in self.template_dir.iterdir():
+                if (
+                    f.is_file()
+                    and f.suffix in _TEMPLATE_SUFFIXES
+                    and f.name != "model.safetensors.index.json"
+                ):
+                    shutil.copy2(f, tmp / f.name)
+        for i, bucket in enumerate(buckets):
+            tensors = {name: t.detach().to("cpu").contiguous() for name, t in bucket}
+            save_file(tensors, str(tmp / f"model-{i + 1:05d}.safetensors"))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return final
+
+    async def push(self, buckets: Iterable[Bucket], version: str) -> None:
+        path = await asyncio.to_thread(self.write, buckets, str(version))
+        if self.pause_mode:
+            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
+        try:
+            await asyncio.gather(
+                *(e.update_weights_from_disk(str(path), weight_version=str(version)) for e in self.engines)
+            )
+        finally:
+            if self.pause_mode:
+                await asyncio.gather(*(e.continue_generation() for e in self.engines))
+        if self.current is not None and self.current != path:
+            shutil.rmtree(self.current, ignore_errors=True)
+        self.current = path
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,100 @@
+"""DistributedTransport: broadcast each bucket from trainer rank 0 to all engines over a process group.
+
+setup(): the trainer (rank 0) and every engine (rank 1 + i) join one update group
+(/init_weights_update_group, gloo on CPU, NCCL on GPU). push(): per bucket, POST
+/update_weights_from_distributed (names, dtypes, shapes) to all engines concurrently while rank 0
+broadcasts the bucket's tensors in the same order; the engines receive them while they keep
+generating and load them between two steps. The last bucket carries the new weight version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+
+from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
+from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode, dtype_name, with_last
+
+
+class DistributedTransport:
+    """torch.distributed broadcast into every engine (SGLang's update-from-distributed protocol)."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineAdmin],
+        master_address: str,
+        master_port: int,
+        *,
+        backend: str = "gloo",
+        group_name: str = "weight_update_group",
+        pause_mode: str | None = "in_place",
+        timeout_s: float = 300.0,
+    ):
+        check_pause_mode(pause_mode)
+        self.engines = list(engines)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.group_name = group_name
+        self.pause_mode = pause_mode
+        self.timeout_s = timeout_s
+        self.group = None
+
+    async def setup(self) -> None:
+        world = 1 + len(self.engines)
+        joins = [
+            e.init_weights_update_group(
+                self.master_address, self.master_port, 1 + i, world, self.group_name, self.backend
+            )
+            for i, e in enumerate(self.engines)
+        ]
+        mine = asyncio.to_thread(
+            init_update_group,
+            self.master_address,
+            self.master_port,
+            0,
+            world,
+            self.group_name,
+            self.backend,
+            self.timeout_s,
+        )
+        results = await asyncio.gather(mine, *joins)
+        self.group = results[0]
+
+    def _broadcast(self, bucket: Bucket) -> None:
+        for _, tensor in bucket:
+            t = tensor.detach()
+            if self.backend == "nccl" and t.device.type != "cuda":
+                t = t.cuda()
+            broadcast_from_trainer(t.contiguous(), self.group)
+
+    async def _send(self, bucket: Bucket, version: str | None) -> None:
+        names = [n for n, _ in bucket]
+        dtypes = [dtype_name(t) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        posts = [
+            e.update_weights_from_distributed(
+                names, dtypes, shapes, group_name=self.group_name, weight_version=version
+            )
+            for e in self.engines
+        ]
+        await asyncio.gather(asyncio.to_thread(self._broadcast, bucket), *posts)
+
+    async def push(self, buckets: Iterable[Bucket], version: str) -> None:
+        if self.group is None:
+            raise RuntimeError(
+                "DistributedTransport.push before setup(): call `await transport.setup()` first"
+            )
+        if self.pause_mode:
+            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
+        try:
+            for bucket, last in with_last(buckets):
+                await self._send(bucket, str(version) if last else None)
+        finally:
+            if self.pause_mode:
+                await asyncio.gather(*(e.continue_generation() for e in self.engines))
+
+    async def close(self) -> None:
+        if self.group is not None:
+            destroy_update_group(self.group)
+            self.group = None

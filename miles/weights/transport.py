@@ -1,0 +1,90 @@
+"""The WeightTransport seam: how a new version of the trainer's weights reaches every live engine.
+
+Contract (all implementations):
+- The trainer's rank 0 calls `setup()` once, then `push(buckets, version)` after each update
+  interval, and `close()` at the end. Other trainer ranks never call a transport.
+- `buckets` is an iterator of buckets, each a list of (hf_name, full tensor) pairs, no bucket over
+  the configured byte size except a single tensor larger than it. Names are HF names of the
+  engine's model; tensors are whole (already gathered), on any device.
+- `push` pauses generation on every engine with the transport's pause mode (`abort`, `retract`,
+  `in_place`, or None for no pause), delivers every tensor to every engine, sets the engines'
+  weight version to `version` with the last bucket, and continues generation, even when the
+  delivery failed (then it raises after continuing). When it returns, every engine serves the new
+  weights and reports `version`.
+- Transports must not mutate the tensors they are given, and must keep no reference after `push`.
+
+Engines are reached through `EngineAdmin` (the SGLang client in miles.rollout.client implements
+it), so this room does not depend on how HTTP is spoken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+Bucket = list[tuple[str, torch.Tensor]]
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class EngineAdmin(Protocol):
+    """The engine calls a transport needs (a subset of SGLang's admin API)."""
+
+    url: str
+
+    async def pause_generation(self, mode: str = "abort") -> None: ...
+    async def continue_generation(self) -> None: ...
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> Any: ...
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = ...,
+        backend: str = ...,
+    ) -> Any: ...
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = ...,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> Any: ...
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list: ...
+
+
+class WeightTransport(Protocol):
+    """Push a versioned stream of buckets of named full tensors from trainer rank 0 into every engine."""
+
+    async def setup(self) -> None: ...
+    async def push(self, buckets: Iterable[Bucket], version: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+def with_last(items: Iterable[Bucket]) -> Iterator[tuple[Bucket, bool]]:
+    """(bucket, is_last) pairs, reading one bucket ahead so the last one is known when it is sent."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
+
+
+def check_pause_mode(mode: str | None) -> None:
+    if mode is not None and mode not in PAUSE_MODES:
+        raise ValueError(f"unknown pause mode {mode!r}; known: {', '.join(PAUSE_MODES)} or None")
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

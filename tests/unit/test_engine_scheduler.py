@@ -1,0 +1,170 @@
+"""The engine core in-process: log-probs vs HF, batching invariance, prefix reuse, pause + update."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.engine.sampling import SamplingParams
+from miles.engine.scheduler import Request, Scheduler
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture()
+def engine(tiny_model):
+    spec = ModelSpec.from_dir(tiny_model)
+    sched = Scheduler(Decoder(spec, load_weights(tiny_model), "cpu", torch.float32), 64, 8192)
+    thread = threading.Thread(target=sched.run, daemon=True)
+    thread.start()
+    yield sched
+    sched.stop()
+    thread.join(timeout=10)
+
+
+def _req(rid, prompt, max_new, temperature=0.0, seed=0, **kw) -> Request:
+    sp = SamplingParams(max_new_tokens=max_new, temperature=temperature, ignore_eos=True, **kw)
+    return Request(rid=str(rid), prompt=list(prompt), params=sp, seed=seed, stop_ids=frozenset())
+
+
+def _run(sched: Scheduler, reqs: list[Request]) -> list[Request]:
+    for r in reqs:
+        sched.submit(r)
+    return [r.done.result(timeout=60) for r in reqs]
+
+
+def _mixed(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(4, 380) for _ in range(rng.randint(1, 60))], rng.randint(1, 40)) for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_match_hf_full_forward(engine, hf_model, temperature):
+    reqs = _run(engine, [_req(i, p, m, temperature, seed=i) for i, (p, m) in enumerate(_mixed(12, 1))])
+    worst = 0.0
+    for r in reqs:
+        ids = torch.tensor([r.prompt + r.output])
+        with torch.no_grad():
+            logp = hf_model(ids).logits[0].float().log_softmax(-1)
+        n = len(r.prompt)
+        ref = torch.stack([logp[n - 1 + j, t] for j, t in enumerate(r.output)])
+        worst = max(worst, (ref - torch.tensor(r.logprobs)).abs().max().item())
+        if temperature == 0:
+            assert r.output == logp[n - 1 : -1].argmax(-1).tolist()
+    assert worst <= 1e-4
+
+
+@pytest.mark.slow
+def test_batched_equals_one_at_a_time(engine):
+    work = _mixed(64, 2)
+    together = _run(engine, [_req(i, p, m) for i, (p, m) in enumerate(work)])
+    engine.slots.flush()
+    alone = [_run(engine, [_req(i, p, m)])[0] for i, (p, m) in enumerate(work)]
+    assert [r.output for r in together] == [r.output for r in alone]
+    assert all(len(r.output) == m for r, (_, m) in zip(together, work, strict=True))
+
+
+def test_seeded_sampling_reproducible_and_seed_dependent(engine):
+    prompt = list(range(5, 25))
+    a, b, c = _run(
+        engine,
+        [
+            _req("a", prompt, 30, 1.0, seed=7),
+            _req("b", prompt, 30, 1.0, seed=7),
+            _req("c", prompt, 30, 1.0, seed=8),
+        ],
+    )
+    assert a.output == b.output
+    assert a.output != c.output
+
+
+def test_top_k_one_is_greedy(engine):
+    prompt = list(range(30, 50))
+    greedy, topk = _run(engine, [_req("g", prompt, 20), _req("k", prompt, 20, 1.0, seed=3, top_k=1)])
+    assert greedy.output == topk.output
+
+
+def test_prefix_reuse(engine):
+    system = list(range(10, 70))
+    first = _run(engine, [_req("t1", system + [5, 6], 10)])[0]
+    turn2 = system + [5, 6] + first.output + [7, 8, 9]
+    cached = _run(engine, [_req("t2", turn2, 10)])[0]
+    assert cached.cached_tokens >= len(system) + 2
+    engine.flush_cache()
+    fresh = _run(engine, [_req("t3", turn2, 10)])[0]
+    assert fresh.cached_tokens == 0
+    assert fresh.output == cached.output
+
+
+def test_pause_in_place_keeps_requests_across_update(engine, tiny_model):
+    engine.pause("in_place")
+    reqs = [_req(i, p, 12) for i, (p, _) in enumerate(_mixed(4, 3))]
+    for r in reqs:
+        engine.submit(r)
+    engine.resume()
+    _wait_until(lambda: all(len(r.output) >= 2 for r in reqs))
+    engine.pause("in_place")
+    assert not any(r.done.done() for r in reqs)
+    new = {k: v * 1.5 for k, v in load_weights(tiny_model).items() if k.endswith("norm.weight")}
+    engine.update_weights(new, "v1", abort_all=False)
+    engine.resume()
+    done = [r.done.result(timeout=60) for r in reqs]
+    for r in done:
+        assert r.finish["type"] == "length" and len(r.output) == 12
+        assert r.versions[0] == "default" and r.versions[-1] == "v1"
+
+
+def test_pause_retract_then_continue_gives_same_tokens(engine):
+    prompts = [list(range(3 + i, 20 + i)) for i in range(3)]
+    reference = _run(engine, [_req(f"ref{i}", p, 40) for i, p in enumerate(prompts)])
+    engine.flush_cache()
+    reqs = [_req(i, p, 40) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.submit(r)
+    _wait_until(lambda: all(len(r.output) >= 2 for r in reqs))
+    engine.pause("retract")
+    assert not engine.running and not any(r.done.done() for r in reqs)
+    assert all(len(r.output) < 40 and not r.slots for r in reqs)
+    engine.resume()
+    done = [r.done.result(timeout=60) for r in reqs]
+    assert [r.output for r in done] == [r.output for r in reference]
+
+
+def test_pause_abort_finishes_everything(engine):
+    reqs = [_req(i, list(range(3, 20)), 200) for i in range(3)]
+    for r in reqs:
+        engine.submit(r)
+    _wait_until(lambda: all(len(r.output) >= 1 for r in reqs))
+    engine.pause("abort")
+    assert all(r.done.result(timeout=10).finish["type"] == "abort" for r in reqs)
+    assert engine.slots.num_free + engine.slots.num_cached_tokens == engine.max_total_tokens
+    engine.resume()
+    assert _run(engine, [_req("after", [1, 2, 3], 3)])[0].finish["type"] == "length"
+
+
+def test_abort_by_rid(engine):
+    keep, drop = _req("keep", [1, 2, 3], 30), _req("drop", [4, 5, 6], 100000)
+    engine.submit(keep)
+    engine.submit(drop)
+    engine.abort("drop")
+    assert drop.done.result(timeout=10).finish["type"] == "abort"
+    assert keep.done.result(timeout=10).finish["type"] == "length"
+
+
+def _wait_until(cond, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)
