@@ -1,15 +1,52 @@
-"""JobEnvironment: the ONLY reader of SLURM_*, OMPI_*, PMI_* and torchrun variables.
+"""JobEnvironment: the ONLY reader of SLURM_*, OMPI_*, PMI_*/PMIX_* and torchrun variables.
 
 Every other module asks this class for rank, world size, local rank, node lists and job id.
 Sources are tried in order: torchrun (RANK/WORLD_SIZE), Slurm (SLURM_PROCID/SLURM_NTASKS),
-Open MPI (OMPI_COMM_WORLD_*), and finally a single process.
+Open MPI (OMPI_COMM_WORLD_*), PMIx / PMI (PMIX_RANK, PMI_RANK/PMI_SIZE), and finally a single
+process. Slurm facts that hold for every source (job id, node lists per het group, restart count,
+array index) are read alongside.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Slurm hostlist -> names: `n[1-3,5],gpu07` -> [n1, n2, n3, n5, gpu07] (zero padding kept)."""
+    names: list[str] = []
+    for prefix, ranges, suffix, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]([^,]*)|([^,\[\]]+)", text):
+        if not ranges:
+            names.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                names.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
+    return [n for n in names if n]
+
+
+def _het_nodelists(e: Mapping[str, str]) -> tuple[tuple[str, ...], ...]:
+    size = int(e.get("SLURM_HET_SIZE", 0) or 0)
+    return tuple(tuple(expand_nodelist(e.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", ""))) for g in range(size))
+
+
+def _launcher(e: Mapping[str, str]) -> tuple[str, int, int, int]:
+    """(source, rank, world_size, local_rank) from the first launcher whose variables are present."""
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return "torchrun", int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
+        return "slurm", int(e["SLURM_PROCID"]), int(e["SLURM_NTASKS"]), int(e.get("SLURM_LOCALID", 0))
+    if "OMPI_COMM_WORLD_RANK" in e:
+        rank, size = int(e["OMPI_COMM_WORLD_RANK"]), int(e["OMPI_COMM_WORLD_SIZE"])
+        return "mpi", rank, size, int(e.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+    if "PMIX_RANK" in e or "PMI_RANK" in e:
+        rank = int(e.get("PMIX_RANK", e.get("PMI_RANK", 0)))
+        return "pmi", rank, int(e.get("PMI_SIZE", 1)), int(e.get("MPI_LOCALRANKID", 0))
+    return "single", 0, 1, 0
 
 
 @dataclass(frozen=True)
@@ -17,46 +54,60 @@ class JobEnvironment:
     """Typed view of the launcher's variables for this process."""
 
     source: str
-    """Which launcher set the variables: torchrun, slurm, mpi or single."""
+    """Which launcher set the variables: torchrun, slurm, mpi, pmi or single."""
     rank: int
     world_size: int
     local_rank: int
     master_addr: str | None
     master_port: int | None
     job_id: str | None
+    node_name: str | None = None
+    """This node's Slurm name (SLURMD_NODENAME)."""
+    node_rank: int = 0
+    """Index of this node within the step (SLURM_NODEID)."""
+    step_nodes: tuple[str, ...] = ()
+    """Nodes of this step (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST)."""
+    het_nodes: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+    """Nodes of each het-job group (SLURM_JOB_NODELIST_HET_GROUP_<n>); empty for homogeneous jobs."""
+    restart_count: int = 0
+    """How often Slurm requeued this job (SLURM_RESTART_COUNT)."""
+    array_task_id: int | None = None
+    """Index within a job array (SLURM_ARRAY_TASK_ID)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> JobEnvironment:
         e = os.environ if env is None else env
+        source, rank, world, local = _launcher(e)
         port = int(e["MASTER_PORT"]) if e.get("MASTER_PORT") else None
-        addr = e.get("MASTER_ADDR")
-        job = e.get("SLURM_JOB_ID")
-        if "RANK" in e and "WORLD_SIZE" in e:
-            return cls(
-                "torchrun", int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0)), addr, port, job
-            )
-        if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
-            return cls(
-                "slurm",
-                int(e["SLURM_PROCID"]),
-                int(e["SLURM_NTASKS"]),
-                int(e.get("SLURM_LOCALID", 0)),
-                addr,
-                port,
-                job,
-            )
-        if "OMPI_COMM_WORLD_RANK" in e:
-            return cls(
-                "mpi",
-                int(e["OMPI_COMM_WORLD_RANK"]),
-                int(e["OMPI_COMM_WORLD_SIZE"]),
-                int(e.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
-                addr,
-                port,
-                job,
-            )
-        return cls("single", 0, 1, 0, addr, port, job)
+        array = e.get("SLURM_ARRAY_TASK_ID")
+        return cls(
+            source,
+            rank,
+            world,
+            local,
+            e.get("MASTER_ADDR"),
+            port,
+            e.get("SLURM_JOB_ID"),
+            node_name=e.get("SLURMD_NODENAME"),
+            node_rank=int(e.get("SLURM_NODEID", 0)),
+            step_nodes=tuple(expand_nodelist(e.get("SLURM_STEP_NODELIST", e.get("SLURM_JOB_NODELIST", "")))),
+            het_nodes=_het_nodelists(e),
+            restart_count=int(e.get("SLURM_RESTART_COUNT", 0) or 0),
+            array_task_id=int(array) if array else None,
+        )
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    def group_nodes(self, group: int) -> tuple[str, ...]:
+        """Nodes of het group `group`; in a homogeneous job, the step's nodes."""
+        if self.het_nodes:
+            return self.het_nodes[group]
+        return self.step_nodes
+
+
+def inherited_slurm_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """Names of SLURM_* variables inherited from an enclosing allocation (unset before a nested sbatch)."""
+    e = os.environ if env is None else env
+    return sorted(k for k in e if k.startswith("SLURM_") and k != "SLURM_CONF")

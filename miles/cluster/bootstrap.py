@@ -1,0 +1,202 @@
+"""Job-side entry of every role: `python -m miles.cluster.bootstrap {rollout,actor} --run-dir DIR`.
+
+rollout (one task per rollout node): start this node's engines (embedded `miles.engine`, or SGLang
+servers rendered by miles.launch.sglang), publish each URL once it answers /health, put the
+sglang-router in front on the group's first node when there is more than one engine, then wait;
+SIGTERM stops exactly the children it started.
+
+actor (one task per trainer rank): wait until all engines of this incarnation are healthy, derive
+MASTER_ADDR (first node of the actor group) and MASTER_PORT (from the job id), find rank and world
+size (Slurm variables, or mpi4py under `srun --mpi=pmix` when the profile says so), export them in
+torchrun's names, and exec the command after `--` (the loop, always with --resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from miles.cluster.environment import JobEnvironment
+from miles.cluster.rendezvous import healthy, master_port, node_address, publish_engine, wait_for_engines
+from miles.config import Plan, read_plan
+
+
+def _facts(run_dir: Path) -> tuple[Plan, dict[str, Any]]:
+    return read_plan(run_dir / "plan.yaml"), json.loads((run_dir / "launch.json").read_text())
+
+
+def incarnation(env: JobEnvironment) -> str:
+    """`<job id>.<restart count>`: engines of an earlier start of a requeued job are ignored."""
+    return f"{env.job_id}.{env.restart_count}"
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait_url(proc: subprocess.Popen[bytes], url_file: Path, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode} before serving; see its log")
+        if url_file.exists():
+            url = json.loads(url_file.read_text())["url"]
+            if healthy(url):
+                return url
+        time.sleep(0.2)
+    raise TimeoutError(f"engine did not serve within the startup timeout ({url_file})")
+
+
+def _start_engine(plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvironment, i: int) -> tuple:
+    from miles.launch.sglang import sglang_port, sglang_server_command
+
+    node = env.node_name or "local"
+    loopback = facts["engine_host"] == "loopback"
+    bind, advertise = ("127.0.0.1", "127.0.0.1") if loopback else ("0.0.0.0", node_address(node))
+    log = run_dir / "logs" / f"engine-{node}-{i}.log"
+    deadline = time.monotonic() + plan.engine.startup_timeout_s
+    if facts["engine_kind"] == "embedded":
+        url_file = run_dir / "rendezvous" / "tmp" / f"{node}-{i}.json"
+        url_file.parent.mkdir(parents=True, exist_ok=True)
+        url_file.unlink(missing_ok=True)
+        e = plan.engine
+        argv = [
+            sys.executable,
+            "-m",
+            "miles.engine",
+            "--model",
+            plan.model.path,
+            "--host",
+            bind,
+            "--port",
+            "0",
+        ]
+        argv += ["--device", e.device, "--max-running-requests", str(e.max_running_requests)]
+        argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(plan.run.seed)]
+        proc = _spawn([*argv, "--url-file", str(url_file)], log)
+        port = _wait_url(proc, url_file, deadline).rsplit(":", 1)[1]
+    else:
+        port = str(sglang_port(int(env.job_id or 0), i))
+        argv = sglang_server_command(plan, host=bind, port=int(port), python=sys.executable)
+        proc = _spawn(argv, log)
+        while not healthy(f"http://{advertise}:{port}"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"SGLang server {i} on {node} did not come up; see {log}")
+            time.sleep(1.0)
+    url = f"http://{advertise}:{port}"
+    publish_engine(run_dir, f"{node}-{i}", url, proc.pid, node, incarnation(env))
+    return proc, url
+
+
+def run_rollout(run_dir: Path) -> int:
+    env = JobEnvironment.from_env()
+    plan, facts = _facts(run_dir)
+    children: list[subprocess.Popen[bytes]] = []
+
+    def stop(*_: object) -> None:
+        for p in children:
+            p.terminate()
+        for p in children:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    for i in range(facts["engines_per_node"]):
+        proc, _ = _start_engine(plan, facts, run_dir, env, i)
+        children.append(proc)
+    if env.rank == 0 and facts["num_engines"] > 1:
+        children.append(_start_router(plan, run_dir, env, facts))
+    while all(p.poll() is None for p in children):
+        time.sleep(1.0)
+    print(f"miles bootstrap: a child exited: {[(p.args, p.returncode) for p in children]}", file=sys.stderr)
+    stop()
+    return 1
+
+
+def _start_router(plan: Plan, run_dir: Path, env: JobEnvironment, facts: dict[str, Any]):
+    from miles.launch.sglang import router_command, router_port
+
+    urls = wait_for_engines(run_dir, facts["num_engines"], plan.engine.startup_timeout_s, incarnation(env))
+    host = "127.0.0.1" if facts["engine_host"] == "loopback" else node_address(env.node_name or "localhost")
+    port = router_port(int(env.job_id or 0))
+    bind = "127.0.0.1" if facts["engine_host"] == "loopback" else "0.0.0.0"
+    proc = _spawn(
+        router_command(plan, host=bind, port=port, worker_urls=urls), run_dir / "logs" / "router.log"
+    )
+    from miles.cluster.rendezvous import write_atomic
+
+    info = {"url": f"http://{host}:{port}", "pid": proc.pid, "incarnation": incarnation(env)}
+    write_atomic(run_dir / "rendezvous" / "router.json", info)
+    return proc
+
+
+def _mpi_ranks(first_node: str) -> tuple[int, int, int, str]:
+    """(rank, world, local rank, master address) agreed over MPI (mpi4py under srun --mpi=pmix)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    addr = comm.bcast(node_address(first_node) if rank == 0 else None, root=0)
+    MPI.Finalize()
+    return rank, world, local, addr
+
+
+def actor_variables(env: JobEnvironment, facts: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """torchrun-style variables of this trainer rank, and which mechanism supplied the ranks."""
+    group = 1 if facts["layout"] == "disaggregated" else 0
+    first = env.group_nodes(group)[0] if env.group_nodes(group) else (env.node_name or "localhost")
+    if facts["bootstrap"] == "mpi":
+        rank, world, local, addr = _mpi_ranks(first)
+        source = "mpi"
+    else:
+        rank, world, local, addr = env.rank, env.world_size, env.local_rank, node_address(first)
+        source = env.source
+    port = master_port(env.job_id or 0)
+    names = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local, "MASTER_ADDR": addr, "MASTER_PORT": port}
+    return {k: str(v) for k, v in names.items()}, source
+
+
+def run_actor(run_dir: Path, command: list[str]) -> int:
+    env = JobEnvironment.from_env()
+    plan, facts = _facts(run_dir)
+    wait_for_engines(run_dir, facts["num_engines"], plan.engine.startup_timeout_s, incarnation(env))
+    variables, source = actor_variables(env, facts)
+    from miles.cluster.rendezvous import write_atomic
+
+    record = {**variables, "source": source, "node": env.node_name, "incarnation": incarnation(env)}
+    write_atomic(run_dir / "rendezvous" / "ranks" / f"rank-{variables['RANK']}.json", record)
+    os.environ.update(variables)
+    os.execvp(command[0], command)
+    return 127  # not reached: exec replaces this process
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m miles.cluster.bootstrap", description=__doc__.splitlines()[0])
+    p.add_argument("role", choices=["rollout", "actor"])
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.epilog = "actor: append -- COMMAND... (exec'd once every engine is healthy)"
+    argv = sys.argv[1:] if argv is None else argv
+    # everything after `--` is the actor's command, passed through untouched
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, command = p.parse_args(argv[:cut]), argv[cut + 1 :]
+    if args.role == "rollout":
+        return run_rollout(args.run_dir)
+    if not command:
+        p.error("actor needs the command to run after --")
+    return run_actor(args.run_dir, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Rendezvous through the run directory on the shared filesystem, plus job-id-derived ports.
+
+Engines publish `{"url", "pid", "node", "incarnation"}` as RUN_DIR/rendezvous/engines/<name>.json
+(temporary file + rename, so a reader never sees half a record). `incarnation` is `<job id>.<restart
+count>`: after a requeue, records of the previous start are ignored. The trainer's master address is
+the first node of the actor group; its port is derived from the job id, so no port is published.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MASTER_PORT_BASE = 20000
+MASTER_PORT_SPAN = 10000
+
+
+def engines_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "rendezvous" / "engines"
+
+
+def write_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON so that readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def publish_engine(run_dir: str | Path, name: str, url: str, pid: int, node: str, incarnation: str) -> Path:
+    """Publish one engine's URL for this incarnation of the job."""
+    path = engines_dir(run_dir) / f"{name}.json"
+    write_atomic(path, {"url": url, "pid": pid, "node": node, "incarnation": incarnation})
+    return path
+
+
+def read_engines(run_dir: str | Path, incarnation: str | None = None) -> list[dict[str, Any]]:
+    """Published engine records (of `incarnation` only, when given), sorted by file name."""
+    out = []
+    for path in sorted(engines_dir(run_dir).glob("*.json")):
+        rec = json.loads(path.read_text())
+        if incarnation is None or rec.get("incarnation") == incarnation:
+            out.append(rec)
+    return out
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for_engines(
+    run_dir: str | Path, n: int, timeout_s: float, incarnation: str | None = None, poll_s: float = 0.5
+) -> list[str]:
+    """URLs of `n` published engines once each answers /health; TimeoutError naming what is missing."""
+    deadline = time.monotonic() + timeout_s
+    urls: list[str] = []
+    while time.monotonic() < deadline:
+        urls = [r["url"] for r in read_engines(run_dir, incarnation)]
+        if len(urls) >= n and all(healthy(u) for u in urls):
+            return urls
+        time.sleep(poll_s)
+    raise TimeoutError(
+        f"{len(urls)} of {n} engines published in {engines_dir(run_dir)} after {timeout_s:.0f}s "
+        f"(healthy: {sum(healthy(u) for u in urls)}); see {Path(run_dir) / 'logs'} and raise "
+        "engine.startup_timeout_s if they are still loading"
+    )
+
+
+def master_port(job_id: str | int) -> int:
+    """Trainer rendezvous port of a job: stable for the job (and its requeues), distinct across jobs."""
+    return MASTER_PORT_BASE + int(str(job_id).split("_")[0]) % MASTER_PORT_SPAN
+
+
+def node_address(name: str) -> str:
+    """IP address of a Slurm node: DNS first, else the NodeAddr Slurm knows (one-host dev clusters)."""
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        pass
+    out = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True, check=True)
+    for word in out.stdout.split():
+        if word.startswith("NodeAddr="):
+            return word.split("=", 1)[1]
+    raise RuntimeError(f"node {name!r} has no address in DNS nor in `scontrol show node`")

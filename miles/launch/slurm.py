@@ -1,0 +1,174 @@
+"""Slurm job text, rendered by pure functions: a typed JobSpec in, sbatch script text out, no I/O.
+
+A disaggregated run is ONE heterogeneous job: component 0 is the rollout group, component 1 the
+actor group (`#SBATCH hetjob` between them), each role started with `srun --het-group=N`. A
+colocated run is one homogeneous group running both roles (`srun --overlap`). Sweeps of
+homogeneous layouts add `--array=0-N%k`; the array task picks its point's run directory.
+
+Preemption: `--signal=B:USR2@S` reaches the batch shell S seconds before the time limit; its trap
+touches RUN_DIR/control/preempt (the loop checkpoints at the next step boundary and exits 0), waits
+for the actor step, then `scontrol requeue`s the job. Every start runs the loop with `--resume`, so
+a requeued job continues from its last complete checkpoint by itself.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+RUN_DIR = "{run_dir}"
+"""Placeholder in a step's argv or an env value for the run directory (an array task picks its own)."""
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One het-job component (or the only group of a homogeneous job)."""
+
+    role: str
+    nodes: int
+    ntasks_per_node: int
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    partition: str | None = None
+    constraint: str | None = None
+    account: str | None = None
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One `srun` step: which group it runs on and what it runs."""
+
+    role: str
+    het_group: int | None
+    argv: tuple[str, ...]
+    srun_flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the batch script says, resolved. `run_dirs` has one entry per array task (or one)."""
+
+    job_name: str
+    run_dirs: tuple[str, ...]
+    log_dir: str
+    time_limit_min: int
+    components: tuple[ComponentSpec, ...]
+    steps: tuple[StepSpec, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    setup: tuple[str, ...] = ()
+    requeue_signal_s: int | None = 120
+    array_parallelism: int | None = None
+    comment: str | None = None
+
+    @property
+    def is_array(self) -> bool:
+        return len(self.run_dirs) > 1
+
+    @property
+    def is_het(self) -> bool:
+        return len(self.components) > 1
+
+
+def _component_lines(c: ComponentSpec) -> list[str]:
+    opts = [f"--nodes={c.nodes}", f"--ntasks-per-node={c.ntasks_per_node}"]
+    if c.gpus_per_node:
+        opts.append(f"--gpus-per-node={c.gpus_per_node}")
+    if c.cpus_per_task:
+        opts.append(f"--cpus-per-task={c.cpus_per_task}")
+    for name, value in (("partition", c.partition), ("constraint", c.constraint), ("account", c.account)):
+        if value:
+            opts.append(f"--{name}={value}")
+    return [f"#SBATCH {o}" for o in (*opts, *c.flags)]
+
+
+def _header(spec: JobSpec) -> list[str]:
+    out_pattern = "%A_%a" if spec.is_array else "%j"
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={spec.job_name}",
+        f"#SBATCH --output={spec.log_dir}/{out_pattern}_0_log.out",
+        f"#SBATCH --error={spec.log_dir}/{out_pattern}_0_log.err",
+        f"#SBATCH --time={spec.time_limit_min}",
+        "#SBATCH --open-mode=append",
+    ]
+    if spec.comment:
+        lines.append(f"#SBATCH --comment={spec.comment}")
+    if spec.requeue_signal_s is not None:
+        lines += [f"#SBATCH --signal=B:USR2@{spec.requeue_signal_s}", "#SBATCH --requeue"]
+    if spec.is_array:
+        k = spec.array_parallelism or len(spec.run_dirs)
+        lines.append(f"#SBATCH --array=0-{len(spec.run_dirs) - 1}%{k}")
+    for i, comp in enumerate(spec.components):
+        if i:
+            lines.append("#SBATCH hetjob")
+        lines += _component_lines(comp)
+    return lines
+
+
+def _run_dir_lines(spec: JobSpec) -> list[str]:
+    if not spec.is_array:
+        return [f"RUN_DIR={shlex.quote(spec.run_dirs[0])}"]
+    quoted = " ".join(shlex.quote(d) for d in spec.run_dirs)
+    return [f"RUN_DIRS=({quoted})", 'RUN_DIR="${RUN_DIRS[$SLURM_ARRAY_TASK_ID]}"']
+
+
+TRAP = """\
+# USR2 before the time limit: ask the loop for a checkpoint, let the actor step finish it, requeue.
+on_usr2() {
+  echo "miles: USR2 at $(date +%s): checkpoint requested, requeueing job $SLURM_JOB_ID"
+  touch "$RUN_DIR/control/preempt"
+  wait "$ACTOR_PID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+}
+trap on_usr2 USR2"""
+
+
+def _srun(step: StepSpec) -> str:
+    words = ["srun", "--kill-on-bad-exit=1", "--export=ALL"]
+    if step.het_group is not None:
+        words.append(f"--het-group={step.het_group}")
+    words += list(step.srun_flags)
+    redirect = f'--output="$RUN_DIR/logs/{step.role}-%t.log"'
+    return " ".join([*words, redirect, *(_word(a) for a in step.argv)])
+
+
+def _word(text: str) -> str:
+    """Shell-quote `text`, expanding the run-directory placeholder to "$RUN_DIR"."""
+    if RUN_DIR not in text:
+        return shlex.quote(text)
+    return '"' + text.replace(RUN_DIR, "$RUN_DIR").replace('"', '\\"') + '"'
+
+
+def render_sbatch(spec: JobSpec) -> str:
+    """The batch script of `spec` (the exact text handed to sbatch)."""
+    assert spec.steps and spec.steps[-1].role == "actor", "the actor step is last: its exit ends the job"
+    lines = _header(spec)
+    lines += ["", "set -uo pipefail", *_run_dir_lines(spec)]
+    lines += [f"export {k}={_word(v)}" for k, v in sorted(spec.env.items())]
+    lines += list(spec.setup)
+    lines += ['mkdir -p "$RUN_DIR/logs" "$RUN_DIR/control"', 'rm -f "$RUN_DIR/control/preempt"']
+    lines += ['echo "miles: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} run $RUN_DIR"']
+    if spec.requeue_signal_s is not None:
+        lines += ["", TRAP]
+    lines.append("")
+    for step in spec.steps[:-1]:
+        lines += [_srun(step) + " &", f"{step.role.upper()}_PID=$!"]
+    lines += [_srun(spec.steps[-1]) + " &", "ACTOR_PID=$!"]
+    lines += [
+        "",
+        "# `wait PID` returns early when a trapped signal arrives, so the trap runs promptly.",
+        'wait "$ACTOR_PID"',
+        "STATUS=$?",
+    ]
+    for step in spec.steps[:-1]:
+        pid = f"${step.role.upper()}_PID"
+        lines.append(f'kill -TERM "{pid}" 2>/dev/null; wait "{pid}" 2>/dev/null')
+    lines += ['echo "miles: actor step exited with $STATUS"', 'exit "$STATUS"', ""]
+    return "\n".join(lines)
+
+
+def sbatch_command(script_path: str) -> list[str]:
+    """The command that submits a rendered script (printed by --dry-run)."""
+    return ["sbatch", "--parsable", script_path]

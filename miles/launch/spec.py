@@ -1,0 +1,212 @@
+"""Plan + profile -> JobSpec: the checks that run before submission and the layout of roles on groups.
+
+Every check raises ConfigError naming the key to change, before anything reaches Slurm:
+node and time limits of the partition, GPUs a profile lacks, a container profile without an
+image, parallelism the groups cannot hold. `job_facts` is what the job-side bootstrap needs
+besides plan.yaml (written as RUN_DIR/launch.json).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from miles.cluster.collectives import collectives_env
+from miles.config import ConfigError, Plan
+from miles.config.profile import Profile
+from miles.launch.slurm import RUN_DIR, ComponentSpec, JobSpec, StepSpec
+
+log = logging.getLogger("miles.launch")
+
+
+def engines_per_node(plan: Plan, profile: Profile) -> int:
+    """Engine servers on one rollout node (checked: SGLang servers must fit the node's GPUs)."""
+    e = plan.engine
+    if e.kind == "embedded":
+        return plan.launch.engines_per_node or e.num_engines
+    if profile.gpus_per_node == 0:
+        raise ConfigError(
+            f"engine.kind=sglang needs GPUs, but profile {profile.name!r} has none; "
+            "set engine.kind=embedded or pick a GPU profile"
+        )
+    if e.tp_size > profile.gpus_per_node or profile.gpus_per_node % e.tp_size:
+        raise ConfigError(
+            f"engine.tp_size={e.tp_size} must divide the {profile.gpus_per_node} GPUs per node of profile "
+            f"{profile.name!r}; change engine.tp_size"
+        )
+    if e.dp_size > 1 and e.tp_size % e.dp_size:
+        raise ConfigError(f"engine.dp_size={e.dp_size} must divide engine.tp_size={e.tp_size} (DP attention)")
+    if e.tp_size % e.ep_size:
+        raise ConfigError(f"engine.ep_size={e.ep_size} must divide engine.tp_size={e.tp_size}")
+    fit = profile.gpus_per_node // e.tp_size
+    n = plan.launch.engines_per_node or fit
+    if n > fit:
+        raise ConfigError(
+            f"launch.engines_per_node={n} servers of engine.tp_size={e.tp_size} need {n * e.tp_size} GPUs; "
+            f"profile {profile.name!r} has {profile.gpus_per_node} per node"
+        )
+    return n
+
+
+def actor_tasks_per_node(plan: Plan, profile: Profile) -> int:
+    """Trainer ranks per actor node (one per GPU by default)."""
+    n = plan.launch.actor_tasks_per_node or profile.gpus_per_node or 1
+    if profile.gpus_per_node and n > profile.gpus_per_node:
+        raise ConfigError(
+            f"launch.actor_tasks_per_node={n} exceeds the {profile.gpus_per_node} GPUs per node of profile "
+            f"{profile.name!r}"
+        )
+    return n
+
+
+def _check_partition(plan: Plan, profile: Profile) -> str | None:
+    lc = plan.launch
+    partition = lc.partition or profile.partition
+    nodes = lc.actor_nodes + (lc.rollout_nodes if lc.layout == "disaggregated" else 0)
+    limits = profile.partitions.get(partition) if partition else None
+    if partition and profile.partitions and limits is None:
+        raise ConfigError(
+            f"launch.partition={partition!r} is not a partition of profile {profile.name!r}; "
+            f"known: {', '.join(sorted(profile.partitions))}"
+        )
+    max_nodes = limits.max_nodes if limits else profile.max_nodes
+    if nodes > max_nodes:
+        raise ConfigError(
+            f"the job needs {nodes} nodes (launch.rollout_nodes={lc.rollout_nodes} + launch.actor_nodes="
+            f"{lc.actor_nodes}) but partition {partition!r} of profile {profile.name!r} allows {max_nodes}; "
+            "lower launch.rollout_nodes / launch.actor_nodes"
+        )
+    if limits and limits.max_time_min and lc.time_limit_min > limits.max_time_min:
+        raise ConfigError(
+            f"launch.time_limit_min={lc.time_limit_min} exceeds the {limits.max_time_min} min limit of "
+            f"partition {partition!r}; lower launch.time_limit_min"
+        )
+    return partition
+
+
+def _check_parallelism(plan: Plan, profile: Profile, ranks: int) -> None:
+    t = plan.train
+    if min(t.tensor_parallel, t.pipeline_parallel, t.expert_parallel) < 1:
+        raise ConfigError(
+            "train.tensor_parallel, train.pipeline_parallel and train.expert_parallel must be >= 1"
+        )
+    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    if ranks % model_parallel:
+        raise ConfigError(
+            f"the actor group has {ranks} ranks, not a multiple of train.tensor_parallel x "
+            f"train.pipeline_parallel = {model_parallel}; change launch.actor_nodes or the parallel sizes"
+        )
+    if (ranks // t.pipeline_parallel) % t.expert_parallel:
+        raise ConfigError(
+            f"train.expert_parallel={t.expert_parallel} must divide the {ranks // t.pipeline_parallel} ranks of "
+            f"one pipeline stage ({ranks} ranks / train.pipeline_parallel={t.pipeline_parallel})"
+        )
+    if plan.launch.pipeline_last_stage_layers is not None and t.pipeline_parallel < 2:
+        raise ConfigError("launch.pipeline_last_stage_layers needs train.pipeline_parallel >= 2")
+    if t.backend == "megatron" and profile.vendor == "cpu":
+        raise ConfigError(f"train.backend=megatron needs GPUs; profile {profile.name!r} has none")
+
+
+def container_image(plan: Plan, profile: Profile) -> str | None:
+    """The image every step runs in, or None when the profile runs without containers."""
+    if not profile.container.enabled:
+        return None
+    image = plan.launch.container_image or profile.container.image
+    if not image:
+        raise ConfigError(
+            f"profile {profile.name!r} runs steps in a container but names no image; set "
+            f"container.image in its YAML or launch.container_image (see containers/README.md)"
+        )
+    return image
+
+
+def check(plan: Plan, profile: Profile) -> dict[str, Any]:
+    """All pre-submission checks; returns the derived layout facts (logged) for job_facts."""
+    lc = plan.launch
+    for key in ("rollout_nodes", "actor_nodes", "time_limit_min", "array_parallelism"):
+        if getattr(lc, key) < 1:
+            raise ConfigError(f"launch.{key} must be >= 1 (got {getattr(lc, key)})")
+    partition = _check_partition(plan, profile)
+    tasks = actor_tasks_per_node(plan, profile)
+    _check_parallelism(plan, profile, lc.actor_nodes * tasks)
+    per_node = engines_per_node(plan, profile)
+    rollout_nodes = lc.rollout_nodes if lc.layout == "disaggregated" else lc.actor_nodes
+    facts = {
+        "profile": profile.name,
+        "layout": lc.layout,
+        "partition": partition,
+        "actor_ranks": lc.actor_nodes * tasks,
+        "actor_tasks_per_node": tasks,
+        "engines_per_node": per_node,
+        "num_engines": rollout_nodes * per_node,
+        "engine_kind": plan.engine.kind,
+        "engine_host": profile.engine_host,
+        "gpus_per_node": profile.gpus_per_node,
+        "bootstrap": profile.bootstrap,
+        "container_image": container_image(plan, profile),
+    }
+    for key, value in facts.items():
+        log.info("derived launch.%s = %r", key, value)
+    return facts
+
+
+def _container_flags(plan: Plan, profile: Profile, image: str | None, env: dict[str, str]) -> tuple[str, ...]:
+    if image is None:
+        return ()
+    root = plan.run.runs_root
+    mounts = [*profile.container.mounts, f"{root}:{root}"]
+    flags = [f"--container-image={image}", f"--container-mounts={','.join(mounts)}"]
+    if profile.container.workdir:
+        flags.append(f"--container-workdir={profile.container.workdir}")
+    # listed variables keep the host's value even where the image sets its own
+    return (*flags, f"--container-env={','.join(sorted(env))}")
+
+
+def build_job(
+    plan: Plan, profile: Profile, run_dirs: list[str], *, log_dir: str, python: str = sys.executable
+) -> JobSpec:
+    """The JobSpec of `plan` on `profile`; one run dir per array task (sweeps), else one."""
+    facts = check(plan, profile)
+    lc = plan.launch
+    env = {"PYTHONUNBUFFERED": "1", **profile.env, **collectives_env(profile, f"{RUN_DIR}/logs")}
+    flags = (*_container_flags(plan, profile, facts["container_image"], env), *profile.srun_flags)
+    common = {
+        "partition": facts["partition"],
+        "constraint": profile.constraint,
+        "account": profile.account,
+        "flags": tuple(profile.sbatch_flags),
+    }
+    gpus = profile.gpus_per_node
+    actor = ComponentSpec("actor", lc.actor_nodes, facts["actor_tasks_per_node"], gpus, **common)
+    boot = (python, "-m", "miles.cluster.bootstrap")
+    rollout_argv = (*boot, "rollout", "--run-dir", RUN_DIR)
+    actor_argv = (*boot, "actor", "--run-dir", RUN_DIR, "--", python, "-m", lc.actor_module)
+    actor_argv += ("--run-dir", RUN_DIR, "--resume")
+    mpi = ("--mpi=pmix",) if profile.bootstrap == "mpi" else ()
+    if lc.layout == "disaggregated":
+        components = (ComponentSpec("rollout", lc.rollout_nodes, 1, gpus, **common), actor)
+        steps = (
+            StepSpec("rollout", 0, rollout_argv, flags),
+            StepSpec("actor", 1, actor_argv, (*mpi, *flags)),
+        )
+    else:
+        components = (actor,)
+        per_node = ("--overlap", f"--nodes={lc.actor_nodes}", "--ntasks-per-node=1")
+        steps = (
+            StepSpec("rollout", None, rollout_argv, (*per_node, *flags)),
+            StepSpec("actor", None, actor_argv, ("--overlap", *mpi, *flags)),
+        )
+    return JobSpec(
+        job_name=f"miles-{plan.run.name}" if len(run_dirs) == 1 else f"miles-sweep-{lc.sweep_tag}",
+        run_dirs=tuple(run_dirs),
+        log_dir=log_dir,
+        time_limit_min=lc.time_limit_min,
+        components=components,
+        steps=steps,
+        env=env,
+        setup=tuple(profile.setup),
+        requeue_signal_s=profile.requeue_signal_s if lc.requeue else None,
+        array_parallelism=lc.array_parallelism if len(run_dirs) > 1 else None,
+        comment=f"miles-sweep:{lc.sweep_tag}" if lc.sweep_tag else None,
+    )
