@@ -105,13 +105,17 @@ def check_offload_dir(
         ) from None
 
 
+def _human(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def check_free_space(path: str | os.PathLike[str], need_bytes: int) -> None:
     """Refuse to start when the filesystem cannot hold the streamed state (given in bytes)."""
     free = shutil.disk_usage(path).free
     if free < need_bytes:
         raise OffloadError(
-            f"train.offload_dir={str(path)!r} has {free / 2**30:.2f} GiB free but the streamed optimiser "
-            f"state needs {need_bytes / 2**30:.2f} GiB (two versions of every bucket during a step); "
+            f"train.offload_dir={str(path)!r} has {_human(free)} free but the streamed optimiser "
+            f"state needs {_human(need_bytes)} (two versions of every bucket during a step); "
             "free space there, point train.offload_dir at a larger disk, or use "
             "train.offload_moment_dtype=bf16 to halve the moments"
         )

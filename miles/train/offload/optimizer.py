@@ -54,9 +54,9 @@ def _disk_store(directory: str | None, rank: int, buckets: list[Bucket], require
     store.remove_stale()
     check_free_space(root, 2 * sum(b.nbytes for b in buckets))
     log.info(
-        "rank %d: streaming %.2f GiB of optimiser state in %d buckets through %s (%s I/O)",
+        "rank %d: streaming %.1f MiB of optimiser state in %d buckets through %s (%s I/O)",
         rank,
-        sum(b.nbytes for b in buckets) / 2**30,
+        sum(b.nbytes for b in buckets) / 2**20,
         len(buckets),
         root,
         "O_DIRECT" if store.direct else "buffered",
