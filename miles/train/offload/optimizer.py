@@ -74,7 +74,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         mode: Literal["cpu", "nvme"] = "cpu",
         bucket_bytes: int = 256 * 2**20,
         moment_dtype: torch.dtype = torch.float32,
