@@ -193,3 +193,29 @@ def test_offload_onload_and_checkpoint(env):
     assert all(torch.equal(v, snap[k]) for k, v in _export(b).items())
     m1 = b.train(samples)
     assert m1["loss"] == m1["loss"] and b.step_count == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)])
+def test_parallel_layouts_match_reference(env, tp, pp):
+    """TP=2, PP=2 and DP=2 (tp=pp=1 on 2 ranks) each reproduce the single-model reference step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("megatron_ranks.py")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
+    proc = subprocess.run(
+        cmd + [env[0], env[1] + f"/tp{tp}pp{pp}", str(tp), str(pp)], capture_output=True, text=True
+    )
+    print(proc.stdout[-2000:], proc.stderr[-4000:] if proc.returncode else "")
+    assert proc.returncode == 0
+    assert "RESULT" in proc.stdout

@@ -255,9 +255,11 @@ class MegatronBackend:
                 vec += torch.stack([o[k].double() for k in names])
         dist.all_reduce(vec)
         tokens = max(float(vec[names.index("tokens")]), 1.0)
-        return {
-            k: float(v) if k.endswith("_loss") else float(v) / tokens for k, v in zip(names, vec, strict=True)
-        }
+        out = {}
+        for k, v in zip(names, vec.tolist(), strict=True):
+            final = k == "loss" or k.endswith("_loss") or k == "tokens"
+            out["tis_weight_mean" if k == "tis_weight" else k] = v if final else v / tokens
+        return out
 
     @torch.no_grad()
     def _old_logprobs(self, samples: list[Sample], adv: list[float]) -> list[Tensor] | None:

@@ -69,6 +69,18 @@ def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
     return str(out)
 
 
+def _load_parameter_state(optimizer: Any, path: str) -> None:
+    """Megatron's loader expects no per-parameter `step` tensor, which torch's Adam keeps: set it aside."""
+    inners = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    kept = [{p: st.pop("step") for p, st in inner.state.items() if "step" in st} for inner in inners]
+    try:
+        optimizer.load_parameter_state(path)
+    finally:
+        for inner, steps in zip(inners, kept, strict=True):
+            for p, step in steps.items():
+                inner.state[p]["step"] = step
+
+
 def load(backend: Any, step: int | None) -> dict[str, Any]:
     """Collective; restores weights, master weights, moments, RNG and the step; returns `extra`."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -88,7 +100,7 @@ def load(backend: Any, step: int | None) -> dict[str, Any]:
         )
     backend.gpt.load_state_dict(torch.load(model_f, map_location="cpu"), strict=False)
     backend.optimizer.load_state_dict(torch.load(optim_f, map_location="cpu", weights_only=False))
-    backend.optimizer.load_parameter_state(str(state_f))
+    _load_parameter_state(backend.optimizer, str(state_f))
     rng = torch.load(model_f.parent / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     torch.cuda.set_rng_state(rng["cuda"])
