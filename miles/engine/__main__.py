@@ -22,6 +22,7 @@ import uvicorn
 from miles.engine.model import Decoder, ModelSpec, load_weights
 from miles.engine.scheduler import Scheduler
 from miles.engine.server import EngineState, build_app, model_path_of
+from miles.engine.tokenizer import load_codec
 
 log = logging.getLogger("miles.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,16 +56,6 @@ def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _tokenizer(model_dir: Path):
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as e:
-        log.warning("no tokenizer in %s (%s): only input_ids requests will work", model_dir, e)
-        return None
-
-
 def build_state(args: argparse.Namespace) -> EngineState:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -75,7 +66,9 @@ def build_state(args: argparse.Namespace) -> EngineState:
     spec = ModelSpec.from_dir(model_dir)
     decoder = Decoder(spec, load_weights(model_dir), device, dtype)
     scheduler = Scheduler(decoder, args.max_running_requests, args.max_total_tokens, args.max_prefill_tokens)
-    tok = _tokenizer(model_dir)
+    tok = load_codec(model_dir)
+    if tok is None:
+        log.warning("no tokenizer.json in %s: only input_ids requests will work", model_dir)
     server_args = {
         "model_path": model_path_of(args.model),
         "tokenizer_path": model_path_of(args.model),

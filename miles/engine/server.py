@@ -117,7 +117,7 @@ def _items(req: GenerateReqInput, state: EngineState) -> list[tuple[list[int], d
             raise BadRequest("this engine has no tokenizer; send 'input_ids' instead of 'text'")
         texts = [req.text] if isinstance(req.text, str) else req.text
         batch = None if isinstance(req.text, str) else texts
-        prompts = [state.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        prompts = [state.tokenizer.encode(t) for t in texts]
     n = len(prompts)
 
     def per_item(value: Any, default: Any, name: str) -> list[Any]:
