@@ -201,15 +201,18 @@ class FSDPBackend:
         for k, (real, packed) in enumerate(self._micro_batches(samples, rank_plan)):
             self.model.set_requires_gradient_sync(k == rank_plan.n_micro - 1)
             logp, logits = self._forward(self.model, packed)
+            if not real:
+                # a pass that only keeps this rank in step with the others' collectives
+                (logp.sum() * 0.0).backward()
+                continue
             tb = self._token_batch(packed, logp, logits, adv, old, ref, rank_plan)
             loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio)
             # FSDP averages gradients over ranks; the global weights already normalise the loss
-            (loss * (self.world_size if real else 0.0)).backward()
-            if real:
-                values = [sums[key] for key in _LOSS_KEYS + _TOKEN_KEYS]
-                stats[: len(values)] += torch.stack(values).double().cpu()
-                if measure_mismatch:
-                    self._add_mismatch(stats, logp.detach(), packed)
+            (loss * self.world_size).backward()
+            values = [sums[key] for key in _LOSS_KEYS + _TOKEN_KEYS]
+            stats[: len(values)] += torch.stack(values).double().cpu()
+            if measure_mismatch:
+                self._add_mismatch(stats, logp.detach(), packed)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(norm, DTensor):
