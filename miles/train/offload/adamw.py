@@ -39,8 +39,13 @@ def adamw_(
     exp_avg_sq: torch.Tensor,
     step: int,
     h: Hyper,
+    scratch: torch.Tensor | None = None,
 ) -> None:
-    """Update fp32 `param`, `exp_avg`, `exp_avg_sq` in place for 1-based `step`."""
+    """Update fp32 `param`, `exp_avg`, `exp_avg_sq` in place for 1-based `step`.
+
+    `scratch` (fp32, at least as long as param) holds the denominator instead of two temporaries;
+    `sqrt(out=)` then in-place `div_`/`add_` are the same kernels, so the bits do not change.
+    """
     if h.weight_decay != 0:
         param.mul_(1 - h.lr * h.weight_decay)
     exp_avg.lerp_(grad, 1 - h.beta1)
@@ -50,7 +55,11 @@ def adamw_(
     bias_correction2 = 1 - h.beta2**t
     step_size = h.lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(h.eps)
+    if scratch is None:
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(h.eps)
+    else:
+        denom = torch.sqrt(exp_avg_sq, out=scratch[: exp_avg_sq.numel()])
+        denom.div_(bias_correction2_sqrt).add_(h.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
@@ -61,11 +70,12 @@ def adamw_stored_(
     exp_avg_sq: torch.Tensor,
     step: int,
     h: Hyper,
+    scratch: torch.Tensor | None = None,
 ) -> None:
     """`adamw_` for state of any storage dtype: widen to fp32, update, narrow back in place."""
     work = [t if t.dtype == torch.float32 else t.float() for t in (param, exp_avg, exp_avg_sq)]
     g = grad if grad.dtype == torch.float32 else grad.float()
-    adamw_(work[0], g, work[1], work[2], step, h)
+    adamw_(work[0], g, work[1], work[2], step, h, scratch)
     for stored, w in zip((param, exp_avg, exp_avg_sq), work, strict=True):
         if stored is not w:
             stored.copy_(w)

@@ -108,6 +108,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         else:
             raise OffloadError(f"train.optimizer_offload={mode!r} is not one of: cpu, nvme")
         self.stage = make_stage(self.device, max(b.nbytes for b in self.buckets))
+        self.scratch = torch.empty(
+            max(b.numel for b in self.buckets), dtype=torch.float32, device=self.device
+        )
         self._ready = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -187,7 +190,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if self.keep_master:
                     master.copy_(param)
             g = grad.reshape(-1)[src]
-            adamw_stored_(master, g, m, v, step, hypers[self.group_of[piece.param]])
+            adamw_stored_(master, g, m, v, step, hypers[self.group_of[piece.param]], self.scratch)
             if self.keep_master:
                 param.copy_(master)
 
