@@ -114,14 +114,19 @@ def test_gptmodel_on_cpu_loads_and_returns_hf_weights(tiny_model):
 
     from miles.train.megatron import model as M
 
-    if not dist.is_initialized():
+    ours = not dist.is_initialized()
+    if ours:  # a private world-size-1 group, torn down below so later tests start clean
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
-    cfg = AutoConfig.from_pretrained(tiny_model)
-    gpt = M.build_gpt(cfg, M.transformer_config(cfg, torch.float32, 1, 1, use_cpu=True))
-    hf = M.read_hf_state(tiny_model)
-    M.load_hf_into(gpt, hf, cfg)
-    back = convert.megatron_to_hf(gpt.state_dict(), M.shapes_of(cfg))
+    try:
+        cfg = AutoConfig.from_pretrained(tiny_model)
+        gpt = M.build_gpt(cfg, M.transformer_config(cfg, torch.float32, 1, 1, use_cpu=True))
+        hf = M.read_hf_state(tiny_model)
+        M.load_hf_into(gpt, hf, cfg)
+        back = convert.megatron_to_hf(gpt.state_dict(), M.shapes_of(cfg))
+    finally:
+        if ours:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[k], hf[k]) for k in hf)
