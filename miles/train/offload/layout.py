@@ -113,6 +113,12 @@ def plan_buckets(numels: list[int], bucket_bytes: int, fields: list[tuple[str, t
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 host tensor of nbytes whose data pointer is 4 KiB aligned (pinned if asked)."""
+    if pin:
+        # the pinned allocator rounds sizes up to a power of two and returns page-aligned blocks:
+        # asking for nbytes + ALIGN could double the pinned memory of a power-of-two bucket
+        exact = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if exact.data_ptr() % ALIGN == 0:
+            return exact
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + nbytes]
