@@ -48,13 +48,13 @@ _LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
 _TOKEN_KEYS = ("kl", "entropy", "clip_frac", "tis_weight", "tis_clip_frac")
 
 
-def pick_device(name: str) -> torch.device:
-    """`train.device` -> a torch.device ("auto": CUDA when present, the local rank's GPU)."""
+def pick_device_type(name: str) -> str:
+    """`train.device` -> "cpu" or "cuda" ("auto": CUDA when a GPU is visible)."""
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; set train.device=cpu or auto")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+        return "cpu"
+    return "cuda"
 
 
 def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype, trainable: bool) -> nn.Module:
@@ -101,8 +101,11 @@ class FSDPBackend:
         """Process group, sharded policy (and reference), optimiser and LR schedule."""
         t = plan.train
         self.plan = plan
-        self.device = pick_device(t.device)
-        init_distributed(self.device.type, t.collective_timeout_s)
+        device_type = pick_device_type(t.device)
+        init_distributed(device_type, t.collective_timeout_s)  # also selects this rank's GPU
+        self.device = torch.device(
+            device_type, torch.cuda.current_device() if device_type == "cuda" else None
+        )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(plan.run.seed)
         self.estimator = get_estimator(t.loss.advantage)
@@ -142,8 +145,9 @@ class FSDPBackend:
             grad_norms.append(self._update(samples, rank_plan, adv, old, ref, stats, measure))
         self.scheduler.step()
         self.step += 1
-        dist.all_reduce(stats_dev := stats.to(self.device))
-        return self._metrics(stats_dev.cpu(), plans, grad_norms, lr, start, rewards)
+        stats = stats.to(self.device)
+        dist.all_reduce(stats)
+        return self._metrics(stats.cpu(), plans, grad_norms, lr, start, rewards)
 
     def _forward(self, model: nn.Module, packed: Packed) -> tuple[Tensor, Tensor]:
         out = model(
