@@ -164,10 +164,15 @@ def _container_flags(plan: Plan, profile: Profile, image: str | None, env: dict[
 
 
 def build_job(
-    plan: Plan, profile: Profile, run_dirs: list[str], *, log_dir: str, python: str = sys.executable
+    plan: Plan, profile: Profile, run_dirs: list[str], *, log_dir: str, python: str | None = None
 ) -> JobSpec:
-    """The JobSpec of `plan` on `profile`; one run dir per array task (sweeps), else one."""
+    """The JobSpec of `plan` on `profile`; one run dir per array task (sweeps), else one.
+
+    `python` runs the job-side entry points: by default this interpreter, or the image's `python`
+    when steps run in a container.
+    """
     facts = check(plan, profile)
+    python = python or ("python" if facts["container_image"] else sys.executable)
     lc = plan.launch
     env = {"PYTHONUNBUFFERED": "1", **profile.env, **collectives_env(profile, f"{RUN_DIR}/logs")}
     flags = (*_container_flags(plan, profile, facts["container_image"], env), *profile.srun_flags)

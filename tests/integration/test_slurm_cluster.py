@@ -1,0 +1,143 @@
+"""On the one-host Slurm dev cluster (`make slurm-up`): het jobs, arrays, cancel, requeue, MPI bootstrap.
+
+Each job runs real processes: the embedded engine on the rollout node, gloo trainer ranks on the
+actor nodes, started by srun inside a real het job and tracked through submitit + sacct.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.launch.status import cancel, run_logs, run_status, sweep_status
+from miles.launch.submit import submit, sweep
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "recipes" / "slurm-tiny.yaml")
+SELFTEST = "launch.actor_module=miles.cluster.selftest"
+
+
+def _cluster_up() -> str | None:
+    if shutil.which("sinfo") is None:
+        return "Slurm is not installed (see .ci/run)"
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True)
+    idle = [s for s in out.stdout.split() if s in ("idle", "mixed", "allocated")]
+    return None if out.returncode == 0 and len(idle) >= 3 else "dev cluster not up (make slurm-up)"
+
+
+REASON = _cluster_up()
+if REASON and os.environ.get("CI"):
+    raise RuntimeError(f"CI needs the Slurm dev cluster: {REASON}")
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+
+def _wait(run_dir: str, states: tuple[str, ...], timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        state = run_status(run_dir)["state"]
+        if state.startswith(states):
+            return state
+        time.sleep(1.0)
+    raise AssertionError(f"{run_dir}: still {state} after {timeout_s}s\n{run_logs(run_dir)}")
+
+
+def _common(tmp_path: Path, tiny_model: str) -> list[str]:
+    return [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", SELFTEST]
+
+
+def test_het_job_engine_and_gloo_ranks(tmp_path: Path, tiny_model: str) -> None:
+    sub = submit(TINY, "local", _common(tmp_path, tiny_model))
+    run_dir = Path(sub.run_dirs[0])
+    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED")) == "COMPLETED", run_logs(
+        run_dir, "actor"
+    )
+    result = json.loads((run_dir / "selftest.json").read_text())
+    assert result["world_size"] == 2 and result["allreduce"] == 3.0 and len(result["engines"]) == 1
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "rendezvous" / "ranks").glob("*.json"))]
+    assert {r["node"] for r in ranks} == {"n2", "n3"} or len({r["node"] for r in ranks}) == 2
+    assert all(r["source"] == "slurm" and r["MASTER_ADDR"] == "127.0.0.1" for r in ranks)
+    assert (run_dir / "checkpoints" / "step_2" / ".complete").exists()
+    assert "actor step exited with 0" in run_logs(run_dir)
+
+
+def test_sweep_as_job_array(tmp_path: Path, tiny_model: str) -> None:
+    common = [
+        *_common(tmp_path, tiny_model),
+        "launch.layout=colocated",
+        "launch.actor_nodes=1",
+        "train.steps=1",
+    ]
+    sub = sweep(TINY, "local", common, ["train.lr=0.1,0.2", "rollout.temperature=0.5,1.0"], tag="t4")
+    assert len(sub.job_ids) == 4 and len({j.split("_")[0] for j in sub.job_ids}) == 1  # one array
+    for run_dir in sub.run_dirs:
+        assert _wait(run_dir, ("COMPLETED", "FAILED", "CANCELLED"), 180) == "COMPLETED", run_logs(
+            run_dir, "actor"
+        )
+    rows = sweep_status(tmp_path, "t4")
+    assert [r["state"] for r in rows] == ["COMPLETED"] * 4
+    assert (
+        all(r["metrics"]["step"] == 1 for r in rows)
+        and rows[3]["point"] == "train.lr=0.2 rollout.temperature=1.0"
+    )
+
+
+def test_cancel(tmp_path: Path, tiny_model: str) -> None:
+    sub = submit(TINY, "local", [*_common(tmp_path, tiny_model), "train.steps=200"])
+    run_dir = sub.run_dirs[0]
+    _wait(run_dir, ("RUNNING",))
+    assert cancel(run_dir) == sub.job_ids[0]
+    assert _wait(run_dir, ("CANCELLED",), 60).startswith("CANCELLED")
+
+
+def test_requeue_resumes_from_checkpoint(tmp_path: Path, tiny_model: str) -> None:
+    sub = submit(TINY, "local", [*_common(tmp_path, tiny_model), "train.steps=16"])
+    run_dir = Path(sub.run_dirs[0])
+    deadline = time.monotonic() + 90
+    while (
+        not (run_dir / "metrics.jsonl").exists()
+        or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3
+    ):
+        assert time.monotonic() < deadline, run_logs(run_dir)
+        time.sleep(0.5)
+    # what Slurm does --signal seconds before the time limit: USR2 to the batch shell only
+    subprocess.run(["scancel", "--batch", "--signal=USR2", sub.job_ids[0]], check=True)
+    # Slurm holds a requeued job ~120 s before it is eligible again; make it eligible now
+    deadline = time.monotonic() + 60
+    while (
+        "Restarts=1"
+        not in subprocess.run(
+            ["scontrol", "show", "job", sub.job_ids[0]], capture_output=True, text=True
+        ).stdout
+    ):
+        assert time.monotonic() < deadline, run_logs(run_dir)
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={sub.job_ids[0]}", "StartTime=now"], check=True)
+    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 180) == "COMPLETED", run_logs(run_dir)
+    result = json.loads((run_dir / "selftest.json").read_text())
+    assert result["restart_count"] >= 1 and result["start_step"] >= 3 and result["end_step"] == 16
+    log = run_logs(run_dir)
+    assert "USR2" in log and "start 1" in log
+
+
+def test_mpi_bootstrap_under_pmix(tmp_path: Path, tiny_model: str) -> None:
+    pytest.importorskip("mpi4py")
+    prof = tmp_path / "local-mpi.yaml"
+    prof.write_text((REPO / "profiles" / "local.yaml").read_text() + "bootstrap: mpi\n")
+    sub = submit(TINY, str(prof), _common(tmp_path, tiny_model))
+    run_dir = Path(sub.run_dirs[0])
+    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED")) == "COMPLETED", run_logs(
+        run_dir, "actor"
+    )
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "rendezvous" / "ranks").glob("*.json"))]
+    assert [(r["source"], r["RANK"], r["WORLD_SIZE"]) for r in ranks] == [
+        ("mpi", "0", "2"),
+        ("mpi", "1", "2"),
+    ]
+    assert json.loads((run_dir / "selftest.json").read_text())["allreduce"] == 3.0

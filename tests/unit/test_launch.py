@@ -1,0 +1,165 @@
+"""Slurm rendering, pre-submission checks, SGLang command lines and golden sbatch files (no cluster)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.config import ConfigError
+from miles.launch.sglang import router_port, sglang_port, sglang_server_command
+from miles.launch.slurm import render_sbatch
+from miles.launch.spec import build_job
+from miles.launch.submit import grid_points, load_plan, submit, sweep
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
+from render import golden_path, pairs, render  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "recipes" / "slurm-tiny.yaml")
+
+
+@pytest.mark.parametrize(("recipe", "profile"), pairs())
+def test_golden_sbatch(recipe: str, profile: str) -> None:
+    path = golden_path(recipe, profile)
+    assert path.exists(), f"missing golden file {path}: run .venv/bin/python tests/golden/render.py"
+    assert render(recipe, profile) == path.read_text(), f"{path} differs: review, then regenerate"
+
+
+def _job(profile: str, overrides: list[str], tmp_path: Path) -> str:
+    plan, prof = load_plan(TINY, profile, [f"run.runs_root={tmp_path}", *overrides])
+    return render_sbatch(build_job(plan, prof, [plan.run_dir], log_dir=str(tmp_path / "logs")))
+
+
+def test_het_job_layout_and_requeue_trap(tmp_path: Path) -> None:
+    text = _job("local", ["launch.actor_nodes=3"], tmp_path)
+    head, _, tail = text.partition("#SBATCH hetjob")
+    assert "--nodes=1" in head and "--nodes=3" in tail.split("set -uo")[0]
+    assert "--het-group=0" in text and "--het-group=1" in text
+    assert "#SBATCH --signal=B:USR2@30" in text and "scontrol requeue" in text
+    assert 'touch "$RUN_DIR/control/preempt"' in text and "--resume" in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_colocated_is_one_group_with_overlapping_steps(tmp_path: Path) -> None:
+    text = _job("local", ["launch.layout=colocated", "launch.requeue=false"], tmp_path)
+    assert "hetjob" not in text and "--het-group" not in text
+    assert text.count("--overlap") == 2 and "USR2" not in text
+
+
+def test_profile_env_container_and_segment(tmp_path: Path) -> None:
+    text = _job("gb300", [], tmp_path)
+    assert text.count("#SBATCH --segment=18") == 2
+    assert "--container-image=/shared/containers/miles-cuda-arm64.sqsh" in text
+    assert 'export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/logs/flight_recorder-"' in text
+    assert "export NCCL_NVLS_ENABLE=0" in text
+    assert "python -m miles.cluster.bootstrap" in text  # the image's python, not this venv's
+    plan, _ = load_plan(TINY, "gb300", [])
+    assert plan.train.optimizer_offload == "nvme" and plan.engine.kind == "sglang"
+    plan, _ = load_plan(TINY, "gb300", ["train.optimizer_offload=cpu"])
+    assert plan.train.optimizer_offload == "cpu"  # the recipe / --set beat profile defaults
+
+
+def test_mpi_bootstrap_profile(tmp_path: Path) -> None:
+    prof = tmp_path / "mpi.yaml"
+    prof.write_text((REPO / "profiles" / "local.yaml").read_text() + "bootstrap: mpi\n")
+    text = _job(str(prof), [], tmp_path)
+    actor_line = next(line for line in text.splitlines() if "--het-group=1" in line)
+    assert "--mpi=pmix" in actor_line
+
+
+@pytest.mark.parametrize(
+    ("profile", "overrides", "match"),
+    [
+        ("nope", [], "unknown profile 'nope'; known profiles: b200, gb300"),
+        ("local", ["launch.rollot_nodes=2"], "did you mean 'launch.rollout_nodes'"),
+        ("local", ["launch.actor_nodes=4"], "needs 5 nodes .* allows 4"),
+        ("h200", ["launch.partition=cpu"], "launch.partition='cpu' is not a partition"),
+        ("local", ["engine.kind=sglang"], "engine.kind=sglang needs GPUs"),
+        ("h200", ["engine.tp_size=3"], "engine.tp_size=3 must divide the 8 GPUs"),
+        ("h200", ["train.tensor_parallel=3"], "not a multiple of train.tensor_parallel"),
+        ("h200", ["train.pipeline_parallel=4", "train.expert_parallel=8"], "expert_parallel=8 must divide"),
+        ("h200", ["launch.actor_tasks_per_node=9"], "exceeds the 8 GPUs per node"),
+        ("h200", ["launch.time_limit_min=9999"], "exceeds the 2880 min limit"),
+    ],
+)
+def test_errors_name_what_to_change(profile: str, overrides: list[str], match: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _job(profile, overrides, tmp_path)
+
+
+def test_container_profile_without_image(tmp_path: Path) -> None:
+    prof = tmp_path / "noimage.yaml"
+    text = (
+        (REPO / "profiles" / "h200.yaml").read_text().replace("image: /shared/containers/miles-cuda.sqsh", "")
+    )
+    prof.write_text(text)
+    with pytest.raises(ConfigError, match="names no image; set container.image .* or launch.container_image"):
+        _job(str(prof), [], tmp_path)
+    assert "miles-x.sqsh" in _job(str(prof), ["launch.container_image=/x/miles-x.sqsh"], tmp_path)
+
+
+def test_dry_run_writes_script_and_plan(tmp_path: Path) -> None:
+    sub = submit(TINY, "local", [f"run.runs_root={tmp_path}"], dry_run=True)
+    run_dir = Path(sub.run_dirs[0])
+    assert (run_dir / "plan.yaml").is_file() and (run_dir / "launch.json").is_file()
+    assert Path(sub.script_path).read_text().startswith("#!/bin/bash")
+    assert sub.command == ["sbatch", "--parsable", str(run_dir / "submission.sh")] and not sub.job_ids
+
+
+def test_cli_dry_run_and_bad_input(tmp_path: Path) -> None:
+    miles = [sys.executable, "-m", "miles.cli"]
+    ok = subprocess.run(
+        [*miles, "submit", TINY, "--profile", "local", "--set", f"run.runs_root={tmp_path}", "--dry-run"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "sbatch --parsable" in ok.stdout
+    bad = subprocess.run(
+        [*miles, "submit", TINY, "--profile", "h300", "--dry-run"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown profile 'h300'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sweep_dry_run_array_and_het(tmp_path: Path) -> None:
+    assert grid_points(["a.b=1,2", "c=x,y"]) == [
+        ["a.b=1", "c=x"],
+        ["a.b=1", "c=y"],
+        ["a.b=2", "c=x"],
+        ["a.b=2", "c=y"],
+    ]
+    with pytest.raises(ConfigError, match="section.key=v1,v2"):
+        grid_points(["nonsense"])
+    common = [f"run.runs_root={tmp_path}", "launch.array_parallelism=2"]
+    arr = sweep(
+        TINY, "local", [*common, "launch.layout=colocated"], ["train.lr=0.1,0.2,0.3"], tag="a", dry_run=True
+    )
+    text = Path(arr.script_path).read_text()
+    assert "#SBATCH --array=0-2%2" in text and "hetjob" not in text and len(arr.run_dirs) == 3
+    assert 'RUN_DIR="${RUN_DIRS[$SLURM_ARRAY_TASK_ID]}"' in text
+    het = sweep(TINY, "local", common, ["train.lr=0.1,0.2"], tag="h", dry_run=True)
+    assert len(het.run_dirs) == 2 and "--array" not in Path(het.script_path).read_text()
+
+
+def test_sglang_command_line() -> None:
+    plan, _ = load_plan(
+        TINY,
+        "mi355x",
+        [
+            "engine.tp_size=8",
+            "engine.ep_size=8",
+            "launch.sglang.capture_routed_experts=true",
+            "model.path=/m",
+        ],
+    )
+    cmd = sglang_server_command(plan, host="0.0.0.0", port=30000)
+    text = " ".join(cmd)
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    for flag in ("--model-path /m", "--tp-size 8", "--ep-size 8", "--mem-fraction-static 0.8"):
+        assert flag in text
+    assert "--enable-return-routed-experts" in cmd
+    ports = {sglang_port(7, i) for i in range(3)} | {router_port(7)}
+    assert len(ports) == 4 and sglang_port(8, 0) not in ports
