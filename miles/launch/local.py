@@ -1,0 +1,189 @@
+"""`miles train`: run a whole RL job on this host as child processes, then stop exactly those.
+
+    resolve plan -> RUN_DIR/plan.yaml -> engines (+ sglang-router when more than one)
+    -> publish URLs in RUN_DIR/rendezvous/ -> trainer ranks (`python -m miles.loop`, under torchrun
+    when train.num_ranks > 1) -> progress bar from metrics.jsonl -> stop everything started
+
+Logs: RUN_DIR/logs/engine-<i>.log, router.log, trainer-<rank>.log (written by the loop) and
+trainer-stdout.log (the trainer processes' own output). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
+from miles.config.loading import apply_overrides
+
+log = logging.getLogger("miles.launch")
+
+_FRESH_START_CLEARS = (
+    "checkpoints",
+    "rendezvous",
+    "weights",
+    "tensorboard",
+    "plots",
+    "control",
+    "metrics.jsonl",
+)
+
+
+def _plan(recipe: str, overrides: list[str], resume: str | None) -> Plan:
+    if not resume:
+        return resolve(recipe, overrides)
+    stored = Path(resume) / "plan.yaml"
+    if not stored.exists():
+        raise ConfigError(f"--resume {resume}: {stored} does not exist; give the directory of an earlier run")
+    data = apply_overrides(read_plan(stored).model_dump(mode="json"), overrides)
+    return resolve(data)
+
+
+def _prepare_run_dir(plan: Plan, resume: bool) -> Path:
+    run_dir = Path(plan.run_dir)
+    if not resume:
+        for name in _FRESH_START_CLEARS:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    shutil.rmtree(run_dir / "rendezvous", ignore_errors=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    write_plan(plan, run_dir / "plan.yaml")
+    return run_dir
+
+
+def _ensure_model(plan: Plan) -> None:
+    path = Path(plan.model.path)
+    if path.exists():
+        return
+    if not plan.model.init_tiny_if_missing:
+        raise ConfigError(
+            f"model.path={str(path)!r} does not exist; set model.init_tiny_if_missing=true or fix it"
+        )
+    from miles.models.tiny import init_tiny
+
+    print(f"miles: creating a tiny random model at {path}", file=sys.stderr)
+    init_tiny(path, seed=plan.run.seed)
+
+
+def start_engines(plan: Plan, run_dir: Path) -> list[Any]:
+    """Start `engine.num_engines` embedded engines (and a router) and publish their URLs."""
+    from miles.cluster.rendezvous import publish_engine, write_atomic
+    from miles.engine.process import start_engine
+    from miles.rollout.router import start_router
+
+    e = plan.engine
+    if e.kind != "embedded":
+        raise ConfigError(
+            "`miles train` runs the embedded engine; set engine.kind=embedded or use `miles submit`"
+        )
+    started: list[Any] = []
+    try:
+        for i in range(e.num_engines):
+            eng = start_engine(
+                plan.model.path,
+                device=e.device,
+                dtype=plan.model.dtype,
+                max_running_requests=e.max_running_requests,
+                max_total_tokens=e.max_total_tokens,
+                seed=plan.run.seed + i,
+                log_path=run_dir / "logs" / f"engine-{i}.log",
+                startup_timeout_s=e.startup_timeout_s,
+            )
+            started.append(eng)
+            publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", "local")
+        if e.num_engines > 1:
+            urls = [x.url for x in started]
+            router = start_router(urls, policy=e.router_policy, log_path=run_dir / "logs" / "router.log")
+            started.append(router)
+            write_atomic(run_dir / "rendezvous" / "router.json", {"url": router.url, "pid": router.pid})
+    except BaseException:
+        stop_all(started)
+        raise
+    return started
+
+
+def trainer_command(plan: Plan, run_dir: Path, resume: bool) -> list[str]:
+    """One process for one rank; torchrun (loopback, OS-chosen port) for several."""
+    loop = ["-m", "miles.loop", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+    if plan.train.num_ranks == 1:
+        return [sys.executable, *loop]
+    from miles.rollout.router import free_port
+
+    n = plan.train.num_ranks
+    rdzv = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(n),
+        *rdzv,
+        *loop,
+    ]
+
+
+def stop_all(procs: list[Any]) -> None:
+    """Stop what we started, newest first (router before engines)."""
+    for p in reversed(procs):
+        try:
+            p.stop()
+        except Exception as e:
+            log.warning("stopping %s failed: %s", p, e)
+
+
+def _stop_popen(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the finally that stops children
+
+
+def train_main(
+    recipe: str, overrides: list[str] | None = None, resume: str | None = None, progress: bool = True
+) -> int:
+    """Run the job to completion on this host; returns the trainer's exit code."""
+    from miles.metrics import follow_progress
+
+    signal.signal(signal.SIGTERM, _terminate)
+    plan = _plan(recipe, overrides or [], resume)
+    run_dir = _prepare_run_dir(plan, bool(resume))
+    _ensure_model(plan)
+    started = start_engines(plan, run_dir)
+    trainer: subprocess.Popen | None = None
+    try:
+        with open(run_dir / "logs" / "trainer-stdout.log", "ab") as out:
+            trainer = subprocess.Popen(
+                trainer_command(plan, run_dir, bool(resume)),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        if progress:
+            follow_progress(run_dir, plan.train.steps, lambda: trainer.poll() is None)
+        rc = trainer.wait()
+    finally:
+        if trainer is not None:
+            _stop_popen(trainer)
+        stop_all(started)
+    if rc != 0:
+        print(f"miles: trainer exited with {rc}; see {run_dir / 'logs'}", file=sys.stderr)
+    else:
+        print(f"miles: run finished; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
+    return rc

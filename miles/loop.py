@@ -1,0 +1,82 @@
+"""The RL loop, run on every trainer rank: `python -m miles.loop --run-dir RUN_DIR [--resume]`.
+
+    for step: batch <- buffer (rank 0, sync or fully async)  -> broadcast to all ranks
+              train(batch) -> every `weights.update_interval` steps push weights (version = step)
+              -> evaluate every `eval.every_steps` -> metrics.jsonl -> checkpoint / preemption
+
+Weight versions are training steps: the engine's initial weights are version 0, the weights after
+step s are version s. A file RUN_DIR/control/preempt, checked at each step boundary, makes the
+run write a complete checkpoint and exit 0; `--resume` continues from the latest complete one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from miles.config import read_plan
+from miles.loop_parts.state import LoopState, barrier_flag, broadcast, setup_logging
+
+
+def run(run_dir: Path, resume: bool) -> int:
+    import torch.distributed as dist
+
+    from miles.train import get_backend
+
+    plan = read_plan(run_dir / "plan.yaml")
+    backend = get_backend(plan.train.backend)()
+    backend.setup(plan)
+    rank0 = dist.get_rank() == 0
+    log = setup_logging(run_dir, dist.get_rank())
+    state = LoopState.restore(backend, plan, run_dir, resume, rank0)
+    side = state.rollout_side(plan, run_dir) if rank0 else None
+    try:
+        if state.step > 0:
+            state.push_weights(plan, backend, side)
+        elif plan.eval.every_steps > 0 and rank0:
+            state.log(0, side.evaluate())
+        for step in range(state.step + 1, plan.train.steps + 1):
+            t0 = time.monotonic()
+            samples = broadcast(side.batch(state.step) if rank0 else None)
+            t1 = time.monotonic()
+            metrics = {f"train/{k}": v for k, v in backend.train(samples).items()}
+            state.step, t2 = step, time.monotonic()
+            last = step == plan.train.steps
+            if step % plan.weights.update_interval == 0 or last:
+                metrics.update(state.push_weights(plan, backend, side))
+            t3 = time.monotonic()
+            if rank0:
+                if plan.eval.every_steps and (step % plan.eval.every_steps == 0 or last):
+                    metrics.update(side.evaluate())
+                metrics.update(side.metrics(), **state.rollout_metrics(samples))
+                metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2})
+                state.log(step, metrics)
+                log.info("step %d reward %.3f", step, metrics["rollout/reward_mean"])
+            preempt = barrier_flag(rank0 and state.preempt_requested())
+            every = plan.train.checkpoint.every_steps
+            if preempt or last or (every and step % every == 0):
+                state.save(backend, side)
+            if preempt:
+                log.warning("preempted: checkpoint of step %d written, exiting", step)
+                return 0
+        return 0
+    finally:
+        state.close(side)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m miles.loop", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", required=True, help="run directory holding plan.yaml")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir).resolve()
+    if not (run_dir / "plan.yaml").exists():
+        print(f"miles.loop: {run_dir / 'plan.yaml'} does not exist; run `miles train` first", file=sys.stderr)
+        return 2
+    return run(run_dir, args.resume)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Pieces of the RL loop (miles/loop.py): rank-0 rollout side, loop state across restarts."""

@@ -1,0 +1,186 @@
+"""Everything trainer rank 0 does besides training: rollout, weight pushes, evaluation.
+
+It owns one background thread running an asyncio loop; generation (the producer), weight pushes
+(the transport) and evaluation all run there, so HTTP work overlaps the trainer's compute. The
+trainer thread talks to it through a few blocking calls. Engines are found in the run directory:
+RUN_DIR/rendezvous/engines/*.json (each `{"url": ...}`) and, when present, RUN_DIR/rendezvous/
+router.json, which then receives all generation traffic (admin calls always go to each engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Coroutine, Iterable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from miles.config import Plan
+from miles.eval.shared import evaluate
+from miles.rollout.buffer import RolloutBuffer, load_policy
+from miles.rollout.client import SGLangClient
+from miles.rollout.generate import Generator, PromptEncoder
+from miles.rollout.producer import Producer
+from miles.rollout.rewards import load_reward
+from miles.rollout.tasks import build_task
+from miles.sample import Sample, Status
+
+log = logging.getLogger("miles.loop")
+
+
+def engine_urls(run_dir: Path, timeout_s: float = 60.0) -> tuple[list[str], str | None]:
+    """(engine URLs, router URL or None) from the run directory's rendezvous files."""
+    deadline = time.monotonic() + timeout_s
+    files: list[Path] = []
+    while time.monotonic() < deadline:
+        files = sorted((run_dir / "rendezvous" / "engines").glob("*.json"))
+        if files:
+            break
+        time.sleep(0.5)
+    if not files:
+        raise RuntimeError(
+            f"no engine published in {run_dir / 'rendezvous' / 'engines'}; start engines first"
+        )
+    urls = [json.loads(f.read_text())["url"] for f in files]
+    router = run_dir / "rendezvous" / "router.json"
+    return urls, json.loads(router.read_text())["url"] if router.exists() else None
+
+
+def batch_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Reward, length, truncation and version facts of the samples of one training batch."""
+    n = max(len(samples), 1)
+    versions = [len(set(s.weight_versions)) for s in samples]
+    return {
+        "rollout/reward_mean": sum(s.reward for s in samples) / n,
+        "rollout/response_len_mean": sum(s.response_length for s in samples) / n,
+        "rollout/response_len_max": float(max((s.response_length for s in samples), default=0)),
+        "rollout/truncated_frac": sum(s.status is Status.TRUNCATED for s in samples) / n,
+        "rollout/multi_version_frac": sum(v > 1 for v in versions) / n,
+        "rollout/batch_samples": float(len(samples)),
+    }
+
+
+class RolloutSide:
+    """Rank 0's rollout machinery behind a small blocking API for the training loop."""
+
+    def __init__(self, plan: Plan, run_dir: Path) -> None:
+        self.plan, self.run_dir = plan, run_dir
+        urls, router = engine_urls(run_dir, plan.engine.startup_timeout_s)
+        self.admins = [SGLangClient(u) for u in urls]
+        gen_clients = [SGLangClient(router)] if router else self.admins
+        r = plan.rollout
+        self.task = build_task(r.task, plan.run.seed)
+        encoder = PromptEncoder(plan.model.path)
+        self.generator = Generator.from_config(gen_clients, encoder, load_reward(r.reward), r)
+        self.buffer = RolloutBuffer(
+            r.buffer_capacity_groups or 2 * r.prompts_per_step, load_policy(r.buffer_policy), r.max_staleness
+        )
+        self.producer = Producer(
+            self.generator,
+            self.task,
+            self.buffer,
+            r.n_samples_per_prompt,
+            r.max_concurrency_per_engine * len(urls),
+        )
+        self.transport = self._transport(urls)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)
+        self._stop: asyncio.Event | None = None
+        self._forever: Any = None
+
+    def _transport(self, urls: list[str]) -> Any:
+        from miles.weights import get_transport
+
+        w = self.plan.weights
+        cls = get_transport(w.transport)
+        mode = self.plan.rollout.pause_mode
+        if w.transport == "disk":
+            return cls(
+                self.admins, self.run_dir / "weights", template_dir=self.plan.model.path, pause_mode=mode
+            )
+        local = all(urlparse(u).hostname in ("127.0.0.1", "localhost") for u in urls)
+        addr = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+        backend = "nccl" if self.plan.train.device == "cuda" else "gloo"
+        return cls(self.admins, addr, port, backend=backend, pause_mode=mode)
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
+        """Run a coroutine on the rollout loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def start(self, next_index: int) -> None:
+        """Start the loop thread, join the weight-update group, start async production."""
+        self.producer.next_index = next_index
+        self._thread.start()
+        self.call(self.transport.setup())
+        if self.plan.rollout.schedule == "async":
+            self._stop = self.call(_make_event())
+            self._forever = asyncio.run_coroutine_threadsafe(
+                self.producer.run_forever(self._stop), self._loop
+            )
+
+    def batch(self, current_version: int) -> list[Sample]:
+        """The next training batch (prompts_per_step groups), flattened."""
+        n = self.plan.rollout.prompts_per_step
+        if self.plan.rollout.schedule == "sync":
+            self.call(self.producer.fill(n))
+        while True:
+            if self.producer.error is not None:
+                raise RuntimeError("rollout failed") from self.producer.error
+            try:
+                groups = self.buffer.get(n, current_version, timeout_s=5.0)
+                break
+            except TimeoutError:
+                if self._forever is not None and self._forever.done():
+                    self._forever.result()
+        return [s for g in groups for s in g]
+
+    def push(self, buckets: Iterable[Any], version: int) -> None:
+        self.call(self.transport.push(buckets, str(version)))
+
+    def check(self, buckets: Iterable[Any]) -> float:
+        """Max |engine - trainer| over all tensors after a push (0.0: identical)."""
+        from miles.weights import check_weights
+
+        worst = 0.0
+        for bucket in buckets:
+            bad = self.call(check_weights(self.admins, bucket))
+            worst = max([worst, *bad.values()])
+        return worst
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate on held-out prompts; a failure is logged and reported as eval/failed, never raised."""
+        e, r = self.plan.eval, self.plan.rollout
+        try:
+            return self.call(
+                evaluate(self.generator, self.task.eval_prompts(), e, r.max_new_tokens), timeout_s=600
+            )
+        except Exception as exc:
+            log.warning("evaluation failed and is skipped: %s", exc)
+            return {"eval/failed": 1.0}
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.buffer.metrics(), **self.producer.stats.take()}
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread.is_alive():
+            try:
+                self.call(self.producer.drain(), timeout_s=30)
+                self.call(self.transport.close(), timeout_s=30)
+            except Exception as e:
+                log.warning("rollout shutdown: %s", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+async def _make_event() -> asyncio.Event:
+    return asyncio.Event()

@@ -1,0 +1,132 @@
+"""The loop's state across steps and restarts: step, data position, metrics file, preemption.
+
+What survives a restart: the trainer checkpoint (model, optimiser, schedule, RNG) and, in its
+`extra`, {"step", "data_index"} (the index of the next fresh prompt). Groups that were buffered or
+in flight at checkpoint time are not trained on after a resume (their prompts are skipped, never
+trained twice). metrics.jsonl is cut back to the checkpoint's step when the run resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from miles.config import Plan
+from miles.metrics import MetricsLogger
+
+log = logging.getLogger("miles.loop")
+
+
+def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
+    """Log to RUN_DIR/logs/trainer-<rank>.log and stderr."""
+    path = run_dir / "logs" / f"trainer-{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    root = logging.getLogger("miles")
+    root.setLevel(logging.INFO)
+    for handler in (logging.FileHandler(path), logging.StreamHandler(sys.stderr)):
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    return log
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's object on every rank (pickled over the default group)."""
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier_flag(flag: bool) -> bool:
+    """Rank 0's boolean on every rank (all ranks must agree to stop together)."""
+    return bool(broadcast(flag))
+
+
+@dataclass
+class LoopState:
+    """Step counter, data position and the rank-0 metrics logger."""
+
+    run_dir: Path
+    step: int = 0
+    data_index: int = 0
+    logger: MetricsLogger | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def preempt_file(self) -> Path:
+        return self.run_dir / "control" / "preempt"
+
+    @classmethod
+    def restore(cls, backend: Any, plan: Plan, run_dir: Path, resume: bool, rank0: bool) -> LoopState:
+        """Load the latest complete checkpoint when resuming (none: start fresh)."""
+        from miles.train.fsdp.checkpoint import latest_complete_step
+
+        state = cls(run_dir)
+        latest = broadcast(latest_complete_step(run_dir) if rank0 else None)
+        if resume and latest is not None:
+            extra = backend.load(latest)
+            state.step, state.data_index = int(extra.get("step", latest)), int(extra.get("data_index", 0))
+            log.info("resumed from checkpoint step %d (data index %d)", state.step, state.data_index)
+        elif resume:
+            log.info("--resume: no complete checkpoint in %s, starting fresh", run_dir)
+        if rank0:
+            state.preempt_file.unlink(missing_ok=True)
+            state.logger = MetricsLogger(run_dir, tensorboard=plan.run.tensorboard, resume_step=state.step)
+        return state
+
+    def rollout_side(self, plan: Plan, run_dir: Path) -> Any:
+        from miles.loop_parts.rollout_side import RolloutSide
+
+        side = RolloutSide(plan, run_dir)
+        side.start(self.data_index)
+        return side
+
+    def push_weights(self, plan: Plan, backend: Any, side: Any) -> dict[str, float]:
+        """Export (collective on every rank) and push weights of version `step` into the engines."""
+        start = time.monotonic()
+        bucket_bytes = plan.weights.bucket_mb << 20
+        buckets = backend.export_weights(bucket_bytes)
+        if side is not None:
+            side.push(buckets, self.step)
+        else:
+            for _ in buckets:
+                pass
+        out = {"weights/version": float(self.step), "weights/push_s": time.monotonic() - start}
+        if plan.weights.check:
+            buckets = backend.export_weights(bucket_bytes)
+            if side is not None:
+                out["weights/check_max_diff"] = side.check(buckets)
+            else:
+                for _ in buckets:
+                    pass
+        return out
+
+    def rollout_metrics(self, samples: list[Any]) -> dict[str, float]:
+        from miles.loop_parts.rollout_side import batch_metrics
+
+        return batch_metrics(samples)
+
+    def preempt_requested(self) -> bool:
+        return self.preempt_file.exists()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        assert self.logger is not None
+        self.logger.log(step, metrics)
+
+    def save(self, backend: Any, side: Any) -> None:
+        """Complete checkpoint of this step with the data position (collective)."""
+        index = broadcast(side.producer.next_index if side is not None else None)
+        backend.save(self.step, {"step": self.step, "data_index": index})
+
+    def close(self, side: Any) -> None:
+        if side is not None:
+            side.stop()
+        if self.logger is not None:
+            self.logger.close()

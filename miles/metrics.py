@@ -1,0 +1,156 @@
+"""Run observability: RUN_DIR/metrics.jsonl (always), TensorBoard (optional), progress, PNG plots.
+
+metrics.jsonl holds one JSON object per step, `{"step": N, "time": unix_s, "<group>/<name>": value}`,
+appended, flushed and fsynced as each step ends, so a crash loses at most the step in progress.
+Step 0 holds the evaluation of the initial weights. On resume from the checkpoint of step N the
+file is cut back to steps <= N (atomically), because later steps are trained again: the final
+file has each step exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every complete record of metrics.jsonl (a torn last line after a crash is skipped)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
+    """Keep only records with step <= last_step (atomic rewrite); returns how many were kept."""
+    path = Path(run_dir) / METRICS_FILE
+    kept = [r for r in read_metrics(run_dir) if int(r.get("step", -1)) <= last_step]
+    tmp = path.with_name(METRICS_FILE + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return len(kept)
+
+
+class MetricsLogger:
+    """Writes one record per step to metrics.jsonl and, optionally, TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            truncate_metrics(self.run_dir, resume_step)
+        elif (self.run_dir / METRICS_FILE).exists():
+            truncate_metrics(self.run_dir, -1)
+        self._file = open(self.run_dir / METRICS_FILE, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append the record of `step` and make it durable before returning."""
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        record = {"step": step, "time": time.time(), **clean}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None:
+            for k, v in clean.items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def follow_progress(
+    run_dir: str | Path, total_steps: int, running: Callable[[], bool], poll_s: float = 1.0
+) -> None:
+    """Show a live progress bar from metrics.jsonl while `running()` is true (used by `miles train`)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+    seen = 0
+    try:
+        while True:
+            alive = running()
+            records = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0]
+            if records:
+                last = records[-1]
+                bar.update(max(0, int(last["step"]) - seen))
+                seen = max(seen, int(last["step"]))
+                evals = [r for r in read_metrics(run_dir) if "eval/pass@1" in r]
+                post = {"reward": f"{last.get('rollout/reward_mean', float('nan')):.3f}"}
+                if evals:
+                    post["eval_pass@1"] = f"{evals[-1]['eval/pass@1']:.3f}"
+                bar.set_postfix(post)
+            if not alive:
+                return
+            time.sleep(poll_s)
+    finally:
+        bar.close()
+
+
+_PANELS: dict[str, list[str]] = {
+    "reward": ["rollout/reward_mean"],
+    "eval": ["eval/pass@1", "eval/pass@k"],
+    "response": ["rollout/response_len_mean", "rollout/truncated_frac"],
+    "mismatch": ["train/logprob_mismatch"],
+    "staleness": ["staleness/mean", "staleness/max"],
+    "throughput": ["rollout/tokens_per_s"],
+    "time": ["time/rollout_s", "time/train_s", "time/sync_s", "time/eval_s"],
+    "loss": ["train/loss", "train/entropy"],
+}
+
+
+def plot_run(run_dir: str | Path) -> list[str]:
+    """Write one PNG per panel (reward, eval, ...) into RUN_DIR/plots; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    if not records:
+        raise FileNotFoundError(
+            f"{Path(run_dir) / METRICS_FILE} has no records; is {run_dir} a run directory?"
+        )
+    out_dir = Path(run_dir) / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for panel, keys in _PANELS.items():
+        series = {k: [(r["step"], r[k]) for r in records if k in r] for k in keys}
+        series = {k: v for k, v in series.items() if v}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for key, points in series.items():
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=key)
+        ax.set_xlabel("step")
+        ax.set_title(f"{Path(run_dir).name}: {panel}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{panel}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths

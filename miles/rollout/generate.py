@@ -1,0 +1,117 @@
+"""Single-turn generation: one Prompt -> one scored Sample, through the SGLang client.
+
+Prompts are wrapped in the model's chat template and tokenised here (token ids go to the engine,
+token ids and per-token log-probs come back, so training sees exactly the sampled tokens). The
+engine reports the weight version of every output token; with `in_place` weight updates a sample
+can therefore carry several versions. A request aborted by a weight update (`abort` pause mode) is
+sent again from scratch with the new weights, up to `max_attempts` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from miles.config.rollout import RolloutConfig
+from miles.rollout.client import EngineError, SGLangClient
+from miles.rollout.rewards import RewardFn
+from miles.rollout.tasks import Prompt
+from miles.sample import Sample, Status
+
+_FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+def parse_version(v: str | int) -> int:
+    """Engine weight versions are strings; the initial weights ("default") are version 0."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
+class PromptEncoder:
+    """Chat template + tokeniser, loaded once from the model directory."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos_id: int = self.tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        # transformers 5 returns a BatchEncoding (a mapping), older versions a plain list
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class Generator:
+    """Turns prompts into scored samples on a set of engines (round-robin when no router is used)."""
+
+    clients: list[SGLangClient]
+    encoder: PromptEncoder
+    reward_fn: RewardFn
+    sampling: dict[str, Any]
+    max_attempts: int = 8
+
+    def __post_init__(self) -> None:
+        self._next = itertools.cycle(range(len(self.clients)))
+
+    @classmethod
+    def from_config(
+        cls, clients: list[SGLangClient], encoder: PromptEncoder, reward_fn: RewardFn, cfg: RolloutConfig
+    ) -> Generator:
+        return cls(clients, encoder, reward_fn, sampling_params(cfg, encoder.eos_id))
+
+    async def sample(
+        self, prompt: Prompt, group_id: int, index: int, sampling: dict[str, Any] | None = None
+    ) -> Sample:
+        """Generate, retrying aborted requests and unreachable engines, then score.
+
+        Raises EngineError only for a 4xx answer (a bad request, which no retry can fix).
+        """
+        prompt_ids = self.encoder.encode(prompt.text)
+        s = Sample(group_id, index, prompt_ids, prompt=prompt.text, answer=prompt.answer)
+        s.metadata.update(prompt.metadata, prompt=prompt, attempts=0)
+        for attempt in range(1, self.max_attempts + 1):
+            s.metadata["attempts"] = attempt
+            client = self.clients[next(self._next)]
+            try:
+                r = await client.generate(prompt_ids, dict(sampling or self.sampling))
+            except EngineError as e:
+                if e.status is not None and 400 <= e.status < 500:
+                    raise  # the request itself is wrong: repeating it cannot help
+                s.status, s.metadata["error"] = Status.FAILED, str(e)
+                await asyncio.sleep(0.2 * attempt)
+                continue
+            s.status = _FINISH.get(r.finish_reason, Status.FAILED)
+            if s.status is Status.ABORTED:
+                continue
+            s.response_ids = list(r.output_ids)
+            s.rollout_logprobs = list(r.logprobs)
+            s.loss_mask = [1] * len(s.response_ids)
+            s.weight_versions = [parse_version(v) for v in r.weight_versions]
+            s.response = self.encoder.decode(s.response_ids)
+            s.reward = float(await asyncio.to_thread(self.reward_fn, s))
+            return s
+        return s
+
+
+def sampling_params(cfg: RolloutConfig, eos_id: int, **override: Any) -> dict[str, Any]:
+    """SGLang sampling_params for training rollouts (stop at the tokenizer's EOS)."""
+    params = {
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "max_new_tokens": cfg.max_new_tokens,
+        "stop_token_ids": [eos_id],
+    }
+    params.update(override)
+    return params

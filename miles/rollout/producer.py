@@ -1,0 +1,149 @@
+"""The producer: turns the task's prompt stream into finished groups in the buffer.
+
+Both schedules share one launcher:
+- fully async (`run_forever`): a fixed number of sample slots (max_concurrency_per_engine x engines)
+  stays busy; each finished sample frees its slot at once and the next sample starts immediately,
+  possibly of the next prompt (sample-level backfill), so the engines stay at the same concurrency
+  despite long-tailed response lengths. A new prompt starts only while the buffer has room.
+- synchronous (`fill(n)`): the same slots, but only until n groups have been accepted; the trainer
+  then trains and syncs while nothing is generated.
+
+Prompts come in order of their index (the next index is the data position saved in checkpoints);
+prompts sent back by the buffer's policy (RETRY) go first. Everything runs on one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from miles.rollout.buffer import RolloutBuffer
+from miles.rollout.generate import Generator
+from miles.rollout.tasks import Prompt, Task
+from miles.sample import Sample, Status
+
+log = logging.getLogger("miles.rollout")
+
+
+@dataclass
+class ProducerStats:
+    """Counters since the last `take()`; read by the loop once per step."""
+
+    samples: int = 0
+    tokens: int = 0
+    since: float = field(default_factory=time.monotonic)
+
+    def take(self) -> dict[str, float]:
+        now = time.monotonic()
+        elapsed = max(now - self.since, 1e-9)
+        out = {
+            "rollout/samples": float(self.samples),
+            "rollout/tokens_per_s": self.tokens / elapsed,
+            "rollout/samples_per_s": self.samples / elapsed,
+        }
+        self.samples, self.tokens, self.since = 0, 0, now
+        return out
+
+
+class Producer:
+    """Generates groups of `n_samples` per prompt into `buffer` with `max_inflight` sample slots."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        task: Task,
+        buffer: RolloutBuffer,
+        n_samples: int,
+        max_inflight: int,
+        next_index: int = 0,
+    ) -> None:
+        self.generator, self.task, self.buffer = generator, task, buffer
+        self.n_samples, self.max_inflight = n_samples, max_inflight
+        self.next_index = next_index
+        """Index of the next fresh prompt: the data position a checkpoint stores."""
+        self.inflight_groups = 0
+        self.stats = ProducerStats()
+        self.error: BaseException | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._group_counter = 0
+
+    def _next_prompt(self) -> Prompt:
+        retry = self.buffer.take_retry()
+        if retry is not None:
+            return retry
+        prompt = self.task.train_prompt(self.next_index)
+        self.next_index += 1
+        return prompt
+
+    async def _sample(self, prompt: Prompt, group_id: int, index: int) -> Sample:
+        try:
+            s = await self.generator.sample(prompt, group_id, index)
+        finally:
+            assert self._slots is not None
+            self._slots.release()
+        if s.status in (Status.COMPLETED, Status.TRUNCATED):
+            self.stats.samples += 1
+            self.stats.tokens += s.response_length
+        return s
+
+    async def _group(self, prompt: Prompt, group_id: int, samples: list[asyncio.Task]) -> None:
+        try:
+            group = list(await asyncio.gather(*samples))
+            if all(s.status is Status.FAILED for s in group):
+                log.warning("group %d failed on every sample: %s", group_id, group[0].metadata.get("error"))
+            self.buffer.put(group)
+        except Exception as e:  # a reward function bug must stop the run, not hang it
+            self.error = e
+            log.exception("rollout group %d failed", group_id)
+        finally:
+            self.inflight_groups -= 1
+
+    async def _launch_one(self) -> None:
+        """Start one prompt's samples, each as soon as a slot frees up."""
+        assert self._slots is not None
+        prompt = self._next_prompt()
+        group_id = self._group_counter
+        self._group_counter += 1
+        self.inflight_groups += 1
+        samples = []
+        for i in range(self.n_samples):
+            await self._slots.acquire()
+            samples.append(asyncio.create_task(self._sample(prompt, group_id, i)))
+        task = asyncio.create_task(self._group(prompt, group_id, samples))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _ensure_slots(self) -> None:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_inflight)
+
+    async def run_forever(self, stop: asyncio.Event) -> None:
+        """Fully async schedule: keep every slot busy while the buffer has room, until `stop`."""
+        self._ensure_slots()
+        while not stop.is_set() and self.error is None:
+            if not self.buffer.has_room():
+                await asyncio.sleep(0.005)
+                continue
+            await self._launch_one()
+
+    async def fill(self, n_groups: int, timeout_s: float | None = None) -> None:
+        """Synchronous schedule: generate until the buffer holds n_groups accepted groups."""
+        self._ensure_slots()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(self.buffer) < n_groups and self.error is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"rollout: {len(self.buffer)} of {n_groups} groups after {timeout_s} s")
+            if len(self.buffer) + self.inflight_groups < n_groups:
+                await self._launch_one()
+            else:
+                await asyncio.sleep(0.002)
+        if self.error is not None:
+            raise self.error
+
+    async def drain(self) -> None:
+        """Wait for every started group to finish (used before a checkpoint and at shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -1,0 +1,213 @@
+"""Tasks: where prompts and reference answers come from, for training and for held-out evaluation.
+
+A task is an indexable stream: `train_prompt(i)` is a pure function of (seed, i), so the loop only has
+to checkpoint one integer (the next prompt index) to resume the data stream exactly. Evaluation
+prompts are disjoint from training prompts: procedural tasks reserve an index range for them, and
+dataset tasks hold out the first `eval_size` rows of a seeded permutation.
+
+Built-ins (the TASKS dict below):
+- `digits`: tiny procedural arithmetic over single-digit tokens ("last digit: 3 8 5" -> "5"); the
+  default CPU task, learnable by RL from a random-initialised model in a few hundred steps.
+- `jsonl`: rows of a JSONL or Parquet file with a prompt and an answer column.
+- `reasoning_gym`: any offline procedural dataset of the reasoning-gym package, scored by its own
+  `score_answer` (see rewards.reasoning_gym).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from miles.config import ConfigError
+from miles.config.rollout import TaskConfig
+
+EVAL_OFFSET = 1 << 40
+"""Procedural tasks draw evaluation prompts from indices at and above this offset (never trained on)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task, before tokenisation."""
+
+    index: int
+    """Position in the task's stream (training) or in the held-out set (evaluation)."""
+    text: str
+    """The user message; the model's chat template wraps it."""
+    answer: Any
+    """Reference answer handed to the reward function."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(Protocol):
+    """A source of prompts. Implementations must be deterministic in (seed, index)."""
+
+    name: str
+
+    def train_prompt(self, index: int) -> Prompt:
+        """The index-th training prompt (any index >= 0; datasets cycle with a fresh shuffle per epoch)."""
+        ...
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out prompts, disjoint from every training prompt."""
+        ...
+
+
+_DIGIT_OPS: dict[str, tuple[str, Callable[[list[int]], int]]] = {
+    "last": ("last digit:", lambda ds: ds[-1]),
+    "first": ("first digit:", lambda ds: ds[0]),
+    "max": ("max digit:", max),
+    "sum": ("sum mod 10:", lambda ds: sum(ds) % 10),
+}
+
+
+class DigitsTask:
+    """Procedural single-digit problems; the answer is one digit, which is one token."""
+
+    name = "digits"
+
+    def __init__(self, seed: int, eval_size: int, op: str = "last", num_digits: int = 3) -> None:
+        if op not in _DIGIT_OPS:
+            raise ConfigError(
+                f"rollout.task.options.op={op!r} is not a digits operation; known: {', '.join(_DIGIT_OPS)}"
+            )
+        if not 1 <= num_digits <= 12:
+            raise ConfigError(f"rollout.task.options.num_digits must be in 1..12 (got {num_digits})")
+        self.seed, self.eval_size, self.op, self.num_digits = seed, eval_size, op, num_digits
+
+    def _make(self, index: int) -> Prompt:
+        rng = random.Random(f"{self.seed}:{index}")
+        digits = [rng.randint(0, 9) for _ in range(self.num_digits)]
+        question, fn = _DIGIT_OPS[self.op]
+        text = f"{question} {' '.join(map(str, digits))}"
+        return Prompt(index, text, str(fn(digits)), {"digits": digits})
+
+    def train_prompt(self, index: int) -> Prompt:
+        return self._make(index)
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self._make(EVAL_OFFSET + i) for i in range(self.eval_size)]
+
+
+def _read_rows(path: str) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"rollout.task.path={path!r} does not exist; give a JSONL or Parquet file")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n} is not valid JSON ({e}); fix the dataset file") from None
+    return rows
+
+
+class DatasetTask:
+    """Rows of a JSONL/Parquet file; the first `eval_size` rows of a seeded permutation are held out."""
+
+    name = "jsonl"
+
+    def __init__(self, seed: int, eval_size: int, path: str | None, prompt_key: str, answer_key: str) -> None:
+        if not path:
+            raise ConfigError("rollout.task.name=jsonl needs rollout.task.path (a JSONL or Parquet file)")
+        rows = _read_rows(path)
+        for key in (prompt_key, answer_key):
+            if rows and key not in rows[0]:
+                raise ConfigError(
+                    f"{path}: rows have no column {key!r} (columns: {', '.join(rows[0])}); "
+                    "set rollout.task.prompt_key / rollout.task.answer_key"
+                )
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        if len(rows) <= eval_size:
+            raise ConfigError(
+                f"{path} has {len(rows)} rows, not more than rollout.task.eval_size={eval_size}; "
+                "lower eval_size or use a larger dataset"
+            )
+        self.seed = seed
+        self._prompts = [
+            Prompt(i, str(rows[r][prompt_key]), rows[r][answer_key], {"row": r}) for i, r in enumerate(order)
+        ]
+        self._eval = self._prompts[:eval_size]
+        self._train = self._prompts[eval_size:]
+
+    def train_prompt(self, index: int) -> Prompt:
+        epoch, pos = divmod(index, len(self._train))
+        order = list(range(len(self._train)))
+        if epoch:
+            random.Random(f"{self.seed}:epoch{epoch}").shuffle(order)
+        p = self._train[order[pos]]
+        return Prompt(index, p.text, p.answer, p.metadata)
+
+    def eval_prompts(self) -> list[Prompt]:
+        return list(self._eval)
+
+
+class ReasoningGymTask:
+    """An offline procedural reasoning-gym dataset; the entry travels in metadata for its scorer."""
+
+    name = "reasoning_gym"
+
+    def __init__(self, seed: int, eval_size: int, dataset: str = "basic_arithmetic", size: int = 10000):
+        try:
+            import reasoning_gym
+        except ImportError as e:
+            raise ConfigError("rollout.task.name=reasoning_gym needs the reasoning-gym package") from e
+        try:
+            self._train = reasoning_gym.create_dataset(dataset, seed=seed, size=size)
+            self._eval = reasoning_gym.create_dataset(dataset, seed=seed + 7919, size=eval_size)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(
+                f"rollout.task.options.dataset={dataset!r}: reasoning-gym refused it ({e}); "
+                "see reasoning_gym.factory for dataset names"
+            ) from None
+        self.dataset = dataset
+
+    def _prompt(self, data: Any, index: int, ds_index: int) -> Prompt:
+        entry = data[ds_index]
+        return Prompt(index, entry["question"], entry["answer"], {"dataset": self.dataset, "entry": entry})
+
+    def train_prompt(self, index: int) -> Prompt:
+        return self._prompt(self._train, index, index % len(self._train))
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self._prompt(self._eval, i, i) for i in range(len(self._eval))]
+
+
+def _digits(cfg: TaskConfig, seed: int) -> Task:
+    opts = dict(cfg.options)
+    return DigitsTask(seed, cfg.eval_size, str(opts.pop("op", "last")), int(opts.pop("num_digits", 3)))
+
+
+def _dataset(cfg: TaskConfig, seed: int) -> Task:
+    return DatasetTask(seed, cfg.eval_size, cfg.path, cfg.prompt_key, cfg.answer_key)
+
+
+def _reasoning_gym(cfg: TaskConfig, seed: int) -> Task:
+    opts = dict(cfg.options)
+    return ReasoningGymTask(
+        seed, cfg.eval_size, str(opts.get("dataset", "basic_arithmetic")), int(opts.get("size", 10000))
+    )
+
+
+TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
+    "digits": _digits,
+    "jsonl": _dataset,
+    "parquet": _dataset,
+    "reasoning_gym": _reasoning_gym,
+}
+
+
+def build_task(cfg: TaskConfig, seed: int) -> Task:
+    """The task named by `rollout.task.name`; an unknown name lists the known ones."""
+    if cfg.name not in TASKS:
+        raise ConfigError(f"rollout.task.name={cfg.name!r} is unknown; known tasks: {', '.join(TASKS)}")
+    return TASKS[cfg.name](cfg, seed)
