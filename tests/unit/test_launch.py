@@ -163,3 +163,28 @@ def test_sglang_command_line() -> None:
     assert "--enable-return-routed-experts" in cmd
     ports = {sglang_port(7, i) for i in range(3)} | {router_port(7)}
     assert len(ports) == 4 and sglang_port(8, 0) not in ports
+
+
+def test_container_recipes_parse() -> None:
+    known = {"FROM", "ARG", "ENV", "RUN", "COPY", "WORKDIR"}
+    for name in ("Dockerfile.cuda", "Dockerfile.rocm"):
+        text = (REPO / "containers" / name).read_text().replace("\\\n", " ")
+        words = [line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        assert set(words) <= known and words.count("FROM") == 1, name
+        assert all(pin in text for pin in ("megatron-core==", "sglang", "/opt/miles")), name
+    for prof in ("h200", "gb300", "mi355x"):
+        recipe = load_plan(TINY, prof, [])[1].container.recipe
+        assert recipe and (REPO / recipe).is_file()
+
+
+def test_deepseek_launcher_renders(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "launchers" / "deepseek_v4_flash.py"), "train", "--dry-run",
+         "--set", f"run.runs_root={tmp_path}"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    facts = (tmp_path / "deepseek-v4-flash" / "launch.json").read_text()
+    assert '"actor_ranks": 16' in facts and '"num_engines": 2' in facts
+    text = (tmp_path / "deepseek-v4-flash" / "submission.sh").read_text()
+    assert text.count("#SBATCH --gpus-per-node=8") == 2 and "miles-rocm.sqsh" in text

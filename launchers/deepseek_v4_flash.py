@@ -1,0 +1,105 @@
+"""DeepSeek-V4 Flash RL on 4 MI355X nodes, in the layout of AMD's report.
+
+2 rollout nodes (one SGLang server of TP8/EP8 per node: 48 running requests, 524288 total tokens)
+and 2 actor nodes (Megatron TP1 PP4 EP4, the last pipeline stage holding 10 layers, 8192 tokens per
+GPU, optimizer state offloaded to host memory); rollout batch 32 prompts x 8 samples, context 16384,
+response 4096; AIME-2024 evaluation every 10 steps with 8 samples; TIS on.
+
+    python launchers/deepseek_v4_flash.py prepare-checkpoint --src HF_DIR --dst /shared/models/dsv4-flash
+    python launchers/deepseek_v4_flash.py prepare-data --dst /shared/data/dapo.jsonl
+    python launchers/deepseek_v4_flash.py train [--dry-run] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+MODEL_DIR = "/shared/models/deepseek-v4-flash"
+DATA_FILE = "/shared/data/deepseek-v4-flash/train.jsonl"
+
+RECIPE = {
+    "run": {"name": "deepseek-v4-flash", "runs_root": "/shared/runs"},
+    "model": {"path": MODEL_DIR, "dtype": "bfloat16", "init_tiny_if_missing": False},
+    "engine": {
+        "kind": "sglang",
+        "tp_size": 8,
+        "ep_size": 8,
+        "max_running_requests": 48,
+        "max_total_tokens": 524288,
+        "mem_fraction_static": 0.8,
+    },
+    "rollout": {
+        "task": {"name": "jsonl", "path": DATA_FILE},
+        "prompts_per_step": 32,
+        "n_samples_per_prompt": 8,
+        "max_new_tokens": 4096,
+    },
+    "eval": {"every_steps": 10, "samples_per_prompt": 8, "temperature": 1.0},
+    "train": {
+        "backend": "megatron",
+        "steps": 100,
+        "tensor_parallel": 1,
+        "pipeline_parallel": 4,
+        "expert_parallel": 4,
+        "max_tokens_per_microbatch": 8192,
+        "optimizer_offload": "cpu",
+        "loss": {"tis": "truncate"},
+    },
+    "launch": {
+        "profile": "mi355x",
+        "rollout_nodes": 2,
+        "actor_nodes": 2,
+        "time_limit_min": 2880,
+        "pipeline_last_stage_layers": 10,
+        "sglang": {"context_length": 16384},
+    },
+}
+
+
+def prepare_checkpoint(src: str, dst: str) -> None:
+    """Stage the Hugging Face checkpoint on the shared filesystem (engines and trainer read it there)."""
+    if not (Path(src) / "config.json").is_file():
+        raise SystemExit(f"{src} holds no config.json: pass the Hugging Face checkpoint directory")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    print(f"staged {src} -> {dst}")
+
+
+def prepare_data(dst: str) -> None:
+    """Write the training prompts as JSONL rows {prompt, answer} (from a local file given with --src)."""
+    raise SystemExit(f"copy a JSONL of {{prompt, answer}} rows to {dst}; no dataset is downloaded by Miles")
+
+
+def train(overrides: list[str], dry_run: bool) -> int:
+    from miles.launch.submit import submit
+
+    sub = submit(RECIPE, "mi355x", overrides, dry_run=dry_run)
+    print(f"{'rendered' if dry_run else 'submitted ' + sub.job_ids[0]}: {sub.script_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("prepare-checkpoint")
+    q.add_argument("--src", required=True)
+    q.add_argument("--dst", default=MODEL_DIR)
+    q = sub.add_parser("prepare-data")
+    q.add_argument("--dst", default=DATA_FILE)
+    q = sub.add_parser("train")
+    q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    q.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    if args.cmd == "prepare-checkpoint":
+        prepare_checkpoint(args.src, args.dst)
+    elif args.cmd == "prepare-data":
+        prepare_data(args.dst)
+    else:
+        return train(args.set, args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
