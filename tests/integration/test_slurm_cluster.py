@@ -67,6 +67,21 @@ def test_het_job_engine_and_gloo_ranks(tmp_path: Path, tiny_model: str) -> None:
     assert "actor step exited with 0" in run_logs(run_dir)
 
 
+def test_het_job_runs_the_rl_loop(tmp_path: Path, tiny_model: str) -> None:
+    sub = submit(TINY, "local", [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", "train.steps=2"])
+    run_dir = Path(sub.run_dirs[0])
+    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 180) == "COMPLETED", run_logs(
+        run_dir, "actor"
+    )
+    assert (run_dir / "checkpoints" / "step_2" / ".complete").exists()
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [m["step"] for m in lines if "train/loss" in m][-1] == 2
+    assert (
+        len({json.loads(p.read_text())["node"] for p in (run_dir / "rendezvous" / "ranks").glob("*.json")})
+        == 2
+    )
+
+
 def test_sweep_as_job_array(tmp_path: Path, tiny_model: str) -> None:
     common = [
         *_common(tmp_path, tiny_model),

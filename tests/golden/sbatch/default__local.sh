@@ -21,7 +21,6 @@ export TORCH_FR_BUFFER_SIZE=2000
 export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/logs/flight_recorder-"
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$RUN_DIR/logs/flight_recorder-"
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
-export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/control"
 rm -f "$RUN_DIR/control/preempt"
 echo "miles: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} run $RUN_DIR"
