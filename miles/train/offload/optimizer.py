@@ -107,9 +107,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self.store = _disk_store(directory, rank, self.buckets, require_local, pin)
         else:
             raise OffloadError(f"train.optimizer_offload={mode!r} is not one of: cpu, nvme")
-        self.stage = make_stage(self.device, max(b.nbytes for b in self.buckets))
+        # a rank may hold no elements at all (FSDP2 shards of tiny models): zero buckets is valid
+        self.stage = make_stage(self.device, max((b.nbytes for b in self.buckets), default=0))
         self.scratch = torch.empty(
-            max(b.numel for b in self.buckets), dtype=torch.float32, device=self.device
+            max((b.numel for b in self.buckets), default=0), dtype=torch.float32, device=self.device
         )
         self._ready = True
 
@@ -162,6 +163,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _pipeline(self, shards: list[torch.Tensor], grads: list, hypers: list[Hyper]) -> None:
         """Fetch n+1 / update n / return n-1, over all buckets."""
+        if not self.buckets:
+            return
         host = self.store.acquire(0)
         up = self.stage.upload(host)
         for i, bucket in enumerate(self.buckets):

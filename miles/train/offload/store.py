@@ -102,7 +102,7 @@ class DiskStore:
         self.direct = direct
         self.version = 0
         self.stats = IOStats()
-        size = max(b.nbytes for b in buckets)
+        size = max((b.nbytes for b in buckets), default=0)
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(staging):
             self.free.put(aligned_empty(size, pin))
