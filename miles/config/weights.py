@@ -16,5 +16,7 @@ class WeightsConfig(Section):
     """Upper bound of one bucket of tensors in MiB."""
     update_interval: int = 1
     """Push weights every N training steps."""
+    pause_mode: Literal["abort", "retract", "in_place", "none"] = "in_place"
+    """How engines pause around a push: drop, re-queue, or keep (KV included) in-flight requests; `none`: no pause."""
     check: bool = False
     """After each sync, compare engine weights with trainer weights (costly; for tests and debugging)."""
