@@ -47,6 +47,8 @@ class LaunchConfig(Section):
     """Sweeps as job arrays: points running at once (the %k of --array)."""
     sweep_tag: str | None = None
     """Tag shared by the points of one sweep (set by `miles sweep`)."""
+    actor_module: str = "miles.loop"
+    """Module the actor ranks run (`python -m MODULE --run-dir RUN_DIR --resume`)."""
     pipeline_last_stage_layers: int | None = None
     """Megatron: transformer layers on the last pipeline stage (the rest split evenly); None: even split."""
     sglang: SglangLaunchConfig = SglangLaunchConfig()
