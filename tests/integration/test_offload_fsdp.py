@@ -37,6 +37,7 @@ def _worker(rank: int, tmp: Path) -> None:
 
     from miles.train.offload import OffloadedAdamW
 
+    torch.set_num_threads(1)  # two ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
     ref, off = _build(mesh), _build(mesh)
