@@ -29,7 +29,8 @@ async def evaluate(
     start = time.monotonic()
     sampling = dict(generator.sampling, temperature=cfg.temperature, max_new_tokens=max_new_tokens)
     k = cfg.samples_per_prompt
-    jobs = [generator.sample(p, -1 - i, j, sampling) for i, p in enumerate(prompts) for j in range(k)]
+    ids = [generator.encoder.encode(p.text) for p in prompts]
+    jobs = [generator.sample(p, -1 - i, j, sampling, ids[i]) for i, p in enumerate(prompts) for j in range(k)]
     samples = await asyncio.gather(*jobs)
     ok = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED)]
     if not ok:

@@ -61,6 +61,7 @@ def batch_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/response_len_max": float(max((s.response_length for s in samples), default=0)),
         "rollout/truncated_frac": sum(s.status is Status.TRUNCATED for s in samples) / n,
         "rollout/multi_version_frac": sum(v > 1 for v in versions) / n,
+        "rollout/resent_frac": sum(s.metadata.get("attempts", 1) > 1 for s in samples) / n,
         "rollout/batch_samples": float(len(samples)),
     }
 
@@ -167,7 +168,19 @@ class RolloutSide:
             return {"eval/failed": 1.0}
 
     def metrics(self) -> dict[str, float]:
-        return {**self.buffer.metrics(), **self.producer.stats.take()}
+        """Buffer, producer and per-engine counters (engine i: `engine/<i>/num_steps`, ...)."""
+        out = {**self.buffer.metrics(), **self.producer.stats.take()}
+        try:
+            infos = self.call(asyncio.gather(*(a.get_server_info() for a in self.admins)), timeout_s=10)
+        except Exception as e:
+            log.warning("engine stats unavailable: %s", e)
+            return out
+        for i, info in enumerate(infos):
+            state = (info.get("internal_states") or [{}])[0]
+            for key in ("num_steps", "num_running_reqs", "num_waiting_reqs"):
+                if isinstance(state.get(key), (int, float)):
+                    out[f"engine/{i}/{key}"] = float(state[key])
+        return out
 
     def stop(self) -> None:
         if self._stop is not None:

@@ -71,13 +71,18 @@ class Generator:
         return cls(clients, encoder, reward_fn, sampling_params(cfg, encoder.eos_id))
 
     async def sample(
-        self, prompt: Prompt, group_id: int, index: int, sampling: dict[str, Any] | None = None
+        self,
+        prompt: Prompt,
+        group_id: int,
+        index: int,
+        sampling: dict[str, Any] | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> Sample:
         """Generate, retrying aborted requests and unreachable engines, then score.
 
         Raises EngineError only for a 4xx answer (a bad request, which no retry can fix).
         """
-        prompt_ids = self.encoder.encode(prompt.text)
+        prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encoder.encode(prompt.text)
         s = Sample(group_id, index, prompt_ids, prompt=prompt.text, answer=prompt.answer)
         s.metadata.update(prompt.metadata, prompt=prompt, attempts=0)
         for attempt in range(1, self.max_attempts + 1):

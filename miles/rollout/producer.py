@@ -4,7 +4,8 @@ Both schedules share one launcher:
 - fully async (`run_forever`): a fixed number of sample slots (max_concurrency_per_engine x engines)
   stays busy; each finished sample frees its slot at once and the next sample starts immediately,
   possibly of the next prompt (sample-level backfill), so the engines stay at the same concurrency
-  despite long-tailed response lengths. A new prompt starts only while the buffer has room.
+  despite long-tailed response lengths. A new prompt starts only while finished plus in-flight
+  groups stay below the buffer's capacity, so the buffer never holds more than its capacity.
 - synchronous (`fill(n)`): the same slots, but only until n groups have been accepted; the trainer
   then trains and syncs while nothing is generated.
 
@@ -78,9 +79,9 @@ class Producer:
         self.next_index += 1
         return prompt
 
-    async def _sample(self, prompt: Prompt, group_id: int, index: int) -> Sample:
+    async def _sample(self, prompt: Prompt, group_id: int, index: int, prompt_ids: list[int]) -> Sample:
         try:
-            s = await self.generator.sample(prompt, group_id, index)
+            s = await self.generator.sample(prompt, group_id, index, prompt_ids=prompt_ids)
         finally:
             assert self._slots is not None
             self._slots.release()
@@ -108,10 +109,11 @@ class Producer:
         group_id = self._group_counter
         self._group_counter += 1
         self.inflight_groups += 1
+        prompt_ids = self.generator.encoder.encode(prompt.text)  # once per group: templating is slow
         samples = []
         for i in range(self.n_samples):
             await self._slots.acquire()
-            samples.append(asyncio.create_task(self._sample(prompt, group_id, i)))
+            samples.append(asyncio.create_task(self._sample(prompt, group_id, i, prompt_ids)))
         task = asyncio.create_task(self._group(prompt, group_id, samples))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -124,7 +126,7 @@ class Producer:
         """Fully async schedule: keep every slot busy while the buffer has room, until `stop`."""
         self._ensure_slots()
         while not stop.is_set() and self.error is None:
-            if not self.buffer.has_room():
+            if len(self.buffer) + self.inflight_groups >= self.buffer.capacity:
                 await asyncio.sleep(0.005)
                 continue
             await self._launch_one()

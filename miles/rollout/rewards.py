@@ -48,6 +48,12 @@ def first_number(sample: Sample) -> float:
     return float(match is not None and match.group(0) == str(sample.answer).strip())
 
 
+def _warm() -> bool:
+    import math_verify  # noqa: F401  (the import takes seconds; done once per worker, off the clock)
+
+    return True
+
+
 def _verify(gold: str, answer: str) -> bool:
     import math_verify
 
@@ -57,8 +63,8 @@ def _verify(gold: str, answer: str) -> bool:
 class _VerifyPool:
     """A small process pool for math-verify, rebuilt after a timeout (the stuck worker is terminated)."""
 
-    def __init__(self, processes: int = 1, timeout_s: float = 5.0) -> None:
-        self.processes, self.timeout_s = processes, timeout_s
+    def __init__(self, processes: int = 1, timeout_s: float = 5.0, startup_timeout_s: float = 120.0) -> None:
+        self.processes, self.timeout_s, self.startup_timeout_s = processes, timeout_s, startup_timeout_s
         self._pool: Pool | None = None
         self._lock = threading.Lock()
 
@@ -66,6 +72,8 @@ class _VerifyPool:
         with self._lock:
             if self._pool is None:
                 self._pool = multiprocessing.get_context("spawn").Pool(self.processes)
+                # start-up (spawn + import) is not part of the per-answer timeout
+                self._pool.apply_async(_warm).get(self.startup_timeout_s)
             pool = self._pool
         try:
             return pool.apply_async(_verify, (gold, answer)).get(self.timeout_s)

@@ -15,6 +15,7 @@ Built-ins (the TASKS dict below):
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Callable
@@ -76,20 +77,40 @@ class DigitsTask:
             )
         if not 1 <= num_digits <= 12:
             raise ConfigError(f"rollout.task.options.num_digits must be in 1..12 (got {num_digits})")
+        if eval_size > 10**num_digits // 2:
+            raise ConfigError(
+                f"rollout.task.eval_size={eval_size} is too large for {num_digits} digits "
+                f"({10**num_digits} distinct prompts); lower it or raise options.num_digits"
+            )
         self.seed, self.eval_size, self.op, self.num_digits = seed, eval_size, op, num_digits
+        self._eval: list[Prompt] = []
+        seen: set[str] = set()
+        for i in itertools.count():
+            if len(self._eval) == eval_size:
+                break
+            p = self._make(EVAL_OFFSET + i, len(self._eval))
+            if p.text not in seen:
+                seen.add(p.text)
+                self._eval.append(p)
+        self._held_out = frozenset(seen)
 
-    def _make(self, index: int) -> Prompt:
-        rng = random.Random(f"{self.seed}:{index}")
+    def _make(self, key: int, index: int, attempt: int = 0) -> Prompt:
+        rng = random.Random(f"{self.seed}:{key}:{attempt}")
         digits = [rng.randint(0, 9) for _ in range(self.num_digits)]
         question, fn = _DIGIT_OPS[self.op]
         text = f"{question} {' '.join(map(str, digits))}"
         return Prompt(index, text, str(fn(digits)), {"digits": digits})
 
     def train_prompt(self, index: int) -> Prompt:
-        return self._make(index)
+        """Draw again (deterministically) while the draw is one of the held-out prompts."""
+        for attempt in itertools.count():
+            p = self._make(index, index, attempt)
+            if p.text not in self._held_out:
+                return p
+        raise AssertionError("unreachable")
 
     def eval_prompts(self) -> list[Prompt]:
-        return [self._make(EVAL_OFFSET + i) for i in range(self.eval_size)]
+        return list(self._eval)
 
 
 def _read_rows(path: str) -> list[dict[str, Any]]:
@@ -182,9 +203,19 @@ class ReasoningGymTask:
         return [self._prompt(self._eval, i, i) for i in range(len(self._eval))]
 
 
+def _options(cfg: TaskConfig, known: dict[str, object]) -> dict[str, object]:
+    unknown = set(cfg.options) - set(known)
+    if unknown:
+        raise ConfigError(
+            f"rollout.task.options: unknown option(s) {', '.join(sorted(unknown))} for task {cfg.name!r}; "
+            f"known: {', '.join(known)}"
+        )
+    return {**known, **cfg.options}
+
+
 def _digits(cfg: TaskConfig, seed: int) -> Task:
-    opts = dict(cfg.options)
-    return DigitsTask(seed, cfg.eval_size, str(opts.pop("op", "last")), int(opts.pop("num_digits", 3)))
+    opts = _options(cfg, {"op": "last", "num_digits": 3})
+    return DigitsTask(seed, cfg.eval_size, str(opts["op"]), int(opts["num_digits"]))
 
 
 def _dataset(cfg: TaskConfig, seed: int) -> Task:
@@ -192,10 +223,8 @@ def _dataset(cfg: TaskConfig, seed: int) -> Task:
 
 
 def _reasoning_gym(cfg: TaskConfig, seed: int) -> Task:
-    opts = dict(cfg.options)
-    return ReasoningGymTask(
-        seed, cfg.eval_size, str(opts.get("dataset", "basic_arithmetic")), int(opts.get("size", 10000))
-    )
+    opts = _options(cfg, {"dataset": "basic_arithmetic", "size": 10000})
+    return ReasoningGymTask(seed, cfg.eval_size, str(opts["dataset"]), int(opts["size"]))
 
 
 TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {

@@ -1,0 +1,59 @@
+"""metrics.jsonl: durable appends, cut back on resume, torn lines skipped; plots are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from miles.metrics import MetricsLogger, plot_run, read_metrics
+
+
+def test_append_and_resume_truncates(tmp_path) -> None:
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    for step in range(5):
+        log.log(step, {"rollout/reward_mean": step / 10, "not_a_number": "x"})
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+    assert "not_a_number" not in read_metrics(tmp_path)[0]
+    log = MetricsLogger(tmp_path, tensorboard=False, resume_step=2)
+    log.log(3, {"rollout/reward_mean": 0.9})
+    log.close()
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    assert steps == [0, 1, 2, 3]
+    assert read_metrics(tmp_path)[-1]["rollout/reward_mean"] == 0.9
+
+
+def test_fresh_start_clears_old_records(tmp_path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 7}) + "\n")
+    MetricsLogger(tmp_path, tensorboard=False).close()
+    assert read_metrics(tmp_path) == []
+
+
+def test_torn_last_line_is_skipped(tmp_path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n" + '{"step": 2, "rol')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_tensorboard_events_written(tmp_path) -> None:
+    log = MetricsLogger(tmp_path, tensorboard=True)
+    log.log(1, {"rollout/reward_mean": 0.5})
+    log.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_plot_run_writes_pngs(tmp_path) -> None:
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log(0, {"eval/pass@1": 0.0, "eval/pass@k": 0.1})
+    for step in range(1, 4):
+        log.log(step, {"rollout/reward_mean": step / 4, "time/train_s": 0.1, "time/rollout_s": 0.2})
+    log.close()
+    paths = plot_run(tmp_path)
+    names = sorted(p.rsplit("/", 1)[-1] for p in paths)
+    assert names == ["eval.png", "reward.png", "time.png"]
+    assert all(open(p, "rb").read(4) == b"\x89PNG" for p in paths)
+
+
+def test_plot_run_without_metrics_is_clear(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(tmp_path)
