@@ -1,0 +1,113 @@
+"""FSDP2 and Megatron-core compute the same training step: loss, grad norm, and every parameter's
+gradient mapped to its Hugging Face name, on one small Qwen2-shaped model and batch (one CUDA GPU).
+
+Gradients are read after `train()` (clipping is disabled by a huge `grad_clip`, so they are the raw
+dL/dtheta): FSDP's fp32 `param.grad` (DTensor, full on one rank) and Megatron's fp32 `main_grad`
+buffers, the latter through the checkpoint converter (fused QKV and gate/up split back into HF
+tensors). Per tensor the error is ||g_fsdp - g_megatron|| / (||g_megatron|| + 1e-3 G), G the global
+grad norm; the floor keeps tensors whose gradient is zero in exact arithmetic (the key bias: softmax
+ignores a per-query constant) from turning rounding noise into a large relative error.
+
+Tolerances. fp32 with TF32 off: the two backends differ only in summation order (fused vs separate
+GEMMs, micro-batch packing), so errors sit near 1e-6; we allow 1e-5 on the loss, 1e-4 on the grad
+norm, 1e-3 per tensor. bf16: both run the forward and backward in bf16 (unit roundoff u = 2^-9 ~ 2e-3)
+and round at different places (Megatron's fused QKV and gate/up GEMMs, its RoPE and norm kernels), so
+log-probs differ by a few u per token and gradients by about 1e-2 relative; we allow 2e-2 absolute on
+the loss (advantages are O(1)), 3e-2 on the grad norm and on the whole gradient, 1e-1 per tensor. A
+mis-mapped tensor (q/k or gate/up swapped, a transposed shard) gives errors of order 1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from test_fsdp_gpu import fsdp_backend, make_samples
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (megatron-core is CUDA-only)"),
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
+]
+
+TOL = {
+    "float32": dict(loss=1e-5, grad_norm=1e-4, total=1e-4, tensor=1e-3),
+    "bfloat16": dict(loss=2e-2, grad_norm=3e-2, total=3e-2, tensor=1e-1),
+}
+TRAIN = dict(grad_clip=1e6, lr=1e-4, max_tokens_per_microbatch=64)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from miles.models.tiny import init_tiny
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    root = tmp_path_factory.mktemp("agree")
+    path = str(init_tiny(root / "tiny", arch="qwen2", seed=2, hidden_size=128, intermediate_size=256))
+    return path, str(root / "runs"), make_samples(path, n=12, seed=4)
+
+
+def megatron_backend(model_path: str, runs_root: str, name: str, dtype: str, **train):
+    from miles.config import resolve
+    from miles.train import get_backend
+
+    plan = resolve(
+        {
+            "model": {"path": model_path, "dtype": dtype},
+            "run": {"runs_root": runs_root, "name": name},
+            "train": {"backend": "megatron", "device": "cuda"} | train,
+        }
+    )
+    b = get_backend("megatron")()
+    b.setup(plan)
+    return b
+
+
+def fsdp_grads(b) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in b.model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = g.detach().float().cpu()
+    return out
+
+
+def megatron_grads(b) -> dict[str, torch.Tensor]:
+    from miles.train.megatron import convert
+    from miles.train.megatron import model as M
+
+    items = ((convert.to_global(n, 0), p.main_grad) for n, p in b.gpt.named_parameters())
+    s = M.shapes_of(b.hf_cfg)
+    return {k: v.detach().float().cpu().clone() for k, v in convert.iter_megatron_to_hf(items, s)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp_and_megatron_agree(env, dtype):
+    tol = TOL[dtype]
+    fs = fsdp_backend(env[0], env[1], f"fsdp_{dtype}", dtype, **TRAIN)
+    m_f = fs.train(env[2])
+    g_f = fsdp_grads(fs)
+    mg = megatron_backend(env[0], env[1], f"meg_{dtype}", dtype, **TRAIN)
+    m_m = mg.train(env[2])
+    g_m = megatron_grads(mg)
+    assert g_f.keys() == g_m.keys()
+    total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in g_m.values()))
+    errs = {k: float((g_f[k] - g_m[k]).norm() / (g_m[k].norm() + 1e-3 * total)) for k in g_m}
+    flat_f = torch.cat([g_f[k].flatten() for k in g_m])
+    flat_m = torch.cat([g_m[k].flatten() for k in g_m])
+    whole = float((flat_f - flat_m).norm() / flat_m.norm())
+    worst = max(errs, key=errs.get)
+    print(
+        f"{dtype}: loss fsdp {m_f['loss']:.6f} megatron {m_m['loss']:.6f}; grad_norm fsdp "
+        f"{m_f['grad_norm']:.6f} megatron {m_m['grad_norm']:.6f} (from grads {total:.6f}); whole-grad rel "
+        f"{whole:.2e}; worst tensor {worst} {errs[worst]:.2e}; mismatch fsdp {m_f['logprob_mismatch']:.2e} "
+        f"megatron {m_m['logprob_mismatch']:.2e}"
+    )
+    assert total > 0 and m_f["tokens"] == m_m["tokens"]
+    assert abs(m_f["loss"] - m_m["loss"]) <= tol["loss"] * max(1.0, abs(m_m["loss"]))
+    assert abs(m_f["grad_norm"] - m_m["grad_norm"]) <= tol["grad_norm"] * m_m["grad_norm"]
+    assert abs(m_m["grad_norm"] - total) <= 1e-3 * total  # the reported norm is these gradients' norm
+    assert whole <= tol["total"]
+    assert errs[worst] <= tol["tensor"], sorted(errs.items(), key=lambda kv: -kv[1])[:5]
