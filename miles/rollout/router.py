@@ -139,9 +139,10 @@ def start_router(
             if _ready(router.url, len(worker_urls)):
                 return router
             time.sleep(0.1)
+        exited_early = proc.poll() is not None
         router.stop()
-        if proc.returncode not in (None, 0) and time.monotonic() < deadline:
-            continue  # most likely the port was taken between our probe and its bind
-        break
+        if not exited_early:
+            break
+        # Exited before ready: most likely the port was taken between our probe and its bind.
     tail = log_file.read_text(errors="replace")[-3000:]
     raise RuntimeError(f"sglang-router did not become ready; log {log_file}:\n{tail}")

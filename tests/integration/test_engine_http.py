@@ -218,20 +218,21 @@ def test_abort_request_by_rid(engine):
 def test_pause_in_place_across_update_from_disk(engine, tiny_model, tmp_path):
     new = {k: (v * 1.5 if k.endswith("norm.weight") else v) for k, v in load_weights(tiny_model).items()}
     save_file(new, str(tmp_path / "model.safetensors"))
-    prompt, params = [7, 8, 9], {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+    prompt, params = [7, 8, 9], {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
     before = _post(engine, "/generate", {"input_ids": prompt, "sampling_params": params})
 
     async def run():
         client = SGLangClient(engine.url)
         task = asyncio.create_task(client.generate(prompt, params))
-        await asyncio.sleep(0.05)
+        while (await client.get_server_info())["internal_states"][0]["num_running_reqs"] == 0:
+            await asyncio.sleep(0.01)
         await client.pause_generation("in_place")
         await client.update_weights_from_disk(str(tmp_path), weight_version="7")
         await client.continue_generation()
         return await asyncio.wait_for(task, 60), await client.get_weight_version()
 
     result, version = asyncio.run(run())
-    assert version == "7" and result.finish_reason == "length" and len(result.output_ids) == 300
+    assert version == "7" and result.finish_reason == "length" and len(result.output_ids) == 1000
     assert result.weight_versions[0] == "default" and result.weight_versions[-1] == "7"
     after = _post(engine, "/generate", {"input_ids": prompt, "sampling_params": params})
     assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == "7"
