@@ -171,7 +171,7 @@ class RolloutSide:
         """Buffer, producer and per-engine counters (engine i: `engine/<i>/num_steps`, ...)."""
         out = {**self.buffer.metrics(), **self.producer.stats.take()}
         try:
-            infos = self.call(asyncio.gather(*(a.get_server_info() for a in self.admins)), timeout_s=10)
+            infos = self.call(_gather(*(a.get_server_info() for a in self.admins)), timeout_s=10)
         except Exception as e:
             log.warning("engine stats unavailable: %s", e)
             return out
@@ -193,6 +193,10 @@ class RolloutSide:
                 log.warning("rollout shutdown: %s", e)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+
+async def _gather(*coros: Coroutine[Any, Any, Any]) -> list[Any]:
+    return list(await asyncio.gather(*coros))
 
 
 async def _make_event() -> asyncio.Event:

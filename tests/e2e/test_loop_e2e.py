@@ -1,0 +1,92 @@
+"""End-to-end runs of `miles train` on CPU: real engine(s), router, trainer, weight sync, metrics.
+
+Each test starts the whole job as a child process, like a user would, and asserts on what the run
+left in its run directory (metrics.jsonl, checkpoints, logs).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import finish, miles_train, stop, wait_for_step
+
+from miles.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def steps_of(run_dir) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir)]
+
+
+def test_reward_rises(recipe) -> None:
+    path, run_dir = recipe(
+        rollout={
+            "prompts_per_step": 8,
+            "n_samples_per_prompt": 8,
+            "schedule": "sync",
+            "reward": "e2e_rewards:has_digit",
+        },
+        train={"steps": 30, "lr": 3e-3},
+        eval={"every_steps": 15, "samples_per_prompt": 2},
+    )
+    finish(miles_train(str(path)), timeout_s=280)
+    records = read_metrics(run_dir)
+    rewards = [r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.2, rewards
+    evals = [r for r in records if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 15, 30]
+    assert all(r["eval/weight_version_min"] == r["eval/weight_version_max"] == r["step"] for r in evals)
+    assert (run_dir / "checkpoints" / "step_30" / ".complete").exists()
+
+
+def test_resume_after_kill_keeps_every_step_once(recipe) -> None:
+    path, run_dir = recipe(
+        train={"steps": 8, "checkpoint": {"every_steps": 2}}, rollout={"schedule": "async"}
+    )
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 5, proc)
+    finally:
+        stop(proc)  # SIGTERM: the trainer dies mid-run without a final checkpoint
+    before = steps_of(run_dir)
+    assert before[:5] == [1, 2, 3, 4, 5] and max(before) < 8
+    finish(miles_train(str(path), "--resume", str(run_dir)))
+    assert steps_of(run_dir) == list(range(1, 9))
+    log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "resumed from checkpoint step 4" in log or "resumed from checkpoint step 6" in log
+
+
+@pytest.mark.parametrize("mode", ["in_place", "abort"])
+def test_pause_modes(recipe, mode: str) -> None:
+    # long responses (the random model rarely stops) keep requests in flight across every weight push
+    path, run_dir = recipe(
+        rollout={"schedule": "async", "pause_mode": mode, "max_new_tokens": 48, "max_staleness": 4},
+        train={"steps": 5},
+        weights={"check": True},
+    )
+    finish(miles_train(str(path)))
+    records = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    assert len(records) == 5
+    assert all(r["weights/check_max_diff"] == 0.0 for r in records)
+    multi = [r["rollout/multi_version_frac"] for r in records]
+    resent = [r["rollout/resent_frac"] for r in records]
+    if mode == "in_place":
+        assert max(multi) > 0, multi  # samples continued across an update carry two versions
+    else:
+        assert max(multi) == 0 and max(resent) > 0, (multi, resent)  # aborted, then sent again
+
+
+def test_two_engines_behind_router(recipe) -> None:
+    path, run_dir = recipe(
+        engine={"num_engines": 2, "router_policy": "round_robin"},
+        rollout={"prompts_per_step": 4, "n_samples_per_prompt": 4},
+        train={"steps": 3},
+        weights={"check": True, "transport": "disk"},
+    )
+    finish(miles_train(str(path)))
+    last = read_metrics(run_dir)[-1]
+    assert last["step"] == 3 and last["weights/check_max_diff"] == 0.0
+    assert last["engine/0/num_steps"] > 0 and last["engine/1/num_steps"] > 0
+    assert (run_dir / "logs" / "router.log").exists()
