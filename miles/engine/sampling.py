@@ -1,7 +1,8 @@
 """Per-request sampling parameters (SGLang's names) and the batched, seeded sampler.
 
-Maths: log-probs are those of the raw model distribution, log softmax(z) (temperature 1, before
-top-k/top-p), as SGLang reports by default. Sampling draws from softmax(z / T) restricted to the
+Maths: log-probs are those of the temperature-scaled distribution, log softmax(z / T) before
+top-k/top-p (raw log softmax(z) for greedy, T = 0), as SGLang reports by default; the trainer divides
+its logits by the same T, so the two agree. Sampling draws from softmax(z / T) restricted to the
 top-k tokens and to the smallest set of most likely tokens whose mass reaches top_p, using the
 Gumbel-max trick: argmax_i (z_i / T + g_i) with g_i = -log(-log u_i). The uniforms u_i are a hash
 of (seed, step, token id), so a request's sample depends only on its own seed and position, not on
@@ -107,11 +108,11 @@ def sample(
     seeds: torch.Tensor,
     steps: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled token ids [B] and their raw log-probs [B] from fp32 logits [B, V].
+    """Sampled token ids [B] and their log-probs under softmax(z / T) [B] from fp32 logits [B, V].
 
     top_k holds V where the request has no top-k limit; temperature 0 means greedy.
     """
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits / torch.where(temperature > 0, temperature, 1.0)[:, None], dim=-1)
     greedy_tok = logits.argmax(dim=-1)
     if bool((temperature == 0).all()):
         tokens = greedy_tok

@@ -50,14 +50,15 @@ def _mixed(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     ]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_logprobs_match_hf_full_forward(engine, hf_model, temperature):
+    """Log-probs are of softmax(z / T) (raw z for greedy), the distribution the trainer recomputes."""
     reqs = _run(engine, [_req(i, p, m, temperature, seed=i) for i, (p, m) in enumerate(_mixed(12, 1))])
     worst = 0.0
     for r in reqs:
         ids = torch.tensor([r.prompt + r.output])
         with torch.no_grad():
-            logp = hf_model(ids).logits[0].float().log_softmax(-1)
+            logp = (hf_model(ids).logits[0].float() / (temperature or 1.0)).log_softmax(-1)
         n = len(r.prompt)
         ref = torch.stack([logp[n - 1 + j, t] for j, t in enumerate(r.output)])
         worst = max(worst, (ref - torch.tensor(r.logprobs)).abs().max().item())
