@@ -10,6 +10,7 @@ import logging
 import sys
 
 from miles.config import ConfigError
+from miles.launch.cli import add_launch_commands
 
 
 def _cmd_model_init_tiny(args: argparse.Namespace) -> int:
@@ -72,12 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plot)
 
     _add_model(sub)
-    try:
-        from miles.launch.cli import add_launch_commands
-    except ImportError:
-        pass
-    else:
-        add_launch_commands(sub)
+    add_launch_commands(sub)
     return parser
 
 
