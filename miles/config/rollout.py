@@ -54,8 +54,6 @@ class RolloutConfig(Section):
     """Buffer policy name (keep, drop_stale, retry_stale, dynamic_sampling) or `module:function`."""
     buffer_capacity_groups: int | None = None
     """Bound of the buffer in groups (default: 2 x prompts_per_step)."""
-    pause_mode: Literal["abort", "in_place"] = "in_place"
-    """How in-flight requests meet a weight update: dropped and retried, or continued with new weights."""
 
 
 class EvalConfig(Section):

@@ -72,9 +72,11 @@ class RolloutSide:
     def __init__(self, plan: Plan, run_dir: Path) -> None:
         self.plan, self.run_dir = plan, run_dir
         urls, router = engine_urls(run_dir, plan.engine.startup_timeout_s)
-        self.admins = [SGLangClient(u) for u in urls]
-        gen_clients = [SGLangClient(router)] if router else self.admins
         r = plan.rollout
+        # httpx's pool scans every pooled connection per request: keep it at the concurrency we use
+        conns = r.max_concurrency_per_engine * len(urls) + 8
+        self.admins = [SGLangClient(u, max_connections=conns) for u in urls]
+        gen_clients = [SGLangClient(router, max_connections=conns)] if router else self.admins
         self.task = build_task(r.task, plan.run.seed)
         encoder = PromptEncoder(plan.model.path)
         self.generator = Generator.from_config(gen_clients, encoder, load_reward(r.reward), r)
@@ -99,7 +101,7 @@ class RolloutSide:
 
         w = self.plan.weights
         cls = get_transport(w.transport)
-        mode = self.plan.rollout.pause_mode
+        mode = None if w.pause_mode == "none" else w.pause_mode
         if w.transport == "disk":
             return cls(
                 self.admins, self.run_dir / "weights", template_dir=self.plan.model.path, pause_mode=mode

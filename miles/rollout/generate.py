@@ -3,7 +3,8 @@
 Prompts are wrapped in the model's chat template and tokenised here (token ids go to the engine,
 token ids and per-token log-probs come back, so training sees exactly the sampled tokens). The
 engine reports the weight version of every output token; with `in_place` weight updates a sample
-can therefore carry several versions. A request aborted by a weight update (`abort` pause mode) is
+can therefore carry several versions. A task may set per-prompt sampling overrides in
+`prompt.metadata["sampling"]` (e.g. a length budget). A request aborted by a weight update (`abort` pause mode) is
 sent again from scratch with the new weights, up to `max_attempts` times.
 """
 
@@ -48,6 +49,10 @@ class PromptEncoder:
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def decode(self, ids: list[int]) -> str:
+        # the Rust tokenizer directly: transformers' decode wrapper costs more than the decoding
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -85,11 +90,12 @@ class Generator:
         prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encoder.encode(prompt.text)
         s = Sample(group_id, index, prompt_ids, prompt=prompt.text, answer=prompt.answer)
         s.metadata.update(prompt.metadata, prompt=prompt, attempts=0)
+        params = {**(sampling or self.sampling), **prompt.metadata.get("sampling", {})}
         for attempt in range(1, self.max_attempts + 1):
             s.metadata["attempts"] = attempt
             client = self.clients[next(self._next)]
             try:
-                r = await client.generate(prompt_ids, dict(sampling or self.sampling))
+                r = await client.generate(prompt_ids, params)
             except EngineError as e:
                 if e.status is not None and 400 <= e.status < 500:
                     raise  # the request itself is wrong: repeating it cannot help

@@ -9,6 +9,7 @@ Built-ins (the TASKS dict below):
 - `digits`: tiny procedural arithmetic over single-digit tokens ("last digit: 3 8 5" -> "5"); the
   default CPU task, learnable by RL from a random-initialised model in a few hundred steps.
 - `jsonl`: rows of a JSONL or Parquet file with a prompt and an answer column.
+- `longtail`: synthetic prompts with Pareto-distributed response lengths (benchmarks of schedules).
 - `reasoning_gym`: any offline procedural dataset of the reasoning-gym package, scored by its own
   `score_answer` (see rewards.reasoning_gym).
 """
@@ -131,6 +132,36 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+class LongTailTask:
+    """Synthetic prompts whose response lengths follow a Pareto tail (for schedule benchmarks).
+
+    Prompt i asks for L_i tokens, L_i = min(max_tokens, floor(min_tokens * U^(-1/alpha))) with U
+    uniform in (0, 1]; the length travels as a per-prompt sampling override (max_new_tokens with
+    ignore_eos), so the distribution holds whatever the model samples.
+    """
+
+    name = "longtail"
+
+    def __init__(self, seed: int, eval_size: int, min_tokens: int, max_tokens: int, alpha: float) -> None:
+        if not 1 <= min_tokens <= max_tokens or alpha <= 0:
+            raise ConfigError(
+                "rollout.task.options for longtail need 1 <= min_tokens <= max_tokens and alpha > 0 "
+                f"(got {min_tokens}, {max_tokens}, {alpha})"
+            )
+        self.seed, self.eval_size = seed, eval_size
+        self.min_tokens, self.max_tokens, self.alpha = min_tokens, max_tokens, alpha
+
+    def train_prompt(self, index: int) -> Prompt:
+        rng = random.Random(f"{self.seed}:{index}")
+        u = 1.0 - rng.random()
+        length = min(self.max_tokens, int(self.min_tokens * u ** (-1.0 / self.alpha)))
+        sampling = {"max_new_tokens": length, "ignore_eos": True}
+        return Prompt(index, f"count to {length}", str(length), {"sampling": sampling})
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self.train_prompt(EVAL_OFFSET + i) for i in range(self.eval_size)]
+
+
 class DatasetTask:
     """Rows of a JSONL/Parquet file; the first `eval_size` rows of a seeded permutation are held out."""
 
@@ -227,8 +258,16 @@ def _reasoning_gym(cfg: TaskConfig, seed: int) -> Task:
     return ReasoningGymTask(seed, cfg.eval_size, str(opts["dataset"]), int(opts["size"]))
 
 
+def _longtail(cfg: TaskConfig, seed: int) -> Task:
+    opts = _options(cfg, {"min_tokens": 4, "max_tokens": 256, "alpha": 1.0})
+    return LongTailTask(
+        seed, cfg.eval_size, int(opts["min_tokens"]), int(opts["max_tokens"]), float(opts["alpha"])
+    )
+
+
 TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
     "digits": _digits,
+    "longtail": _longtail,
     "jsonl": _dataset,
     "parquet": _dataset,
     "reasoning_gym": _reasoning_gym,

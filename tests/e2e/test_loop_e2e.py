@@ -62,9 +62,9 @@ def test_resume_after_kill_keeps_every_step_once(recipe) -> None:
 def test_pause_modes(recipe, mode: str) -> None:
     # long responses (the random model rarely stops) keep requests in flight across every weight push
     path, run_dir = recipe(
-        rollout={"schedule": "async", "pause_mode": mode, "max_new_tokens": 48, "max_staleness": 4},
+        rollout={"schedule": "async", "max_new_tokens": 48, "max_staleness": 4},
         train={"steps": 5},
-        weights={"check": True},
+        weights={"check": True, "pause_mode": mode},
     )
     finish(miles_train(str(path)))
     records = [r for r in read_metrics(run_dir) if r["step"] > 0]

@@ -79,3 +79,14 @@ def test_reasoning_gym_task() -> None:
 def test_unknown_task_lists_known() -> None:
     with pytest.raises(ConfigError, match="digits"):
         build_task(TaskConfig(name="nope"), 0)
+
+
+def test_longtail_lengths_are_heavy_tailed() -> None:
+    task = build_task(
+        TaskConfig(name="longtail", options={"min_tokens": 4, "max_tokens": 256, "alpha": 1.0}), 0
+    )
+    lengths = [task.train_prompt(i).metadata["sampling"]["max_new_tokens"] for i in range(2000)]
+    assert min(lengths) >= 4 and max(lengths) <= 256
+    lengths.sort()
+    median, p99 = lengths[1000], lengths[1980]
+    assert median <= 10 and p99 >= 200  # Pareto(1): median 2 x min, a long tail up to the cap
