@@ -40,6 +40,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--max-total-tokens", type=int, default=65536, help="KV-cache capacity in tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="new tokens per prefill forward")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA")
+    p.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None, help="largest captured decode batch (default: all)"
+    )
+    p.add_argument(
+        "--cuda-graph-max-context",
+        type=int,
+        default=4096,
+        help="longest (padded) context with a captured decode graph; longer contexts decode eagerly",
+    )
     p.add_argument("--url-file", default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -65,7 +75,15 @@ def build_state(args: argparse.Namespace) -> EngineState:
     model_dir = Path(args.model)
     spec = ModelSpec.from_dir(model_dir)
     decoder = Decoder(spec, load_weights(model_dir), device, dtype)
-    scheduler = Scheduler(decoder, args.max_running_requests, args.max_total_tokens, args.max_prefill_tokens)
+    scheduler = Scheduler(
+        decoder,
+        args.max_running_requests,
+        args.max_total_tokens,
+        args.max_prefill_tokens,
+        cuda_graph=not args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_max_context=args.cuda_graph_max_context,
+    )
     tok = load_codec(model_dir)
     if tok is None:
         log.warning("no tokenizer.json in %s: only input_ids requests will work", model_dir)
@@ -82,6 +100,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
         "tp_size": 1,
         "dp_size": 1,
         "page_size": 1,
+        "disable_cuda_graph": not scheduler.use_cuda_graph,
+        "cuda_graph_max_bs": scheduler.graph_max_bs,
     }
     return EngineState(
         scheduler, model_path_of(args.model), tok, server_args, _eos_ids(model_dir, spec, tok), args.seed

@@ -7,12 +7,15 @@ Maths (per layer, pre-norm):
     RoPE: rotate pairs (i, i + d/2) by angle pos * theta^(-2i/d)   (the "rotate_half" layout of HF)
     Attn: softmax(q k^T / sqrt(d)) v with grouped-query heads (each kv head serves H/KVH q heads).
 
-The KV cache is a flat pool of token slots per layer ([slots, kv_heads, head_dim]); a request owns
+The KV cache is a flat pool of token slots per layer ([kv_heads, slots, head_dim]); a request owns
 the list of slots of its tokens, so no memory is spent on padding and requests sharing a prefix
 share slots. One forward runs a whole batch: the new tokens of every request packed together
 (decode: one token each), keys gathered from the pool into a padded [batch, context] view for one
-scaled-dot-product-attention call. Left out: rope scaling variants (llama3/yarn), sliding window,
-MoE, tensor parallelism.
+scaled-dot-product-attention call. Grouped-query heads are folded into the query length: the G = H/KVH
+query heads of kv head j attend as G*Q queries of one (request, j) pair, so K/V are never repeated
+per query head and no fused kernel is ruled out by a GQA restriction. The forward has no host
+synchronisation and no data-dependent shapes, so a decode step can be captured in a CUDA graph.
+Left out: rope scaling variants (llama3/yarn), sliding window, MoE, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -86,6 +89,23 @@ class Batch:
     context_slots: torch.Tensor  # [B, Lmax] pool slots of each request's context (padding: slot 0)
     last_index: torch.Tensor  # [B] index of each request's last new token in the packed tokens
 
+    @classmethod
+    def decode(cls, input_ids, positions, rows, table: torch.Tensor, context_len: int) -> Batch:
+        """One new token per request; `table[row, p]` is the slot of a request's token at position p.
+
+        Built on the device from tensors alone (no host values), so it can run inside a CUDA graph.
+        """
+        index = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            write_slots=table[rows, positions],
+            query_index=index[:, None],
+            query_pos=positions[:, None],
+            context_slots=table[rows, :context_len],
+            last_index=index,
+        )
+
 
 def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the HF safetensors files in a directory, by HF name."""
@@ -99,12 +119,18 @@ def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 class Decoder:
-    """Weights by HF name plus a forward over a Batch; the KV pool is owned by the caller."""
+    """Weights by HF name plus a forward over a Batch; the KV pool is owned by the caller.
+
+    Weight updates copy into the existing tensors, so anything that captured their addresses (CUDA
+    graphs) sees the new values. `offload()` moves the weights to pinned host memory and `onload()`
+    brings them back (new device tensors: captured graphs must be dropped across the pair).
+    """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
+        self.resident = True
         self.params: dict[str, torch.Tensor] = {}
         self.load(weights, strict=True)
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
@@ -135,12 +161,37 @@ class Decoder:
         if strict and (missing := sorted(known - set(weights))):
             raise ValueError(f"checkpoint lacks weights: {missing[:5]}")
         for name, tensor in weights.items():
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue
             old = self.params.get(name)
             if old is not None and tuple(old.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape of {name}: engine {tuple(old.shape)}, got {tuple(tensor.shape)}")
-            self.params[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        for name, tensor in weights.items():
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            old = self.params.get(name)
+            if old is not None:
+                old.copy_(tensor)
+            else:
+                home = self.device if self.resident else torch.device("cpu")
+                self.params[name] = tensor.to(device=home, dtype=self.dtype).contiguous()
+
+    def offload(self) -> None:
+        """Move the weights to (pinned) host memory; the device memory is returned to the allocator."""
+        if not self.resident:
+            return
+        pin = self.device.type == "cuda"
+        self.params = {
+            k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin).copy_(v) for k, v in self.params.items()
+        }
+        self.resident = False
+
+    def onload(self) -> None:
+        """Bring the weights back to the device (inverse of offload)."""
+        if self.resident:
+            return
+        self.params = {k: v.to(self.device, non_blocking=True) for k, v in self.params.items()}
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.resident = True
 
     def get(self, name: str) -> torch.Tensor:
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
@@ -150,8 +201,9 @@ class Decoder:
         return self.params[name]
 
     def new_kv_pool(self, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values), each [kv_heads, num_slots, head_dim]."""
         s = self.spec
-        shape = (num_slots, s.num_kv_heads, s.head_dim)
+        shape = (s.num_kv_heads, num_slots, s.head_dim)
         mk = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
         return [(mk(), mk()) for _ in range(s.num_layers)]
 
@@ -164,15 +216,24 @@ class Decoder:
         x1, x2 = x.chunk(2, dim=-1)
         return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
-    def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool) -> torch.Tensor:
+    def _fold_mask(self, b: Batch) -> torch.Tensor:
+        """[KVH*B, 1, G*Qmax, Lmax] boolean mask: query (g, j) of request r sees keys 0..query_pos[r, j]."""
+        s = self.spec
+        B, Q = b.query_pos.shape
+        group = s.num_heads // s.num_kv_heads
+        key_pos = torch.arange(b.context_slots.shape[1], device=b.query_pos.device)
+        mask = key_pos[None, None, :] <= b.query_pos.clamp(min=0)[:, :, None]
+        mask = mask[None, :, None].expand(s.num_kv_heads, B, group, Q, mask.shape[-1])
+        return mask.reshape(s.num_kv_heads * B, 1, group * Q, -1)
+
+    def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool, mask) -> torch.Tensor:
         s, p = self.spec, f"model.layers.{i}.self_attn."
-        T = x.shape[0]
+        T, (B, Q) = x.shape[0], b.query_index.shape
+        KVH, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
         q = F.linear(x, self.params[p + "q_proj.weight"], self.params.get(p + "q_proj.bias"))
         k = F.linear(x, self.params[p + "k_proj.weight"], self.params.get(p + "k_proj.bias"))
         v = F.linear(x, self.params[p + "v_proj.weight"], self.params.get(p + "v_proj.bias"))
-        q = q.view(T, s.num_heads, s.head_dim)
-        k = k.view(T, s.num_kv_heads, s.head_dim)
-        v = v.view(T, s.num_kv_heads, s.head_dim)
+        q, k, v = q.view(T, s.num_heads, D), k.view(T, KVH, D), v.view(T, KVH, D)
         if s.arch == "Qwen3ForCausalLM":
             q, k = (
                 self._norm(q, self.params[p + "q_norm.weight"]),
@@ -180,19 +241,22 @@ class Decoder:
             )
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         k_pool, v_pool = pool[i]
-        k_pool[b.write_slots] = k
-        v_pool[b.write_slots] = v
-        # [B, heads, len, dim] views for one batched attention call
-        qb = q[b.query_index].transpose(1, 2)
-        kb = k_pool[b.context_slots].transpose(1, 2)
-        vb = v_pool[b.context_slots].transpose(1, 2)
-        key_pos = torch.arange(b.context_slots.shape[1], device=x.device)
-        mask = key_pos[None, None, :] <= b.query_pos.clamp(min=0)[:, :, None]
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], enable_gqa=True)
-        out = out.transpose(1, 2).reshape(-1, s.num_heads * s.head_dim)
-        valid = (b.query_pos >= 0).reshape(-1)
-        packed = torch.empty(T, out.shape[1], device=x.device, dtype=out.dtype)
-        packed[b.query_index.reshape(-1)[valid]] = out[valid]
+        k_pool[:, b.write_slots] = k.transpose(0, 1)
+        v_pool[:, b.write_slots] = v.transpose(0, 1)
+        L = b.context_slots.shape[1]
+        # [KVH*B, 1, L, D] keys/values (a gather, contiguous) and [KVH*B, 1, G*Q, D] folded queries
+        kb = k_pool[:, b.context_slots].view(KVH * B, 1, L, D)
+        vb = v_pool[:, b.context_slots].view(KVH * B, 1, L, D)
+        qb = q[b.query_index].view(B, Q, KVH, G, D).permute(2, 0, 3, 1, 4).reshape(KVH * B, 1, G * Q, D)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
+        out = out.view(KVH, B, G, Q, D).permute(1, 3, 0, 2, 4).reshape(B * Q, s.num_heads * D)
+        if Q == 1:  # decode: query_index is arange(B), the packed order already
+            packed = out
+        else:  # padding queries go to a spare row T that is dropped
+            dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)
+            packed = out.new_zeros(T + 1, out.shape[1])
+            packed[dest] = out
+            packed = packed[:T]
         return F.linear(packed, self.params[p + "o_proj.weight"])
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -208,11 +272,11 @@ class Decoder:
         freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
+        mask = self._fold_mask(b)
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
-            x = x + self._attention(
-                i, self._norm(x, self.params[p + "input_layernorm.weight"]), b, cos, sin, pool
-            )
+            h = self._norm(x, self.params[p + "input_layernorm.weight"])
+            x = x + self._attention(i, h, b, cos, sin, pool, mask)
             x = x + self._mlp(i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]))
         x = self._norm(x[b.last_index], self.params["model.norm.weight"])
         return F.linear(x, self.get("lm_head.weight")).float()

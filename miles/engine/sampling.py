@@ -7,6 +7,12 @@ top-k tokens and to the smallest set of most likely tokens whose mass reaches to
 Gumbel-max trick: argmax_i (z_i / T + g_i) with g_i = -log(-log u_i). The uniforms u_i are a hash
 of (seed, step, token id), so a request's sample depends only on its own seed and position, not on
 which other requests share the batch; T = 0 is greedy (argmax z).
+
+Cost: a request with top_p = 1 and top-k off needs no sort: argmax_i (z_i / T + g_i) over the
+whole vocabulary, with log softmax(z / T) from a running log-sum-exp, is one pass over its logits
+(one fused kernel on CUDA, miles/engine/triton_sampling.py). Only requests that restrict the support
+take the sorted path, and only their rows are sorted; which path a request takes depends on its own
+parameters alone, so batching never changes its tokens.
 """
 
 from __future__ import annotations
@@ -100,7 +106,26 @@ def uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
     return ((h >> 8).float() + 0.5) / float(1 << 24)
 
 
-def sample(
+def _sample_plain(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and log-probs for rows without top-p/top-k: Gumbel-max over the whole vocabulary."""
+    if logits.is_cuda:
+        from miles.engine.triton_sampling import gumbel_argmax
+
+        return gumbel_argmax(logits, temperature, seeds, steps)
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+    else:
+        gumbel = -torch.log(-torch.log(uniforms(seeds, steps, logits.shape[1])))
+        tokens = torch.where(greedy, logits.argmax(dim=-1), (scaled + gumbel).argmax(dim=-1))
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _sample_filtered(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_p: torch.Tensor,
@@ -108,21 +133,42 @@ def sample(
     seeds: torch.Tensor,
     steps: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and log-probs for rows with T > 0 and a top-p/top-k restriction (sorted path)."""
+    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
+    scaled = logits / temperature.clamp(min=1e-6)[:, None]
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    probs = torch.softmax(ordered, dim=-1)
+    rank = torch.arange(logits.shape[1], device=logits.device)
+    keep = (rank[None, :] < top_k[:, None]) & ((probs.cumsum(-1) - probs) < top_p[:, None])
+    gumbel = -torch.log(-torch.log(uniforms(seeds, steps, logits.shape[1]).gather(1, order)))
+    choice = ordered.masked_fill(~keep, float("-inf")).add(gumbel).argmax(dim=-1)
+    tokens = order.gather(1, choice[:, None])[:, 0]
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    filtered_rows: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled token ids [B] and their log-probs under softmax(z / T) [B] from fp32 logits [B, V].
 
-    top_k holds V where the request has no top-k limit; temperature 0 means greedy.
+    top_k holds V where the request has no top-k limit; temperature 0 means greedy. `filtered_rows`
+    (rows with T > 0 and top_p < 1 or a top-k limit) may be given by a caller that knows them, which
+    saves reading the parameters back from the device.
     """
-    logp = torch.log_softmax(logits / torch.where(temperature > 0, temperature, 1.0)[:, None], dim=-1)
-    greedy_tok = logits.argmax(dim=-1)
-    if bool((temperature == 0).all()):
-        tokens = greedy_tok
-    else:
-        scaled = logits / temperature.clamp(min=1e-6)[:, None]
-        ordered, order = scaled.sort(dim=-1, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        rank = torch.arange(logits.shape[1], device=logits.device)
-        keep = (rank[None, :] < top_k[:, None]) & ((probs.cumsum(-1) - probs) < top_p[:, None])
-        gumbel = -torch.log(-torch.log(uniforms(seeds, steps, logits.shape[1]).gather(1, order)))
-        choice = ordered.masked_fill(~keep, float("-inf")).add(gumbel).argmax(dim=-1)
-        tokens = torch.where(temperature == 0, greedy_tok, order.gather(1, choice[:, None])[:, 0])
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    if filtered_rows is None:
+        need = (temperature > 0) & ((top_p < 1) | (top_k < logits.shape[1]))
+        filtered_rows = need.nonzero()[:, 0].tolist()
+    tokens, logps = _sample_plain(logits, temperature, seeds, steps)
+    if filtered_rows:
+        rows = torch.tensor(filtered_rows, device=logits.device)
+        t, lp = _sample_filtered(
+            logits[rows], temperature[rows], top_p[rows], top_k[rows], seeds[rows], steps[rows]
+        )
+        tokens[rows], logps[rows] = t, lp
+    return tokens, logps

@@ -13,6 +13,10 @@ Pause modes (as SGLang's /pause_generation): `abort` finishes every request with
 /continue_generation by re-reading prompt + output so far); `in_place` freezes them, KV included,
 so after a weight update they continue with the new weights. Every output token records the weight
 version that produced it.
+
+On CUDA a decode step replays a captured graph (miles/engine/cuda_graph.py) and the host work per
+step is a handful of list operations per request plus two host-to-device copies and one readback;
+prefills run eagerly, grouped so that padding a group to its longest member stays cheap.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 import torch
 
+from miles.engine.cuda_graph import DecodeGraphs
 from miles.engine.kv_cache import SlotAllocator
 from miles.engine.model import Batch, Decoder
 from miles.engine.sampling import SamplingParams, sample
@@ -63,9 +68,22 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
 
 class Scheduler:
-    """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body."""
+    """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body.
+
+    The pool has one slot more than `max_total_tokens` (the scratch slot) and the slot table one row
+    more than `max_running_requests` (the padding row, all scratch): padded rows of a captured decode
+    batch write and read only there.
+    """
 
     def __init__(
         self,
@@ -73,12 +91,22 @@ class Scheduler:
         max_running_requests: int,
         max_total_tokens: int,
         max_prefill_tokens: int = 8192,
+        cuda_graph: bool = True,
+        cuda_graph_max_bs: int | None = None,
+        cuda_graph_max_context: int = 4096,
     ):
         self.decoder = decoder
         self.max_running = max_running_requests
         self.max_total_tokens = max_total_tokens
         self.max_prefill_tokens = max_prefill_tokens
         self.max_context = min(decoder.spec.max_position_embeddings, max_total_tokens)
+        on_gpu = decoder.device.type == "cuda"
+        self.use_cuda_graph = cuda_graph and on_gpu
+        self.graph_max_bs = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
+        self.graph_max_context = cuda_graph_max_context
+        # decode contexts are padded to this multiple: few graph shapes on GPU, little waste on CPU
+        self.context_step = 256 if on_gpu else 16
+        self.graphs: DecodeGraphs | None = None
         self.weight_version = "default"
         self.lock = threading.Lock()
         self.paused = False
@@ -94,11 +122,22 @@ class Scheduler:
         self._alloc_memory()
 
     def _alloc_memory(self) -> None:
-        self.pool = self.decoder.new_kv_pool(self.max_total_tokens)
+        scratch = self.max_total_tokens
+        self.pool = self.decoder.new_kv_pool(self.max_total_tokens + 1)
         self.slots = SlotAllocator(self.max_total_tokens)
         dev = self.decoder.device
-        self.table = torch.zeros(self.max_running, self.max_context, dtype=torch.int64, device=dev)
+        self.table = torch.zeros(self.max_running + 1, self.max_context, dtype=torch.int64, device=dev)
+        self.table[self.max_running] = scratch
         self._free_rows = list(range(self.max_running - 1, -1, -1))
+        if self.use_cuda_graph:
+            self.graphs = DecodeGraphs(
+                self.decoder,
+                self.pool,
+                self.table,
+                self.max_running,
+                self.graph_max_bs,
+                min(self.graph_max_context, self.max_context),
+            )
 
     # ---- called from other threads ----
     def submit(self, req: Request) -> None:
@@ -150,24 +189,28 @@ class Scheduler:
             self._flush_locked()
 
     def release_memory(self) -> None:
-        """Free the KV pool (running requests are retracted first); resume_memory rebuilds it."""
+        """Free the device memory: KV pool, slot table, CUDA graphs, and the weights (kept in pinned
+        host memory, where weight updates keep landing). Running requests are retracted first."""
         with self.lock:
+            if self.released:
+                return
             for req in reversed(self.running):
                 self._retract(req)
             self._flush_locked()
             self.released = True
-            self.pool, self.table = [], torch.empty(0)
+            if self.graphs is not None:
+                self.graphs.clear()
+            self.graphs, self.pool, self.table = None, [], torch.empty(0)
+            self.decoder.offload()
             if self.decoder.device.type == "cuda":
-                self.decoder.params = {k: v.cpu() for k, v in self.decoder.params.items()}
+                torch.cuda.synchronize(self.decoder.device)
                 torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
+        """Weights back on the device, a fresh (empty) KV pool; graphs are captured again on use."""
         with self.lock:
             if self.released:
-                if self.decoder.device.type == "cuda":
-                    self.decoder.params = {
-                        k: v.to(self.decoder.device) for k, v in self.decoder.params.items()
-                    }
+                self.decoder.onload()
                 self._alloc_memory()
                 self.released = False
         self._wake.set()
@@ -263,16 +306,16 @@ class Scheduler:
         return admitted
 
     def _grow(self, reqs: list[Request]) -> list[Request]:
-        """Give each decoding request one more slot, retracting the newest requests if the pool is full."""
+        """Give each decoding request one more slot (its table entry is written by the caller),
+        retracting the newest requests while the pool is full."""
         while reqs:
             fresh = self.slots.allocate(len(reqs))
             if fresh is not None:
                 for req, s in zip(reqs, fresh, strict=True):
-                    self.table[req.row, len(req.slots)] = s
                     req.slots.append(s)
                 return reqs
             victim = reqs.pop()
-            if len(victim.tokens) >= self.max_total_tokens:
+            if victim.num_tokens >= self.max_total_tokens:
                 self._free(victim)
                 self.running.remove(victim)
                 self._finish(victim, {"type": "abort", "message": "sequence outgrew the KV cache"})
@@ -292,31 +335,82 @@ class Scheduler:
         req.slots, req.kv_len, req.row = [], 0, -1
 
     def _forward(self, reqs: list[Request]) -> None:
-        """One batched forward over `reqs` (their not-yet-cached tokens), then sample one token each."""
-        decode = [r for r in reqs if len(r.slots) == r.kv_len == len(r.tokens) - 1]
-        reqs = [r for r in reqs if len(r.slots) != r.kv_len] + self._grow(decode)
-        if not reqs:
-            return
-        batch = self._make_batch(reqs)
-        logits = self.decoder.forward(batch, self.pool)
+        """Batched forwards over `reqs` (their not-yet-cached tokens), then sample one token each."""
+        decode = [r for r in reqs if len(r.slots) == r.kv_len == r.num_tokens - 1]
+        prefill = [r for r in reqs if len(r.slots) != r.kv_len]
+        for group in self._prefill_groups(prefill):
+            logits = self.decoder.forward(self._make_batch(group), self.pool)
+            self._sample(group, logits, self._to_device(self._sampling_rows(group, logits.shape[1])))
+        decode = self._grow(decode)
+        if decode:
+            self._decode(decode)
+
+    def _decode(self, reqs: list[Request]) -> None:
+        """One decode step: table entries, forward (graph replay when the shape is captured), sample."""
+        vocab = self.decoder.spec.vocab_size
+        rows = [[r.last_token for r in reqs], [r.num_tokens - 1 for r in reqs], [r.row for r in reqs]]
+        rows += [[r.slots[-1] for r in reqs]]
+        ints, floats = self._to_device(self._sampling_rows(reqs, vocab, rows))
+        self.table[ints[2], ints[1]] = ints[3]
+        step = self.context_step
+        context = min(-(-max(len(r.slots) for r in reqs) // step) * step, self.max_context)
+        if self.graphs is not None and self.graphs.bucket(len(reqs), context) is not None:
+            logits = self.graphs.run(ints[:3], context)
+        else:
+            batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context)
+            logits = self.decoder.forward(batch, self.pool)
+        self._sample(reqs, logits, (ints[4:], floats))
+
+    def _sampling_rows(self, reqs: list[Request], vocab: int, head: list[list[int]] | None = None):
+        """Host tensors: int64 [head..., seeds, steps, top_k] and fp32 [temperature, top_p], by request."""
+        ints = (head or []) + [
+            [r.seed for r in reqs],
+            [len(r.output) for r in reqs],
+            [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs],
+        ]
+        floats = [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]]
+        return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
+
+    def _to_device(self, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        dev = self.decoder.device
+        if dev.type != "cuda":
+            return host
+        return tuple(t.pin_memory().to(dev, non_blocking=True) for t in host)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
+        """Sample one token per request from `logits`; `params` = ([seeds, steps, top_k], [T, top_p])."""
+        (seeds, steps, top_k), (temperature, top_p) = params
+        filtered = [
+            i
+            for i, r in enumerate(reqs)
+            if r.params.temperature > 0 and (r.params.top_p < 1 or 0 < r.params.top_k < logits.shape[1])
+        ]
         for req in reqs:
             req.kv_len = len(req.slots)
-        p = [r.params for r in reqs]
-        dev = logits.device
-        vocab = logits.shape[1]
-        tokens, logps = sample(
-            logits,
-            torch.tensor([x.temperature for x in p], device=dev),
-            torch.tensor([x.top_p for x in p], device=dev),
-            torch.tensor([x.top_k if x.top_k > 0 else vocab for x in p], device=dev),
-            torch.tensor([r.seed for r in reqs], device=dev),
-            torch.tensor([len(r.output) for r in reqs], device=dev),
-        )
+        tokens, logps = sample(logits, temperature, top_p, top_k, seeds, steps, filtered_rows=filtered)
         for req, tok, lp in zip(reqs, tokens.tolist(), logps.tolist(), strict=True):
             req.output.append(tok)
             req.logprobs.append(lp)
             req.versions.append(self.weight_version)
             self._check_finish(req, tok)
+
+    def _prefill_groups(self, reqs: list[Request]) -> list[list[Request]]:
+        """Split prefills so that padding each group to its longest member at most doubles the
+        attention work (query x key pairs); small prefills stay in one forward."""
+        reqs = sorted(reqs, key=lambda r: r.num_tokens, reverse=True)
+        groups: list[list[Request]] = []
+        for req in reqs:
+            if groups:
+                group = groups[-1]
+                head = group[0]
+                q_max, l_max = max(g.num_tokens - g.kv_len for g in group + [req]), head.num_tokens
+                padded = (len(group) + 1) * q_max * l_max
+                useful = sum((g.num_tokens - g.kv_len) * g.num_tokens for g in group + [req])
+                if padded <= max(2 * useful, 1 << 22):
+                    group.append(req)
+                    continue
+            groups.append([req])
+        return groups
 
     def _make_batch(self, reqs: list[Request]) -> Batch:
         dev = self.table.device
@@ -354,7 +448,7 @@ class Scheduler:
             req.finish = {"type": "stop", "matched": tok}
         elif len(req.output) >= req.params.max_new_tokens:
             req.finish = {"type": "length", "length": req.params.max_new_tokens}
-        elif len(req.tokens) >= self.max_context:
+        elif req.num_tokens >= self.max_context:
             req.finish = {"type": "length", "length": len(req.output)}
 
     def _retire(self) -> None:

@@ -1,0 +1,94 @@
+"""One-pass Gumbel-max sampling on CUDA: the sampler's plain path (no top-p/top-k) as one kernel.
+
+Maths (the same as miles/engine/sampling.py, which is the reference): for a row with temperature
+T > 0 the token is argmax_i (z_i / T + g_i), g_i = -log(-log u_i), where u_i is the Murmur3-finaliser
+hash of (seed, step, i) mapped to (0, 1); for T = 0 it is argmax_i z_i. Its log-prob is
+z_tok / T' - logsumexp_i (z_i / T') with T' = T, or 1 when greedy. One program per row streams the
+row's logits once in blocks, keeping the running maximum of the score with its index and a running
+(max, sum) for the log-sum-exp; nothing of vocabulary size is written. The hash is computed in
+uint32 arithmetic, which wraps modulo 2^32 exactly as the reference's int64-and-mask arithmetic.
+Ties go to the smallest index, as torch.argmax.
+
+Imported only where CUDA tensors are sampled (Triton is part of PyTorch's CUDA builds).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    logits_ptr, stride, temp_ptr, seed_ptr, step_ptr, tok_ptr, logp_ptr, vocab, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    temp = tl.load(temp_ptr + row)
+    greedy = temp <= 0.0
+    div = tl.where(greedy, 1.0, temp)
+    seed = tl.load(seed_ptr + row).to(tl.uint32)
+    step = tl.load(step_ptr + row).to(tl.uint32)
+    key = _fmix32(_fmix32(seed) ^ (step * 0x9E3779B1))
+    base = logits_ptr + row.to(tl.int64) * stride
+    lanes = tl.arange(0, BLOCK)
+    # per-lane running state; reduced across lanes once at the end
+    best_val = tl.full([BLOCK], -float("inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 0, tl.int32)
+    run_max = tl.full([BLOCK], -1e30, tl.float32)
+    run_sum = tl.full([BLOCK], 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + lanes
+        valid = offs < vocab
+        z = tl.load(base + offs, mask=valid, other=-float("inf"))
+        zs = z / div
+        new_max = tl.maximum(run_max, zs)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(zs - new_max)
+        run_max = new_max
+        h = _fmix32(key ^ (offs.to(tl.uint32) * 0x27D4EB2F))
+        u = ((h >> 8).to(tl.float32) + 0.5) / 16777216.0
+        score = tl.where(greedy, z, zs - tl.log(-tl.log(u)))
+        score = tl.where(valid, score, -float("inf"))
+        take = score > best_val
+        best_idx = tl.where(take, offs, best_idx)
+        best_val = tl.where(take, score, best_val)
+    top = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
+    row_max = tl.max(run_max, axis=0)
+    total = tl.sum(run_sum * tl.exp(run_max - row_max), axis=0)
+    chosen = tl.load(base + idx) / div
+    tl.store(tok_ptr + row, idx.to(tl.int64))
+    tl.store(logp_ptr + row, chosen - row_max - tl.log(total))
+
+
+def gumbel_argmax(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B] (int64) and log-probs [B] (fp32) of fp32 CUDA logits [B, V]; see the module docstring."""
+    assert logits.is_cuda and logits.dtype == torch.float32 and logits.stride(1) == 1
+    batch, vocab = logits.shape
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logps = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    if batch:
+        _gumbel_argmax_kernel[(batch,)](
+            logits,
+            logits.stride(0),
+            temperature.float().contiguous(),
+            seeds.contiguous(),
+            steps.contiguous(),
+            tokens,
+            logps,
+            vocab,
+            BLOCK=2048,
+            num_warps=8,
+        )
+    return tokens, logps
