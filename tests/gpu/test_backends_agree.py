@@ -9,12 +9,14 @@ grad norm; the floor keeps tensors whose gradient is zero in exact arithmetic (t
 ignores a per-query constant) from turning rounding noise into a large relative error.
 
 Tolerances. fp32 with TF32 off: the two backends differ only in summation order (fused vs separate
-GEMMs, micro-batch packing), so errors sit near 1e-6; we allow 1e-5 on the loss, 1e-4 on the grad
-norm, 1e-3 per tensor. bf16: both run the forward and backward in bf16 (unit roundoff u = 2^-9 ~ 2e-3)
-and round at different places (Megatron's fused QKV and gate/up GEMMs, its RoPE and norm kernels), so
-log-probs differ by a few u per token and gradients by about 1e-2 relative; we allow 2e-2 absolute on
-the loss (advantages are O(1)), 3e-2 on the grad norm and on the whole gradient, 1e-1 per tensor. A
-mis-mapped tensor (q/k or gate/up swapped, a transposed shard) gives errors of order 1.
+GEMMs, micro-batch packing), so errors sit near 1e-6 (H200, 2026-11-30: 4.8e-7 on the whole gradient);
+we allow 1e-5 on the loss, 1e-4 on the grad norm, 1e-3 per tensor. bf16: both run the forward and
+backward in bf16 (unit roundoff u = 2^-9 ~ 2e-3) and round at different places (Megatron's fused QKV
+and gate/up GEMMs, its RoPE and norm kernels), so gradients differ by a few u relative (measured:
+4.5e-3 on the whole gradient, 6.4e-3 on the worst tensor, 1.4e-4 on the grad norm); we allow 5e-3
+absolute on the loss (advantages are O(1)), 1e-2 on the grad norm, 2e-2 on the whole gradient and
+3e-2 per tensor (10-15 u, 4-5x the measured error). A mis-mapped tensor (q/k or gate/up swapped,
+a transposed shard) gives errors of order 1.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ pytestmark = [
 
 TOL = {
     "float32": dict(loss=1e-5, grad_norm=1e-4, total=1e-4, tensor=1e-3),
-    "bfloat16": dict(loss=2e-2, grad_norm=3e-2, total=3e-2, tensor=1e-1),
+    "bfloat16": dict(loss=5e-3, grad_norm=1e-2, total=2e-2, tensor=3e-2),
 }
 TRAIN = dict(grad_clip=1e6, lr=1e-4, max_tokens_per_microbatch=64)
 
