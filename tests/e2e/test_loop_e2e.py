@@ -90,3 +90,20 @@ def test_two_engines_behind_router(recipe) -> None:
     assert last["step"] == 3 and last["weights/check_max_diff"] == 0.0
     assert last["engine/0/num_steps"] > 0 and last["engine/1/num_steps"] > 0
     assert (run_dir / "logs" / "router.log").exists()
+
+
+def test_preempt_file_checkpoints_exits_and_resumes(recipe) -> None:
+    path, run_dir = recipe(train={"steps": 6}, rollout={"schedule": "async"})
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 2, proc)
+        (run_dir / "control").mkdir(exist_ok=True)
+        (run_dir / "control" / "preempt").touch()
+        finish(proc, timeout_s=120)  # exit code 0: a preempted run is not a failure
+    finally:
+        stop(proc)
+    stopped_at = steps_of(run_dir)[-1]
+    assert stopped_at < 6 and (run_dir / "checkpoints" / f"step_{stopped_at}" / ".complete").exists()
+    finish(miles_train(str(path), "--resume", str(run_dir)))
+    assert steps_of(run_dir) == list(range(1, 7))
+    assert not (run_dir / "control" / "preempt").exists()
