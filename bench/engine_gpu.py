@@ -104,6 +104,8 @@ def run_in_process(model: Path, prompts, args, cuda_graph: bool) -> dict:
     }
     if sched.graphs is not None:
         out["graph_step_gpu_ms"] = graph_gpu_time(sched, args)
+        if args.profile:
+            profile_decode(sched, args)
     sched.release_memory()
     return out
 
@@ -122,6 +124,24 @@ def graph_gpu_time(sched, args) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 20
+
+
+def profile_decode(sched, args) -> None:
+    """Print the CUDA kernels of one eager decode forward at full batch, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from miles.engine.model import Batch
+
+    context = -(-(args.prompt + args.completion // 2) // sched.context_step) * sched.context_step
+    inputs = torch.zeros(3, args.requests, dtype=torch.int64, device="cuda")
+    inputs[2] = sched.max_running
+    batch = Batch.decode(inputs[0], inputs[1], inputs[2], sched.table, context)
+    sched.decoder.forward(batch, sched.pool)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sched.decoder.forward(batch, sched.pool)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
 
 
 def run_http(model: Path, prompts, args, log_dir: Path) -> dict:
@@ -176,6 +196,7 @@ def main() -> None:
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-eager", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}

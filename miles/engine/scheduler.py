@@ -27,6 +27,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -75,6 +76,11 @@ class Request:
     @property
     def last_token(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
+
+    @cached_property
+    def restricts_support(self) -> bool:
+        """Sampled with top-p or top-k (the sorted path of the sampler)."""
+        return self.params.temperature > 0 and (self.params.top_p < 1 or self.params.top_k > 0)
 
 
 class Scheduler:
@@ -348,7 +354,8 @@ class Scheduler:
     def _decode(self, reqs: list[Request]) -> None:
         """One decode step: table entries, forward (graph replay when the shape is captured), sample."""
         vocab = self.decoder.spec.vocab_size
-        rows = [[r.last_token for r in reqs], [r.num_tokens - 1 for r in reqs], [r.row for r in reqs]]
+        # after _grow a decoding request's new token sits at position len(slots) - 1
+        rows = [[r.last_token for r in reqs], [len(r.slots) - 1 for r in reqs], [r.row for r in reqs]]
         rows += [[r.slots[-1] for r in reqs]]
         ints, floats = self._to_device(self._sampling_rows(reqs, vocab, rows))
         self.table[ints[2], ints[1]] = ints[3]
@@ -380,19 +387,24 @@ class Scheduler:
     def _sample(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
         """Sample one token per request from `logits`; `params` = ([seeds, steps, top_k], [T, top_p])."""
         (seeds, steps, top_k), (temperature, top_p) = params
-        filtered = [
-            i
-            for i, r in enumerate(reqs)
-            if r.params.temperature > 0 and (r.params.top_p < 1 or 0 < r.params.top_k < logits.shape[1])
-        ]
-        for req in reqs:
-            req.kv_len = len(req.slots)
+        filtered = [i for i, r in enumerate(reqs) if r.restricts_support]
         tokens, logps = sample(logits, temperature, top_p, top_k, seeds, steps, filtered_rows=filtered)
+        version, max_context = self.weight_version, self.max_context
         for req, tok, lp in zip(reqs, tokens.tolist(), logps.tolist(), strict=True):
-            req.output.append(tok)
+            req.kv_len = len(req.slots)
+            out = req.output
+            out.append(tok)
             req.logprobs.append(lp)
-            req.versions.append(self.weight_version)
-            self._check_finish(req, tok)
+            req.versions.append(version)
+            n = len(out)
+            # the common case (no finish) without a call: this loop runs for every token
+            if (
+                req.abort_requested
+                or tok in req.stop_ids
+                or n >= req.params.max_new_tokens
+                or n + len(req.prompt) >= max_context
+            ):
+                self._check_finish(req, tok)
 
     def _prefill_groups(self, reqs: list[Request]) -> list[list[Request]]:
         """Split prefills so that padding each group to its longest member at most doubles the

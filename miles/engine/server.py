@@ -213,7 +213,8 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def _generate(request: Request):
-        return await generate(state, await _body(request, GenerateReqInput))
+        # JSONResponse directly: FastAPI's generic encoder walks every log-prob row in Python
+        return JSONResponse(await generate(state, await _body(request, GenerateReqInput)))
 
     @app.get("/health")
     async def _health():
