@@ -45,7 +45,11 @@ class RolloutConfig(Section):
     max_new_tokens: int = 16
     """Cap on response length in tokens."""
     max_concurrency_per_engine: int = 64
-    """Requests in flight per engine."""
+    """Samples in flight per engine."""
+    group_requests: bool = False
+    """Send a group's samples as one batched /generate request: far less HTTP overhead for short
+    responses, but a group's slots free together (the default sends one request per sample, so each
+    finished sample frees its slot at once)."""
     schedule: Literal["sync", "async"] = "async"
     """`sync`: generate a batch, train, sync weights. `async`: a producer keeps samples in flight."""
     max_staleness: int = 1

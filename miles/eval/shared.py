@@ -14,24 +14,38 @@ one step's weights.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from miles.config.rollout import EvalConfig
-from miles.rollout.generate import Generator
+from miles.rollout.generate import Generator, sample_group
 from miles.rollout.tasks import Prompt
 from miles.sample import Status
 
 
 async def evaluate(
-    generator: Generator, prompts: list[Prompt], cfg: EvalConfig, max_new_tokens: int
+    generator: Generator,
+    prompts: list[Prompt],
+    cfg: EvalConfig,
+    max_new_tokens: int,
+    group_requests: bool = False,
 ) -> dict[str, float]:
     """Score every held-out prompt k times; returns eval/* metrics. Raises if every request failed."""
     start = time.monotonic()
     sampling = dict(generator.sampling, temperature=cfg.temperature, max_new_tokens=max_new_tokens)
     k = cfg.samples_per_prompt
     ids = [generator.encoder.encode(p.text) for p in prompts]
-    jobs = [generator.sample(p, -1 - i, j, sampling, ids[i]) for i, p in enumerate(prompts) for j in range(k)]
-    samples = await asyncio.gather(*jobs)
+    if group_requests:
+        gen = dataclasses.replace(generator, sampling=sampling)
+        groups = await asyncio.gather(
+            *(sample_group(gen, p, -1 - i, k, ids[i]) for i, p in enumerate(prompts))
+        )
+        samples = [s for g in groups for s in g]
+    else:
+        jobs = [
+            generator.sample(p, -1 - i, j, sampling, ids[i]) for i, p in enumerate(prompts) for j in range(k)
+        ]
+        samples = list(await asyncio.gather(*jobs))
     ok = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED)]
     if not ok:
         raise RuntimeError(

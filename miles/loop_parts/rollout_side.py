@@ -89,6 +89,7 @@ class RolloutSide:
             self.buffer,
             r.n_samples_per_prompt,
             r.max_concurrency_per_engine * len(urls),
+            group_requests=r.group_requests,
         )
         self.transport = self._transport(urls)
         self._loop = asyncio.new_event_loop()
@@ -163,7 +164,8 @@ class RolloutSide:
         e, r = self.plan.eval, self.plan.rollout
         try:
             return self.call(
-                evaluate(self.generator, self.task.eval_prompts(), e, r.max_new_tokens), timeout_s=600
+                evaluate(self.generator, self.task.eval_prompts(), e, r.max_new_tokens, r.group_requests),
+                timeout_s=600,
             )
         except Exception as exc:
             log.warning("evaluation failed and is skipped: %s", exc)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.config.rollout import RolloutConfig
-from miles.rollout.client import EngineError, SGLangClient
+from miles.rollout.client import EngineError, GenerateResult, SGLangClient
 from miles.rollout.rewards import RewardFn
 from miles.rollout.tasks import Prompt
 from miles.sample import Sample, Status
@@ -105,14 +105,45 @@ class Generator:
             s.status = _FINISH.get(r.finish_reason, Status.FAILED)
             if s.status is Status.ABORTED:
                 continue
-            s.response_ids = list(r.output_ids)
-            s.rollout_logprobs = list(r.logprobs)
-            s.loss_mask = [1] * len(s.response_ids)
-            s.weight_versions = [parse_version(v) for v in r.weight_versions]
-            s.response = self.encoder.decode(s.response_ids)
-            s.reward = float(await asyncio.to_thread(self.reward_fn, s))
+            await self.fill(s, r)
             return s
         return s
+
+    async def fill(self, s: Sample, r: GenerateResult) -> None:
+        """Copy one engine answer into the sample and score it."""
+        s.status = _FINISH.get(r.finish_reason, Status.FAILED)
+        s.response_ids = list(r.output_ids)
+        s.rollout_logprobs = list(r.logprobs)
+        s.loss_mask = [1] * len(s.response_ids)
+        s.weight_versions = [parse_version(v) for v in r.weight_versions]
+        s.response = self.encoder.decode(s.response_ids)
+        s.reward = float(await asyncio.to_thread(self.reward_fn, s))
+
+
+async def sample_group(
+    gen: Generator, prompt: Prompt, group_id: int, n: int, prompt_ids: list[int]
+) -> list[Sample]:
+    """n samples of one prompt in one batched /generate; failed or aborted ones are redone singly."""
+    params = {**gen.sampling, **prompt.metadata.get("sampling", {})}
+    body = {"input_ids": [prompt_ids] * n, "sampling_params": params, "return_logprob": True}
+    client = gen.clients[next(gen._next)]
+    try:
+        replies = (await client.request("POST", "/generate", body)).json()
+    except EngineError as e:
+        if e.status is not None and 400 <= e.status < 500:
+            raise
+        replies = [None] * n
+    out = []
+    for i, reply in enumerate(replies):
+        r = GenerateResult.from_reply(reply) if reply else None
+        if r is None or _FINISH.get(r.finish_reason) not in (Status.COMPLETED, Status.TRUNCATED):
+            out.append(await gen.sample(prompt, group_id, i, prompt_ids=prompt_ids))
+            continue
+        s = Sample(group_id, i, list(prompt_ids), prompt=prompt.text, answer=prompt.answer)
+        s.metadata.update(prompt.metadata, prompt=prompt, attempts=1)
+        await gen.fill(s, r)
+        out.append(s)
+    return out
 
 
 def sampling_params(cfg: RolloutConfig, eos_id: int, **override: Any) -> dict[str, Any]:

@@ -9,6 +9,9 @@ Both schedules share one launcher:
 - synchronous (`fill(n)`): the same slots, but only until n groups have been accepted; the trainer
   then trains and syncs while nothing is generated.
 
+With `rollout.group_requests` a group's samples travel as one batched request and hold their n
+slots until the group is done (less HTTP overhead; backfill per group instead of per sample).
+
 Prompts come in order of their index (the next index is the data position saved in checkpoints);
 prompts sent back by the buffer's policy (RETRY) go first. Everything runs on one asyncio loop.
 """
@@ -20,8 +23,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from miles.config import ConfigError
 from miles.rollout.buffer import RolloutBuffer
-from miles.rollout.generate import Generator
+from miles.rollout.generate import Generator, sample_group
 from miles.rollout.tasks import Prompt, Task
 from miles.sample import Sample, Status
 
@@ -59,9 +63,15 @@ class Producer:
         n_samples: int,
         max_inflight: int,
         next_index: int = 0,
+        group_requests: bool = False,
     ) -> None:
         self.generator, self.task, self.buffer = generator, task, buffer
-        self.n_samples, self.max_inflight = n_samples, max_inflight
+        self.n_samples, self.max_inflight, self.group_requests = n_samples, max_inflight, group_requests
+        if group_requests and n_samples > max_inflight:
+            raise ConfigError(
+                f"rollout.group_requests needs rollout.n_samples_per_prompt ({n_samples}) <= samples in "
+                f"flight ({max_inflight}); raise rollout.max_concurrency_per_engine"
+            )
         self.next_index = next_index
         """Index of the next fresh prompt: the data position a checkpoint stores."""
         self.inflight_groups = 0
@@ -90,9 +100,23 @@ class Producer:
             self.stats.tokens += s.response_length
         return s
 
+    async def _batched(self, prompt: Prompt, group_id: int, prompt_ids: list[int]) -> list[Sample]:
+        try:
+            group = await sample_group(self.generator, prompt, group_id, self.n_samples, prompt_ids)
+        finally:
+            assert self._slots is not None
+            for _ in range(self.n_samples):
+                self._slots.release()
+        for s in group:
+            if s.status in (Status.COMPLETED, Status.TRUNCATED):
+                self.stats.samples += 1
+                self.stats.tokens += s.response_length
+        return group
+
     async def _group(self, prompt: Prompt, group_id: int, samples: list[asyncio.Task]) -> None:
         try:
-            group = list(await asyncio.gather(*samples))
+            done = await asyncio.gather(*samples)
+            group = [s for item in done for s in (item if isinstance(item, list) else [item])]
             if all(s.status is Status.FAILED for s in group):
                 log.warning("group %d failed on every sample: %s", group_id, group[0].metadata.get("error"))
             self.buffer.put(group)
@@ -110,10 +134,15 @@ class Producer:
         self._group_counter += 1
         self.inflight_groups += 1
         prompt_ids = self.generator.encoder.encode(prompt.text)  # once per group: templating is slow
-        samples = []
-        for i in range(self.n_samples):
-            await self._slots.acquire()
-            samples.append(asyncio.create_task(self._sample(prompt, group_id, i, prompt_ids)))
+        if self.group_requests:
+            for _ in range(self.n_samples):
+                await self._slots.acquire()
+            samples = [asyncio.create_task(self._batched(prompt, group_id, prompt_ids))]
+        else:
+            samples = []
+            for i in range(self.n_samples):
+                await self._slots.acquire()
+                samples.append(asyncio.create_task(self._sample(prompt, group_id, i, prompt_ids)))
         task = asyncio.create_task(self._group(prompt, group_id, samples))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
