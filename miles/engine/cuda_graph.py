@@ -7,8 +7,8 @@ them all at once. A graph fixes its shapes and addresses, so:
   step overwrites; a batch of B requests runs the graph of the smallest batch bucket >= B, the
   spare rows pointing at the table's padding row, whose slots are the pool's scratch slot (their
   K/V writes land there and they attend to it alone);
-- the context length is padded to a multiple of `context_step` (the decoder masks keys past each
-  request's position), and graphs exist only up to `max_context`;
+- the context length is padded to a multiple of the scheduler's `context_step` (the decoder masks
+  keys past each request's position), and graphs exist only up to `max_context`;
 - the weights, the KV pool and the slot table are read in place, so they must not be reallocated
   while graphs exist (weight updates copy in place; releasing memory drops the graphs).
 Graphs are captured lazily, the first time a shape is needed, and share one memory pool: every

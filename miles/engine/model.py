@@ -218,23 +218,27 @@ class Decoder:
         return [(mk(), mk()) for _ in range(s.num_layers)]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        # rms_norm computes in fp32 and rounds once to x's dtype, then the weight multiplies in that
+        # dtype: HF's order of rounding, in one fused kernel where PyTorch has one
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=self.spec.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
     def _fold_mask(self, b: Batch) -> torch.Tensor:
-        """[KVH*B, 1, G*Qmax, Lmax] boolean mask: query (g, j) of request r sees keys 0..query_pos[r, j]."""
+        """[KVH*B, 1, G*Qmax, Lmax] additive mask (0 or -inf, built once per forward, not per layer):
+        query (g, j) of request r sees keys 0..query_pos[r, j]."""
         s = self.spec
         B, Q = b.query_pos.shape
         group = s.num_heads // s.num_kv_heads
         key_pos = torch.arange(b.context_slots.shape[1], device=b.query_pos.device)
         mask = key_pos[None, None, :] <= b.query_pos.clamp(min=0)[:, :, None]
         mask = mask[None, :, None].expand(s.num_kv_heads, B, group, Q, mask.shape[-1])
-        return mask.reshape(s.num_kv_heads * B, 1, group * Q, -1)
+        mask = mask.reshape(s.num_kv_heads * B, 1, group * Q, -1)
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(
+            ~mask, float("-inf")
+        )
 
     def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool, mask) -> torch.Tensor:
         s, p = self.spec, f"model.layers.{i}.self_attn."

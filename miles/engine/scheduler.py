@@ -111,7 +111,7 @@ class Scheduler:
         self.graph_max_bs = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
         self.graph_max_context = cuda_graph_max_context
         # decode contexts are padded to this multiple: few graph shapes on GPU, little waste on CPU
-        self.context_step = 256 if on_gpu else 16
+        self.context_step = 128 if on_gpu else 16
         self.graphs: DecodeGraphs | None = None
         self.weight_version = "default"
         self.lock = threading.Lock()
