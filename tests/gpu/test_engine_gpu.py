@@ -2,6 +2,12 @@
 the one-pass Triton sampler against the torch reference, log-probs against an HF bf16 forward,
 release/resume of device memory, and a weight update into a CUDA engine process over gloo.
 
+Measured on one H200 (torch 2.11, 2026-11-30), model hidden 256 / 4 layers / 8 heads / 2 kv heads:
+engine vs HF bf16 full forward, |log-prob diff| over 1348 generated tokens: greedy max 0.0081, mean
+0.0015 (1318/1348 greedy tokens equal HF's argmax); T = 1 max 0.0060-0.0064, mean 0.0016. Graph vs
+eager decode: identical tokens and log-probs. Triton vs torch sampler: identical tokens, |log-prob
+diff| <= 1.9e-5.
+
 NCCL cannot join two ranks on one GPU (it rejects a duplicate device), so the weight update on a
 one-GPU machine runs over gloo: the engine receives on the host and copies into its bf16 weights.
 Skipped without CUDA.
