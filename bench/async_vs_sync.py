@@ -4,7 +4,7 @@
 
 Runs `miles train` twice on this host with the same recipe except `rollout.schedule` (the real
 embedded engine, trainer, weight sync through the distributed transport). Response lengths
-follow a Pareto(alpha=1) tail between 4 and 256 tokens (the `longtail` task, lengths enforced with
+follow a Pareto(alpha=0.8) tail between 8 and 512 tokens (the `longtail` task, lengths enforced with
 ignore_eos), so in a synchronous step the engine waits for the longest sample of the batch while
 most slots sit idle; the fully async producer refills each slot as soon as its sample ends and
 generates while the trainer trains. Throughput = samples trained between the first and the last
@@ -27,14 +27,14 @@ RECIPE = {
     "model": {"init_tiny_if_missing": True},
     "engine": {"num_engines": 1, "max_running_requests": 32},
     "rollout": {
-        "task": {"name": "longtail", "options": {"min_tokens": 4, "max_tokens": 256, "alpha": 1.0}},
+        "task": {"name": "longtail", "options": {"min_tokens": 8, "max_tokens": 512, "alpha": 0.8}},
         "reward": "miles.rollout.rewards:first_number",
         "prompts_per_step": 8,
         "n_samples_per_prompt": 4,
-        "max_new_tokens": 256,
+        "max_new_tokens": 512,
         "max_concurrency_per_engine": 32,
         "buffer_policy": "keep",
-        "buffer_capacity_groups": 8,
+        "buffer_capacity_groups": 16,
         "max_staleness": 2,
     },
     "eval": {"every_steps": 0},

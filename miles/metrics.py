@@ -120,8 +120,41 @@ _PANELS: dict[str, list[str]] = {
 }
 
 
+def _summary(records: list[dict[str, Any]], run_name: str, path: Path) -> bool:
+    """One figure for a README: batch reward (and its 10-step mean) beside held-out pass@1 / pass@k."""
+    import matplotlib.pyplot as plt
+
+    rewards = [(r["step"], r["rollout/reward_mean"]) for r in records if "rollout/reward_mean" in r]
+    evals = [
+        (r["step"], r["eval/pass@1"], r.get("eval/pass@k", r["eval/pass@1"]))
+        for r in records
+        if "eval/pass@1" in r
+    ]
+    if not rewards or not evals:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    xs, ys = zip(*rewards, strict=True)
+    smooth = [sum(ys[max(0, i - 9) : i + 1]) / len(ys[max(0, i - 9) : i + 1]) for i in range(len(ys))]
+    left.plot(xs, ys, alpha=0.3, label="batch reward")
+    left.plot(xs, smooth, label="10-step mean")
+    left.set_title(f"{run_name}: training reward")
+    es, p1, pk = zip(*evals, strict=True)
+    right.plot(es, p1, marker="o", label="pass@1")
+    right.plot(es, pk, marker="o", label="pass@k")
+    right.set_title(f"{run_name}: held-out eval")
+    for ax in (left, right):
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def plot_run(run_dir: str | Path) -> list[str]:
-    """Write one PNG per panel (reward, eval, ...) into RUN_DIR/plots; returns their paths."""
+    """Write summary.png and one PNG per panel (reward, eval, ...) into RUN_DIR/plots; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +167,11 @@ def plot_run(run_dir: str | Path) -> list[str]:
         )
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths = (
+        [str(out_dir / "summary.png")]
+        if _summary(records, Path(run_dir).name, out_dir / "summary.png")
+        else []
+    )
     for panel, keys in _PANELS.items():
         series = {k: [(r["step"], r[k]) for r in records if k in r] for k in keys}
         series = {k: v for k, v in series.items() if v}

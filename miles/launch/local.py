@@ -11,6 +11,7 @@ trainer-stdout.log (the trainer processes' own output). Imports no torch.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -71,6 +72,22 @@ def _ensure_model(plan: Plan) -> None:
 
     print(f"miles: creating a tiny random model at {path}", file=sys.stderr)
     init_tiny(path, seed=plan.run.seed)
+
+
+def share_cpu_threads(plan: Plan) -> int | None:
+    """Give each child process an equal share of this host's cores for its intra-op threads.
+
+    Engines and trainer ranks all run torch on the same cores; each one's OpenMP pool would otherwise
+    take every core, and spinning pools that oversubscribe the host slow everyone down several times.
+    A value the user exported already is kept. Returns the per-process thread count set (or None).
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    processes = plan.engine.num_engines + plan.train.num_ranks
+    threads = max(1, len(os.sched_getaffinity(0)) // processes)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the children started below
+    log.info("derived OMP_NUM_THREADS=%d for %d engine + trainer processes", threads, processes)
+    return threads
 
 
 def start_engines(plan: Plan, run_dir: Path) -> list[Any]:
@@ -165,6 +182,7 @@ def train_main(
     plan = _plan(recipe, overrides or [], resume)
     run_dir = _prepare_run_dir(plan, bool(resume))
     _ensure_model(plan)
+    share_cpu_threads(plan)
     started = start_engines(plan, run_dir)
     trainer: subprocess.Popen | None = None
     try:

@@ -81,13 +81,16 @@ def test_pause_modes(recipe, mode: str) -> None:
 def test_two_engines_behind_router(recipe) -> None:
     path, run_dir = recipe(
         engine={"num_engines": 2, "router_policy": "round_robin"},
-        rollout={"prompts_per_step": 4, "n_samples_per_prompt": 4},
+        rollout={"prompts_per_step": 4, "n_samples_per_prompt": 4, "group_requests": True},
+        eval={"every_steps": 3, "samples_per_prompt": 2},
         train={"steps": 3},
         weights={"check": True, "transport": "disk"},
     )
     finish(miles_train(str(path)))
     last = read_metrics(run_dir)[-1]
-    assert last["step"] == 3 and last["weights/check_max_diff"] == 0.0
+    assert (
+        last["step"] == 3 and last["weights/check_max_diff"] == 0.0 and last["eval/weight_version_min"] == 3
+    )
     assert last["engine/0/num_steps"] > 0 and last["engine/1/num_steps"] > 0
     assert (run_dir / "logs" / "router.log").exists()
 

@@ -50,7 +50,7 @@ def test_plot_run_writes_pngs(tmp_path) -> None:
     log.close()
     paths = plot_run(tmp_path)
     names = sorted(p.rsplit("/", 1)[-1] for p in paths)
-    assert names == ["eval.png", "reward.png", "time.png"]
+    assert names == ["eval.png", "reward.png", "summary.png", "time.png"]
     assert all(open(p, "rb").read(4) == b"\x89PNG" for p in paths)
 
 
