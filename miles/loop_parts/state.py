@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ class LoopState:
     step: int = 0
     data_index: int = 0
     logger: MetricsLogger | None = None
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def preempt_file(self) -> Path:

@@ -11,8 +11,9 @@ and on `get` with staleness = current_version - min(weight version of any token 
 (freshness checks). DROP discards the group; RETRY discards it and queues its prompt for
 generation again (the producer takes it back with `take_retry`).
 
-Capacity bounds the finished groups held; `put` never blocks (the producer asks `has_room()`
-before starting a new group), so the producer's event loop is never stalled by the trainer.
+Capacity bounds the finished groups held; `put` never blocks: the producer starts a new group only
+while finished plus in-flight groups stay below capacity, so its event loop is never stalled by the
+trainer and the bound holds.
 The buffer is shared between the producer's thread and the trainer's thread: one lock guards it.
 """
 
