@@ -1,11 +1,12 @@
 """`miles train`: run a whole RL job on this host as child processes, then stop exactly those.
 
     resolve plan -> RUN_DIR/plan.yaml -> engines (+ sglang-router when more than one)
-    -> publish URLs in RUN_DIR/rendezvous/ -> trainer ranks (`python -m miles.loop`, under torchrun
-    when train.num_ranks > 1) -> progress bar from metrics.jsonl -> stop everything started
+    -> publish URLs in RUN_DIR/rendezvous/ -> train.num_ranks trainer ranks (`python -m miles.loop`
+    with torchrun's RANK/WORLD_SIZE/MASTER_* variables) -> progress bar from metrics.jsonl
+    -> stop everything started
 
 Logs: RUN_DIR/logs/engine-<i>.log, router.log, trainer-<rank>.log (written by the loop) and
-trainer-stdout.log (the trainer processes' own output). Imports no torch.
+trainer-<rank>-stdout.log (each rank's own output). Imports no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,26 +129,39 @@ def start_engines(plan: Plan, run_dir: Path) -> list[Any]:
     return started
 
 
-def trainer_command(plan: Plan, run_dir: Path, resume: bool) -> list[str]:
-    """One process for one rank; torchrun (loopback, OS-chosen port) for several."""
-    loop = ["-m", "miles.loop", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
-    if plan.train.num_ranks == 1:
-        return [sys.executable, *loop]
+def start_trainers(plan: Plan, run_dir: Path, resume: bool) -> list[subprocess.Popen]:
+    """One `python -m miles.loop` per rank, with torchrun's variable names (loopback, OS-chosen port).
+
+    Not torchrun itself: its elastic agent makes every rank's `tcp://` rendezvous a client of the
+    agent's store, so rank 0 could not host the weight-update group that engines join.
+    """
     from miles.rollout.router import free_port
 
     n = plan.train.num_ranks
-    rdzv = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(n),
-        *rdzv,
-        *loop,
-    ]
+    cmd = [sys.executable, "-m", "miles.loop", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+    port = str(free_port())
+    procs = []
+    for rank in range(n):
+        env = dict(
+            os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n)
+        )
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        with open(run_dir / "logs" / f"trainer-{rank}-stdout.log", "ab") as out:
+            procs.append(
+                subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            )
+    return procs
+
+
+def wait_trainers(procs: list[subprocess.Popen], poll_s: float = 0.5) -> int:
+    """Wait for every rank; when one fails the others are stopped (they would hang in a collective)."""
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(poll_s)
+    for p in procs:
+        _stop_popen(p)
+    return next((p.returncode for p in procs if p.returncode != 0), 0)
 
 
 def stop_all(procs: list[Any]) -> None:
@@ -184,21 +199,15 @@ def train_main(
     _ensure_model(plan)
     share_cpu_threads(plan)
     started = start_engines(plan, run_dir)
-    trainer: subprocess.Popen | None = None
+    trainers: list[subprocess.Popen] = []
     try:
-        with open(run_dir / "logs" / "trainer-stdout.log", "ab") as out:
-            trainer = subprocess.Popen(
-                trainer_command(plan, run_dir, bool(resume)),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        trainers = start_trainers(plan, run_dir, bool(resume))
         if progress:
-            follow_progress(run_dir, plan.train.steps, lambda: trainer.poll() is None)
-        rc = trainer.wait()
+            follow_progress(run_dir, plan.train.steps, lambda: all(t.poll() is None for t in trainers))
+        rc = wait_trainers(trainers)
     finally:
-        if trainer is not None:
-            _stop_popen(trainer)
+        for t in trainers:
+            _stop_popen(t)
         stop_all(started)
     if rc != 0:
         print(f"miles: trainer exited with {rc}; see {run_dir / 'logs'}", file=sys.stderr)

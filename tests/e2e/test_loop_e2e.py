@@ -107,6 +107,8 @@ def test_preempt_file_checkpoints_exits_and_resumes(recipe) -> None:
         stop(proc)
     stopped_at = steps_of(run_dir)[-1]
     assert stopped_at < 6 and (run_dir / "checkpoints" / f"step_{stopped_at}" / ".complete").exists()
-    finish(miles_train(str(path), "--resume", str(run_dir)))
+    # continue on two trainer ranks: the checkpoint reshards, rank 0 feeds both the same batches
+    finish(miles_train(str(path), "--resume", str(run_dir), "--set", "train.num_ranks=2"))
     assert steps_of(run_dir) == list(range(1, 7))
     assert not (run_dir / "control" / "preempt").exists()
+    assert "resumed from checkpoint" in (run_dir / "logs" / "trainer-1.log").read_text()
