@@ -68,6 +68,8 @@ class Generator:
 
     def __post_init__(self) -> None:
         self._next = itertools.cycle(range(len(self.clients)))
+        self.active = 0
+        """/generate requests sent and not yet answered."""
 
     @classmethod
     def from_config(
@@ -94,6 +96,7 @@ class Generator:
         for attempt in range(1, self.max_attempts + 1):
             s.metadata["attempts"] = attempt
             client = self.clients[next(self._next)]
+            self.active += 1
             try:
                 r = await client.generate(prompt_ids, params)
             except EngineError as e:
@@ -102,6 +105,8 @@ class Generator:
                 s.status, s.metadata["error"] = Status.FAILED, str(e)
                 await asyncio.sleep(0.2 * attempt)
                 continue
+            finally:
+                self.active -= 1
             s.status = _FINISH.get(r.finish_reason, Status.FAILED)
             if s.status is Status.ABORTED:
                 continue

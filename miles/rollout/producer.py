@@ -81,6 +81,11 @@ class Producer:
         self._tasks: set[asyncio.Task] = set()
         self._group_counter = 0
 
+    @property
+    def inflight_samples(self) -> int:
+        """Sample slots in use right now."""
+        return 0 if self._slots is None else self.max_inflight - self._slots._value
+
     def _next_prompt(self) -> Prompt:
         retry = self.buffer.take_retry()
         if retry is not None:
