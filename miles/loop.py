@@ -44,12 +44,15 @@ def run(run_dir: Path, resume: bool) -> int:
             metrics = {f"train/{k}": v for k, v in backend.train(samples).items()}
             state.step, t2 = step, time.monotonic()
             last = step == plan.train.steps
-            if step % plan.weights.update_interval == 0 or last:
+            pushed = step % plan.weights.update_interval == 0 or last
+            if pushed:
                 metrics.update(state.push_weights(plan, backend, side))
             t3 = time.monotonic()
+            state.eval_due |= bool(plan.eval.every_steps) and (step % plan.eval.every_steps == 0 or last)
             if rank0:
-                if plan.eval.every_steps and (step % plan.eval.every_steps == 0 or last):
+                if pushed and state.eval_due:  # the engines serve exactly this step's weights
                     metrics.update(side.evaluate())
+                    state.eval_due = False
                 metrics.update(side.metrics(), **state.rollout_metrics(samples))
                 metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2})
                 state.log(step, metrics)

@@ -57,6 +57,8 @@ class LoopState:
     step: int = 0
     data_index: int = 0
     logger: MetricsLogger | None = None
+    eval_due: bool = False
+    """An evaluation is owed; it runs at the next step whose weights reach the engines."""
 
     @property
     def preempt_file(self) -> Path:
