@@ -1,12 +1,12 @@
 """`miles train`: run a whole RL job on this host as child processes, then stop exactly those.
 
     resolve plan -> RUN_DIR/plan.yaml -> engines (+ sglang-router when more than one)
-    -> publish URLs in RUN_DIR/rendezvous/ -> train.num_ranks trainer ranks (`python -m miles.loop`
-    with torchrun's RANK/WORLD_SIZE/MASTER_* variables) -> progress bar from metrics.jsonl
+    -> publish URLs in RUN_DIR/rendezvous/ -> torchrun with train.num_ranks ranks of
+    `python -m miles.loop` -> progress bar from metrics.jsonl
     -> stop everything started
 
-Logs: RUN_DIR/logs/engine-<i>.log, router.log, trainer-<rank>.log (written by the loop) and
-trainer-<rank>-stdout.log (each rank's own output). Imports no torch.
+Logs: RUN_DIR/logs/engine-<i>.log, router.log, trainer-<rank>.log (written by the loop),
+torchrun/ (each rank's own output) and trainer-stdout.log (torchrun's). Imports no torch.
 """
 
 from __future__ import annotations
@@ -130,27 +130,20 @@ def start_engines(plan: Plan, run_dir: Path) -> list[Any]:
 
 
 def start_trainers(plan: Plan, run_dir: Path, resume: bool) -> list[subprocess.Popen]:
-    """One `python -m miles.loop` per rank, with torchrun's variable names (loopback, OS-chosen port).
+    """torchrun with `train.num_ranks` ranks of `python -m miles.loop` (loopback, OS-chosen port).
 
-    Not torchrun itself: its elastic agent makes every rank's `tcp://` rendezvous a client of the
-    agent's store, so rank 0 could not host the weight-update group that engines join.
+    Each rank's output goes to RUN_DIR/logs/torchrun/; torchrun's own output to trainer-stdout.log.
     """
     from miles.rollout.router import free_port
 
     n = plan.train.num_ranks
-    cmd = [sys.executable, "-m", "miles.loop", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
-    port = str(free_port())
-    procs = []
-    for rank in range(n):
-        env = dict(
-            os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n)
-        )
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        with open(run_dir / "logs" / f"trainer-{rank}-stdout.log", "ab") as out:
-            procs.append(
-                subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-            )
-    return procs
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--nnodes=1",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           f"--log-dir={run_dir / 'logs' / 'torchrun'}", "--redirects=3",
+           "-m", "miles.loop", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])  # fmt: skip
+    with open(run_dir / "logs" / "trainer-stdout.log", "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return [proc]
 
 
 def wait_trainers(procs: list[subprocess.Popen], poll_s: float = 0.5) -> int:

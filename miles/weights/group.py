@@ -34,9 +34,11 @@ def init_update_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the update group of size {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # A TCPStore made here, not `dist.rendezvous("tcp://...")`: under torchrun that handler turns every
+    # rank into a client of the elastic agent's store, and the trainer (rank 0) must host this one.
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
     store = dist.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
