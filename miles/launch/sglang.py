@@ -74,7 +74,11 @@ def sglang_server_command(
 
 
 def router_command(plan: Plan, *, host: str, port: int, worker_urls: list[str]) -> list[str]:
-    """argv of the sglang-router in front of `worker_urls`."""
+    """argv of the sglang-router in front of `worker_urls`.
+
+    Its Prometheus exporter would otherwise bind a fixed default port (29000) on every host; it takes
+    the slot just below the router's own port instead, so jobs sharing a node never collide.
+    """
     return [
         "sglang-router",
         "launch",
@@ -82,6 +86,10 @@ def router_command(plan: Plan, *, host: str, port: int, worker_urls: list[str]) 
         host,
         "--port",
         str(port),
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(port - 1),
         "--policy",
         plan.engine.router_policy,
         "--worker-urls",

@@ -129,6 +129,8 @@ def start_router(
     for _ in range(attempts):
         port = free_port(host)
         cmd = [router_binary(), "launch", "--host", host, "--port", str(port), "--policy", policy]
+        # the metrics exporter binds a fixed default port (29000) unless told otherwise
+        cmd += ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
         cmd += ["--worker-urls", *worker_urls] if worker_urls else []
         cmd += extra_args or []
         with open(log_file, "ab") as out:
