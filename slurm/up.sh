@@ -15,8 +15,8 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   echo "slurm/up.sh: $what did not come up within ${t}s; see $STATE/log/" >&2; return 1
 }
 
-if command -v sinfo >/dev/null && alive "$STATE/run/slurmctld.pid" \
-   && [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cE '^(idle|mixed|allocated)')" -ge "$NODES" ]; then
+if command -v sinfo >/dev/null && alive "$STATE/run/slurmctld.pid" && alive "$STATE/run/slurmdbd.pid" \
+   && alive "$STATE/run/mysqld.pid" && [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cE '^(idle|mixed|allocated)')" -ge "$NODES" ]; then
   echo "slurm dev cluster already up: $(sinfo -h -o '%P %D %T' | tr '\n' ' ')"; exit 0
 fi
 for bin in slurmctld slurmd slurmdbd munged mariadbd; do
@@ -41,7 +41,8 @@ MYSQL_PORT=$(cat "$STATE/mysql.port")
 
 if ! alive "$STATE/run/mysqld.pid"; then
   [ -d "$STATE/mysql/mysql" ] || mariadb-install-db --datadir="$STATE/mysql" --user=root >"$STATE/log/mysql-init.log" 2>&1
-  mariadbd --datadir="$STATE/mysql" --user=root --bind-address=127.0.0.1 --port="$MYSQL_PORT" \
+  # setsid: the database must outlive the shell that started it (slurmdbd and slurmd daemonize alone)
+  setsid mariadbd --datadir="$STATE/mysql" --user=root --bind-address=127.0.0.1 --port="$MYSQL_PORT" \
     --socket="$STATE/run/mysql.sock" --pid-file="$STATE/run/mysqld.pid" --skip-grant-tables \
     --log-error="$STATE/log/mysqld.log" >/dev/null 2>&1 &
   wait_for 30 mariadb test -S "$STATE/run/mysql.sock"

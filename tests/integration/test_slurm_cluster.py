@@ -111,32 +111,44 @@ def test_cancel(tmp_path: Path, tiny_model: str) -> None:
     assert _wait(run_dir, ("CANCELLED",), 60).startswith("CANCELLED")
 
 
-def test_requeue_resumes_from_checkpoint(tmp_path: Path, tiny_model: str) -> None:
-    sub = submit(TINY, "local", [*_common(tmp_path, tiny_model), "train.steps=16"])
+def _train_steps(run_dir: Path) -> list[int]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [m["step"] for m in rows if "train/loss" in m]
+
+
+def test_requeue_resumes_the_rl_loop_from_checkpoint(tmp_path: Path, tiny_model: str) -> None:
+    """USR2 before the time limit -> the real loop checkpoints -> requeue -> it resumes by itself."""
+    steps = 40
+    sub = submit(
+        TINY, "local", [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", f"train.steps={steps}"]
+    )
     run_dir = Path(sub.run_dirs[0])
-    deadline = time.monotonic() + 90
-    while (
-        not (run_dir / "metrics.jsonl").exists()
-        or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3
-    ):
-        assert time.monotonic() < deadline, run_logs(run_dir)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() or len(_train_steps(run_dir)) < 3:
+        assert time.monotonic() < deadline, run_logs(run_dir, "actor")
         time.sleep(0.5)
     # what Slurm does --signal seconds before the time limit: USR2 to the batch shell only
     subprocess.run(["scancel", "--batch", "--signal=USR2", sub.job_ids[0]], check=True)
     # Slurm holds a requeued job ~120 s before it is eligible again; make it eligible now
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while (
         "Restarts=1"
         not in subprocess.run(
             ["scontrol", "show", "job", sub.job_ids[0]], capture_output=True, text=True
         ).stdout
     ):
-        assert time.monotonic() < deadline, run_logs(run_dir)
+        assert time.monotonic() < deadline, run_logs(run_dir, "actor")
         time.sleep(0.5)
+    preempted_at = max(
+        int(p.parent.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*/.complete")
+    )
     subprocess.run(["scontrol", "update", f"JobId={sub.job_ids[0]}", "StartTime=now"], check=True)
-    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 180) == "COMPLETED", run_logs(run_dir)
-    result = json.loads((run_dir / "selftest.json").read_text())
-    assert result["restart_count"] >= 1 and result["start_step"] >= 3 and result["end_step"] == 16
+    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 240) == "COMPLETED", run_logs(
+        run_dir, "actor"
+    )
+    assert 3 <= preempted_at < steps
+    assert _train_steps(run_dir) == list(range(1, steps + 1))  # nothing lost, nothing twice
+    assert (run_dir / "checkpoints" / f"step_{steps}" / ".complete").exists()
     log = run_logs(run_dir)
     assert "USR2" in log and "start 1" in log
 
