@@ -26,6 +26,7 @@ from typing import Any
 from miles.cluster.environment import JobEnvironment
 from miles.cluster.rendezvous import healthy, master_port, node_address, publish_engine, wait_for_engines
 from miles.config import Plan, read_plan
+from miles.processes import stop_processes
 
 
 def _facts(run_dir: Path) -> tuple[Plan, dict[str, Any]]:
@@ -102,13 +103,7 @@ def run_rollout(run_dir: Path) -> int:
     children: list[subprocess.Popen[bytes]] = []
 
     def stop(*_: object) -> None:
-        for p in children:
-            p.terminate()
-        for p in children:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(children)
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from miles.processes import stop_processes
+
 
 @dataclass
 class EngineProcess:
@@ -34,14 +36,7 @@ class EngineProcess:
         return self.proc.poll() is None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=timeout_s)
+        stop_processes([self.proc], timeout_s)
 
     def __enter__(self) -> EngineProcess:
         return self

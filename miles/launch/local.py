@@ -23,6 +23,7 @@ from typing import Any
 
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.loading import apply_overrides
+from miles.processes import free_port, stop_processes
 
 log = logging.getLogger("miles.launch")
 
@@ -134,8 +135,6 @@ def start_trainers(plan: Plan, run_dir: Path, resume: bool) -> list[subprocess.P
 
     Each rank's output goes to RUN_DIR/logs/torchrun/; torchrun's own output to trainer-stdout.log.
     """
-    from miles.rollout.router import free_port
-
     n = plan.train.num_ranks
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
@@ -152,8 +151,7 @@ def wait_trainers(procs: list[subprocess.Popen], poll_s: float = 0.5) -> int:
         if any(p.returncode not in (None, 0) for p in procs):
             break
         time.sleep(poll_s)
-    for p in procs:
-        _stop_popen(p)
+    stop_processes(procs, 30.0)
     return next((p.returncode for p in procs if p.returncode != 0), 0)
 
 
@@ -164,16 +162,6 @@ def stop_all(procs: list[Any]) -> None:
             p.stop()
         except Exception as e:
             log.warning("stopping %s failed: %s", p, e)
-
-
-def _stop_popen(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout_s)
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -199,8 +187,7 @@ def train_main(
             follow_progress(run_dir, plan.train.steps, lambda: all(t.poll() is None for t in trainers))
         rc = wait_trainers(trainers)
     finally:
-        for t in trainers:
-            _stop_popen(t)
+        stop_processes(trainers, 30.0)
         stop_all(started)
     if rc != 0:
         print(f"miles: trainer exited with {rc}; see {run_dir / 'logs'}", file=sys.stderr)

@@ -11,7 +11,6 @@ removing it and letting its requests drain. `stop()` ends only the process this 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,9 @@ from typing import Any
 
 import httpx
 
+from miles.processes import free_port, stop_processes
+
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "manual")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def router_binary() -> str:
@@ -85,14 +79,7 @@ class RouterProcess:
             time.sleep(0.1)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=timeout_s)
+        stop_processes([self.proc], timeout_s)
 
     def __enter__(self) -> RouterProcess:
         return self

@@ -162,8 +162,8 @@ def test_release_and_resume_memory(gpu_model):
 
 def test_weight_update_into_cuda_engine_over_gloo(gpu_model, tmp_path):
     from miles.engine.process import start_engine
+    from miles.processes import free_port
     from miles.rollout.client import SGLangClient
-    from miles.rollout.router import free_port
     from miles.weights import DistributedTransport, check_weights, iter_buckets
 
     body = {"input_ids": [12, 13, 14, 15], "sampling_params": {"max_new_tokens": 16, "temperature": 0}}

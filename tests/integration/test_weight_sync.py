@@ -10,8 +10,8 @@ import torch
 
 from miles.engine.model import load_weights
 from miles.engine.process import start_engine
+from miles.processes import free_port
 from miles.rollout.client import SGLangClient
-from miles.rollout.router import free_port
 from miles.weights import (
     TRANSPORTS,
     DiskTransport,
