@@ -67,7 +67,7 @@ class LoopState:
     @classmethod
     def restore(cls, backend: Any, plan: Plan, run_dir: Path, resume: bool, rank0: bool) -> LoopState:
         """Load the latest complete checkpoint when resuming (none: start fresh)."""
-        from miles.train.fsdp.checkpoint import latest_complete_step
+        from miles.train.checkpoint import latest_complete_step
 
         state = cls(run_dir)
         latest = broadcast(latest_complete_step(run_dir) if rank0 else None)

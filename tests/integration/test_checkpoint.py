@@ -7,13 +7,8 @@ import pytest
 import torch
 from test_fsdp_ranks import probe_ids, reference_runs
 
-from miles.train.fsdp.checkpoint import (
-    COMPLETE,
-    complete_steps,
-    latest_complete_step,
-    load_checkpoint,
-    step_dir,
-)
+from miles.train.checkpoint import COMPLETE, complete_steps, latest_complete_step, step_dir
+from miles.train.fsdp.checkpoint import load_checkpoint
 
 TOL = 1e-5
 

@@ -13,7 +13,7 @@ from miles.config import resolve
 from miles.sample import Sample
 from miles.train import BACKENDS, get_backend
 from miles.train.backend import TrainBackend
-from miles.train.fsdp.checkpoint import complete_steps
+from miles.train.checkpoint import complete_steps
 
 PROMPT = [11, 22, 33, 44]
 GOOD, BAD = [50, 60, 70, 80], [90, 100, 110]

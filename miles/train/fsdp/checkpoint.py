@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,30 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from miles.train.checkpoint import COMPLETE, complete_steps, latest_complete_step, mark_complete, step_dir
 from miles.train.fsdp.weights import iter_full_tensors
-
-COMPLETE = ".complete"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def step_dir(run_dir: str | Path, step: int) -> Path:
-    """`<run_dir>/checkpoints/step_<step>`."""
-    return Path(run_dir) / "checkpoints" / f"step_{step}"
-
-
-def complete_steps(run_dir: str | Path) -> list[int]:
-    """Steps with a complete checkpoint, ascending."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return sorted(s for s in steps if (step_dir(run_dir, s) / COMPLETE).exists())
-
-
-def latest_complete_step(run_dir: str | Path) -> int | None:
-    """The newest step with a complete checkpoint, or None."""
-    steps = complete_steps(run_dir)
-    return steps[-1] if steps else None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -109,9 +86,7 @@ def save_checkpoint(
         torch.save(trainer, out / "trainer.pt")
     dist.barrier()
     if rank == 0:
-        (out / COMPLETE).write_text(f"{step}\n")
-        for old in complete_steps(run_dir)[:-keep_last]:
-            shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+        mark_complete(run_dir, step, keep_last)
     dist.barrier()
     return out
 

@@ -16,14 +16,13 @@ Resuming needs the same tensor / pipeline sizes; the data-parallel size may chan
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from miles.train.fsdp.checkpoint import COMPLETE, complete_steps, latest_complete_step, step_dir
+from miles.train.checkpoint import COMPLETE, complete_steps, latest_complete_step, mark_complete, step_dir
 
 
 def _files(run_dir: str, step: int) -> tuple[Path, Path, Path]:
@@ -62,9 +61,7 @@ def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
         torch.save({"step": step, "step_count": backend.step_count, "extra": extra or {}}, out / "trainer.pt")
     dist.barrier()
     if rank == 0:
-        (out / COMPLETE).write_text(f"{step}\n")
-        for old in complete_steps(run_dir)[: -backend.plan.train.checkpoint.keep_last]:
-            shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+        mark_complete(run_dir, step, backend.plan.train.checkpoint.keep_last)
     dist.barrier()
     return str(out)
 
