@@ -13,14 +13,12 @@ behaves like a torch.optim.Optimizer. The LR schedule, per training step s with 
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Iterable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from miles.config import ConfigError
 from miles.config.train import TrainConfig
 
 
@@ -31,15 +29,9 @@ def build_optimizer(
     params = list(params)
     if cfg.optimizer_offload == "none":
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    try:
-        offload = importlib.import_module("miles.train.offload")
-        build = offload.build_optimizer
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(
-            f"train.optimizer_offload={cfg.optimizer_offload!r} needs miles.train.offload.build_optimizer, "
-            f"which is not available ({e}); set train.optimizer_offload=none"
-        ) from None
-    return build(params, cfg, rank=rank)
+    from miles.train.offload import build_optimizer as build_offloaded
+
+    return build_offloaded(params, cfg, rank=rank)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
