@@ -60,15 +60,17 @@ def test_resume_after_kill_keeps_every_step_once(recipe) -> None:
 
 @pytest.mark.parametrize("mode", ["in_place", "abort"])
 def test_pause_modes(recipe, mode: str) -> None:
-    # long responses (the random model rarely stops) keep requests in flight across every weight push
+    # long responses (the random model rarely stops): generating a sample takes longer than a training
+    # step, so requests are in flight at every weight push whatever the machine's speed
+    steps = 6
     path, run_dir = recipe(
-        rollout={"schedule": "async", "max_new_tokens": 48, "max_staleness": 4},
-        train={"steps": 5},
+        rollout={"schedule": "async", "max_new_tokens": 160, "max_staleness": 4},
+        train={"steps": steps},
         weights={"check": True, "pause_mode": mode},
     )
     finish(miles_train(str(path)))
     records = [r for r in read_metrics(run_dir) if r["step"] > 0]
-    assert len(records) == 5
+    assert len(records) == steps
     assert all(r["weights/check_max_diff"] == 0.0 for r in records)
     multi = [r["rollout/multi_version_frac"] for r in records]
     resent = [r["rollout/resent_frac"] for r in records]
