@@ -28,15 +28,10 @@ from pathlib import Path
 
 import torch
 
-SHAPE = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    max_position_embeddings=32768,
-)
-VOCAB, EOS, PAD = 151936, 151645, 151643
+from miles.models.tiny import QWEN25_05B_SHAPE, QWEN25_EOS, QWEN25_PAD, QWEN25_VOCAB
+
+SHAPE = dict(QWEN25_05B_SHAPE, max_position_embeddings=32768)
+VOCAB, EOS, PAD = QWEN25_VOCAB, QWEN25_EOS, QWEN25_PAD
 
 
 def build_model(out: Path) -> Path:

@@ -21,15 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from miles.models.tiny import QWEN25_05B_SHAPE as SHAPE
+from miles.models.tiny import QWEN25_EOS, QWEN25_PAD
+from miles.models.tiny import QWEN25_VOCAB as VOCAB
+
 PEAK = 790e12
-SHAPE = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-)
-VOCAB = 151936
 
 
 def make_model(out: Path) -> Path:
@@ -39,7 +35,7 @@ def make_model(out: Path) -> Path:
 
     from miles.models.tiny import model_config
 
-    cfg = model_config("qwen2", VOCAB, 151645, 151643, max_position_embeddings=4096, **SHAPE)
+    cfg = model_config("qwen2", VOCAB, QWEN25_EOS, QWEN25_PAD, max_position_embeddings=4096, **SHAPE)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
     return out

@@ -30,15 +30,10 @@ import threading
 import time
 from pathlib import Path
 
+from miles.models.tiny import QWEN25_05B_SHAPE, QWEN25_VOCAB
+
 QWEN_05B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
+    QWEN25_05B_SHAPE, vocab_size=QWEN25_VOCAB, max_position_embeddings=4096, tie_word_embeddings=True
 )
 
 

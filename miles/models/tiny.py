@@ -70,6 +70,17 @@ def build_tokenizer(vocab_size: int = 384, seed: int = 0):
     return fast
 
 
+# Qwen2.5-0.5B's shapes, vocabulary and special ids: the random-init model of the GPU benchmarks.
+QWEN25_05B_SHAPE = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+)
+QWEN25_VOCAB, QWEN25_EOS, QWEN25_PAD = 151936, 151645, 151643
+
+
 def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **sizes: int):
     """A transformers config of the given family with tiny default sizes (overridable)."""
     import transformers
