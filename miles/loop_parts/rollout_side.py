@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 from miles.config import Plan
 from miles.eval.shared import evaluate
+from miles.processes import free_port
 from miles.rollout.buffer import RolloutBuffer, load_policy
 from miles.rollout.client import SGLangClient
 from miles.rollout.generate import Generator, PromptEncoder
@@ -109,11 +110,8 @@ class RolloutSide:
             )
         local = all(urlparse(u).hostname in ("127.0.0.1", "localhost") for u in urls)
         addr = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            port = s.getsockname()[1]
         backend = "nccl" if self.plan.train.device == "cuda" else "gloo"
-        return cls(self.admins, addr, port, backend=backend, pause_mode=mode)
+        return cls(self.admins, addr, free_port(addr), backend=backend, pause_mode=mode)
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
         """Run a coroutine on the rollout loop and wait for its result."""

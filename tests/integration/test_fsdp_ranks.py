@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from miles.processes import free_port
 
 WORKER_TIMEOUT_S = 240
 
@@ -104,12 +105,6 @@ def _worker(job: dict[str, Any]) -> None:
     teardown_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world_size: int, job: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Run the job on `world_size` real processes; returns rank 0's result (+ tensors under 'tensors')."""
     import torch
@@ -117,7 +112,7 @@ def run_ranks(world_size: int, job: dict[str, Any], workdir: Path) -> dict[str, 
     workdir.mkdir(parents=True, exist_ok=True)
     job_file = workdir / "job.json"
     job_file.write_text(json.dumps(job))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
