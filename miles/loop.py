@@ -1,7 +1,8 @@
 """The RL loop, run on every trainer rank: `python -m miles.loop --run-dir RUN_DIR [--resume]`.
 
     for step: batch <- buffer (rank 0, sync or fully async)  -> broadcast to all ranks
-              train(batch) -> every `weights.update_interval` steps push weights (version = step)
+              [colocated: engines release their GPU memory] train(batch) [engines resume it]
+              -> every `weights.update_interval` steps push weights (version = step)
               -> evaluate every `eval.every_steps` -> metrics.jsonl -> checkpoint / preemption
 
 Weight versions are training steps: the engine's initial weights are version 0, the weights after
@@ -32,6 +33,7 @@ def run(run_dir: Path, resume: bool) -> int:
     log = setup_logging(run_dir, dist.get_rank())
     state = LoopState.restore(backend, plan, run_dir, resume, rank0)
     side = state.rollout_side(plan, run_dir) if rank0 else None
+    colocated = plan.launch.layout == "colocated"
     try:
         if state.step > 0:
             state.push_weights(plan, backend, side)
@@ -41,7 +43,13 @@ def run(run_dir: Path, resume: bool) -> int:
             t0 = time.monotonic()
             samples = broadcast(side.batch(state.step) if rank0 else None)
             t1 = time.monotonic()
+            if colocated:  # the engines give their GPU memory to the trainer until the weight push
+                broadcast(side.release_engines() if rank0 else None)
+            t_train = time.monotonic()
             metrics = {f"train/{k}": v for k, v in backend.train(samples).items()}
+            t_resume = time.monotonic()
+            if colocated and rank0:
+                side.resume_engines()
             state.step, t2 = step, time.monotonic()
             last = step == plan.train.steps
             pushed = step % plan.weights.update_interval == 0 or last
@@ -54,7 +62,16 @@ def run(run_dir: Path, resume: bool) -> int:
                     metrics.update(side.evaluate())
                     state.eval_due = False
                 metrics.update(side.metrics(), **state.rollout_metrics(samples))
-                metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2})
+                metrics.update(
+                    {
+                        "time/rollout_s": t1 - t0,
+                        "time/train_s": t_resume - t_train,
+                        "time/sync_s": t3 - t2 + (t2 - t_resume) + (t_train - t1),
+                        "time/engine_release_s": t_train - t1,
+                        "time/engine_resume_s": t2 - t_resume,
+                        "time/step_s": t3 - t0,
+                    }
+                )
                 state.log(step, metrics)
                 log.info("step %d reward %.3f", step, metrics["rollout/reward_mean"])
             preempt = barrier_flag(rank0 and state.preempt_requested())

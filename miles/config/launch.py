@@ -26,7 +26,9 @@ class LaunchConfig(Section):
     profile: str = "local"
     """Hardware profile name (profiles/<name>.yaml)."""
     layout: Literal["disaggregated", "colocated"] = "disaggregated"
-    """`disaggregated`: a rollout node group and an actor node group (one het job); `colocated`: one group."""
+    """`disaggregated`: engines and trainer ranks on their own GPUs (on Slurm: a rollout node group and an
+    actor node group, one het job); `colocated`: they share the GPUs (one group), the engines releasing
+    their memory while the trainer trains."""
     rollout_nodes: int = 1
     """Nodes of the rollout group."""
     actor_nodes: int = 1

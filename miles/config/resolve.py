@@ -23,7 +23,7 @@ log = logging.getLogger("miles.config")
 
 def _derive(plan: Plan) -> dict[str, dict[str, Any]]:
     """Values that follow from others; returned as {section: {key: value}} updates."""
-    derived: dict[str, dict[str, Any]] = {"run": {}, "rollout": {}, "train": {}, "model": {}}
+    derived: dict[str, dict[str, Any]] = {"run": {}, "rollout": {}, "train": {}, "model": {}, "weights": {}}
     derived["run"]["runs_root"] = os.path.abspath(plan.run.runs_root)
     if not os.path.isabs(plan.model.path):
         derived["model"]["path"] = os.path.abspath(plan.model.path)
@@ -33,6 +33,8 @@ def _derive(plan: Plan) -> dict[str, dict[str, Any]]:
         derived["train"]["loss"] = plan.train.loss.model_copy(
             update={"eps_clip_high": plan.train.loss.eps_clip}
         )
+    if plan.launch.layout == "colocated" and "transport" not in plan.weights.model_fields_set:
+        derived["weights"]["transport"] = "tensor"  # NCCL cannot connect two processes on one GPU
     return derived
 
 
@@ -62,6 +64,11 @@ def _check(plan: Plan) -> None:
         )
     if t.loss.dual_clip is not None and t.loss.dual_clip <= 1.0:
         raise ConfigError(f"train.loss.dual_clip must be > 1 (got {t.loss.dual_clip})")
+    if plan.launch.layout == "colocated" and plan.weights.transport == "distributed":
+        raise ConfigError(
+            "launch.layout=colocated puts engines on the trainer's GPUs, where NCCL cannot broadcast "
+            "between them: set weights.transport=tensor (or disk)"
+        )
     if t.optimizer_offload == "nvme" and not t.offload_dir:
         raise ConfigError("train.optimizer_offload=nvme needs train.offload_dir (a node-local directory)")
 

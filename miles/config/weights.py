@@ -10,8 +10,10 @@ from miles.config.base import Section
 class WeightsConfig(Section):
     """Weight synchronisation."""
 
-    transport: Literal["disk", "distributed"] = "distributed"
-    """`disk`: safetensors + /update_weights_from_disk; `distributed`: broadcast over an update group."""
+    transport: Literal["disk", "distributed", "tensor"] = "distributed"
+    """`disk`: safetensors + /update_weights_from_disk; `distributed`: broadcast over an update group;
+    `tensor`: CUDA IPC handles / shared memory to engines on the trainer's host (/update_weights_from_tensor;
+    the transport of colocated runs, derived for `launch.layout=colocated` unless set)."""
     bucket_mb: int = 512
     """Upper bound of one bucket of tensors in MiB."""
     update_interval: int = 1

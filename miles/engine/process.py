@@ -8,6 +8,7 @@ process we started (terminate, wait, then kill).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -64,8 +65,11 @@ def start_engine(
     host: str = "127.0.0.1",
     startup_timeout_s: float = 120.0,
     extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> EngineProcess:
-    """Launch `python -m miles.engine` on an OS-chosen port and wait until /health answers."""
+    """Launch `python -m miles.engine` on an OS-chosen port and wait until /health answers.
+
+    `env` adds to (or overrides) this process's environment in the child, e.g. CUDA_VISIBLE_DEVICES."""
     log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
     log_file.parent.mkdir(parents=True, exist_ok=True)
     url_file = log_file.with_name(log_file.name + ".url.json")
@@ -76,7 +80,13 @@ def start_engine(
     cmd += ["--dtype", dtype] if dtype else []
     cmd += extra_args or []
     with open(log_file, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
     engine = EngineProcess(url="", proc=proc, log_path=log_file)
     deadline = time.monotonic() + startup_timeout_s
     try:

@@ -306,14 +306,27 @@ def _control_routes(app: FastAPI, state: EngineState) -> None:
         return {"success": True, "message": "generation continued"}
 
     @app.post("/release_memory_occupation")
-    async def _release():
+    async def _release(request: Request):
+        _memory_tags(await _body(request))
         await asyncio.to_thread(s.release_memory)
         return {"success": True, "message": "memory released"}
 
     @app.post("/resume_memory_occupation")
-    async def _resume():
+    async def _resume(request: Request):
+        _memory_tags(await _body(request))
         await asyncio.to_thread(s.resume_memory)
         return {"success": True, "message": "memory resumed"}
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def _memory_tags(body: Any) -> None:
+    """SGLang's `tags` (which memory to release or resume) are checked; the embedded engine always
+    releases and resumes all of it together (its graphs hold the pool's and weights' addresses)."""
+    tags = body.get("tags") if isinstance(body, dict) else None
+    if tags is not None and (not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags)):
+        raise BadRequest(f"tags must be a list drawn from {list(MEMORY_TAGS)} or null, got {tags!r}")
 
 
 def model_path_of(model_dir: str) -> str:

@@ -1,7 +1,7 @@
 """Weight updates of the embedded engine: from disk, over a torch.distributed group, and read-back.
 
 Routes and bodies follow SGLang (UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
-UpdateWeightsFromDistributedReqInput, GetWeightsByNameReqInput). Tensors are received or read while
+UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput, GetWeightsByNameReqInput). Tensors are received or read while
 generation goes on; they are loaded between two engine steps (Scheduler.update_weights), which also
 flushes the prefix cache and sets the weight version. One update runs at a time.
 """
@@ -9,7 +9,9 @@ flushes the prefix cache and sets the weight version. One update runs at a time.
 from __future__ import annotations
 
 import asyncio
+import binascii
 import logging
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from miles.engine.model import load_weights
 from miles.engine.scheduler import Scheduler
 from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
+from miles.weights.tensor import deserialize
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,14 @@ class UpdateFromDistributed(_Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+
+
+class UpdateFromTensor(_Body):
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
 
 
 class GetWeightsByName(_Body):
@@ -115,6 +126,25 @@ class WeightUpdater:
             received[name] = t
         self.scheduler.update_weights(received, body.weight_version, body.abort_all_requests)
 
+    def from_tensor(self, body: UpdateFromTensor) -> None:
+        """Tensors handed over by reference (CUDA IPC / shared memory) by a trainer on this host."""
+        if body.load_format not in (None, "direct"):
+            raise ValueError(f"load_format {body.load_format!r} is not supported; send (name, tensor) lists")
+        if len(body.serialized_named_tensors) != 1:
+            raise ValueError(
+                "serialized_named_tensors needs exactly one entry (the embedded engine has one TP rank), "
+                f"got {len(body.serialized_named_tensors)}"
+            )
+        try:
+            named = deserialize(body.serialized_named_tensors[0])
+        except (ValueError, TypeError, EOFError, pickle.UnpicklingError, binascii.Error) as e:
+            raise ValueError(f"serialized_named_tensors could not be decoded: {e}") from None
+        self.scheduler.update_weights(dict(named), body.weight_version, body.abort_all_requests)
+        del named  # drop the sender's memory mapping before answering
+        if torch.cuda.is_available() and self.scheduler.decoder.device.type == "cuda":
+            torch.cuda.synchronize(self.scheduler.decoder.device)
+            torch.cuda.ipc_collect()
+
     def get_by_name(self, body: GetWeightsByName) -> list:
         try:
             t = self.scheduler.decoder.get(body.name)
@@ -160,11 +190,8 @@ class WeightUpdater:
             return {"success": True, "message": f"destroyed {name}"}
 
         @app.post("/update_weights_from_tensor")
-        async def _tensor():
-            return error(
-                "update_weights_from_tensor (CUDA IPC handles) is not supported by the embedded engine; "
-                "use /update_weights_from_distributed or /update_weights_from_disk"
-            )
+        async def _tensor(request: Request):
+            return await run(self.from_tensor, await read_body(request, UpdateFromTensor))
 
         @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
         async def _get(request: Request):

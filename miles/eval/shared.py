@@ -34,7 +34,7 @@ async def evaluate(
     start = time.monotonic()
     sampling = dict(generator.sampling, temperature=cfg.temperature, max_new_tokens=max_new_tokens)
     k = cfg.samples_per_prompt
-    ids = [generator.encoder.encode(p.text) for p in prompts]
+    ids = [generator.encoder.prompt_ids(p) for p in prompts]
     if group_requests:
         gen = dataclasses.replace(generator, sampling=sampling)
         groups = await asyncio.gather(

@@ -93,7 +93,37 @@ def share_cpu_threads(plan: Plan) -> int | None:
     return threads
 
 
-def start_engines(plan: Plan, run_dir: Path) -> list[Any]:
+def visible_gpus() -> list[str]:
+    """GPU ids this process may use: CUDA_VISIBLE_DEVICES when set, else every GPU NVML sees."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    from miles.cluster.hardware import probe_nvidia
+
+    info, _ = probe_nvidia()
+    return [str(i) for i in range(len(info.names))] if info else []
+
+
+def gpu_placement(plan: Plan, gpus: list[str]) -> tuple[list[str | None], str | None]:
+    """CUDA_VISIBLE_DEVICES of each engine and of the trainer ranks (None: leave it as it is).
+
+    disaggregated: engines on the first `engine.num_engines` GPUs, trainer ranks on the next ones;
+    colocated: engine i shares GPU i (mod the GPU count) with trainer rank i, whose LOCAL_RANK picks it.
+    """
+    e, t = plan.engine.num_engines, plan.train.num_ranks
+    engine_gpu = plan.engine.kind == "embedded" and plan.engine.device != "cpu" and bool(gpus)
+    trainer_gpu = plan.train.device != "cpu" and bool(gpus)
+    if plan.launch.layout == "colocated" or not (engine_gpu and trainer_gpu):
+        engines = [gpus[i % len(gpus)] if engine_gpu else None for i in range(e)]
+        return engines, None
+    if e + t > len(gpus):
+        raise ConfigError(
+            f"launch.layout=disaggregated needs engine.num_engines + train.num_ranks = {e + t} GPUs, this "
+            f"host has {len(gpus)}; set launch.layout=colocated, or fewer engines or ranks"
+        )
+    return gpus[:e], ",".join(gpus[e : e + t])
+
+
+def start_engines(plan: Plan, run_dir: Path, gpus: list[str | None] | None = None) -> list[Any]:
     """Start `engine.num_engines` embedded engines (and a router) and publish their URLs."""
     from miles.cluster.rendezvous import publish_engine, write_atomic
     from miles.engine.process import start_engine
@@ -116,6 +146,7 @@ def start_engines(plan: Plan, run_dir: Path) -> list[Any]:
                 seed=plan.run.seed + i,
                 log_path=run_dir / "logs" / f"engine-{i}.log",
                 startup_timeout_s=e.startup_timeout_s,
+                env={"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus and gpus[i] is not None else None,
             )
             started.append(eng)
             publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", "local")
@@ -130,7 +161,9 @@ def start_engines(plan: Plan, run_dir: Path) -> list[Any]:
     return started
 
 
-def start_trainers(plan: Plan, run_dir: Path, resume: bool) -> list[subprocess.Popen]:
+def start_trainers(
+    plan: Plan, run_dir: Path, resume: bool, gpus: str | None = None
+) -> list[subprocess.Popen]:
     """torchrun with `train.num_ranks` ranks of `python -m miles.loop` (loopback, OS-chosen port).
 
     Each rank's output goes to RUN_DIR/logs/torchrun/; torchrun's own output to trainer-stdout.log.
@@ -141,7 +174,8 @@ def start_trainers(plan: Plan, run_dir: Path, resume: bool) -> list[subprocess.P
            f"--log-dir={run_dir / 'logs' / 'torchrun'}", "--redirects=3",
            "-m", "miles.loop", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])  # fmt: skip
     with open(run_dir / "logs" / "trainer-stdout.log", "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {})}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     return [proc]
 
 
@@ -179,10 +213,11 @@ def train_main(
     run_dir = _prepare_run_dir(plan, bool(resume))
     _ensure_model(plan)
     share_cpu_threads(plan)
-    started = start_engines(plan, run_dir)
+    engine_gpus, trainer_gpus = gpu_placement(plan, visible_gpus())
+    started = start_engines(plan, run_dir, engine_gpus)
     trainers: list[subprocess.Popen] = []
     try:
-        trainers = start_trainers(plan, run_dir, bool(resume))
+        trainers = start_trainers(plan, run_dir, bool(resume), trainer_gpus)
         if progress:
             follow_progress(run_dir, plan.train.steps, lambda: all(t.poll() is None for t in trainers))
         rc = wait_trainers(trainers)

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
+
 from miles.config import Plan
 from miles.eval.shared import evaluate
 from miles.processes import free_port
@@ -108,10 +110,13 @@ class RolloutSide:
             return cls(
                 self.admins, self.run_dir / "weights", template_dir=self.plan.model.path, pause_mode=mode
             )
+        if w.transport == "tensor":
+            return cls(self.admins, pause_mode=mode)
         local = all(urlparse(u).hostname in ("127.0.0.1", "localhost") for u in urls)
         addr = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-        backend = "nccl" if self.plan.train.device == "cuda" else "gloo"
-        return cls(self.admins, addr, free_port(addr), backend=backend, pause_mode=mode)
+        device = self.plan.train.device
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        return cls(self.admins, addr, free_port(addr), backend="nccl" if cuda else "gloo", pause_mode=mode)
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
         """Run a coroutine on the rollout loop and wait for its result."""
@@ -143,6 +148,13 @@ class RolloutSide:
                 if self._forever is not None and self._forever.done():
                     self._forever.result()
         return [s for g in groups for s in g]
+
+    def release_engines(self) -> None:
+        """Colocated runs: every engine frees its GPU memory for the trainer (requests in flight wait)."""
+        self.call(_gather(*(a.release_memory_occupation() for a in self.admins)))
+
+    def resume_engines(self) -> None:
+        self.call(_gather(*(a.resume_memory_occupation() for a in self.admins)))
 
     def push(self, buckets: Iterable[Any], version: int) -> None:
         self.call(self.transport.push(buckets, str(version)))

@@ -234,6 +234,29 @@ class SGLangClient:
         }
         return _checked(self.url, await self._post("/update_weights_from_distributed", body, retry=False))
 
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        body = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+        }
+        return _checked(self.url, await self._post("/update_weights_from_tensor", body, retry=False))
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Free the engine's accelerator memory (colocated training); `tags` as SGLang's (None: all)."""
+        return _checked(self.url, await self._post("/release_memory_occupation", {"tags": tags}))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return _checked(self.url, await self._post("/resume_memory_occupation", {"tags": tags}))
+
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return await self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 

@@ -48,6 +48,11 @@ class PromptEncoder:
         # transformers 5 returns a BatchEncoding (a mapping), older versions a plain list
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids: given ones (`metadata["input_ids"]`, used as they are) or the templated text."""
+        given = prompt.metadata.get("input_ids")
+        return list(given) if given is not None else self.encode(prompt.text)
+
     def decode(self, ids: list[int]) -> str:
         # the Rust tokenizer directly: transformers' decode wrapper costs more than the decoding
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
@@ -89,7 +94,7 @@ class Generator:
 
         Raises EngineError only for a 4xx answer (a bad request, which no retry can fix).
         """
-        prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encoder.encode(prompt.text)
+        prompt_ids = list(prompt_ids) if prompt_ids is not None else self.encoder.prompt_ids(prompt)
         s = Sample(group_id, index, prompt_ids, prompt=prompt.text, answer=prompt.answer)
         s.metadata.update(prompt.metadata, prompt=prompt, attempts=0)
         params = {**(sampling or self.sampling), **prompt.metadata.get("sampling", {})}

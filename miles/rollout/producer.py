@@ -138,7 +138,7 @@ class Producer:
         group_id = self._group_counter
         self._group_counter += 1
         self.inflight_groups += 1
-        prompt_ids = self.generator.encoder.encode(prompt.text)  # once per group: templating is slow
+        prompt_ids = self.generator.encoder.prompt_ids(prompt)  # once per group: templating is slow
         if self.group_requests:
             for _ in range(self.n_samples):
                 await self._slots.acquire()

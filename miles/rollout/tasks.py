@@ -10,6 +10,7 @@ Built-ins (the TASKS dict below):
   default CPU task, learnable by RL from a random-initialised model in a few hundred steps.
 - `jsonl`: rows of a JSONL or Parquet file with a prompt and an answer column.
 - `longtail`: synthetic prompts with Pareto-distributed response lengths (benchmarks of schedules).
+- `random_tokens`: fixed-length random token prompts and responses (throughput benchmarks).
 - `reasoning_gym`: any offline procedural dataset of the reasoning-gym package, scored by its own
   `score_answer` (see rewards.reasoning_gym).
 """
@@ -162,6 +163,40 @@ class LongTailTask:
         return [self.train_prompt(EVAL_OFFSET + i) for i in range(self.eval_size)]
 
 
+class RandomTokensTask:
+    """Prompts of exactly `prompt_tokens` random token ids, answered with exactly `response_tokens`
+    tokens (ignore_eos): fixed-shape work for throughput benchmarks. Token ids are drawn uniformly
+    from [low, high), seeded by (seed, index); the ids travel in `metadata["input_ids"]` (no template)."""
+
+    name = "random_tokens"
+
+    def __init__(
+        self, seed: int, eval_size: int, prompt_tokens: int, response_tokens: int, low: int, high: int
+    ):
+        if prompt_tokens < 1 or response_tokens < 1 or not 0 <= low < high:
+            raise ConfigError(
+                "rollout.task.options for random_tokens need prompt_tokens >= 1, response_tokens >= 1 and "
+                f"0 <= low < high (got {prompt_tokens}, {response_tokens}, {low}, {high})"
+            )
+        self.seed, self.eval_size = seed, eval_size
+        self.prompt_tokens, self.response_tokens, self.low, self.high = (
+            prompt_tokens,
+            response_tokens,
+            low,
+            high,
+        )
+
+    def train_prompt(self, index: int) -> Prompt:
+        rng = random.Random(f"{self.seed}:{index}")
+        ids = [rng.randrange(self.low, self.high) for _ in range(self.prompt_tokens)]
+        sampling = {"max_new_tokens": self.response_tokens, "ignore_eos": True}
+        text = f"<{self.prompt_tokens} random tokens #{index}>"
+        return Prompt(index, text, None, {"input_ids": ids, "sampling": sampling})
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self.train_prompt(EVAL_OFFSET + i) for i in range(self.eval_size)]
+
+
 class DatasetTask:
     """Rows of a JSONL/Parquet file; the first `eval_size` rows of a seeded permutation are held out."""
 
@@ -265,9 +300,16 @@ def _longtail(cfg: TaskConfig, seed: int) -> Task:
     )
 
 
+def _random_tokens(cfg: TaskConfig, seed: int) -> Task:
+    opts = _options(cfg, {"prompt_tokens": 128, "response_tokens": 512, "low": 0, "high": 1000})
+    keys = ("prompt_tokens", "response_tokens", "low", "high")
+    return RandomTokensTask(seed, cfg.eval_size, *(int(opts[k]) for k in keys))
+
+
 TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
     "digits": _digits,
     "longtail": _longtail,
+    "random_tokens": _random_tokens,
     "jsonl": _dataset,
     "parquet": _dataset,
     "reasoning_gym": _reasoning_gym,

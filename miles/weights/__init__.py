@@ -9,9 +9,14 @@ from miles.weights.bucket import iter_buckets
 from miles.weights.check import check_weights
 from miles.weights.disk import DiskTransport
 from miles.weights.distributed import DistributedTransport
+from miles.weights.tensor import TensorTransport
 from miles.weights.transport import Bucket, EngineAdmin, WeightTransport
 
-TRANSPORTS: dict[str, type] = {"disk": DiskTransport, "distributed": DistributedTransport}
+TRANSPORTS: dict[str, type] = {
+    "disk": DiskTransport,
+    "distributed": DistributedTransport,
+    "tensor": TensorTransport,
+}
 
 
 def get_transport(name: str) -> type:
@@ -27,6 +32,7 @@ __all__ = [
     "DiskTransport",
     "DistributedTransport",
     "EngineAdmin",
+    "TensorTransport",
     "WeightTransport",
     "check_weights",
     "get_transport",

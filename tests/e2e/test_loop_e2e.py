@@ -7,6 +7,7 @@ left in its run directory (metrics.jsonl, checkpoints, logs).
 from __future__ import annotations
 
 import pytest
+import yaml
 from conftest import finish, miles_train, stop, wait_for_step
 
 from miles.metrics import read_metrics
@@ -114,3 +115,27 @@ def test_preempt_file_checkpoints_exits_and_resumes(recipe) -> None:
     assert steps_of(run_dir) == list(range(1, 7))
     assert not (run_dir / "control" / "preempt").exists()
     assert "resumed from checkpoint" in (run_dir / "logs" / "trainer-1.log").read_text()
+
+
+def test_colocated_run_releases_engine_and_hands_weights_by_reference(recipe) -> None:
+    """launch.layout=colocated: the derived tensor transport (shared memory on CPU) delivers exact
+    weights, and the engine is released and resumed around every training step."""
+    path, run_dir = recipe(
+        launch={"layout": "colocated"},
+        rollout={"schedule": "sync"},
+        train={"steps": 3},
+        weights={"check": True},
+    )
+    data = yaml.safe_load(path.read_text())
+    del data["weights"]["transport"]  # left to the layout to derive
+    options = {"prompt_tokens": 12, "response_tokens": 5, "high": 50}
+    data["rollout"]["task"] = {"name": "random_tokens", "options": options, "eval_size": 2}
+    path.write_text(yaml.safe_dump(data))
+    finish(miles_train(str(path)))
+    records = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["weights/check_max_diff"] == 0.0 for r in records)
+    assert all(r["rollout/response_len_mean"] == 5 for r in records)  # ignore_eos, exact length
+    assert all(r["time/engine_release_s"] > 0 and r["time/engine_resume_s"] > 0 for r in records)
+    plan = (run_dir / "plan.yaml").read_text()
+    assert "transport: tensor" in plan

@@ -1,0 +1,105 @@
+"""TensorTransport: hand the trainer's tensors to engines on the same host by reference, not by copy.
+
+For colocated runs (engine and trainer on one GPU) and any engine on the trainer's host. Each bucket
+is packed into one flat buffer per dtype; the engine receives, in SGLang's
+/update_weights_from_tensor body, a list of (name, view of that buffer) pickled with
+torch.multiprocessing's reductions and base64-encoded (SGLang's MultiprocessingSerializer format).
+For CUDA tensors the pickle carries a CUDA IPC handle of the buffer, so the engine maps the
+trainer's memory and copies from it on the device (one handle per buffer, not per tensor); CPU
+tensors travel through shared memory files (the `file_system` sharing strategy, which needs no
+connection between the two processes). The buffer is kept alive until every engine has answered.
+
+NCCL cannot broadcast between two processes on one GPU, which is why colocated runs use this
+transport instead of the distributed one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import pickle
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.multiprocessing import reductions  # noqa: F401  (registers the tensor reductions)
+
+from miles.weights.transport import Bucket, check_pause_mode, with_last
+
+
+def pack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors as views into one new flat buffer per (device, dtype)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, t in bucket:
+        groups.setdefault((t.device, t.dtype), []).append((name, t.detach()))
+    out = []
+    for (device, dtype), items in groups.items():
+        flat = torch.empty(sum(t.numel() for _, t in items), dtype=dtype, device=device)
+        offset = 0
+        for name, t in items:
+            view = flat[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            out.append((name, view))
+            offset += t.numel()
+    return out
+
+
+def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's MultiprocessingSerializer: ForkingPickler + base64 text."""
+    if any(t.device.type == "cpu" for _, t in named):
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def deserialize(text: str) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of serialize, in the receiving process (opens the IPC handles / shared memory).
+
+    The payload is a pickle: an engine must only accept it from its own trainer (loopback or the
+    job's private network), exactly as SGLang's endpoint does."""
+    named = pickle.loads(base64.b64decode(text))
+    if not isinstance(named, list) or not all(
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+        for x in named
+    ):
+        raise ValueError("serialized_named_tensors must decode to a list of (name, tensor) pairs")
+    return named
+
+
+class TensorTransport:
+    """Engines on this host receive references to the trainer's tensors (/update_weights_from_tensor)."""
+
+    def __init__(self, engines: Sequence[Any], *, pause_mode: str | None = "in_place"):
+        check_pause_mode(pause_mode)
+        self.engines = list(engines)
+        self.pause_mode = pause_mode
+
+    async def setup(self) -> None:
+        return None
+
+    async def _send(self, bucket: Bucket, version: str | None) -> None:
+        named = await asyncio.to_thread(pack, bucket)
+        if named and named[0][1].is_cuda:
+            torch.cuda.current_stream(named[0][1].device).synchronize()  # the engine reads it next
+        payload = serialize(named)
+        await asyncio.gather(
+            *(e.update_weights_from_tensor([payload], weight_version=version) for e in self.engines)
+        )
+        del named  # every engine has copied: the buffer may go
+
+    async def push(self, buckets: Iterable[Bucket], version: str) -> None:
+        if self.pause_mode:
+            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
+        try:
+            for bucket, last in with_last(buckets):
+                await self._send(bucket, str(version) if last else None)
+        finally:
+            if self.pause_mode:
+                await asyncio.gather(*(e.continue_generation() for e in self.engines))
+
+    async def close(self) -> None:
+        return None
