@@ -30,7 +30,7 @@ def _case(rng, dtype):
     """One random problem: (q, k_pool, v_pool, slots, positions, scale, kernel kwargs), NaN-poisoned."""
     import torch
 
-    B, KVH, G = rng.randint(1, 6), rng.choice([1, 2, 3]), rng.choice([1, 2, 4, 7])
+    B, KVH, G = rng.randint(1, 4), rng.choice([1, 2, 3]), rng.choice([1, 2, 4, 7])
     D, L = rng.choice([16, 24, 32, 64]), rng.randint(1, 150)
     slots_total = B * L + 8
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
@@ -116,7 +116,7 @@ def test_kernel_matches_gather_sdpa_under_interpreter():
 
 @pytest.mark.slow
 def test_kernel_matches_gather_sdpa_many_shapes():
-    _check(seed=1, count=40)
+    _check(seed=1, count=24)
 
 
 if __name__ == "__main__":
