@@ -129,3 +129,35 @@ def init_tiny(
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def init_random(
+    out_dir: str | Path,
+    shape: dict[str, int] | None = None,
+    vocab_size: int = QWEN25_VOCAB,
+    tie_word_embeddings: bool = True,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
+    """A random-initialised Qwen2 model of real size (default: Qwen2.5-0.5B shapes) with the tiny tokenizer.
+
+    For GPU benchmarks and tests: the tokenizer knows only its few hundred ids, the model all
+    `vocab_size`; ids the tokenizer lacks decode to nothing. Built on the GPU when there is one.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    tok = build_tokenizer(384, seed)
+    cfg = model_config("qwen2", vocab_size, tok.eos_token_id, tok.pad_token_id, **(shape or QWEN25_05B_SHAPE))
+    cfg.tie_word_embeddings = tie_word_embeddings
+    cfg.max_position_embeddings = max(cfg.max_position_embeddings, 4096)
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out

@@ -189,7 +189,7 @@ class RandomTokensTask:
     def train_prompt(self, index: int) -> Prompt:
         rng = random.Random(f"{self.seed}:{index}")
         ids = [rng.randrange(self.low, self.high) for _ in range(self.prompt_tokens)]
-        sampling = {"max_new_tokens": self.response_tokens, "ignore_eos": True}
+        sampling = {"max_new_tokens": self.response_tokens, "ignore_eos": True, "stop_token_ids": []}
         text = f"<{self.prompt_tokens} random tokens #{index}>"
         return Prompt(index, text, None, {"input_ids": ids, "sampling": sampling})
 
