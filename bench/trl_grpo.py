@@ -6,6 +6,9 @@
 Workload (the issue's): a random-init Qwen2 model with Qwen2.5-0.5B's shapes and vocabulary (tied
 embeddings, like the real checkpoint and bench/engine_gpu.py), bf16 on CUDA; 32 prompts of exactly
 128 tokens, 8 completions each, every completion exactly 512 tokens; one optimizer step per 32 x 8.
+No tokenizer can be downloaded, so prompts come from miles' small BPE tokenizer
+(miles.models.tiny.build_tokenizer); the model still samples from all 151,936 ids, and ids past the
+tokenizer's decode to nothing, which only changes the completion text TRL hands to reward functions.
 
 TRL settings, and why:
 - HF `generate` (use_vllm=False), sampling at temperature 1, top_p 1, top_k 0 (TRL's defaults).
