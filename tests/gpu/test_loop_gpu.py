@@ -34,7 +34,7 @@ def run(tmp_path: Path, tiny_model: str, layout: str, steps: int) -> list[dict]:
         "model": {"path": tiny_model, "dtype": "bfloat16"},
         "engine": {"device": "cuda", "max_running_requests": 64},
         "rollout": {
-            "task": {"name": "digits", "options": {"op": "last", "num_digits": 1}, "eval_size": 8},
+            "task": {"name": "digits", "options": {"op": "last", "num_digits": 1}, "eval_size": 2},
             "reward": "e2e_rewards:has_digit",
             "prompts_per_step": 8,
             "n_samples_per_prompt": 8,
