@@ -146,6 +146,9 @@ class Decoder:
         self.dtype = dtype
         self.resident = True
         self.params: dict[str, torch.Tensor] = {}
+        self._host: dict[str, torch.Tensor] = {}  # pinned buffers, reused by every offload
+        self.paged_decode = self.device.type == "cuda"
+        """CUDA decode attention reads K/V in place from the pool (Triton kernel) instead of gathering."""
         self.load(weights, strict=True)
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
         self.inv_freq = (1.0 / spec.rope_theta**half).float()
@@ -193,9 +196,15 @@ class Decoder:
         if not self.resident:
             return
         pin = self.device.type == "cuda"
-        self.params = {
-            k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin).copy_(v) for k, v in self.params.items()
-        }
+        if self._host.keys() != self.params.keys():  # pinned allocation is slow: once per engine
+            self._host = {
+                k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in self.params.items()
+            }
+        for k, v in self.params.items():
+            self._host[k].copy_(v, non_blocking=pin)
+        if pin:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.params = dict(self._host)
         self.resident = False
 
     def onload(self) -> None:
@@ -230,6 +239,12 @@ class Decoder:
         x1, x2 = x.chunk(2, dim=-1)
         return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
+    def _decode_mask(self, b: Batch) -> torch.Tensor | None:
+        """The folded mask, or None when attention reads the pool in place (one query per request on CUDA)."""
+        if self.paged_decode and b.query_index.shape[1] == 1 and b.input_ids.is_cuda:
+            return None
+        return self._fold_mask(b)
+
     def _fold_mask(self, b: Batch) -> torch.Tensor:
         """[KVH*B, 1, G*Qmax, Lmax] additive mask (0 or -inf, built once per forward, not per layer):
         query (g, j) of request r sees keys 0..query_pos[r, j]."""
@@ -261,6 +276,11 @@ class Decoder:
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
+        if mask is None:  # CUDA decode: one query per request, K/V read in place from the pool
+            from miles.engine.triton_attention import paged_decode_attention
+
+            out = paged_decode_attention(q, k_pool, v_pool, b.context_slots, b.positions, D**-0.5)
+            return F.linear(out.view(T, s.num_heads * D), self.params[p + "o_proj.weight"])
         L = b.context_slots.shape[1]
         # [KVH*B, 1, L, D] keys/values (a gather, contiguous) and [KVH*B, 1, G*Q, D] folded queries
         kb = _gather_slots(k_pool, b.context_slots).view(KVH * B, 1, L, D)
@@ -290,11 +310,14 @@ class Decoder:
         freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
-        mask = self._fold_mask(b)
+        mask = self._decode_mask(b)
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
             h = self._norm(x, self.params[p + "input_layernorm.weight"])
             x = x + self._attention(i, h, b, cos, sin, pool, mask)
             x = x + self._mlp(i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]))
         x = self._norm(x[b.last_index], self.params["model.norm.weight"])
-        return F.linear(x, self.get("lm_head.weight")).float()
+        head = self.get("lm_head.weight")
+        if x.is_cuda and x.dtype != torch.float32:  # logits kept in fp32, not rounded to bf16
+            return torch.mm(x, head.t(), out_dtype=torch.float32)
+        return F.linear(x, head).float()
