@@ -7,12 +7,20 @@ their slots, so a later request that starts with the same tokens (multi-turn, a 
 prompt, the samples of one group) reuses them instead of recomputing. Sharing is exact because
 the K/V of position p depends only on tokens[0..p] and the weights; the cache is flushed when the
 weights change. Entries are evicted least-recently-used when slots run out.
+
+RowKV is the CPU decode's read-side copy of the running requests' K/V: one dense row per scheduler
+row, so decode attention reads a strided view instead of gathering slots every layer and step (see
+miles/engine/model.py). The pool stays the source of truth (prefix cache, prefill, other devices);
+a row is filled from the pool lazily, only for positions it does not hold yet (a new request's
+prompt, once), and the decode forward appends each new token to both.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import torch
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -103,3 +111,63 @@ class SlotAllocator:
 
     def _drop(self, eid: int) -> None:
         self.release(self._entries.pop(eid).slots)
+
+
+class RowKV:
+    """Per-layer (keys, values) of [rows, kv_heads, capacity, head_dim]; row r holds positions
+    [0, filled[r]) of the request in scheduler row r, copied from its pool slots.
+
+    Capacity grows in steps of `step` positions up to `max_capacity` (bounding memory); a step whose
+    context does not fit falls back to the gathering path, and its rows catch up with `sync` later.
+    """
+
+    def __init__(
+        self, num_layers: int, num_rows: int, kv_heads: int, head_dim: int, dtype, max_capacity: int
+    ):
+        self.shape = (num_rows, kv_heads, 0, head_dim)
+        self.dtype = dtype
+        self.max_capacity = max_capacity
+        self.step = 256
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(self.shape, dtype=dtype), torch.zeros(self.shape, dtype=dtype))
+            for _ in range(num_layers)
+        ]
+        self.filled = [0] * num_rows
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    def reserve(self, length: int) -> bool:
+        """Make room for `length` positions per row; False when that exceeds max_capacity."""
+        if length <= self.capacity:
+            return True
+        if length > self.max_capacity:
+            return False
+        new = min(self.max_capacity, max(-(-length // self.step) * self.step, 2 * self.capacity))
+        old, self.shape = self.capacity, (*self.shape[:2], new, self.shape[3])
+        # zeros, not empty: masked keys are still multiplied, and garbage could hold NaN or inf
+        grown = []
+        for k, v in self.layers:
+            k2, v2 = torch.zeros(self.shape, dtype=self.dtype), torch.zeros(self.shape, dtype=self.dtype)
+            k2[:, :, :old], v2[:, :, :old] = k, v
+            grown.append((k2, v2))
+        self.layers = grown
+        return True
+
+    def sync(self, pool: list[tuple[torch.Tensor, torch.Tensor]], rows: list[tuple[int, list[int]]]) -> None:
+        """Bring each (row, slots) up to len(slots) positions, copying the missing ones from the pool."""
+        row_idx, pos_idx, slot_idx = [], [], []
+        for row, sl in rows:
+            have = self.filled[row]
+            if have < len(sl):
+                row_idx += [row] * (len(sl) - have)
+                pos_idx += range(have, len(sl))
+                slot_idx += sl[have:]
+                self.filled[row] = len(sl)
+        if not slot_idx:
+            return
+        r, p, sl_t = torch.tensor(row_idx), torch.tensor(pos_idx), torch.tensor(slot_idx)
+        for (k_rows, v_rows), (k_pool, v_pool) in zip(self.layers, pool, strict=True):
+            k_rows[r, :, p] = k_pool[:, sl_t].transpose(0, 1)
+            v_rows[r, :, p] = v_pool[:, sl_t].transpose(0, 1)

@@ -17,10 +17,13 @@ version that produced it.
 On CUDA a decode step replays a captured graph (miles/engine/cuda_graph.py) and the host work per
 step is a handful of list operations per request plus two host-to-device copies and one readback;
 prefills run eagerly, grouped so that padding a group to its longest member stays cheap.
+On CPU a decode step reads keys from the RowKV (miles/engine/kv_cache.py) in place; a request takes
+the lowest free row, so the running rows stay packed at the front and the attention span is short.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from miles.engine.cuda_graph import DecodeGraphs
-from miles.engine.kv_cache import SlotAllocator
+from miles.engine.kv_cache import RowKV, SlotAllocator
 from miles.engine.model import Batch, Decoder
 from miles.engine.sampling import SamplingParams, sample
 
@@ -113,6 +116,7 @@ class Scheduler:
         # decode contexts are padded to this multiple: few graph shapes on GPU, little waste on CPU
         self.context_step = 128 if on_gpu else 16
         self.graphs: DecodeGraphs | None = None
+        self.row_kv: RowKV | None = None
         self.weight_version = "default"
         self.lock = threading.Lock()
         self.paused = False
@@ -134,7 +138,14 @@ class Scheduler:
         dev = self.decoder.device
         self.table = torch.zeros(self.max_running + 1, self.max_context, dtype=torch.int64, device=dev)
         self.table[self.max_running] = scratch
-        self._free_rows = list(range(self.max_running - 1, -1, -1))
+        self._free_rows = list(range(self.max_running))  # a heap: the lowest free row first
+        if self.decoder.device.type == "cpu":
+            s = self.decoder.spec
+            # rows never hold more than the pool's own size, unless that is under 256 positions a row
+            cap = min(self.max_context, max(self.max_total_tokens // self.max_running, 256))
+            self.row_kv = RowKV(
+                s.num_layers, self.max_running, s.num_kv_heads, s.head_dim, self.decoder.dtype, cap
+            )
         if self.use_cuda_graph:
             self.graphs = DecodeGraphs(
                 self.decoder,
@@ -206,7 +217,7 @@ class Scheduler:
             self.released = True
             if self.graphs is not None:
                 self.graphs.clear()
-            self.graphs, self.pool, self.table = None, [], torch.empty(0)
+            self.graphs, self.pool, self.table, self.row_kv = None, [], torch.empty(0), None
             self.decoder.offload()
             if self.decoder.device.type == "cuda":
                 torch.cuda.synchronize(self.decoder.device)
@@ -305,7 +316,9 @@ class Scheduler:
             req.kv_len = len(matched)
             req.cached_tokens += len(matched)
             req.cache_epoch = self._cache_epoch
-            req.row = self._free_rows.pop()
+            req.row = heapq.heappop(self._free_rows)
+            if self.row_kv is not None:
+                self.row_kv.filled[req.row] = 0
             self.table[req.row, : len(req.slots)] = torch.tensor(req.slots, device=self.table.device)
             self.running.append(req)
             admitted.append(req)
@@ -337,7 +350,7 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         if req.row >= 0:
             self.slots.release(req.slots)
-            self._free_rows.append(req.row)
+            heapq.heappush(self._free_rows, req.row)
         req.slots, req.kv_len, req.row = [], 0, -1
 
     def _forward(self, reqs: list[Request]) -> None:
@@ -354,19 +367,37 @@ class Scheduler:
     def _decode(self, reqs: list[Request]) -> None:
         """One decode step: table entries, forward (graph replay when the shape is captured), sample."""
         vocab = self.decoder.spec.vocab_size
+        step = self.context_step
+        context = min(-(-max(len(r.slots) for r in reqs) // step) * step, self.max_context)
+        on_rows = self.row_kv is not None and self.row_kv.reserve(context)
+        if on_rows:
+            self._sync_rows(reqs)
         # after _grow a decoding request's new token sits at position len(slots) - 1
         rows = [[r.last_token for r in reqs], [len(r.slots) - 1 for r in reqs], [r.row for r in reqs]]
         rows += [[r.slots[-1] for r in reqs]]
         ints, floats = self._to_device(self._sampling_rows(reqs, vocab, rows))
         self.table[ints[2], ints[1]] = ints[3]
-        step = self.context_step
-        context = min(-(-max(len(r.slots) for r in reqs) // step) * step, self.max_context)
         if self.graphs is not None and self.graphs.bucket(len(reqs), context) is not None:
             logits = self.graphs.run(ints[:3], context)
         else:
             batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context)
-            logits = self.decoder.forward(batch, self.pool)
+            if on_rows:
+                batch.kv_rows = ints[2]
+                logits = self.decoder.forward(batch, self.pool, self.row_kv.layers, reqs[-1].row + 1)
+            else:
+                logits = self.decoder.forward(batch, self.pool)
         self._sample(reqs, logits, (ints[4:], floats))
+
+    def _sync_rows(self, reqs: list[Request]) -> None:
+        """CPU: order `reqs` by row (in place) and fill their RowKV rows up to the new token, which the
+        forward then writes to row and pool alike."""
+        reqs.sort(key=lambda r: r.row)
+        filled = self.row_kv.filled
+        behind = [(r.row, r.slots[:-1]) for r in reqs if filled[r.row] < len(r.slots) - 1]
+        if behind:
+            self.row_kv.sync(self.pool, behind)
+        for r in reqs:
+            filled[r.row] = len(r.slots)
 
     def _sampling_rows(self, reqs: list[Request], vocab: int, head: list[list[int]] | None = None):
         """Host tensors: int64 [head..., seeds, steps, top_k] and fp32 [temperature, top_p], by request."""
