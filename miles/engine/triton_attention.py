@@ -112,10 +112,12 @@ def _combine_kernel(
 
 
 def default_splits(batch: int, kv_heads: int, context_len: int, block_n: int, device: torch.device) -> int:
-    """Key splits per (request, kv head): enough programs for about four per multiprocessor, never a
-    split shorter than two key blocks. A pure function of shapes, so graph replays keep their grid."""
+    """Key splits per (request, kv head): split only while there are fewer programs than
+    multiprocessors, never a split shorter than two key blocks (on an H200 at batch 256, one split
+    beat 2-8 at every context: bench/decode_attention_gpu.py). A pure function of shapes, so graph
+    replays keep their grid."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    want = math.ceil(4 * sms / max(1, batch * kv_heads))
+    want = math.ceil(sms / max(1, batch * kv_heads))
     return max(1, min(want, context_len // (2 * block_n)))
 
 
