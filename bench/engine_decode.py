@@ -1,6 +1,7 @@
 """Decode throughput: the embedded engine (continuous batching) vs transformers' `generate`.
 
     python -m bench.engine_decode [--requests 256] [--concurrency 64] [--short 32] [--long-every 10]
+                                  [--workload long-tailed|equal] (default: both)
 
 Model: init_tiny(hidden 256, 4 layers, intermediate 512, 8 heads, 4 kv heads), fp32 on CPU.
 Workloads (prompts of 16-64 random tokens, lengths forced with ignore_eos + max_new_tokens):
@@ -24,6 +25,8 @@ from pathlib import Path
 SIZES = dict(
     hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4
 )
+
+WORKLOADS = {"long-tailed": False, "equal": True}  # name -> equal lengths
 
 
 def workload(n: int, short: int, long_every: int, equal: bool, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -95,13 +98,15 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--short", type=int, default=32)
     p.add_argument("--long-every", type=int, default=10)
+    p.add_argument("--workload", choices=list(WORKLOADS), action="append", help="repeatable; default: both")
     args = p.parse_args()
     from miles.models.tiny import init_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "model", arch="qwen2", **SIZES)
         print(f"{'workload':<12} {'useful tok':>10} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>6}")
-        for name, equal in (("long-tailed", False), ("equal", True)):
+        for name in args.workload or list(WORKLOADS):
+            equal = WORKLOADS[name]
             work = workload(args.requests, args.short, args.long_every, equal)
             useful = sum(n for _, n in work)
             t_engine = run_engine(model, work, args.concurrency)

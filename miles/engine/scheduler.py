@@ -5,8 +5,14 @@ Each loop turn is one engine step:
     -> one batched decode forward over every running request -> retire the finished ones.
 Requests join between steps and leave the moment they finish, so the batch never waits for its
 slowest member. HTTP handlers never touch the batch: they append to an inbox (thread-safe deque)
-and wait on a Future; administrative operations (pause, weight updates, flush) take the step lock,
-so they run between two steps and see a consistent state.
+and wait on a Future; administrative operations (pause, weight updates, flush, memory release) are
+handed to the engine thread, which runs them between two steps under the step lock.
+
+One thread runs every torch kernel (on CPU, the KV memory too is allocated by the engine thread,
+at its first step). Each thread that runs a parallel CPU kernel gets its own OpenMP thread pool;
+with more pool threads than cores, every pool's workers go to sleep between kernels, and decode
+steps of a tiny model became ~1.5x slower (8 -> 12 ms at batch 64 on 2 cores) once one weight
+copy had run on an HTTP worker thread.
 
 Pause modes (as SGLang's /pause_generation): `abort` finishes every request with an abort reason;
 `retract` frees the KV of running requests and puts them back in the queue (they continue after
@@ -28,10 +34,11 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +50,7 @@ from miles.engine.sampling import SamplingParams, sample
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -127,11 +135,21 @@ class Scheduler:
         self._aborts: deque[str | None] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._calls_lock = threading.Lock()
+        self._engine_thread: threading.Thread | None = None
         self._cache_epoch = 0
         self.num_steps = 0
-        self._alloc_memory()
+        self.slots = SlotAllocator(self.max_total_tokens)
+        self.pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.table = torch.empty(0)
+        self._free_rows: list[int] = []
+        self._needs_memory = True
+        if self.decoder.device.type != "cpu":  # device memory at start-up, where running out shows at once
+            self._alloc_memory()
 
     def _alloc_memory(self) -> None:
+        self._needs_memory = False
         scratch = self.max_total_tokens
         self.pool = self.decoder.new_kv_pool(self.max_total_tokens + 1)
         self.slots = SlotAllocator(self.max_total_tokens)
@@ -174,16 +192,18 @@ class Scheduler:
         """Stop stepping (see module docstring); returns the number of requests affected."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}; known: {', '.join(PAUSE_MODES)}")
-        with self.lock:
-            self.paused = True
-            self._drain_inbox()
-            n = len(self.running) + len(self.waiting)
-            if mode == "abort":
-                self._abort_all("paused with mode=abort")
-            elif mode == "retract":
-                for req in reversed(self.running):
-                    self._retract(req)
-            return n
+        return self._on_engine_thread(lambda: self._pause(mode))
+
+    def _pause(self, mode: str) -> int:
+        self.paused = True
+        self._drain_inbox()
+        n = len(self.running) + len(self.waiting)
+        if mode == "abort":
+            self._abort_all("paused with mode=abort")
+        elif mode == "retract":
+            for req in reversed(self.running):
+                self._retract(req)
+        return n
 
     def resume(self) -> None:
         with self.lock:
@@ -192,45 +212,71 @@ class Scheduler:
 
     def update_weights(self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> None:
         """Load tensors by HF name between two steps; invalidates the prefix cache."""
-        with self.lock:
-            if abort_all:
-                self._drain_inbox()
-                self._abort_all("aborted for a weight update")
-            self.decoder.load(weights)
-            self._flush_locked()
-            if version is not None:
-                self.weight_version = str(version)
+        self._on_engine_thread(lambda: self._update_weights(weights, version, abort_all))
+
+    def _update_weights(self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> None:
+        if abort_all:
+            self._drain_inbox()
+            self._abort_all("aborted for a weight update")
+        self.decoder.load(weights)
+        self._flush_locked()
+        if version is not None:
+            self.weight_version = str(version)
 
     def flush_cache(self) -> None:
-        with self.lock:
-            self._flush_locked()
+        self._on_engine_thread(self._flush_locked)
 
     def release_memory(self) -> None:
         """Free the device memory: KV pool, slot table, CUDA graphs, and the weights (kept in pinned
         host memory, where weight updates keep landing). Running requests are retracted first."""
-        with self.lock:
-            if self.released:
-                return
-            for req in reversed(self.running):
-                self._retract(req)
-            self._flush_locked()
-            self.released = True
-            if self.graphs is not None:
-                self.graphs.clear()
-            self.graphs, self.pool, self.table, self.row_kv = None, [], torch.empty(0), None
-            self.decoder.offload()
-            if self.decoder.device.type == "cuda":
-                torch.cuda.synchronize(self.decoder.device)
-                torch.cuda.empty_cache()
+        self._on_engine_thread(self._release_memory)
+
+    def _release_memory(self) -> None:
+        if self.released:
+            return
+        for req in reversed(self.running):
+            self._retract(req)
+        self._flush_locked()
+        self.released = True
+        if self.graphs is not None:
+            self.graphs.clear()
+        self.graphs, self.pool, self.table, self.row_kv = None, [], torch.empty(0), None
+        self.decoder.offload()
+        if self.decoder.device.type == "cuda":
+            torch.cuda.synchronize(self.decoder.device)
+            torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
         """Weights back on the device, a fresh (empty) KV pool; graphs are captured again on use."""
-        with self.lock:
-            if self.released:
-                self.decoder.onload()
-                self._alloc_memory()
-                self.released = False
+        self._on_engine_thread(self._resume_memory)
+
+    def _resume_memory(self) -> None:
+        if self.released:
+            self.decoder.onload()
+            self._alloc_memory()
+            self.released = False
+
+    def _on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """fn() under the step lock, run by the engine thread between two steps (see the module
+        docstring for why), or by the caller when no engine thread runs."""
+        with self._calls_lock:
+            hand_over = self._engine_thread not in (None, threading.current_thread())
+            if hand_over:
+                done: Future = Future()
+                self._calls.append((fn, done))
+        if not hand_over:
+            with self.lock:
+                return fn()
         self._wake.set()
+        return done.result()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, done = self._calls.popleft()
+            try:
+                done.set_result(fn())
+            except Exception as e:  # the caller's error, raised again in the calling thread
+                done.set_exception(e)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -245,19 +291,28 @@ class Scheduler:
 
     # ---- the engine thread ----
     def run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.clear()
+        self._engine_thread = threading.current_thread()
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                with self.lock:
+                    self._run_calls()
+                    self._drain_inbox()
+                    busy = not (self.paused or self.released) and self.step()
+                if not busy:
+                    self._wake.wait(1.0)
+        finally:
+            with self._calls_lock:
+                self._engine_thread = None
             with self.lock:
+                self._run_calls()
                 self._drain_inbox()
-                busy = not (self.paused or self.released) and self.step()
-            if not busy:
-                self._wake.wait(1.0)
-        with self.lock:
-            self._drain_inbox()
-            self._abort_all("engine shutting down")
+                self._abort_all("engine shutting down")
 
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""
+        if self._needs_memory:
+            self._alloc_memory()
         admitted = self._admit()
         if admitted:
             self._forward(admitted)

@@ -199,3 +199,19 @@ def test_cpu_row_decode_agrees_with_gathering_path(tiny_model):
     pairs = zip(on_rows, gathered, strict=True)
     worst = max(abs(a - b) for r, g in pairs for a, b in zip(r.logprobs, g.logprobs, strict=True))
     assert worst <= 1e-5
+
+
+def test_admin_operations_run_on_the_engine_thread(engine, tiny_model):
+    """Weight copies run on the engine thread (one thread runs every torch kernel), and an error
+    raised there reaches the caller."""
+    seen = []
+    load = engine.decoder.load
+    engine.decoder.load = lambda w, strict=False: (seen.append(threading.current_thread()), load(w, strict))
+    norms = {k: v for k, v in load_weights(tiny_model).items() if k.endswith("norm.weight")}
+    engine.update_weights(norms, "v2", abort_all=False)
+    assert seen == [engine._engine_thread] and seen[0] is not threading.current_thread()
+    assert engine.weight_version == "v2"
+    with pytest.raises(ValueError, match="unknown weight names"):
+        engine.update_weights({"no.such.weight": torch.zeros(1)}, "v3", abort_all=False)
+    assert engine.weight_version == "v2"
+    assert _run(engine, [_req("after", [1, 2, 3], 3)])[0].finish["type"] == "length"
