@@ -13,6 +13,8 @@ run write a complete checkpoint and exit 0; `--resume` continues from the latest
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 import time
 from pathlib import Path
@@ -87,6 +89,9 @@ def run(run_dir: Path, resume: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(
+        signal.SIGUSR1, all_threads=True
+    )  # `kill -USR1 PID`: every thread's stack to the log
     p = argparse.ArgumentParser(prog="python -m miles.loop", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", required=True, help="run directory holding plan.yaml")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -129,6 +131,9 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, url_file
 
 
 def main(argv: list[str] | None = None) -> None:
+    faulthandler.register(
+        signal.SIGUSR1, all_threads=True
+    )  # `kill -USR1 PID`: every thread's stack to the log
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = build_state(args)
