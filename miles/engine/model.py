@@ -22,6 +22,8 @@ of its K/V at positions 0..len-1. A decode step writes the new token's K/V to th
 and attention reads rows[:span, :, :context] as a strided view (batch = row, heads = kv head, G
 queries per head): no per-layer copy of every context, which on CPU cost as much as the attention.
 Rows without a request in this step get a zero query that sees key 0 only and their output is dropped.
+That forward (`forward_rows`) may carry the prompts of newly admitted requests as well: all tokens
+share the matmuls, and only the prompts' attention takes the gathering path.
 Left out: rope scaling variants (llama3/yarn), sliding window, MoE, tensor parallelism.
 """
 
@@ -138,6 +140,14 @@ def _gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     else:
         rows = torch.index_select(words, 1, slots.reshape(-1)).view(*words.shape[:1], *slots.shape, -1)
     return rows.view(pool.dtype)
+
+
+def _attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v as two batched matmuls: for the few queries per head of CPU
+    decode, ~3x faster on 2 threads than the fused CPU attention kernel, which splits the work too
+    finely. k and v may be strided views."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 class Decoder:
@@ -319,11 +329,10 @@ class Decoder:
         mask = torch.zeros(span, key_pos.shape[0], dtype=self.dtype, device=key_pos.device)
         return mask.masked_fill_(key_pos[None, :] > row_pos[:, None], float("-inf"))[:, None, None, :]
 
-    def _attention_rows(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool, mask, rows) -> torch.Tensor:
-        """CPU decode attention over the requests' rows of the RowKV, read in place (see module docstring)."""
-        s, p = self.spec, f"model.layers.{i}.self_attn."
-        B, KVH, D, G = x.shape[0], s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
-        q, k, v = self._qkv(i, x, cos, sin)
+    def _attend_rows(self, i: int, q, k, v, b: Batch, pool, mask, rows) -> torch.Tensor:
+        """CPU decode attention [B, H*D] over the requests' RowKV rows, read in place (module docstring)."""
+        s = self.spec
+        B, KVH, D, G = q.shape[0], s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
@@ -334,13 +343,66 @@ class Decoder:
         qr = q.view(B, KVH, G, D)
         if span != B:  # rows are ascending, so span == B means they are exactly 0..B-1
             qr = qr.new_zeros(span, KVH, G, D).index_copy_(0, b.kv_rows, qr)
-        # two batched matmuls over (row, kv head): with G queries per head, 2 CPU threads run them
-        # ~3x faster than the fused CPU attention kernel, which splits the work too finely
-        scores = torch.matmul(qr, k_rows[:span, :, :L].transpose(-1, -2)).mul_(D**-0.5).add_(mask)
-        out = torch.matmul(torch.softmax(scores, dim=-1), v_rows[:span, :, :L])
+        out = _attend_cpu(qr, k_rows[:span, :, :L], v_rows[:span, :, :L], mask)
         if span != B:
             out = out.index_select(0, b.kv_rows)
-        return F.linear(out.reshape(B, s.num_heads * D), self.params[p + "o_proj.weight"])
+        return out.reshape(B, s.num_heads * D)
+
+    def _attend_pool_cpu(self, i: int, q, k, v, b: Batch, pool, mask) -> torch.Tensor:
+        """CPU prefill attention [T, H*D]: writes the new K/V to the pool and gathers each request's
+        context from it (as `_attention` does), with the matmul attention of the rows path."""
+        s = self.spec
+        T, (B, Q) = q.shape[0], b.query_index.shape
+        KVH, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
+        k_pool, v_pool = pool[i]
+        k_pool[:, b.write_slots] = k.transpose(0, 1)
+        v_pool[:, b.write_slots] = v.transpose(0, 1)
+        L = b.context_slots.shape[1]
+        kb = _gather_slots(k_pool, b.context_slots).view(KVH * B, 1, L, D)
+        vb = _gather_slots(v_pool, b.context_slots).view(KVH * B, 1, L, D)
+        qb = q[b.query_index].view(B, Q, KVH, G, D).permute(2, 0, 3, 1, 4).reshape(KVH * B, 1, G * Q, D)
+        out = _attend_cpu(qb, kb, vb, mask)
+        out = out.view(KVH, B, G, Q, D).permute(1, 3, 0, 2, 4).reshape(B * Q, s.num_heads * D)
+        dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)  # padding to a dropped row
+        packed = out.new_zeros(T + 1, out.shape[1])
+        packed[dest] = out
+        return packed[:T]
+
+    @torch.inference_mode()
+    def forward_rows(
+        self,
+        d: Batch,
+        pool: list[tuple[torch.Tensor, torch.Tensor]],
+        rows: list[tuple[torch.Tensor, torch.Tensor]],
+        row_span: int,
+        prefill: Batch | None = None,
+    ) -> torch.Tensor:
+        """CPU: logits (fp32) [P + B, vocab] at the last new token of each prefill request, then of
+        each decode request, from one forward over both (they share every matmul; only attention is
+        split). Decode requests (`d.kv_rows` set) read their RowKV rows, valid up to their position,
+        over rows [0, row_span); prefill requests gather their context from the pool. The new K/V
+        go to the pool, and the decode tokens' to their rows as well."""
+        parts = [d] if prefill is None else [prefill, d]
+        ids, positions = torch.cat([b.input_ids for b in parts]), torch.cat([b.positions for b in parts])
+        n_pre = 0 if prefill is None else prefill.input_ids.shape[0]
+        x = self.params["model.embed_tokens.weight"][ids]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        row_mask = self._row_mask(d, row_span)
+        pre_mask = None if prefill is None else self._fold_mask(prefill)
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            q, k, v = self._qkv(i, self._norm(x, self.params[p + "input_layernorm.weight"]), cos, sin)
+            out = self._attend_rows(i, q[n_pre:], k[n_pre:], v[n_pre:], d, pool, row_mask, rows)
+            if prefill is not None:
+                pre = self._attend_pool_cpu(i, q[:n_pre], k[:n_pre], v[:n_pre], prefill, pool, pre_mask)
+                out = torch.cat((pre, out))
+            x = x + F.linear(out, self.params[p + "self_attn.o_proj.weight"])
+            x = x + self._mlp(i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]))
+        last = d.last_index if prefill is None else torch.cat((prefill.last_index, n_pre + d.last_index))
+        x = self._norm(x[last], self.params["model.norm.weight"])
+        return F.linear(x, self.get("lm_head.weight")).float()
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
@@ -349,18 +411,8 @@ class Decoder:
         return F.linear(F.silu(gate) * up, self.params[p + "down_proj.weight"])
 
     @torch.inference_mode()
-    def forward(
-        self,
-        b: Batch,
-        pool: list[tuple[torch.Tensor, torch.Tensor]],
-        rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        row_span: int = 0,
-    ) -> torch.Tensor:
-        """Logits (fp32) at each request's last new token: [B, vocab]. Writes the new K/V to the pool.
-
-        CPU decode with `b.kv_rows` set: `rows` are the RowKV's per-layer (keys, values), valid up to
-        each request's position, and attention runs over rows [0, row_span) (> the largest row).
-        """
+    def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Logits (fp32) at each request's last new token: [B, vocab]. Writes the new K/V to the pool."""
         x = self.params["model.embed_tokens.weight"][b.input_ids]
         # bf16 on CUDA: the residual stream stays fp32 (each sublayer's input is rounded once), which
         # roughly halves the log-prob error against an fp32 forward for a few elementwise kernels
@@ -369,15 +421,11 @@ class Decoder:
         freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
-        on_rows = b.kv_rows is not None
-        mask = self._row_mask(b, row_span) if on_rows else self._decode_mask(b)
+        mask = self._decode_mask(b)
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
             h = self._norm(x, self.params[p + "input_layernorm.weight"]).to(self.dtype)
-            if on_rows:
-                x = x + self._attention_rows(i, h, b, cos, sin, pool, mask, rows)
-            else:
-                x = x + self._attention(i, h, b, cos, sin, pool, mask)
+            x = x + self._attention(i, h, b, cos, sin, pool, mask)
             x = x + self._mlp(
                 i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]).to(self.dtype)
             )

@@ -314,10 +314,14 @@ class Scheduler:
         if self._needs_memory:
             self._alloc_memory()
         admitted = self._admit()
-        if admitted:
-            self._forward(admitted)
-        if self.running:
-            self._forward([r for r in self.running if r not in admitted] if admitted else list(self.running))
+        others = [r for r in self.running if r not in admitted] if admitted else list(self.running)
+        if admitted and others and self.row_kv is not None:
+            self._forward_mixed(admitted, others)
+        else:
+            if admitted:
+                self._forward(admitted)
+            if others:
+                self._forward(others)
         self._retire()
         self.num_steps += 1
         return bool(admitted or self.running or self.waiting and not self.paused)
@@ -419,14 +423,47 @@ class Scheduler:
         if decode:
             self._decode(decode)
 
+    def _forward_mixed(self, admitted: list[Request], running: list[Request]) -> None:
+        """CPU: the new requests' prompts ride along the running requests' decode forward (one forward
+        instead of two; prompts arriving one by one over HTTP would otherwise each cost a forward)."""
+        decode = [r for r in running if len(r.slots) == r.kv_len == r.num_tokens - 1]
+        groups = self._prefill_groups([r for r in admitted if len(r.slots) != r.kv_len])
+        for group in groups[1:]:  # long prompts that do not pad well together: forwards of their own
+            self._forward(group)
+        decode = self._grow(decode)
+        context = self._decode_context(decode) if decode else 0
+        if decode and groups and self.row_kv.reserve(context):
+            self._decode_rows(decode, context, groups[0])
+        else:
+            self._forward(groups[0] if groups else [])
+            if decode:
+                self._decode(decode)
+
+    def _decode_context(self, reqs: list[Request]) -> int:
+        step = self.context_step
+        return min(-(-max(len(r.slots) for r in reqs) // step) * step, self.max_context)
+
+    def _decode_rows(self, reqs: list[Request], context: int, prefill: list[Request]) -> None:
+        """CPU decode step over the RowKV (reserved for `context`), with `prefill` requests' new
+        tokens in the same forward; samples one token for each of prefill + reqs."""
+        self._sync_rows(reqs)
+        rows = [[r.last_token for r in reqs], [len(r.slots) - 1 for r in reqs], [r.row for r in reqs]]
+        head = torch.tensor(rows + [[r.slots[-1] for r in reqs]])
+        self.table[head[2], head[1]] = head[3]
+        batch = Batch.decode(head[0], head[1], head[2], self.table, context)
+        batch.kv_rows = head[2]
+        pre = self._make_batch(prefill) if prefill else None
+        logits = self.decoder.forward_rows(batch, self.pool, self.row_kv.layers, reqs[-1].row + 1, pre)
+        everyone = prefill + reqs
+        ints, floats = self._sampling_rows(everyone, self.decoder.spec.vocab_size)
+        self._sample(everyone, logits, (ints, floats))
+
     def _decode(self, reqs: list[Request]) -> None:
         """One decode step: table entries, forward (graph replay when the shape is captured), sample."""
         vocab = self.decoder.spec.vocab_size
-        step = self.context_step
-        context = min(-(-max(len(r.slots) for r in reqs) // step) * step, self.max_context)
-        on_rows = self.row_kv is not None and self.row_kv.reserve(context)
-        if on_rows:
-            self._sync_rows(reqs)
+        context = self._decode_context(reqs)
+        if self.row_kv is not None and self.row_kv.reserve(context):
+            return self._decode_rows(reqs, context, [])
         # after _grow a decoding request's new token sits at position len(slots) - 1
         rows = [[r.last_token for r in reqs], [len(r.slots) - 1 for r in reqs], [r.row for r in reqs]]
         rows += [[r.slots[-1] for r in reqs]]
@@ -436,11 +473,7 @@ class Scheduler:
             logits = self.graphs.run(ints[:3], context)
         else:
             batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context)
-            if on_rows:
-                batch.kv_rows = ints[2]
-                logits = self.decoder.forward(batch, self.pool, self.row_kv.layers, reqs[-1].row + 1)
-            else:
-                logits = self.decoder.forward(batch, self.pool)
+            logits = self.decoder.forward(batch, self.pool)
         self._sample(reqs, logits, (ints[4:], floats))
 
     def _sync_rows(self, reqs: list[Request]) -> None:

@@ -172,27 +172,38 @@ def _wait_until(cond, timeout_s: float = 30.0) -> None:
 
 
 def test_cpu_row_decode_agrees_with_gathering_path(tiny_model):
-    """CPU decode reads each request's K/V row in place (RowKV); the slot-gathering path (the one GPUs
-    take) must give the same greedy tokens and log-probs. The workload leaves holes in the rows
-    (requests finish at different steps) and has one request whose context outgrows the rows'
+    """CPU decode reads each request's K/V row in place (RowKV) and takes prompts that arrive while
+    others decode into the same forward; the slot-gathering path with separate prefill forwards (the
+    one GPUs take) must give the same greedy tokens and log-probs. The workload leaves holes in the
+    rows (requests finish at different steps) and has one request whose context outgrows the rows'
     capacity mid-decode, so steps fall back to gathering and the rows catch up from the pool after."""
     spec = ModelSpec.from_dir(tiny_model)
     work = _mixed(12, 5) + [([7 + i % 300 for i in range(250)], 30)]
-    outputs = []
+    outputs, mixed = [], []
     for rows in (True, False):
         sched = Scheduler(Decoder(spec, load_weights(tiny_model), "cpu", torch.float32), 16, 4096)
-        if not rows:
+        sched._alloc_memory()
+        if rows:
+            real = sched.decoder.forward_rows  # records whether a prefill rode along (5th argument)
+            sched.decoder.forward_rows = lambda *a, f=real: (mixed.append(a[4] is not None), f(*a))[1]
+        else:
             sched.row_kv = None
         thread = threading.Thread(target=sched.run, daemon=True)
         thread.start()
         try:
-            outputs.append(_run(sched, [_req(i, p, m) for i, (p, m) in enumerate(work)]))
+            reqs = [_req(i, p, m) for i, (p, m) in enumerate(work)]
+            first = reqs[:4]
+            for r in first:
+                sched.submit(r)
+            _wait_until(lambda: all(r.output for r in first))  # noqa: B023
+            _run(sched, reqs[4:])
+            outputs.append([r.done.result(timeout=60) for r in reqs])
         finally:
             sched.stop()
             thread.join(timeout=10)
         if rows:
             assert sched.row_kv.capacity == sched.row_kv.max_capacity < len(work[-1][0]) + work[-1][1]
-            assert max(sched.row_kv.filled) > 0
+            assert max(sched.row_kv.filled) > 0 and any(mixed)
     on_rows, gathered = outputs
     assert [r.output for r in on_rows] == [r.output for r in gathered]
     assert all(len(r.output) == m for r, (_, m) in zip(on_rows, work, strict=True))
