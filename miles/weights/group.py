@@ -40,9 +40,20 @@ def init_update_group(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
     store = dist.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
-    )
+    default = c10d._world.default_pg if dist.is_initialized() else None
+    bound = default.bound_device_id if default is not None else None
+    if bound is not None:
+        # A trainer's default group bound to its GPU (eager NCCL init) makes torch build every new NCCL
+        # group by splitting the default group's communicator, which the engines are not part of: the
+        # first broadcast would wait forever. This group is created unbound, from the store alone.
+        default.bound_device_id = None
+    try:
+        pg, _ = c10d._new_process_group_helper(
+            world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+        )
+    finally:
+        if bound is not None:
+            default.bound_device_id = bound
     # Ranks of this group are its own ranks (it is not a sub-group of the default world).
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

@@ -44,7 +44,7 @@ def _generate(engine) -> dict:
 
 
 def test_registry_lists_known_names():
-    assert set(TRANSPORTS) == {"disk", "distributed"}
+    assert set(TRANSPORTS) == {"disk", "distributed", "tensor"}
     with pytest.raises(KeyError, match="disk, distributed"):
         get_transport("carrier-pigeon")
 
@@ -95,3 +95,38 @@ def test_disk_update(engine, tiny_model, tmp_path):
     assert not first.exists() and len(list(current.glob("*.safetensors"))) > 1
     assert (current / "config.json").exists()
     assert _generate(engine)["meta_info"]["weight_version"] == "5"
+
+
+def test_tensor_update_by_shared_memory(engine, tiny_model):
+    """TensorTransport: buckets packed into flat buffers, handed over by reference (shared memory on
+    CPU, CUDA IPC on GPU), loaded exactly, versioned; the output changes with the weights."""
+    before = _generate(engine)["output_ids"]
+    new = _perturbed(tiny_model, 3)
+    client = SGLangClient(engine.url)
+
+    async def run():
+        transport = get_transport("tensor")([client])
+        await transport.setup()
+        await transport.push(iter_buckets(new.items(), bucket_bytes=64 * 1024), version="7")
+        return await check_weights([client], new.items()), await client.get_weight_version()
+
+    mismatches, version = asyncio.run(run())
+    assert mismatches == {} and version == "7"
+    reply = _generate(engine)
+    assert reply["meta_info"]["weight_version"] == "7" and reply["output_ids"] != before
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"serialized_named_tensors": ["not base64 pickle"]},
+        {"serialized_named_tensors": []},
+        {"serialized_named_tensors": ["gASVAwAAAAAAAABLAS4="]},  # a pickled int, not (name, tensor) pairs
+        {"names": ["x"]},
+    ],
+)
+def test_bad_tensor_update_is_a_400(engine, body):
+    reply = httpx.post(engine.url + "/update_weights_from_tensor", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert "serialized_named_tensors" in reply.text
+    assert httpx.get(engine.url + "/health", timeout=10).status_code == 200
