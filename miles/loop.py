@@ -69,11 +69,13 @@ def run(run_dir: Path, resume: bool) -> int:
                         "time/rollout_s": t1 - t0,
                         "time/train_s": t_resume - t_train,
                         "time/sync_s": t3 - t2 + (t2 - t_resume) + (t_train - t1),
-                        "time/engine_release_s": t_train - t1,
-                        "time/engine_resume_s": t2 - t_resume,
                         "time/step_s": t3 - t0,
                     }
                 )
+                if colocated:
+                    metrics.update(
+                        {"time/engine_release_s": t_train - t1, "time/engine_resume_s": t2 - t_resume}
+                    )
                 state.log(step, metrics)
                 log.info("step %d reward %.3f", step, metrics["rollout/reward_mean"])
             preempt = barrier_flag(rank0 and state.preempt_requested())
