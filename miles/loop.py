@@ -1,7 +1,7 @@
 """The RL loop, run on every trainer rank: `python -m miles.loop --run-dir RUN_DIR [--resume]`.
 
     for step: batch <- buffer (rank 0, sync or fully async)  -> broadcast to all ranks
-              [colocated: engines release their GPU memory] train(batch) [engines resume it]
+              [colocated + sync: engines release their GPU memory] train(batch) [engines resume it]
               -> every `weights.update_interval` steps push weights (version = step)
               -> evaluate every `eval.every_steps` -> metrics.jsonl -> checkpoint / preemption
 
@@ -35,7 +35,9 @@ def run(run_dir: Path, resume: bool) -> int:
     log = setup_logging(run_dir, dist.get_rank())
     state = LoopState.restore(backend, plan, run_dir, resume, rank0)
     side = state.rollout_side(plan, run_dir) if rank0 else None
-    colocated = plan.launch.layout == "colocated"
+    # colocated + sync: rollout and training take turns on the GPUs, the engines stepping aside while
+    # the trainer trains; colocated + async: both stay resident and share the GPUs all the time
+    take_turns = plan.launch.layout == "colocated" and plan.rollout.schedule == "sync"
     try:
         if state.step > 0:
             state.push_weights(plan, backend, side)
@@ -45,12 +47,12 @@ def run(run_dir: Path, resume: bool) -> int:
             t0 = time.monotonic()
             samples = broadcast(side.batch(state.step) if rank0 else None)
             t1 = time.monotonic()
-            if colocated:  # the engines give their GPU memory to the trainer until the weight push
+            if take_turns:  # the engines give their GPU memory to the trainer until the weight push
                 broadcast(side.release_engines() if rank0 else None)
             t_train = time.monotonic()
             metrics = {f"train/{k}": v for k, v in backend.train(samples).items()}
             t_resume = time.monotonic()
-            if colocated and rank0:
+            if take_turns and rank0:
                 side.resume_engines()
             state.step, t2 = step, time.monotonic()
             last = step == plan.train.steps
@@ -72,7 +74,7 @@ def run(run_dir: Path, resume: bool) -> int:
                         "time/step_s": t3 - t0,
                     }
                 )
-                if colocated:
+                if take_turns:
                     metrics.update(
                         {"time/engine_release_s": t_train - t1, "time/engine_resume_s": t2 - t_resume}
                     )

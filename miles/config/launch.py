@@ -27,8 +27,8 @@ class LaunchConfig(Section):
     """Hardware profile name (profiles/<name>.yaml)."""
     layout: Literal["disaggregated", "colocated"] = "disaggregated"
     """`disaggregated`: engines and trainer ranks on their own GPUs (on Slurm: a rollout node group and an
-    actor node group, one het job); `colocated`: they share the GPUs (one group), the engines releasing
-    their memory while the trainer trains."""
+    actor node group, one het job); `colocated`: they share the GPUs (one group); with `rollout.schedule=sync`
+    the engines release their memory while the trainer trains, with `async` both stay resident."""
     rollout_nodes: int = 1
     """Nodes of the rollout group."""
     actor_nodes: int = 1
