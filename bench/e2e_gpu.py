@@ -9,9 +9,10 @@ step, log-probs of the rollout as the old policy. The run is `miles train` with 
 numbers come from its metrics.jsonl (time/rollout_s, time/train_s, time/sync_s per step, the
 first `--warmup` steps left out: CUDA graph captures and allocator growth).
 
-Layouts: `colocated` (engine and trainer on one GPU, the engine releasing its memory while the
-trainer trains, weights by CUDA IPC), `disaggregated` (engine on GPU 0, trainer on GPU 1, fully
-async with staleness 1, weights broadcast over NCCL).
+Layouts: `colocated` (engine and trainer on one GPU, weights by CUDA IPC; with the default sync
+schedule the engine releases its memory while the trainer trains, with `--schedule async` both stay
+resident and overlap), `disaggregated` (engine on GPU 0, trainer on GPU 1, fully async with
+staleness 1, weights broadcast over NCCL).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
             "max_new_tokens": args.completion,
             "max_concurrency_per_engine": 256,
             "group_requests": True,
-            "schedule": "sync" if colocated else "async",
+            "schedule": args.schedule or ("sync" if colocated else "async"),
             "max_staleness": 1,
         },
         "eval": {"every_steps": 0},
@@ -73,7 +74,9 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
         "weights": {
             "transport": "tensor" if colocated else "distributed",
             "bucket_mb": 1024,
-            "pause_mode": "none" if colocated else "in_place",
+            "pause_mode": "none"
+            if (args.schedule or ("sync" if colocated else "async")) == "sync"
+            else "in_place",
         },
         "launch": {"layout": args.layout},
     }
@@ -106,6 +109,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layout", choices=["colocated", "disaggregated"], default="colocated")
     p.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
+    p.add_argument(
+        "--schedule",
+        choices=["sync", "async"],
+        default=None,
+        help="default: sync colocated, async disaggregated",
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompt", type=int, default=128)
