@@ -115,14 +115,19 @@ def init_tiny(
     out_dir: str | Path, arch: str = "qwen2", seed: int = 0, vocab_size: int = 384, **sizes: int
 ) -> Path:
     """Create the tiny model directory (fp32 safetensors + tokenizer); returns its path."""
+    tok = build_tokenizer(vocab_size, seed)
+    cfg = model_config(arch, len(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
+    return _write(Path(out_dir), cfg, tok, seed, "float32", "cpu")
+
+
+def _write(out: Path, cfg, tok, seed: int, dtype: str, device: str) -> Path:
+    """Random-initialise `cfg` (seeded) and save it with the tokenizer as an HF model directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    out = Path(out_dir)
-    tok = build_tokenizer(vocab_size, seed)
-    cfg = model_config(arch, len(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
@@ -145,19 +150,9 @@ def init_random(
     `vocab_size`; ids the tokenizer lacks decode to nothing. Built on the GPU when there is one.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
-    out = Path(out_dir)
     tok = build_tokenizer(384, seed)
     cfg = model_config("qwen2", vocab_size, tok.eos_token_id, tok.pad_token_id, **(shape or QWEN25_05B_SHAPE))
     cfg.tie_word_embeddings = tie_word_embeddings
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, 4096)
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
+    return _write(Path(out_dir), cfg, tok, seed, dtype, "cuda" if torch.cuda.is_available() else "cpu")

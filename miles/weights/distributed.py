@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 
 from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
-from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode, dtype_name, with_last
+from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode, dtype_name, push_paused
 
 
 class DistributedTransport:
@@ -85,14 +85,7 @@ class DistributedTransport:
             raise RuntimeError(
                 "DistributedTransport.push before setup(): call `await transport.setup()` first"
             )
-        if self.pause_mode:
-            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
-        try:
-            for bucket, last in with_last(buckets):
-                await self._send(bucket, str(version) if last else None)
-        finally:
-            if self.pause_mode:
-                await asyncio.gather(*(e.continue_generation() for e in self.engines))
+        await push_paused(self.engines, self.pause_mode, buckets, version, self._send)
 
     async def close(self) -> None:
         if self.group is not None:

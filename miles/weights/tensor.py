@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions  # noqa: F401  (registers the tensor reductions)
 
-from miles.weights.transport import Bucket, check_pause_mode, with_last
+from miles.weights.transport import Bucket, check_pause_mode, push_paused
 
 
 def pack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
@@ -92,14 +92,7 @@ class TensorTransport:
         del named  # every engine has copied: the buffer may go
 
     async def push(self, buckets: Iterable[Bucket], version: str) -> None:
-        if self.pause_mode:
-            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
-        try:
-            for bucket, last in with_last(buckets):
-                await self._send(bucket, str(version) if last else None)
-        finally:
-            if self.pause_mode:
-                await asyncio.gather(*(e.continue_generation() for e in self.engines))
+        await push_paused(self.engines, self.pause_mode, buckets, version, self._send)
 
     async def close(self) -> None:
         return None

@@ -19,7 +19,8 @@ it), so this room does not depend on how HTTP is spoken.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -88,3 +89,22 @@ def check_pause_mode(mode: str | None) -> None:
 
 def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+async def push_paused(
+    engines: Sequence[EngineAdmin],
+    pause_mode: str | None,
+    buckets: Iterable[Bucket],
+    version: str,
+    send: Callable[[Bucket, str | None], Awaitable[None]],
+) -> None:
+    """The push contract around a transport's `send(bucket, version or None)`: pause every engine,
+    send each bucket (the last one carries the version), continue even when a send failed."""
+    if pause_mode:
+        await asyncio.gather(*(e.pause_generation(pause_mode) for e in engines))
+    try:
+        for bucket, last in with_last(buckets):
+            await send(bucket, str(version) if last else None)
+    finally:
+        if pause_mode:
+            await asyncio.gather(*(e.continue_generation() for e in engines))
