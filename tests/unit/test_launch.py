@@ -188,3 +188,19 @@ def test_deepseek_launcher_renders(tmp_path: Path) -> None:
     assert '"actor_ranks": 16' in facts and '"num_engines": 2' in facts
     text = (tmp_path / "deepseek-v4-flash" / "submission.sh").read_text()
     assert text.count("#SBATCH --gpus-per-node=8") == 2 and "miles-rocm.sqsh" in text
+
+
+def test_gpu_placement_of_local_runs() -> None:
+    from miles.config import resolve
+    from miles.launch.local import gpu_placement
+
+    def plan(layout: str, engines: int = 1, ranks: int = 1):
+        sets = [f"launch.layout={layout}", f"engine.num_engines={engines}", f"train.num_ranks={ranks}"]
+        return resolve({"weights": {"transport": "tensor"}}, sets)
+
+    assert gpu_placement(plan("disaggregated"), ["0", "1"]) == (["0"], "1")
+    assert gpu_placement(plan("disaggregated", 2, 2), ["4", "5", "6", "7"]) == (["4", "5"], "6,7")
+    assert gpu_placement(plan("colocated", 2, 2), ["0", "1"]) == (["0", "1"], None)
+    assert gpu_placement(plan("colocated"), []) == ([None], None)  # CPU host: nothing to place
+    with pytest.raises(ConfigError, match="needs engine.num_engines \\+ train.num_ranks = 3 GPUs"):
+        gpu_placement(plan("disaggregated", 1, 2), ["0", "1"])

@@ -90,3 +90,18 @@ def test_longtail_lengths_are_heavy_tailed() -> None:
     lengths.sort()
     median, p99 = lengths[1000], lengths[1980]
     assert median <= 10 and p99 >= 200  # Pareto(1): median 2 x min, a long tail up to the cap
+
+
+def test_random_tokens_fixed_shapes_and_deterministic() -> None:
+    cfg = TaskConfig(
+        name="random_tokens", options={"prompt_tokens": 128, "response_tokens": 512, "high": 1000}
+    )
+    task = build_task(cfg, seed=3)
+    a, b = task.train_prompt(7), build_task(cfg, seed=3).train_prompt(7)
+    assert a.metadata["input_ids"] == b.metadata["input_ids"]
+    assert len(a.metadata["input_ids"]) == 128 and all(0 <= t < 1000 for t in a.metadata["input_ids"])
+    assert a.metadata["sampling"] == {"max_new_tokens": 512, "ignore_eos": True, "stop_token_ids": []}
+    assert task.train_prompt(8).metadata["input_ids"] != a.metadata["input_ids"]
+    assert {p.index for p in task.eval_prompts()}.isdisjoint(range(1000))
+    with pytest.raises(ConfigError, match="low < high"):
+        build_task(TaskConfig(name="random_tokens", options={"low": 5, "high": 5}), seed=0)
