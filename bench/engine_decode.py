@@ -11,12 +11,15 @@ Engine: one engine process, the requests sent through the SGLang client with at 
 `concurrency` in flight (a finished request frees its slot at once). generate: the same requests
 in order, in left-padded batches of `concurrency`, each batch run to its longest request; only
 the tokens each request asked for count as useful. Throughput = useful tokens / wall seconds.
+Both sides run torch with the same intra-op thread count (printed; the engine child inherits the
+environment, so OMP_NUM_THREADS, when set, applies to both).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import tempfile
 import time
@@ -100,8 +103,14 @@ def main() -> None:
     p.add_argument("--long-every", type=int, default=10)
     p.add_argument("--workload", choices=list(WORKLOADS), action="append", help="repeatable; default: both")
     args = p.parse_args()
+    import torch
+
     from miles.models.tiny import init_tiny
 
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    print(
+        f"intra-op threads: {torch.get_num_threads()} for generate and the engine (OMP_NUM_THREADS={threads})"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "model", arch="qwen2", **SIZES)
         print(f"{'workload':<12} {'useful tok':>10} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>6}")
