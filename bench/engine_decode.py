@@ -7,8 +7,11 @@ Model: init_tiny(hidden 256, 4 layers, intermediate 512, 8 heads, 4 kv heads), f
 Workloads (prompts of 16-64 random tokens, lengths forced with ignore_eos + max_new_tokens):
   long-tailed  most requests `short` new tokens, every `long_every`-th one 8x longer;
   equal        every request `short` * 2 new tokens.
-Engine: one engine process, the requests sent through the SGLang client with at most
-`concurrency` in flight (a finished request frees its slot at once). generate: the same requests
+Engine, two ways: in-process (the requests submitted straight to the engine's scheduler, which runs
+at most `concurrency` of them and admits the next the moment one finishes: the decode throughput of the
+engine itself, measured like `generate`, in this process), and over HTTP (one engine process, the
+requests sent through the SGLang client with at most `concurrency` in flight; the client's own work
+shares the machine's cores with the engine). generate: the same requests
 in order, in left-padded batches of `concurrency`, each batch run to its longest request; only
 the tokens each request asked for count as useful. Throughput = useful tokens / wall seconds.
 Both sides run torch with the same intra-op thread count (printed; the engine child inherits the
@@ -68,6 +71,38 @@ def run_engine(model: Path, work, concurrency: int) -> float:
         return asyncio.run(go())
 
 
+def run_engine_in_process(model: Path, work, concurrency: int) -> float:
+    """The same requests straight into the engine's scheduler (no HTTP, no client): all submitted at
+    once, at most `concurrency` running, the rest waiting for a free row, exactly as the server does."""
+    import torch
+
+    from miles.engine.model import Decoder, ModelSpec, load_weights
+    from miles.engine.sampling import SamplingParams
+    from miles.engine.scheduler import Request, Scheduler
+
+    decoder = Decoder(ModelSpec.from_dir(model), load_weights(model), "cpu", torch.float32)
+    sched = Scheduler(decoder, concurrency, 65536)
+
+    def run(items) -> list[Request]:
+        reqs = []
+        for i, (prompt, n) in enumerate(items):
+            sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            reqs.append(Request(rid=str(i), prompt=list(prompt), params=sp, seed=i, stop_ids=frozenset()))
+            sched.submit(reqs[-1])
+        with sched.lock:
+            sched._drain_inbox()
+            while sched.step():
+                pass
+        return [r.done.result(timeout=0) for r in reqs]
+
+    run([([1, 2, 3], 4)])  # warm-up (allocates the KV memory)
+    start = time.perf_counter()
+    done = run(work)
+    elapsed = time.perf_counter() - start
+    assert [len(r.output) for r in done] == [n for _, n in work]
+    return elapsed
+
+
 def run_generate(model: Path, work, batch: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
@@ -113,15 +148,17 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "model", arch="qwen2", **SIZES)
-        print(f"{'workload':<12} {'useful tok':>10} {'engine tok/s':>13} {'generate tok/s':>15} {'ratio':>6}")
+        head = f"{'workload':<12} {'useful tok':>10} {'engine in-process':>18} {'engine HTTP':>12}"
+        print(head + f" {'generate':>9}   tokens/s; ratios in-process / HTTP vs generate")
         for name in args.workload or list(WORKLOADS):
             equal = WORKLOADS[name]
             work = workload(args.requests, args.short, args.long_every, equal)
             useful = sum(n for _, n in work)
-            t_engine = run_engine(model, work, args.concurrency)
+            t_local = run_engine_in_process(model, work, args.concurrency)
+            t_http = run_engine(model, work, args.concurrency)
             t_hf = run_generate(model, work, args.concurrency)
-            e, h = useful / t_engine, useful / t_hf
-            print(f"{name:<12} {useful:>10} {e:>13.0f} {h:>15.0f} {e / h:>6.2f}")
+            e, w, h = useful / t_local, useful / t_http, useful / t_hf
+            print(f"{name:<12} {useful:>10} {e:>18.0f} {w:>12.0f} {h:>9.0f}   {e / h:.2f} / {w / h:.2f}")
 
 
 if __name__ == "__main__":
