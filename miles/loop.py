@@ -18,9 +18,31 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from miles.config import read_plan
 from miles.loop_parts.state import LoopState, barrier_flag, broadcast, setup_logging
+
+
+def train_step(
+    backend: Any, samples: list[Any], side: Any, take_turns: bool, rank0: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One training step (train/* metrics) and its times; with `take_turns` the engines release
+    their GPU memory first and resume it after (rank 0 asks them; every rank waits for the release)."""
+    start = time.monotonic()
+    if take_turns:
+        broadcast(side.release_engines() if rank0 else None)
+    t_train = time.monotonic()
+    metrics = {f"train/{k}": v for k, v in backend.train(samples).items()}
+    t_resume = time.monotonic()
+    if take_turns and rank0:
+        side.resume_engines()
+    times = {"time/train_s": t_resume - t_train}
+    if take_turns:
+        times.update(
+            {"time/engine_release_s": t_train - start, "time/engine_resume_s": time.monotonic() - t_resume}
+        )
+    return metrics, times
 
 
 def run(run_dir: Path, resume: bool) -> int:
@@ -47,13 +69,7 @@ def run(run_dir: Path, resume: bool) -> int:
             t0 = time.monotonic()
             samples = broadcast(side.batch(state.step) if rank0 else None)
             t1 = time.monotonic()
-            if take_turns:  # the engines give their GPU memory to the trainer until the weight push
-                broadcast(side.release_engines() if rank0 else None)
-            t_train = time.monotonic()
-            metrics = {f"train/{k}": v for k, v in backend.train(samples).items()}
-            t_resume = time.monotonic()
-            if take_turns and rank0:
-                side.resume_engines()
+            metrics, times = train_step(backend, samples, side, take_turns, rank0)
             state.step, t2 = step, time.monotonic()
             last = step == plan.train.steps
             pushed = step % plan.weights.update_interval == 0 or last
@@ -66,18 +82,12 @@ def run(run_dir: Path, resume: bool) -> int:
                     metrics.update(side.evaluate())
                     state.eval_due = False
                 metrics.update(side.metrics(), **state.rollout_metrics(samples))
-                metrics.update(
-                    {
-                        "time/rollout_s": t1 - t0,
-                        "time/train_s": t_resume - t_train,
-                        "time/sync_s": t3 - t2 + (t2 - t_resume) + (t_train - t1),
-                        "time/step_s": t3 - t0,
-                    }
+                sync_s = (
+                    t3 - t2 + times.get("time/engine_release_s", 0.0) + times.get("time/engine_resume_s", 0.0)
                 )
-                if take_turns:
-                    metrics.update(
-                        {"time/engine_release_s": t_train - t1, "time/engine_resume_s": t2 - t_resume}
-                    )
+                metrics.update(
+                    times, **{"time/rollout_s": t1 - t0, "time/sync_s": sync_s, "time/step_s": t3 - t0}
+                )
                 state.log(step, metrics)
                 log.info("step %d reward %.3f", step, metrics["rollout/reward_mean"])
             preempt = barrier_flag(rank0 and state.preempt_requested())
