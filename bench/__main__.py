@@ -1,0 +1,46 @@
+"""`make bench` / `python -m bench [--gpu]`: run the benchmark suite of this machine, one after the other.
+
+CPU (default): engine decode vs `generate`, fully async vs synchronous rollout, NVMe optimizer offload.
+GPU (`--gpu`, on a CUDA machine): decode attention kernel, engine vs `generate`, training MFU of both
+backends, the bf16 log-prob mismatch, and the end-to-end GRPO step colocated (TRL's side is
+bench/trl_grpo.py, which needs the `trl` package). Each benchmark prints its own table; the numbers
+worth keeping go to bench/RESULTS.md with the date, machine and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+CPU = [
+    ["bench.engine_decode"],
+    ["bench.async_vs_sync", "--steps", "12"],
+    ["bench.offload", "--params-m", "50", "--steps", "6"],
+]
+GPU = [
+    ["bench.decode_attention_gpu"],
+    ["bench.engine_gpu", "--skip-eager"],
+    ["bench.gpu_train", "--backend", "megatron", "--steps", "3"],
+    ["bench.gpu_train", "--backend", "fsdp", "--steps", "3"],
+    ["bench.logprob_mismatch_gpu", "--requests", "32"],
+    ["bench.e2e_gpu", "--layout", "colocated", "--backend", "megatron", "--steps", "5"],
+]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--gpu", action="store_true", help="the GPU suite instead of the CPU one")
+    args = p.parse_args()
+    failed = []
+    for cmd in GPU if args.gpu else CPU:
+        print(f"\n=== python -m {' '.join(cmd)}", flush=True)
+        if subprocess.run([sys.executable, "-m", *cmd]).returncode != 0:
+            failed.append(cmd[0])
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
