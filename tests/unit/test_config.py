@@ -70,3 +70,16 @@ def test_missing_recipe_file() -> None:
 def test_config_and_launch_import_no_torch() -> None:
     code = "import sys, miles.config, miles.launch, miles.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_colocated_layout_derives_the_tensor_transport() -> None:
+    from miles.config import ConfigError, resolve
+
+    assert resolve({"launch": {"layout": "colocated"}}).weights.transport == "tensor"
+    assert (
+        resolve({"launch": {"layout": "colocated"}, "weights": {"transport": "disk"}}).weights.transport
+        == "disk"
+    )
+    assert resolve({}).weights.transport == "distributed"
+    with pytest.raises(ConfigError, match="set weights.transport=tensor"):
+        resolve({"launch": {"layout": "colocated"}, "weights": {"transport": "distributed"}})
