@@ -73,8 +73,6 @@ def test_config_and_launch_import_no_torch() -> None:
 
 
 def test_colocated_layout_derives_the_tensor_transport() -> None:
-    from miles.config import ConfigError, resolve
-
     assert resolve({"launch": {"layout": "colocated"}}).weights.transport == "tensor"
     assert (
         resolve({"launch": {"layout": "colocated"}, "weights": {"transport": "disk"}}).weights.transport
