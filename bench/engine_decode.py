@@ -66,7 +66,9 @@ def run_engine(model: Path, work, concurrency: int) -> float:
             await client.generate([1, 2, 3], {"max_new_tokens": 4})  # warm-up
             start = time.perf_counter()
             await asyncio.gather(*(one(p, n) for p, n in work))
-            return time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            await client.aclose()
+            return elapsed
 
         return asyncio.run(go())
 

@@ -76,7 +76,7 @@ class RolloutSide:
         self.plan, self.run_dir = plan, run_dir
         urls, router = engine_urls(run_dir, plan.engine.startup_timeout_s)
         r = plan.rollout
-        # httpx's pool scans every pooled connection per request: keep it at the concurrency we use
+        # connections: the concurrency we use, plus admin calls
         conns = r.max_concurrency_per_engine * len(urls) + 8
         self.admins = [SGLangClient(u, max_connections=conns) for u in urls]
         gen_clients = [SGLangClient(router, max_connections=conns)] if router else self.admins
@@ -203,6 +203,8 @@ class RolloutSide:
             try:
                 self.call(self.producer.drain(), timeout_s=30)
                 self.call(self.transport.close(), timeout_s=30)
+                clients = {id(c): c for c in [*self.admins, *self.generator.clients]}.values()
+                self.call(_gather(*(c.aclose() for c in clients)), timeout_s=10)
             except Exception as e:
                 log.warning("rollout shutdown: %s", e)
             self._loop.call_soon_threadsafe(self._loop.stop)
