@@ -103,7 +103,8 @@ class SGLangClient:
         max_connections: int = 1024,
     ):
         self.url = url.rstrip("/")
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        # no bound on the whole call: a non-streamed /generate answers only when done, within timeout_s
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=timeout_s)
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_connections = max_connections
