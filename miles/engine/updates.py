@@ -1,9 +1,10 @@
 """Weight updates of the embedded engine: from disk, over a torch.distributed group, and read-back.
 
 Routes and bodies follow SGLang (UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
-UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput, GetWeightsByNameReqInput). Tensors are received or read while
-generation goes on; they are loaded between two engine steps (Scheduler.update_weights), which also
-flushes the prefix cache and sets the weight version. One update runs at a time.
+UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput, GetWeightsByNameReqInput).
+Tensors are received or read while generation goes on; they are loaded between two engine steps
+(Scheduler.update_weights), which also flushes the prefix cache and sets the weight version. One
+update runs at a time.
 """
 
 from __future__ import annotations
