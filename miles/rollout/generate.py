@@ -49,7 +49,8 @@ class PromptEncoder:
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids: given ones (`metadata["input_ids"]`, used as they are) or the templated text."""
+        """The prompt's token ids: given ones (`metadata["input_ids"]`, used as they are) or the
+        templated text."""
         given = prompt.metadata.get("input_ids")
         return list(given) if given is not None else self.encode(prompt.text)
 
