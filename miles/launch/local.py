@@ -63,6 +63,16 @@ def _prepare_run_dir(plan: Plan, resume: bool) -> Path:
     return run_dir
 
 
+def check_rollout_inputs(plan: Plan) -> None:
+    """Build the task and load the reward here, so that a bad option or reward path is a ConfigError
+    before any process starts (and not a traceback in the trainer's log)."""
+    from miles.rollout.rewards import load_reward
+    from miles.rollout.tasks import build_task
+
+    build_task(plan.rollout.task, plan.run.seed)
+    load_reward(plan.rollout.reward)
+
+
 def _ensure_model(plan: Plan) -> None:
     path = Path(plan.model.path)
     if path.exists():
@@ -210,6 +220,7 @@ def train_main(
 
     signal.signal(signal.SIGTERM, _terminate)
     plan = _plan(recipe, overrides or [], resume)
+    check_rollout_inputs(plan)
     run_dir = _prepare_run_dir(plan, bool(resume))
     _ensure_model(plan)
     share_cpu_threads(plan)

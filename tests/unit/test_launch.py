@@ -204,3 +204,15 @@ def test_gpu_placement_of_local_runs() -> None:
     assert gpu_placement(plan("colocated"), []) == ([None], None)  # CPU host: nothing to place
     with pytest.raises(ConfigError, match="needs engine.num_engines \\+ train.num_ranks = 3 GPUs"):
         gpu_placement(plan("disaggregated", 1, 2), ["0", "1"])
+
+
+def test_bad_task_or_reward_is_a_config_error_before_anything_starts() -> None:
+    from miles.config import resolve
+    from miles.launch.local import check_rollout_inputs
+
+    check_rollout_inputs(resolve({}))
+    too_many = {"rollout": {"task": {"name": "digits", "options": {"num_digits": 1}, "eval_size": 50}}}
+    with pytest.raises(ConfigError, match="eval_size"):
+        check_rollout_inputs(resolve(too_many))
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        check_rollout_inputs(resolve({"rollout": {"reward": "miles.rollout.rewards:nope"}}))
