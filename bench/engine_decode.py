@@ -91,10 +91,7 @@ def run_engine_in_process(model: Path, work, concurrency: int) -> float:
             sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
             reqs.append(Request(rid=str(i), prompt=list(prompt), params=sp, seed=i, stop_ids=frozenset()))
             sched.submit(reqs[-1])
-        with sched.lock:
-            sched._drain_inbox()
-            while sched.step():
-                pass
+        sched.run_until_idle()
         return [r.done.result(timeout=0) for r in reqs]
 
     run([([1, 2, 3], 4)])  # warm-up (allocates the KV memory)

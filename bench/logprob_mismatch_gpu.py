@@ -34,10 +34,7 @@ def sample(model: Path, prompts: list[list[int]], completion: int, paged: bool) 
         sp = SamplingParams(max_new_tokens=completion, temperature=1.0, ignore_eos=True)
         reqs.append(Request(rid=str(i), prompt=p, params=sp, seed=i, stop_ids=frozenset()))
         sched.submit(reqs[-1])
-    with sched.lock:
-        sched._drain_inbox()
-        while sched.step():
-            pass
+    sched.run_until_idle()
     out = [r.done.result(timeout=0) for r in reqs]
     return [(r.output, r.logprobs) for r in out]
 

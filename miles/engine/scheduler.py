@@ -179,6 +179,14 @@ class Scheduler:
         self._inbox.append(req)
         self._wake.set()
 
+    def run_until_idle(self) -> None:
+        """In the calling thread, with no engine thread running (benchmarks, tests): take every
+        submitted request and step until none is left."""
+        with self.lock:
+            self._drain_inbox()
+            while self.step():
+                pass
+
     def abort(self, rid: str | None) -> None:
         """Abort one request by rid, or all requests when rid is None."""
         self._aborts.append(rid)

@@ -142,7 +142,7 @@ class WeightUpdater:
             raise ValueError(f"serialized_named_tensors could not be decoded: {e}") from None
         self.scheduler.update_weights(dict(named), body.weight_version, body.abort_all_requests)
         del named  # drop the sender's memory mapping before answering
-        if torch.cuda.is_available() and self.scheduler.decoder.device.type == "cuda":
+        if self.scheduler.decoder.device.type == "cuda":
             torch.cuda.synchronize(self.scheduler.decoder.device)
             torch.cuda.ipc_collect()
 

@@ -61,10 +61,7 @@ def _run(sched: Scheduler, work, temperature: float = 0.0) -> list[Request]:
         sp = SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
         reqs.append(Request(rid=str(i), prompt=prompt, params=sp, seed=i, stop_ids=frozenset()))
         sched.submit(reqs[-1])
-    with sched.lock:
-        sched._drain_inbox()
-        while sched.step():
-            pass
+    sched.run_until_idle()
     return [r.done.result(timeout=0) for r in reqs]
 
 
