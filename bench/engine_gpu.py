@@ -97,6 +97,14 @@ def run_in_process(model: Path, prompts, args, cuda_graph: bool) -> dict:
         "decode_step_ms_median": 1e3 * statistics.median(steps),
         "graphs_captured": len(sched.graphs.graphs) if sched.graphs else 0,
     }
+    if args.profile:  # host functions of a 128-token round (graphs already captured)
+        import cProfile
+        import pstats
+
+        sched.slots.flush()
+        with cProfile.Profile() as host:
+            go(128)
+        pstats.Stats(host).sort_stats("tottime").print_stats(18)
     if sched.graphs is not None:
         out["graph_step_gpu_ms"] = graph_gpu_time(sched, args)
         if args.profile:

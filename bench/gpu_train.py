@@ -69,6 +69,23 @@ def samples(n: int, seq: int, prompt: int, seed: int = 0):
     return out
 
 
+def profile_step(backend, batch) -> None:
+    """One more step under the profiler: kernels by total CUDA time, and kernel time vs wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.train(batch)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    print(events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    kernels = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+    print(json.dumps({"profiled_step_wall_s": wall, "kernel_time_s": kernels}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="megatron")
@@ -78,6 +95,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--micro-tokens", type=int, default=8192)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--profile", action="store_true", help="print the CUDA kernels of one more step by total time"
+    )
     a = ap.parse_args()
     import torch
 
@@ -110,6 +130,8 @@ def main() -> None:
         if i > 0:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
+    if a.profile:
+        profile_step(b, batch)
     lengths = [len(s.tokens) for s in batch]
     flops = model_flops(lengths)
     res = dict(
