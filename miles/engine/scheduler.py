@@ -23,6 +23,12 @@ version that produced it.
 On CUDA a decode step replays a captured graph (miles/engine/cuda_graph.py) and the host work per
 step is a handful of list operations per request plus two host-to-device copies and one readback;
 prefills run eagerly, grouped so that padding a group to its longest member stays cheap.
+With `overlap` (the default on CUDA) the host runs one decode step ahead of its readback: step k+1
+is launched with step k's sampled tokens as its input, still on the device, and only then are step
+k's tokens read back and recorded, so the host's per-request work runs while the GPU computes.
+A request that finishes at step k has already been put into step k+1; that extra token is dropped
+and its slot freed (stream order keeps the slot's later owner safe). Anything else (admitting,
+prefill, pause, weight updates, memory release) first lands the step in flight (`_land`).
 On CPU a decode step reads keys from the RowKV (miles/engine/kv_cache.py) in place; a request takes
 the lowest free row, so the running rows stay packed at the front and the attention span is short.
 """
@@ -94,6 +100,16 @@ class Request:
         return self.params.temperature > 0 and (self.params.top_p < 1 or self.params.top_k > 0)
 
 
+@dataclass
+class _InFlight:
+    """A decode step launched on the device whose sampled tokens the host has not read yet."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor
+    logps: torch.Tensor
+    version: str
+
+
 class Scheduler:
     """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body.
 
@@ -111,6 +127,7 @@ class Scheduler:
         cuda_graph: bool = True,
         cuda_graph_max_bs: int | None = None,
         cuda_graph_max_context: int = 4096,
+        overlap: bool | None = None,
     ):
         self.decoder = decoder
         self.max_running = max_running_requests
@@ -119,6 +136,9 @@ class Scheduler:
         self.max_context = min(decoder.spec.max_position_embeddings, max_total_tokens)
         on_gpu = decoder.device.type == "cuda"
         self.use_cuda_graph = cuda_graph and on_gpu
+        self.overlap = on_gpu if overlap is None else overlap
+        """Decode one step ahead of the readback (module docstring); on CPU only for tests."""
+        self._inflight: _InFlight | None = None
         self.graph_max_bs = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
         self.graph_max_context = cuda_graph_max_context
         # decode contexts are padded to this multiple: few graph shapes on GPU, little waste on CPU
@@ -157,7 +177,7 @@ class Scheduler:
         self.table = torch.zeros(self.max_running + 1, self.max_context, dtype=torch.int64, device=dev)
         self.table[self.max_running] = scratch
         self._free_rows = list(range(self.max_running))  # a heap: the lowest free row first
-        if self.decoder.device.type == "cpu":
+        if self.decoder.device.type == "cpu" and not self.overlap:
             s = self.decoder.spec
             # rows never hold more than the pool's own size, unless that is under 256 positions a row
             cap = min(self.max_context, max(self.max_total_tokens // self.max_running, 256))
@@ -279,6 +299,8 @@ class Scheduler:
         return done.result()
 
     def _run_calls(self) -> None:
+        if self._calls:
+            self._land()
         while self._calls:
             fn, done = self._calls.popleft()
             try:
@@ -313,6 +335,7 @@ class Scheduler:
             with self._calls_lock:
                 self._engine_thread = None
             with self.lock:
+                self._land()
                 self._run_calls()
                 self._drain_inbox()
                 self._abort_all("engine shutting down")
@@ -321,6 +344,13 @@ class Scheduler:
         """One engine step; False when there was nothing to do."""
         if self._needs_memory:
             self._alloc_memory()
+        if self._inflight is not None:
+            if not self._would_admit() and self._step_ahead():
+                self._retire()
+                self.num_steps += 1
+                return True
+            self._land()
+            self._retire()
         admitted = self._admit()
         others = [r for r in self.running if r not in admitted] if admitted else list(self.running)
         if admitted and others and self.row_kv is not None:
@@ -477,12 +507,63 @@ class Scheduler:
         rows += [[r.slots[-1] for r in reqs]]
         ints, floats = self._to_device(self._sampling_rows(reqs, vocab, rows))
         self.table[ints[2], ints[1]] = ints[3]
+        self._launch_decode(reqs, ints, floats, context)
+
+    def _launch_decode(self, reqs: list[Request], ints: torch.Tensor, floats: torch.Tensor, context: int):
+        """Forward and sample on the device (`ints` = ids, positions, rows, slots, seeds, steps, top_k);
+        with overlap the tokens stay in flight, else they are recorded at once."""
         if self.graphs is not None and self.graphs.bucket(len(reqs), context) is not None:
             logits = self.graphs.run(ints[:3], context)
         else:
             batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context)
             logits = self.decoder.forward(batch, self.pool)
-        self._sample(reqs, logits, (ints[4:], floats))
+        tokens, logps = self._sample_on_device(reqs, logits, (ints[4:], floats))
+        for req in reqs:
+            req.kv_len = len(req.slots)
+        if self.overlap:
+            self._inflight = _InFlight(reqs, tokens, logps, self.weight_version)
+        else:
+            self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
+
+    def _would_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_running and bool(self._free_rows)
+
+    def _step_ahead(self) -> bool:
+        """Launch the next decode step of the requests in flight from their device-side tokens, then
+        record the step in flight. False (nothing launched) when the pool is full or none goes on."""
+        prev = self._inflight
+        if sum(1 for r in prev.reqs if r.finish is None) != len(self.running):
+            return False  # requests joined since (their first decode goes with everyone's, landed)
+        # requests still running after this landing: not finished earlier, and not certain to stop now
+        keep = [
+            i
+            for i, r in enumerate(prev.reqs)
+            if r.finish is None
+            and not r.abort_requested
+            and len(r.output) + 1 < r.params.max_new_tokens
+            and r.num_tokens + 1 < self.max_context
+        ]
+        reqs = [prev.reqs[i] for i in keep]
+        fresh = self.slots.allocate(len(reqs)) if reqs else None
+        if fresh is None:
+            return False
+        for req, slot in zip(reqs, fresh, strict=True):
+            req.slots.append(slot)
+        context = self._decode_context(reqs)
+        # row 0 first holds where each request sits in the step in flight, then its token from there
+        rows = [keep, [len(r.slots) - 1 for r in reqs], [r.row for r in reqs], fresh]
+        ints, floats = self._to_device(self._sampling_rows(reqs, self.decoder.spec.vocab_size, rows, ahead=1))
+        ints[0].copy_(prev.tokens.index_select(0, ints[0]))
+        self.table[ints[2], ints[1]] = ints[3]
+        self._launch_decode(reqs, ints, floats, context)
+        self._record(prev.reqs, prev.tokens.tolist(), prev.logps.tolist(), prev.version)
+        return True
+
+    def _land(self) -> None:
+        """Record the decode step in flight, if any (waits for the device)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._record(prev.reqs, prev.tokens.tolist(), prev.logps.tolist(), prev.version)
 
     def _sync_rows(self, reqs: list[Request]) -> None:
         """CPU: order `reqs` by row (in place) and fill their RowKV rows up to the new token, which the
@@ -495,11 +576,14 @@ class Scheduler:
         for r in reqs:
             filled[r.row] = len(r.slots)
 
-    def _sampling_rows(self, reqs: list[Request], vocab: int, head: list[list[int]] | None = None):
-        """Host tensors: int64 [head..., seeds, steps, top_k] and fp32 [temperature, top_p], by request."""
+    def _sampling_rows(
+        self, reqs: list[Request], vocab: int, head: list[list[int]] | None = None, ahead: int = 0
+    ):
+        """Host tensors: int64 [head..., seeds, steps, top_k] and fp32 [temperature, top_p], by request
+        (`ahead`: tokens of each request sampled but not yet recorded)."""
         ints = (head or []) + [
             [r.seed for r in reqs],
-            [len(r.output) for r in reqs],
+            [len(r.output) + ahead for r in reqs],
             [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs],
         ]
         floats = [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]]
@@ -512,13 +596,25 @@ class Scheduler:
         return tuple(t.pin_memory().to(dev, non_blocking=True) for t in host)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
-        """Sample one token per request from `logits`; `params` = ([seeds, steps, top_k], [T, top_p])."""
+        """Sample one token per request from `logits` and record it; `params` as `_sample_on_device`."""
+        tokens, logps = self._sample_on_device(reqs, logits, params)
+        for req in reqs:
+            req.kv_len = len(req.slots)
+        self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
+
+    def _sample_on_device(self, reqs: list[Request], logits: torch.Tensor, params):
+        """Tokens and log-probs [B] on the device; `params` = ([seeds, steps, top_k], [T, top_p])."""
         (seeds, steps, top_k), (temperature, top_p) = params
         filtered = [i for i, r in enumerate(reqs) if r.restricts_support]
-        tokens, logps = sample(logits, temperature, top_p, top_k, seeds, steps, filtered_rows=filtered)
-        version, max_context = self.weight_version, self.max_context
-        for req, tok, lp in zip(reqs, tokens.tolist(), logps.tolist(), strict=True):
-            req.kv_len = len(req.slots)
+        return sample(logits, temperature, top_p, top_k, seeds, steps, filtered_rows=filtered)
+
+    def _record(self, reqs: list[Request], tokens: list[int], logps: list[float], version: str) -> None:
+        """Append each request's sampled token and check whether it finished. Requests that finished
+        or left the batch after the step was launched (overlap) drop their token."""
+        max_context = self.max_context
+        for req, tok, lp in zip(reqs, tokens, logps, strict=True):
+            if req.finish is not None or req.row < 0:
+                continue
             out = req.output
             out.append(tok)
             req.logprobs.append(lp)
@@ -595,8 +691,9 @@ class Scheduler:
             if req.finish is None:
                 req.finish = {"type": "abort", "message": "aborted by request"}
             n = len(req.tokens) - 1
-            if req.cache_epoch == self._cache_epoch and req.finish["type"] != "abort" and len(req.slots) == n:
-                self.slots.insert(req.tokens[:n], req.slots)
+            # with overlap a step in flight may hold one more slot (the last token's K/V): not cached
+            if req.cache_epoch == self._cache_epoch and req.finish["type"] != "abort" and len(req.slots) >= n:
+                self.slots.insert(req.tokens[:n], req.slots[:n])
             self._free(req)
             self.running.remove(req)
             self._finish(req, req.finish)
