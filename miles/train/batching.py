@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from miles.sample import Sample
+from miles.train.losses.fused_logprob import token_logprobs_entropy
 
 
 def check_samples(samples: Sequence[Sample]) -> None:
@@ -153,14 +154,12 @@ def plan_rank(
     )
 
 
-def response_logprobs(logits: Tensor, packed: Packed, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Log-probs of the response tokens and the (temperature-scaled) logits at their positions.
+def response_logprobs(
+    logits: Tensor, packed: Packed, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of the response tokens from the packed row's logits [T, V], fp32.
 
     The engine samples from softmax(z / temperature) and reports log-probs of that distribution,
-    so the trainer scales its logits the same way.
+    so the trainer scales its logits the same way (losses/fused_logprob.py).
     """
-    z = logits.index_select(0, packed.logit_index).float()
-    if temperature != 1.0:
-        z = z / temperature
-    logp = torch.log_softmax(z, dim=-1).gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
-    return logp, z
+    return token_logprobs_entropy(logits, packed.logit_index, packed.targets, temperature, with_entropy)

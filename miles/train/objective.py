@@ -9,18 +9,19 @@ policy `old_logp`, the engine `rollout_logp`, optionally the reference `ref_logp
     loss   = sum_t w_t pg_t  +  kl_coef sum_t w_t k(logp, ref)_t  -  entropy_coef sum_t w_t H_t
 
 w are the global aggregation weights (aggregate.py), so the per-micro-batch losses of all ranks add
-up to the step's loss. Backends are responsible for the forward passes and the gradient scaling.
+up to the step's loss. Backends are responsible for the forward passes and the gradient scaling;
+both compute logp and H with losses/fused_logprob.py (H is always reported as a metric and enters
+the loss, with its gradient, only when entropy_coef > 0).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from miles.config.train import LossConfig
-from miles.train.losses import entropy_from_logits, kl_estimate, kl_penalty, ppo_clip_loss, tis_weights
+from miles.train.losses import kl_estimate, kl_penalty, ppo_clip_loss, tis_weights
 from miles.train.losses.policy import sequence_log_ratio
 
 
@@ -41,8 +42,9 @@ class TokenBatch:
     seq_index: Tensor
     n_seqs: int
     ref_logp: Tensor | None = None
-    logits: Tensor | None = None
-    """Logits at the response positions; needed for the entropy bonus and metric."""
+    entropy: Tensor | None = None
+    """Entropy of the policy at each token (fused_logprob.py), for the metric and the entropy bonus;
+    carries the gradient when entropy_coef > 0."""
 
 
 def policy_objective(
@@ -76,12 +78,10 @@ def policy_objective(
             kl_loss = cfg.kl_coef * (tb.weights * kl).sum()
             loss = loss + kl_loss
     entropy_loss, entropy_sum = zero, zero
-    if tb.logits is not None:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef > 0):
-            entropy = entropy_from_logits(tb.logits)
-        entropy_sum = (mask * entropy).sum().detach()
+    if tb.entropy is not None:
+        entropy_sum = (mask * tb.entropy).sum().detach()
         if cfg.entropy_coef > 0:
-            entropy_loss = -cfg.entropy_coef * (tb.weights * entropy).sum()
+            entropy_loss = -cfg.entropy_coef * (tb.weights * tb.entropy).sum()
             loss = loss + entropy_loss
     sums = {
         "loss": loss.detach(),

@@ -137,10 +137,17 @@ def test_objective_kl_loss_entropy_bonus_and_kl_in_reward() -> None:
     ref = T([-0.5, 0.0, 0.0])
     logits = torch.zeros(3, 4, requires_grad=True)
     cfg = LossConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
-    loss, sums = policy_objective(_batch(ref_logp=ref, logits=logits), cfg)
+    loss, sums = policy_objective(_batch(ref_logp=ref, entropy=entropy_from_logits(logits)), cfg)
     assert sums["kl_loss"].item() == pytest.approx(0.1 * 0.5 / 3)
     assert sums["entropy_loss"].item() == pytest.approx(-0.01 * math.log(4))
+    assert sums["entropy"].item() == pytest.approx(3 * math.log(4))
     assert loss.item() == pytest.approx(0.0 + 0.1 * 0.5 / 3 - 0.01 * math.log(4))
+    # the bonus pushes towards uniform: raising one logit of a uniform row lowers the entropy
+    lifted = logits.detach().clone()
+    lifted[0, 0] = 1.0
+    lifted.requires_grad_(True)
+    policy_objective(_batch(entropy=entropy_from_logits(lifted)), cfg)[0].backward()
+    assert lifted.grad[0, 0] > 0 and lifted.grad[0, 1:].lt(0).all() and lifted.grad[1:].abs().max() < 1e-7
     # as a reward penalty: token 0 of sequence 0 gets -0.1 * (0.5 + 0) added to its advantage
     cfg = LossConfig(kl_coef=0.1, kl_estimator="k1", kl_in_reward=True)
     _, sums = policy_objective(_batch(ref_logp=ref), cfg)

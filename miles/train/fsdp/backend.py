@@ -149,7 +149,10 @@ class FSDPBackend:
         dist.all_reduce(stats)
         return self._metrics(stats.cpu(), plans, grad_norms, lr, start, rewards)
 
-    def _forward(self, model: nn.Module, packed: Packed) -> tuple[Tensor, Tensor]:
+    def _forward(
+        self, model: nn.Module, packed: Packed, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Response-token log-probs (and entropies) of `packed` under `model`."""
         out = model(
             input_ids=packed.input_ids.to(self.device),
             position_ids=packed.position_ids.to(self.device),
@@ -158,7 +161,7 @@ class FSDPBackend:
         dev = Packed(
             **{k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in vars(packed).items()}
         )
-        return response_logprobs(out.logits[0], dev, self.plan.rollout.temperature)
+        return response_logprobs(out.logits[0], dev, self.plan.rollout.temperature, with_entropy)
 
     def _micro_batches(self, samples: list[Sample], rank_plan: RankPlan) -> Iterator[tuple[bool, Packed]]:
         """This rank's packed micro-batches, padded with throw-away ones up to the ranks' maximum."""
@@ -204,12 +207,12 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         for k, (real, packed) in enumerate(self._micro_batches(samples, rank_plan)):
             self.model.set_requires_gradient_sync(k == rank_plan.n_micro - 1)
-            logp, logits = self._forward(self.model, packed)
+            logp, entropy = self._forward(self.model, packed, with_entropy=real)
             if not real:
                 # a pass that only keeps this rank in step with the others' collectives
                 (logp.sum() * 0.0).backward()
                 continue
-            tb = self._token_batch(packed, logp, logits, adv, old, ref, rank_plan)
+            tb = self._token_batch(packed, logp, entropy, adv, old, ref, rank_plan)
             loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio)
             # FSDP averages gradients over ranks; the global weights already normalise the loss
             (loss * self.world_size).backward()
@@ -228,7 +231,7 @@ class FSDPBackend:
         self,
         packed: Packed,
         logp: Tensor,
-        logits: Tensor,
+        entropy: Tensor,
         adv: list[float],
         old: dict[int, Tensor],
         ref: dict[int, Tensor],
@@ -253,7 +256,7 @@ class FSDPBackend:
             seq_index=seq_index,
             n_seqs=len(idx),
             ref_logp=torch.cat([ref[i] for i in idx]) if ref else None,
-            logits=logits,
+            entropy=entropy if self.plan.train.loss.entropy_coef > 0 else entropy.detach(),
         )
 
     def _add_mismatch(self, stats: Tensor, logp: Tensor, packed: Packed) -> None:

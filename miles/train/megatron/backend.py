@@ -225,16 +225,17 @@ class MegatronBackend:
         from miles.train.objective import TokenBatch, policy_objective
 
         cfg = self.plan.train.loss
-        resp = B.response_logits(logits, mb, self.temperature)
-        logp = B.token_logprobs(resp, mb.targets)
+        logp, entropy = B.response_logprobs(logits, mb, self.temperature, with_entropy=True)
         if old is None:
             old_logp = mb.rollout_logp
         else:
             old_logp = torch.cat([old[i] for i in mb.sample_ids]).to(logp.device)
         n = len(mb.sample_ids)
         w = token_weights(mb.mask, mb.seq_index, n, cfg.aggregation, norm[0], norm[1])
+        if cfg.entropy_coef == 0:
+            entropy = entropy.detach()  # a metric only: no entropy term in the backward pass
         tb = TokenBatch(
-            logp, old_logp, mb.rollout_logp, mb.advantages, mb.mask, w, mb.seq_index, n, None, resp
+            logp, old_logp, mb.rollout_logp, mb.advantages, mb.mask, w, mb.seq_index, n, entropy=entropy
         )
         loss, sums = policy_objective(tb, cfg, get_estimator(cfg.advantage).sequence_ratio)
         sums["logprob_mismatch"] = (mb.mask * (logp.detach() - mb.rollout_logp).abs()).sum()
@@ -271,7 +272,7 @@ class MegatronBackend:
         found: list[Tensor | None] = [None] * len(samples)
 
         def collect(mb, logits):
-            logp = B.token_logprobs(B.response_logits(logits, mb, self.temperature), mb.targets)
+            logp, _ = B.response_logprobs(logits, mb, self.temperature)
             for i, part in zip(
                 mb.sample_ids, logp.split([samples[i].response_length for i in mb.sample_ids]), strict=True
             ):

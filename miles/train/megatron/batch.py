@@ -1,4 +1,4 @@
-"""Samples -> right-padded micro-batches for GPTModel, and logits -> per-response-token tensors.
+"""Samples -> right-padded micro-batches for GPTModel, and logits -> per-response-token log-probs.
 
 A micro-batch holds whole sequences, right-padded to its longest one, as many as fit the token
 budget `max_tokens_per_microbatch` counted with padding (at least one). The logit at position p
@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from miles.sample import Sample
+from miles.train.losses.fused_logprob import token_logprobs_entropy
 
 
 @dataclass
@@ -95,12 +96,15 @@ def _one(samples: list[Sample], advantages: list[float], idx: list[int], device:
     )
 
 
-def response_logits(logits: Tensor, mb: MicroBatch, temperature: float = 1.0) -> Tensor:
-    """[T, V] fp32 logits at the positions that score the response tokens, divided by temperature."""
-    z = logits[mb.rows, mb.cols].float()
-    return z / temperature if temperature != 1.0 else z
+def response_logprobs(
+    logits: Tensor, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of the response tokens under softmax(logits / temperature), fp32.
 
-
-def token_logprobs(resp_logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[target] per token."""
-    return torch.log_softmax(resp_logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    `logits` is GPTModel's [b, s, V] output (bf16, or fp32 after Float16Module's cast), contiguous:
+    GPTModel returns its [s, b, V] logits transposed with .contiguous(), so row b * s + c of the
+    [b * s, V] view scores (b, c) without a copy.
+    """
+    width, vocab = logits.shape[1], logits.shape[2]
+    rows = mb.rows * width + mb.cols
+    return token_logprobs_entropy(logits.view(-1, vocab), rows, mb.targets, temperature, with_entropy)
