@@ -10,8 +10,8 @@ numbers come from its metrics.jsonl (time/rollout_s, time/train_s, time/sync_s p
 first `--warmup` steps left out: CUDA graph captures and allocator growth).
 
 Layouts: `colocated` (engine and trainer on one GPU, weights by CUDA IPC; with the default sync
-schedule the engine releases its memory while the trainer trains, with `--schedule async` both stay
-resident and overlap), `disaggregated` (engine on GPU 0, trainer on GPU 1, fully async with
+schedule the engine releases its memory while the trainer trains, or stays resident with
+`--keep-engine-memory`; with `--schedule async` both stay resident and overlap), `disaggregated` (engine on GPU 0, trainer on GPU 1, fully async with
 staleness 1, weights broadcast over NCCL).
 """
 
@@ -35,14 +35,19 @@ def parity_reward(sample) -> float:
 
 def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
     colocated = args.layout == "colocated"
+    schedule = args.schedule or ("sync" if colocated else "async")
     return {
         "run": {
-            "name": f"e2e-{args.layout}-{args.backend}",
+            "name": f"e2e-{args.layout}-{args.backend}-{schedule}{'-resident' if args.keep_engine_memory else ''}",
             "runs_root": str(runs_root),
             "tensorboard": False,
         },
         "model": {"path": str(model), "dtype": "bfloat16"},
-        "engine": {"max_running_requests": 256, "max_total_tokens": 200_000},
+        "engine": {
+            "max_running_requests": 256,
+            "max_total_tokens": 200_000,
+            "release_memory_in_train": not args.keep_engine_memory,
+        },
         "rollout": {
             "task": {
                 "name": "random_tokens",
@@ -60,7 +65,7 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
             "max_new_tokens": args.completion,
             "max_concurrency_per_engine": 256,
             "group_requests": True,
-            "schedule": args.schedule or ("sync" if colocated else "async"),
+            "schedule": schedule,
             "max_staleness": 1,
         },
         "eval": {"every_steps": 0},
@@ -74,9 +79,7 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
         "weights": {
             "transport": "tensor" if colocated else "distributed",
             "bucket_mb": 1024,
-            "pause_mode": "none"
-            if (args.schedule or ("sync" if colocated else "async")) == "sync"
-            else "in_place",
+            "pause_mode": "none" if schedule == "sync" else "in_place",
         },
         "launch": {"layout": args.layout},
     }
@@ -115,6 +118,11 @@ def main() -> int:
         default=None,
         help="default: sync colocated, async disaggregated",
     )
+    p.add_argument(
+        "--keep-engine-memory",
+        action="store_true",
+        help="colocated + sync: the engine stays resident while the trainer trains",
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompt", type=int, default=128)
@@ -139,7 +147,7 @@ def main() -> int:
         data["rollout"]["task"]["options"]["high"] = 2000
         data["engine"]["max_total_tokens"] = 8192
         data["model"]["dtype"] = "float32"
-    path = work / f"recipe-{args.layout}-{args.backend}.yaml"
+    path = work / f"recipe-{data['run']['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
     start = time.monotonic()
     rc = train_main(str(path), progress=False)

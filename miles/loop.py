@@ -2,6 +2,7 @@
 
     for step: batch <- buffer (rank 0, sync or fully async)  -> broadcast to all ranks
               [colocated + sync: engines release their GPU memory] train(batch) [engines resume it]
+              (engine.release_memory_in_train=false: they stay resident)
               -> every `weights.update_interval` steps push weights (version = step)
               -> evaluate every `eval.every_steps` -> metrics.jsonl -> checkpoint / preemption
 
@@ -58,8 +59,12 @@ def run(run_dir: Path, resume: bool) -> int:
     state = LoopState.restore(backend, plan, run_dir, resume, rank0)
     side = state.rollout_side(plan, run_dir) if rank0 else None
     # colocated + sync: rollout and training take turns on the GPUs, the engines stepping aside while
-    # the trainer trains; colocated + async: both stay resident and share the GPUs all the time
-    take_turns = plan.launch.layout == "colocated" and plan.rollout.schedule == "sync"
+    # the trainer trains (unless both fit); colocated + async: both stay resident all the time
+    take_turns = (
+        plan.launch.layout == "colocated"
+        and plan.rollout.schedule == "sync"
+        and plan.engine.release_memory_in_train
+    )
     try:
         if state.step > 0:
             state.push_weights(plan, backend, side)

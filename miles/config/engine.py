@@ -20,6 +20,10 @@ class EngineConfig(Section):
     """Requests decoded together in one engine (continuous batching width)."""
     max_total_tokens: int = 65536
     """KV-cache capacity of one engine in tokens."""
+    release_memory_in_train: bool = True
+    """Colocated + sync schedule: engines free their GPU memory (weights, KV cache, CUDA graphs) while
+    the trainer trains and take it back after. Off keeps them resident, which saves the release, the
+    resume and the graph captures when engine and trainer fit on the GPUs together."""
     mem_fraction_static: float = 0.5
     """SGLang: fraction of GPU memory for weights and KV cache."""
     tp_size: int = 1

@@ -117,13 +117,15 @@ def test_preempt_file_checkpoints_exits_and_resumes(recipe) -> None:
     assert "resumed from checkpoint" in (run_dir / "logs" / "trainer-1.log").read_text()
 
 
-@pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_colocated_run_hands_weights_by_reference(recipe, schedule: str) -> None:
+@pytest.mark.parametrize(("schedule", "release"), [("sync", True), ("sync", False), ("async", True)])
+def test_colocated_run_hands_weights_by_reference(recipe, schedule: str, release: bool) -> None:
     """launch.layout=colocated: the derived tensor transport (shared memory on CPU) delivers exact
-    weights; with the sync schedule the engine is released and resumed around every training step,
-    with async it stays resident and generates while the trainer trains."""
+    weights; with the sync schedule the engine is released and resumed around every training step
+    (unless engine.release_memory_in_train is off), with async it stays resident and generates while
+    the trainer trains."""
     path, run_dir = recipe(
         launch={"layout": "colocated"},
+        engine={"release_memory_in_train": release},
         rollout={"schedule": schedule},
         train={"steps": 3},
         weights={"check": True},
@@ -138,7 +140,7 @@ def test_colocated_run_hands_weights_by_reference(recipe, schedule: str) -> None
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["weights/check_max_diff"] == 0.0 for r in records)
     assert all(r["rollout/response_len_mean"] == 5 for r in records)  # ignore_eos, exact length
-    if schedule == "sync":
+    if schedule == "sync" and release:
         assert all(r["time/engine_release_s"] > 0 and r["time/engine_resume_s"] > 0 for r in records)
     else:
         assert not any("time/engine_release_s" in r for r in records)

@@ -64,11 +64,13 @@ class MegatronBackend:
     optimizer: Any
     step_count: int
     offloader: memory.StorageOffloader | None
+    _forward_kwargs: dict[str, Any]
 
     def __init__(self) -> None:
         self.plan = self.hf_cfg = self.model = self.optimizer = None
         self.step_count = 0
         self.offloader = None
+        self._forward_kwargs = {}
 
     # ---------------------------------------------------------------- setup
     def setup(self, plan: Any) -> None:
@@ -119,6 +121,9 @@ class MegatronBackend:
         gpt.cuda(torch.cuda.current_device())
         M.load_hf_into(gpt, M.read_hf_state(self.plan.model.path), self.hf_cfg)
         wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
+        # bf16 logits stay bf16 (Float16Module would upcast them: twice the vocabulary-sized bytes
+        # each way); the fused log-prob kernel reads them as they are and computes in fp32
+        self._forward_kwargs = {"fp32_output": False} if dtype == torch.bfloat16 else {}
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         ddp = DistributedDataParallel(tf, ddp_cfg, wrapped)
         opt_cfg = OptimizerConfig(
@@ -217,7 +222,7 @@ class MegatronBackend:
 
     def _forward_step(self, data_iterator, model, norm, scale, old):
         mb = next(data_iterator)
-        out = model(mb.tokens, mb.positions, None)
+        out = model(mb.tokens, mb.positions, None, **self._forward_kwargs)
         return out, partial(self._loss, mb, norm, scale, old)
 
     def _loss(self, mb: B.MicroBatch, norm, scale, old, logits):
@@ -281,7 +286,7 @@ class MegatronBackend:
 
         def step(it, model):
             mb = next(it)
-            return model(mb.tokens, mb.positions, None), partial(collect, mb)
+            return model(mb.tokens, mb.positions, None, **self._forward_kwargs), partial(collect, mb)
 
         get_forward_backward_func()(
             forward_step_func=step,

@@ -101,7 +101,7 @@ def response_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the response tokens under softmax(logits / temperature), fp32.
 
-    `logits` is GPTModel's [b, s, V] output (bf16, or fp32 after Float16Module's cast), contiguous:
+    `logits` is GPTModel's [b, s, V] output (bf16 in bf16 runs: Float16Module is told not to upcast), contiguous:
     GPTModel returns its [s, b, V] logits transposed with .contiguous(), so row b * s + c of the
     [b * s, V] view scores (b, c) without a copy.
     """

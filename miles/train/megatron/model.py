@@ -82,7 +82,8 @@ def transformer_config(hf_cfg: Any, dtype: torch.dtype, tp: int, pp: int, use_cp
         qk_layernorm=arch == "qwen3",
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
+        # SwiGLU as one compiled kernel each way (megatron's torch.compile fuser; needs no TE)
+        bias_activation_fusion=not use_cpu and torch.cuda.is_available(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
