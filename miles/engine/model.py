@@ -24,6 +24,12 @@ queries per head): no per-layer copy of every context, which on CPU cost as much
 Rows without a request in this step get a zero query that sees key 0 only and their output is dropped.
 That forward (`forward_rows`) may carry the prompts of newly admitted requests as well: all tokens
 share the matmuls, and only the prompts' attention takes the gathering path.
+
+CUDA runs a layer in about ten kernels (a decode step's time is set by its kernel count): a layer's
+q/k/v weights (and biases) are stored as one [q; k; v] tensor and its gate/up weights as one
+[gate; up] tensor, the HF-named weights being views into them, so each is one GEMM; Triton kernels
+(miles/engine/triton_fused.py) fuse the fp32 residual add with the next RMSNorm, RoPE with the K/V
+pool write, and silu(gate) * up, with the roundings of the per-op path (`Decoder.fused = False`).
 Left out: rope scaling variants (llama3/yarn), sliding window, MoE, tensor parallelism.
 """
 
@@ -153,9 +159,12 @@ def _attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 class Decoder:
     """Weights by HF name plus a forward over a Batch; the KV pool is owned by the caller.
 
-    Weight updates copy into the existing tensors, so anything that captured their addresses (CUDA
-    graphs) sees the new values. `offload()` moves the weights to pinned host memory and `onload()`
-    brings them back (new device tensors: captured graphs must be dropped across the pair).
+    Storage: each layer's q/k/v weights (and biases) are rows of one fused `qkv_proj` tensor, its
+    gate/up weights rows of one `gate_up_proj` tensor, so the CUDA forward runs one GEMM for each;
+    `params` maps every HF name to its tensor, a view into the fused one for those. Weight updates
+    copy into the existing tensors by name, so anything that captured their addresses (CUDA graphs)
+    sees the new values. `offload()` moves the weights to pinned host memory and `onload()` brings them
+    back (new device tensors: captured graphs must be dropped across the pair).
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype):
@@ -163,10 +172,16 @@ class Decoder:
         self.device = torch.device(device)
         self.dtype = dtype
         self.resident = True
+        self.storage: dict[str, torch.Tensor] = {}
+        """The tensors owning the weights' memory: fused ones by their fused name, the rest by HF name."""
         self.params: dict[str, torch.Tensor] = {}
+        self._fused: dict[str, list[tuple[str, int]]] = {}  # fused name -> (HF name, rows) stacked in it
         self._host: dict[str, torch.Tensor] = {}  # pinned buffers, reused by every offload
         self.paged_decode = self.device.type == "cuda"
         """CUDA decode attention reads K/V in place from the pool (Triton kernel) instead of gathering."""
+        self.fused = self.device.type == "cuda"
+        """The CUDA forward runs the fused GEMMs and the Triton kernels of triton_fused.py; False runs
+        the per-op path (the CPU forward's), one GEMM per HF weight."""
         self.load(weights, strict=True)
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
         self.inv_freq = (1.0 / spec.rope_theta**half).float()
@@ -187,6 +202,42 @@ class Decoder:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         return names
 
+    def _fused_groups(self) -> dict[str, list[str]]:
+        """Fused name -> the HF names whose rows it stacks: per layer [q; k; v] weights (and biases)
+        and [gate; up] weights."""
+        known, groups = set(self.expected_names()), {}
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            for sub, fused, parts in (("self_attn", "qkv", "qkv"), ("mlp", "gate_up", ("gate", "up"))):
+                for kind in ("weight", "bias"):
+                    members = [f"{p}{sub}.{x}_proj.{kind}" for x in parts]
+                    if all(m in known for m in members):
+                        groups[f"{p}{sub}.{fused}_proj.{kind}"] = members
+        return groups
+
+    def _allocate(self, weights: dict[str, torch.Tensor]) -> None:
+        """Empty storage shaped as a complete checkpoint, and the views of `params` into it."""
+        home = self.device if self.resident else torch.device("cpu")
+        groups = self._fused_groups()
+        self._fused = {f: [(m, weights[m].shape[0]) for m in ms] for f, ms in groups.items()}
+        shapes = {n: weights[n].shape for n in self.expected_names()}
+        for fused, members in groups.items():
+            if len({shapes[m][1:] for m in members}) != 1:
+                raise ValueError(f"{members} disagree in shape: {[tuple(shapes[m]) for m in members]}")
+            shapes[fused] = (sum(rows for _, rows in self._fused[fused]), *shapes[members[0]][1:])
+            for m in members:
+                del shapes[m]
+        self.storage = {n: torch.empty(shape, dtype=self.dtype, device=home) for n, shape in shapes.items()}
+        self._bind()
+
+    def _bind(self) -> None:
+        """`params` from `storage`: HF-named tensors as they are, fused members as row views."""
+        self.params = {n: t for n, t in self.storage.items() if n not in self._fused}
+        for fused, members in self._fused.items():
+            views = self.storage[fused].split([rows for _, rows in members])
+            for (name, _), view in zip(members, views, strict=True):
+                self.params[name] = view
+
     def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
         """Copy tensors in by HF name; unknown names or wrong shapes raise ValueError naming them."""
         known = set(self.expected_names())
@@ -195,6 +246,8 @@ class Decoder:
             raise ValueError(f"unknown weight names for {self.spec.arch}: {unknown[:5]}")
         if strict and (missing := sorted(known - set(weights))):
             raise ValueError(f"checkpoint lacks weights: {missing[:5]}")
+        if not self.storage:
+            self._allocate(weights)
         for name, tensor in weights.items():
             old = self.params.get(name)
             if old is not None and tuple(old.shape) != tuple(tensor.shape):
@@ -202,36 +255,33 @@ class Decoder:
         for name, tensor in weights.items():
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 continue
-            old = self.params.get(name)
-            if old is not None:
-                old.copy_(tensor)
-            else:
-                home = self.device if self.resident else torch.device("cpu")
-                self.params[name] = tensor.to(device=home, dtype=self.dtype).contiguous()
+            self.params[name].copy_(tensor)
 
     def offload(self) -> None:
         """Move the weights to (pinned) host memory; the device memory is returned to the allocator."""
         if not self.resident:
             return
         pin = self.device.type == "cuda"
-        if self._host.keys() != self.params.keys():  # pinned allocation is slow: once per engine
+        if self._host.keys() != self.storage.keys():  # pinned allocation is slow: once per engine
             self._host = {
-                k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in self.params.items()
+                k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in self.storage.items()
             }
-        for k, v in self.params.items():
+        for k, v in self.storage.items():
             self._host[k].copy_(v, non_blocking=pin)
         if pin:
             torch.cuda.current_stream(self.device).synchronize()
-        self.params = dict(self._host)
+        self.storage = dict(self._host)
+        self._bind()
         self.resident = False
 
     def onload(self) -> None:
         """Bring the weights back to the device (inverse of offload)."""
         if self.resident:
             return
-        self.params = {k: v.to(self.device, non_blocking=True) for k, v in self.params.items()}
+        self.storage = {k: v.to(self.device, non_blocking=True) for k, v in self.storage.items()}
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self._bind()
         self.resident = True
 
     def get(self, name: str) -> torch.Tensor:
@@ -293,18 +343,25 @@ class Decoder:
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool, mask) -> torch.Tensor:
-        s, p = self.spec, f"model.layers.{i}.self_attn."
-        T, (B, Q) = x.shape[0], b.query_index.shape
-        KVH, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
         q, k, v = self._qkv(i, x, cos, sin)
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
+        return F.linear(
+            self._attend(q, b, pool[i], mask), self.params[f"model.layers.{i}.self_attn.o_proj.weight"]
+        )
+
+    def _attend(self, q: torch.Tensor, b: Batch, kv: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
+        """Attention [T, H*D] of the packed queries q [T, H, D] over the pool (the new K/V written)."""
+        s = self.spec
+        T, (B, Q) = q.shape[0], b.query_index.shape
+        KVH, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
+        k_pool, v_pool = kv
         if mask is None:  # CUDA decode: one query per request, K/V read in place from the pool
             from miles.engine.triton_attention import paged_decode_attention
 
             out = paged_decode_attention(q, k_pool, v_pool, b.context_slots, b.positions, D**-0.5)
-            return F.linear(out.view(T, s.num_heads * D), self.params[p + "o_proj.weight"])
+            return out.view(T, s.num_heads * D)
         L = b.context_slots.shape[1]
         # [KVH*B, 1, L, D] keys/values (a gather, contiguous) and [KVH*B, 1, G*Q, D] folded queries
         kb = _gather_slots(k_pool, b.context_slots).view(KVH * B, 1, L, D)
@@ -313,13 +370,12 @@ class Decoder:
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
         out = out.view(KVH, B, G, Q, D).permute(1, 3, 0, 2, 4).reshape(B * Q, s.num_heads * D)
         if Q == 1:  # decode: query_index is arange(B), the packed order already
-            packed = out
-        else:  # padding queries go to a spare row T that is dropped
-            dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)
-            packed = out.new_zeros(T + 1, out.shape[1])
-            packed[dest] = out
-            packed = packed[:T]
-        return F.linear(packed, self.params[p + "o_proj.weight"])
+            return out
+        # padding queries go to a spare row T that is dropped
+        dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)
+        packed = out.new_zeros(T + 1, out.shape[1])
+        packed[dest] = out
+        return packed[:T]
 
     def _row_mask(self, b: Batch, span: int) -> torch.Tensor:
         """[span, 1, 1, context] additive mask for CPU row decode: row r sees keys 0..its position;
@@ -413,6 +469,8 @@ class Decoder:
     @torch.inference_mode()
     def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits (fp32) at each request's last new token: [B, vocab]. Writes the new K/V to the pool."""
+        if self.fused and b.input_ids.is_cuda:
+            return self._forward_fused(b, pool)
         x = self.params["model.embed_tokens.weight"][b.input_ids]
         # bf16 on CUDA: the residual stream stays fp32 (each sublayer's input is rounded once), which
         # roughly halves the log-prob error against an fp32 forward for a few elementwise kernels
@@ -429,8 +487,37 @@ class Decoder:
             x = x + self._mlp(
                 i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]).to(self.dtype)
             )
-        x = self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype)
+        return self._logits(self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         head = self.get("lm_head.weight")
-        if wide:  # logits kept in fp32, not rounded to bf16
+        if x.is_cuda and x.dtype != torch.float32:  # logits kept in fp32, not rounded to bf16
             return torch.mm(x, head.t(), out_dtype=torch.float32)
         return F.linear(x, head).float()
+
+    def _forward_fused(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """`forward` on CUDA in ~10 kernels a layer: the fp32 residual add fused with the next norm,
+        one GEMM for q/k/v and one for gate/up, RoPE fused with the K/V pool write, silu(gate) * up in
+        one kernel (miles/engine/triton_fused.py; the same roundings as the per-op path)."""
+        from miles.engine.triton_fused import add_rms_norm_, rope_store_kv, silu_mul
+
+        w, st, eps = self.params, self.storage, self.spec.rms_norm_eps
+        x = w["model.embed_tokens.weight"][b.input_ids].float()
+        freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()  # the per-op path's [cos | cos] halves, once
+        mask = self._decode_mask(b)
+        layers = [f"model.layers.{i}." for i in range(self.spec.num_layers)]
+        after = [p + "input_layernorm.weight" for p in layers[1:]] + ["model.norm.weight"]
+        h = add_rms_norm_(x, None, w[layers[0] + "input_layernorm.weight"], eps, self.dtype)
+        for i, (p, next_norm) in enumerate(zip(layers, after, strict=True)):
+            qkv = F.linear(h, st[p + "self_attn.qkv_proj.weight"], st.get(p + "self_attn.qkv_proj.bias"))
+            q_norm, k_norm = w.get(p + "self_attn.q_norm.weight"), w.get(p + "self_attn.k_norm.weight")
+            q = rope_store_kv(
+                qkv, cos, sin, *pool[i], b.write_slots, self.spec.num_heads, q_norm, k_norm, eps
+            )
+            out = F.linear(self._attend(q, b, pool[i], mask), w[p + "self_attn.o_proj.weight"])
+            h = add_rms_norm_(x, out, w[p + "post_attention_layernorm.weight"], eps, self.dtype)
+            act = silu_mul(F.linear(h, st[p + "mlp.gate_up_proj.weight"]))
+            h = add_rms_norm_(x, F.linear(act, w[p + "mlp.down_proj.weight"]), w[next_norm], eps, self.dtype)
+        # decode (one query per request) packs exactly the last tokens, in order; the norm is per row
+        return self._logits(h if b.query_index.shape[1] == 1 else h[b.last_index])
