@@ -110,6 +110,35 @@ class _InFlight:
     version: str
 
 
+class _Staging:
+    """Host-to-device copies of a step's small inputs without waiting for the stream: a copy from
+    pageable memory waits for the work queued before it (the step in flight), and fresh pinned
+    memory per step is slow to allocate while earlier copies are pending. So a few pinned buffers
+    and their device twins are used in turn; a buffer is rewritten only after its last copy ran."""
+
+    def __init__(self, device: torch.device, width: int, depth: int = 4, rows: int = 8):
+        self.next = 0
+        pinned = dict(pin_memory=True)
+        self.host = [
+            (torch.empty(rows, width, dtype=torch.int64, **pinned), torch.empty(2, width, **pinned))
+            for _ in range(depth)
+        ]
+        self.dev = [(i.to(device), f.to(device)) for i, f in self.host]
+        self.copied = [torch.cuda.Event() for _ in range(depth)]
+
+    def put(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, self.next = self.next, (self.next + 1) % len(self.host)
+        self.copied[k].synchronize()
+        (hi, hf), (di, df) = self.host[k], self.dev[k]
+        (r, n), m = ints.shape, floats.shape[0]
+        hi[:r, :n].copy_(ints)
+        hf[:m, :n].copy_(floats)
+        di[:r, :n].copy_(hi[:r, :n], non_blocking=True)
+        df[:m, :n].copy_(hf[:m, :n], non_blocking=True)
+        self.copied[k].record()
+        return di[:r, :n], df[:m, :n]
+
+
 class Scheduler:
     """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body.
 
@@ -139,6 +168,7 @@ class Scheduler:
         self.overlap = on_gpu if overlap is None else overlap
         """Decode one step ahead of the readback (module docstring); on CPU only for tests."""
         self._inflight: _InFlight | None = None
+        self._staging: _Staging | None = None
         self.graph_max_bs = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
         self.graph_max_context = cuda_graph_max_context
         # decode contexts are padded to this multiple: few graph shapes on GPU, little waste on CPU
@@ -269,6 +299,7 @@ class Scheduler:
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs, self.pool, self.table, self.row_kv = None, [], torch.empty(0), None
+        self._staging = None
         self.decoder.offload()
         if self.decoder.device.type == "cuda":
             torch.cuda.synchronize(self.decoder.device)
@@ -589,11 +620,12 @@ class Scheduler:
         floats = [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]]
         return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
 
-    def _to_device(self, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        dev = self.decoder.device
-        if dev.type != "cuda":
+    def _to_device(self, host: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.decoder.device.type != "cuda":
             return host
-        return tuple(t.pin_memory().to(dev, non_blocking=True) for t in host)
+        if self._staging is None:
+            self._staging = _Staging(self.decoder.device, self.max_running + 1)
+        return self._staging.put(*host)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
         """Sample one token per request from `logits` and record it; `params` as `_sample_on_device`."""

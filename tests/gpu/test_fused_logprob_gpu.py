@@ -51,8 +51,9 @@ def test_kernels_match_reference_at_full_vocab(dtype) -> None:
         assert got[2].dtype == dtype and got[2].shape == (B, S, V)
         torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-4)
         torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-4)
-        # bf16: both sides round an fp32 gradient once, so they may differ by one ulp
-        tol = dict(rtol=2**-7, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-6)
+        # bf16: both sides round an fp32 gradient once, so they may differ by one ulp; fp32: the
+        # log-sum-exp is summed in another order, ~1e-5 on the O(1) entries (measured 2.6e-5 at most)
+        tol = dict(rtol=2**-7, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got[2], ref[2], **tol)
         scored = torch.zeros(B * S, dtype=torch.bool, device="cuda")
         scored[problem[1]] = True
