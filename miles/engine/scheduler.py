@@ -106,15 +106,25 @@ class _InFlight:
 
     reqs: list[Request]
     tokens: torch.Tensor
-    logps: torch.Tensor
+    """[B] on the device: the next step's input."""
+    host: tuple[torch.Tensor, torch.Tensor]
+    """Tokens and log-probs on their way to host memory, readable once `ready` has passed."""
+    ready: torch.cuda.Event | None
     version: str
+
+    def read(self) -> tuple[list[int], list[float]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host[0].tolist(), self.host[1].tolist()
 
 
 class _Staging:
-    """Host-to-device copies of a step's small inputs without waiting for the stream: a copy from
-    pageable memory waits for the work queued before it (the step in flight), and fresh pinned
-    memory per step is slow to allocate while earlier copies are pending. So a few pinned buffers
-    and their device twins are used in turn; a buffer is rewritten only after its last copy ran."""
+    """Copies of a step's small inputs to the device and of its sampled tokens back, without waiting
+    for the stream: a copy to or from pageable memory waits for all the work queued before it (with
+    overlap, the step just launched), and fresh pinned memory per step is slow to allocate while
+    earlier copies are pending. So a few pinned buffers (and device twins for the inputs) are used
+    in turn; an input buffer is rewritten only after its last copy ran, an output buffer is read
+    (`_InFlight.read`) long before its turn comes again."""
 
     def __init__(self, device: torch.device, width: int, depth: int = 4, rows: int = 8):
         self.next = 0
@@ -125,6 +135,22 @@ class _Staging:
         ]
         self.dev = [(i.to(device), f.to(device)) for i, f in self.host]
         self.copied = [torch.cuda.Event() for _ in range(depth)]
+        self.out = [
+            (torch.empty(width, dtype=torch.int64, **pinned), torch.empty(width, **pinned))
+            for _ in range(depth)
+        ]
+        self.fetched = [torch.cuda.Event() for _ in range(depth)]
+        self.next_out = 0
+
+    def fetch(self, tokens: torch.Tensor, logps: torch.Tensor):
+        """Start copying a step's tokens and log-probs to host memory: ((tokens, logps), event)."""
+        k, self.next_out = self.next_out, (self.next_out + 1) % len(self.out)
+        n = tokens.shape[0]
+        ht, hl = self.out[k][0][:n], self.out[k][1][:n]
+        ht.copy_(tokens, non_blocking=True)
+        hl.copy_(logps, non_blocking=True)
+        self.fetched[k].record()
+        return (ht, hl), self.fetched[k]
 
     def put(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, self.next = self.next, (self.next + 1) % len(self.host)
@@ -552,7 +578,10 @@ class Scheduler:
         for req in reqs:
             req.kv_len = len(req.slots)
         if self.overlap:
-            self._inflight = _InFlight(reqs, tokens, logps, self.weight_version)
+            host, ready = (
+                ((tokens, logps), None) if self._staging is None else self._staging.fetch(tokens, logps)
+            )
+            self._inflight = _InFlight(reqs, tokens, host, ready, self.weight_version)
         else:
             self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
 
@@ -587,14 +616,14 @@ class Scheduler:
         ints[0].copy_(prev.tokens.index_select(0, ints[0]))
         self.table[ints[2], ints[1]] = ints[3]
         self._launch_decode(reqs, ints, floats, context)
-        self._record(prev.reqs, prev.tokens.tolist(), prev.logps.tolist(), prev.version)
+        self._record(prev.reqs, *prev.read(), prev.version)
         return True
 
     def _land(self) -> None:
         """Record the decode step in flight, if any (waits for the device)."""
         prev, self._inflight = self._inflight, None
         if prev is not None:
-            self._record(prev.reqs, prev.tokens.tolist(), prev.logps.tolist(), prev.version)
+            self._record(prev.reqs, *prev.read(), prev.version)
 
     def _sync_rows(self, reqs: list[Request]) -> None:
         """CPU: order `reqs` by row (in place) and fill their RowKV rows up to the new token, which the
