@@ -84,31 +84,40 @@ def test_cpu_tensors_take_the_reference_path() -> None:
     assert token_logprobs_entropy(logits, rows, targets, 0.7)[1] is None
 
 
-def test_megatron_rows_address_the_scoring_positions() -> None:
-    """GPTModel's [b, s, V] logits: response token j of a sample with prompt length P is scored at
-    position P + j - 1 of its row; micro-batch rows are right-padded to the longest sequence."""
+def test_megatron_response_head_scores_the_response_positions() -> None:
+    """GPTModel's hidden states are [s, b, h]; response token j of a sample with prompt length P is
+    scored at position P + j - 1 of its row (rows right-padded to the longest sequence). The head
+    picks exactly those positions, in the flat token order, and only they get gradients."""
     from miles.sample import Sample
-    from miles.train.megatron.batch import pack, response_logprobs
+    from miles.train.megatron.batch import pack, response_head, response_logprobs
 
     samples = [
         Sample(0, 0, [5, 6, 7], [8, 9], [1, 1], [0.0, 0.0]),
         Sample(0, 1, [5], [3, 4, 2], [1, 0, 1], [0.0] * 3),
     ]
     (mb,) = pack(samples, [1.0, -1.0], max_tokens=64, device=torch.device("cpu"))
-    logits = torch.randn(*mb.tokens.shape, 16, requires_grad=True)
+    b, s = mb.tokens.shape
+    hidden = torch.randn(s, b, 8, requires_grad=True)
+    weight = torch.randn(16, 8)
+
+    def output_layer(x, weight, runtime_gather_output):  # ColumnParallelLinear's call signature
+        return x @ weight.t(), None
+
+    logits = response_head(hidden, output_layer, weight, None, mb)
     logp, entropy = response_logprobs(logits, mb, temperature=0.5, with_entropy=True)
+    full = hidden.detach() @ weight.t()  # [s, b, V], every position
     expected = []
-    for b, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        for j, tok in enumerate(s.response_ids):
-            expected.append(torch.log_softmax(logits[b, p + j - 1].detach() / 0.5, -1)[tok])
+    for row, sample in enumerate(samples):
+        p = len(sample.prompt_ids)
+        for j, tok in enumerate(sample.response_ids):
+            expected.append(torch.log_softmax(full[p + j - 1, row] / 0.5, -1)[tok])
     torch.testing.assert_close(logp.detach(), torch.stack(expected))
     assert entropy.shape == logp.shape
     logp.sum().backward()
-    scored = {(0, 2), (0, 3), (1, 0), (1, 1), (1, 2)}
-    for b in range(2):
-        for c in range(mb.tokens.shape[1]):
-            assert logits.grad[b, c].any() == ((b, c) in scored), (b, c)
+    scored = {(2, 0), (3, 0), (0, 1), (1, 1), (2, 1)}  # (position, row)
+    for c in range(s):
+        for row in range(b):
+            assert hidden.grad[c, row].any() == ((c, row) in scored), (c, row)
 
 
 def run_cases() -> list[dict]:

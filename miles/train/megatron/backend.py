@@ -222,7 +222,13 @@ class MegatronBackend:
 
     def _forward_step(self, data_iterator, model, norm, scale, old):
         mb = next(data_iterator)
-        out = model(mb.tokens, mb.positions, None, **self._forward_kwargs)
+        out = model(
+            mb.tokens,
+            mb.positions,
+            None,
+            **self._forward_kwargs,
+            output_processor=partial(B.response_head, mb=mb),
+        )
         return out, partial(self._loss, mb, norm, scale, old)
 
     def _loss(self, mb: B.MicroBatch, norm, scale, old, logits):
@@ -286,7 +292,10 @@ class MegatronBackend:
 
         def step(it, model):
             mb = next(it)
-            return model(mb.tokens, mb.positions, None, **self._forward_kwargs), partial(collect, mb)
+            head = partial(B.response_head, mb=mb)
+            return model(
+                mb.tokens, mb.positions, None, **self._forward_kwargs, output_processor=head
+            ), partial(collect, mb)
 
         get_forward_backward_func()(
             forward_step_func=step,

@@ -96,15 +96,33 @@ def _one(samples: list[Sample], advantages: list[float], idx: list[int], device:
     )
 
 
+def response_head(
+    hidden_states: Tensor,
+    output_layer,
+    output_weight: Tensor | None,
+    runtime_gather_output: bool | None,
+    mb: MicroBatch,
+    scale_logits=None,
+    **_,
+) -> Tensor:
+    """GPTModel's `output_processor` hook: logits [T, V] at the positions that score the response
+    tokens only, one row per flat response token (MicroBatch order).
+
+    GPTModel would apply the LM head to every position and return [b, s, V] logits as a transposed
+    copy of its [s, b, V] result; here the final hidden states [s, b, h] of the scoring positions are
+    picked first, so no prompt or padding position pays the vocabulary-sized GEMM, and nothing
+    vocabulary-sized is transposed."""
+    picked = hidden_states[mb.cols, mb.rows].unsqueeze(1)  # [T, 1, h]
+    logits, _ = output_layer(picked, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    if scale_logits is not None:
+        logits = scale_logits(logits)
+    return logits.squeeze(1)
+
+
 def response_logprobs(
     logits: Tensor, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropies) of the response tokens under softmax(logits / temperature), fp32.
-
-    `logits` is GPTModel's [b, s, V] output (bf16 in bf16 runs: Float16Module is told not to upcast), contiguous:
-    GPTModel returns its [s, b, V] logits transposed with .contiguous(), so row b * s + c of the
-    [b * s, V] view scores (b, c) without a copy.
-    """
-    width, vocab = logits.shape[1], logits.shape[2]
-    rows = mb.rows * width + mb.cols
-    return token_logprobs_entropy(logits.view(-1, vocab), rows, mb.targets, temperature, with_entropy)
+    """Log-probs (and entropies) of the response tokens under softmax(logits / temperature), fp32,
+    from `response_head`'s [T, V] logits (bf16 in bf16 runs: Float16Module is told not to upcast)."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    return token_logprobs_entropy(logits, rows, mb.targets, temperature, with_entropy)
