@@ -79,8 +79,12 @@ class SlotAllocator:
     def match(self, tokens: list[int], limit: int) -> list[int]:
         """Slots of the longest cached prefix of `tokens` (at most `limit` tokens), retained for the caller."""
         best_id, best_len = None, 0
+        wanted = tokens[:limit]
+        first = wanted[0] if wanted else None
         for eid, e in self._entries.items():
-            n = common_prefix_len(e.tokens, tokens[:limit])
+            if e.tokens[0] != first:  # most entries fail here: no call, no slice
+                continue
+            n = common_prefix_len(e.tokens, wanted)
             if n > best_len:
                 best_id, best_len = eid, n
         if best_id is None:
@@ -93,10 +97,13 @@ class SlotAllocator:
     def insert(self, tokens: list[int], slots: list[int]) -> None:
         """Cache a finished sequence (tokens whose K/V are in `slots`); entries it extends are dropped."""
         assert len(tokens) == len(slots)
+        if not tokens:
+            return
         for eid in [
             eid
             for eid, e in self._entries.items()
-            if len(e.tokens) <= len(tokens)
+            if e.slots[0] == slots[0]  # an extended entry shares the first slot: cheap test first
+            and len(e.tokens) <= len(tokens)
             and e.slots == slots[: len(e.slots)]
             and e.tokens == tokens[: len(e.tokens)]
         ]:
