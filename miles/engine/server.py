@@ -7,6 +7,11 @@ so the same client (miles.rollout.client) and the sglang-router work against bot
 Miles-specific addition: `meta_info["miles_output_token_weight_versions"]`, the weight version that
 produced each output token (one entry per token of `output_ids`). With in_place pauses a request
 can span several versions; `meta_info["weight_version"]` is the version of its last token.
+
+Replies are serialised with pydantic_core's Rust encoder, one request at a time as each finishes
+(a batch reply is those encodings joined), so the event loop holds the GIL for a few milliseconds per
+request rather than for a whole batch, and the engine thread keeps stepping. A non-finite log-prob
+is written as `null`, as SGLang's orjson does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -82,7 +88,7 @@ async def _body(request: Request, model: type[BaseModel] | None = None) -> Any:
         data: Any = {}
     else:
         try:
-            data = await request.json()
+            data = pydantic_core.from_json(raw)
         except ValueError as e:
             raise BadRequest(f"request body is not valid JSON: {e}") from e
     if model is None:
@@ -161,6 +167,8 @@ def _make_request(state: EngineState, prompt: list[int], params: dict, rid: str)
 
 
 def _reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict[str, Any]:
+    """SGLang's reply to one request; `output_token_logprobs` rows are (logprob, token_id, None)
+    tuples, which serialise as the JSON arrays SGLang sends."""
     text = ""
     if state.tokenizer is not None:
         text = state.tokenizer.decode(req.output, skip_special_tokens=req.params.skip_special_tokens)
@@ -175,31 +183,39 @@ def _reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict
         "miles_output_token_weight_versions": list(req.versions),
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, t, None] for lp, t in zip(req.logprobs, req.output, strict=True)
-        ]
+        nones = [None] * len(req.output)
+        meta["output_token_logprobs"] = list(zip(req.logprobs, req.output, nones, strict=True))
         meta["input_token_logprobs"] = []
     return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
 
-async def generate(state: EngineState, req: GenerateReqInput) -> Any:
+def to_json(data: Any) -> bytes:
+    """Compact JSON as SGLang writes it (orjson: NaN and infinities become null)."""
+    return pydantic_core.to_json(data, inf_nan_mode="null")
+
+
+async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
+    """The /generate answer as JSON bytes: one reply object, or a list of them for a batch."""
     if req.stream:
         raise BadRequest("stream=true is not supported by the embedded engine; send stream=false")
     if req.return_routed_experts:
         raise BadRequest("return_routed_experts needs an MoE model; this engine serves dense models")
     items = _items(req, state)
     reqs = [(_make_request(state, p, sp, rid), lp) for p, sp, lp, rid in items]
+
+    async def encoded(r: EngineRequest, return_logprob: bool) -> bytes:
+        return to_json(_reply(state, await asyncio.wrap_future(r.done), return_logprob))
+
     for r, _ in reqs:
         state.scheduler.submit(r)
     try:
-        done = await asyncio.gather(*(asyncio.wrap_future(r.done) for r, _ in reqs))
+        out = await asyncio.gather(*(encoded(r, lp) for r, lp in reqs))
     except asyncio.CancelledError:
         for r, _ in reqs:
             state.scheduler.abort(r.rid)
         raise
-    out = [_reply(state, r, lp) for r, (_, lp) in zip(done, reqs, strict=True)]
     batch = req.input_ids is not None and bool(req.input_ids) and isinstance(req.input_ids[0], list)
-    return out if batch or isinstance(req.text, list) else out[0]
+    return b"[" + b",".join(out) + b"]" if batch or isinstance(req.text, list) else out[0]
 
 
 def build_app(state: EngineState) -> FastAPI:
@@ -213,8 +229,8 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def _generate(request: Request):
-        # JSONResponse directly: FastAPI's generic encoder walks every log-prob row in Python
-        return JSONResponse(await generate(state, await _body(request, GenerateReqInput)))
+        body = await generate(state, await _body(request, GenerateReqInput))
+        return Response(content=body, media_type="application/json")
 
     @app.get("/health")
     async def _health():

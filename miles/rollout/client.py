@@ -8,18 +8,24 @@ message.
 
 Transport: aiohttp, whose per-request cost is about a tenth of httpx's (0.3 vs 3.7 ms of CPU per
 /generate at 64 in flight, measured on the 2-core CI machine), which matters where the client shares
-a few cores with an engine.
+a few cores with an engine. Answers are parsed with pydantic_core's Rust parser straight from the
+bytes, with the cyclic garbage collector paused meanwhile: the parse makes only acyclic lists and
+dicts, and in a process holding torch's many objects the collections its hundreds of thousands of
+new containers would trigger cost more than the parse. A batch of 256 x 512-token replies with
+log-probs, parsed into GenerateResults: 36 ms, against 190 ms with `json.loads` (2-core CI machine).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import gc
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import pydantic_core
 
 RETRY_STATUSES = (502, 503, 504)
 VERSIONS_KEY = "miles_output_token_weight_versions"
@@ -62,7 +68,8 @@ class GenerateResult:
         return cls(
             rid=str(meta.get("id", "")),
             output_ids=output_ids,
-            logprobs=[float(row[0]) for row in rows],
+            # null: a non-finite log-prob (SGLang writes NaN and infinities as null)
+            logprobs=[math.nan if lp is None else float(lp) for lp, _, _ in rows],
             finish_reason=finish.get("type", "abort") if isinstance(finish, dict) else str(finish),
             weight_version=version,
             weight_versions=list(meta.get(VERSIONS_KEY) or [version] * len(output_ids)),
@@ -82,7 +89,14 @@ class Reply:
     content: bytes
 
     def json(self) -> Any:
-        return json.loads(self.content)
+        """The parsed body; ValueError when it is not JSON."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return pydantic_core.from_json(self.content)
+        finally:
+            if enabled:
+                gc.enable()
 
     @property
     def text(self) -> str:
