@@ -52,6 +52,7 @@ from miles.engine.cuda_graph import DecodeGraphs
 from miles.engine.kv_cache import RowKV, SlotAllocator
 from miles.engine.model import Batch, Decoder
 from miles.engine.sampling import SamplingParams, sample
+from miles.engine.staging import InFlight, Staging
 
 log = logging.getLogger(__name__)
 
@@ -100,71 +101,6 @@ class Request:
         return self.params.temperature > 0 and (self.params.top_p < 1 or self.params.top_k > 0)
 
 
-@dataclass
-class _InFlight:
-    """A decode step launched on the device whose sampled tokens the host has not read yet."""
-
-    reqs: list[Request]
-    tokens: torch.Tensor
-    """[B] on the device: the next step's input."""
-    host: tuple[torch.Tensor, torch.Tensor]
-    """Tokens and log-probs on their way to host memory, readable once `ready` has passed."""
-    ready: torch.cuda.Event | None
-    version: str
-
-    def read(self) -> tuple[list[int], list[float]]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host[0].tolist(), self.host[1].tolist()
-
-
-class _Staging:
-    """Copies of a step's small inputs to the device and of its sampled tokens back, without waiting
-    for the stream: a copy to or from pageable memory waits for all the work queued before it (with
-    overlap, the step just launched), and fresh pinned memory per step is slow to allocate while
-    earlier copies are pending. So a few pinned buffers (and device twins for the inputs) are used
-    in turn; an input buffer is rewritten only after its last copy ran, an output buffer is read
-    (`_InFlight.read`) long before its turn comes again."""
-
-    def __init__(self, device: torch.device, width: int, depth: int = 4, rows: int = 8):
-        self.next = 0
-        pinned = dict(pin_memory=True)
-        self.host = [
-            (torch.empty(rows, width, dtype=torch.int64, **pinned), torch.empty(2, width, **pinned))
-            for _ in range(depth)
-        ]
-        self.dev = [(i.to(device), f.to(device)) for i, f in self.host]
-        self.copied = [torch.cuda.Event() for _ in range(depth)]
-        self.out = [
-            (torch.empty(width, dtype=torch.int64, **pinned), torch.empty(width, **pinned))
-            for _ in range(depth)
-        ]
-        self.fetched = [torch.cuda.Event() for _ in range(depth)]
-        self.next_out = 0
-
-    def fetch(self, tokens: torch.Tensor, logps: torch.Tensor):
-        """Start copying a step's tokens and log-probs to host memory: ((tokens, logps), event)."""
-        k, self.next_out = self.next_out, (self.next_out + 1) % len(self.out)
-        n = tokens.shape[0]
-        ht, hl = self.out[k][0][:n], self.out[k][1][:n]
-        ht.copy_(tokens, non_blocking=True)
-        hl.copy_(logps, non_blocking=True)
-        self.fetched[k].record()
-        return (ht, hl), self.fetched[k]
-
-    def put(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, self.next = self.next, (self.next + 1) % len(self.host)
-        self.copied[k].synchronize()
-        (hi, hf), (di, df) = self.host[k], self.dev[k]
-        (r, n), m = ints.shape, floats.shape[0]
-        hi[:r, :n].copy_(ints)
-        hf[:m, :n].copy_(floats)
-        di[:r, :n].copy_(hi[:r, :n], non_blocking=True)
-        df[:m, :n].copy_(hf[:m, :n], non_blocking=True)
-        self.copied[k].record()
-        return di[:r, :n], df[:m, :n]
-
-
 class Scheduler:
     """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body.
 
@@ -193,8 +129,8 @@ class Scheduler:
         self.use_cuda_graph = cuda_graph and on_gpu
         self.overlap = on_gpu if overlap is None else overlap
         """Decode one step ahead of the readback (module docstring); on CPU only for tests."""
-        self._inflight: _InFlight | None = None
-        self._staging: _Staging | None = None
+        self._inflight: InFlight | None = None
+        self._staging: Staging | None = None
         self.graph_max_bs = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
         self.graph_max_context = cuda_graph_max_context
         # decode contexts are padded to this multiple: few graph shapes on GPU, little waste on CPU
@@ -581,7 +517,7 @@ class Scheduler:
             host, ready = (
                 ((tokens, logps), None) if self._staging is None else self._staging.fetch(tokens, logps)
             )
-            self._inflight = _InFlight(reqs, tokens, host, ready, self.weight_version)
+            self._inflight = InFlight(reqs, tokens, host, ready, self.weight_version)
         else:
             self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
 
@@ -653,7 +589,7 @@ class Scheduler:
         if self.decoder.device.type != "cuda":
             return host
         if self._staging is None:
-            self._staging = _Staging(self.decoder.device, self.max_running + 1)
+            self._staging = Staging(self.decoder.device, self.max_running + 1)
         return self._staging.put(*host)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
