@@ -3,13 +3,13 @@
 Maths (the same as miles/engine/sampling.py, which is the reference): for a row with temperature
 T > 0 the token is argmax_i (z_i / T + g_i), g_i = -log(-log u_i), where u_i is the Murmur3-finaliser
 hash of (seed, step, i) mapped to (0, 1); for T = 0 it is argmax_i z_i. Its log-prob is
-z_tok / T' - logsumexp_i (z_i / T') with T' = T, or 1 when greedy. One program per row streams the
-row's logits once in blocks, keeping the running maximum of the score with its index and a running
-(max, sum) for the log-sum-exp; nothing of vocabulary size is written. The hash is computed in
-uint32 arithmetic, which wraps modulo 2^32 exactly as the reference's int64-and-mask arithmetic.
-Ties go to the smallest index, as torch.argmax. With fewer rows than the GPU has room for, a row is
-cut into splits that run in parallel and a second small kernel combines their (best score, index,
-max, sum) parts; the result is the same token, the log-prob equal up to the summation order.
+z_tok / T' - logsumexp_i (z_i / T') with T' = T, or 1 when greedy. A row is cut into splits (as many
+as it takes to keep the GPU busy with few rows); one program per (row, split) streams its stretch of
+logits once in blocks, keeping the running maximum of the score with its index and a running (max,
+sum) for the log-sum-exp, and a second small kernel combines the splits' parts into the token and its
+log-prob. Nothing of vocabulary size is written. The hash is computed in uint32 arithmetic, which
+wraps modulo 2^32 exactly as the reference's int64-and-mask arithmetic. Ties go to the smallest
+index, as torch.argmax; the log-prob equals the reference's up to the summation order.
 
 Imported only where CUDA tensors are sampled (Triton is part of PyTorch's CUDA builds).
 """
@@ -101,48 +101,6 @@ def _gumbel_combine_kernel(
     tl.store(logp_ptr + row, chosen - row_max - tl.log(total))
 
 
-@triton.jit
-def _gumbel_argmax_kernel(
-    logits_ptr, stride, temp_ptr, seed_ptr, step_ptr, tok_ptr, logp_ptr, vocab, BLOCK: tl.constexpr
-):
-    row = tl.program_id(0)
-    temp = tl.load(temp_ptr + row)
-    greedy = temp <= 0.0
-    div = tl.where(greedy, 1.0, temp)
-    seed = tl.load(seed_ptr + row).to(tl.uint32)
-    step = tl.load(step_ptr + row).to(tl.uint32)
-    key = _fmix32(_fmix32(seed) ^ (step * 0x9E3779B1))
-    base = logits_ptr + row.to(tl.int64) * stride
-    lanes = tl.arange(0, BLOCK)
-    # per-lane running state; reduced across lanes once at the end
-    best_val = tl.full([BLOCK], -float("inf"), tl.float32)
-    best_idx = tl.full([BLOCK], 0, tl.int32)
-    run_max = tl.full([BLOCK], -1e30, tl.float32)
-    run_sum = tl.full([BLOCK], 0.0, tl.float32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + lanes
-        valid = offs < vocab
-        z = tl.load(base + offs, mask=valid, other=-float("inf"))
-        zs = z / div
-        new_max = tl.maximum(run_max, zs)
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(zs - new_max)
-        run_max = new_max
-        h = _fmix32(key ^ (offs.to(tl.uint32) * 0x27D4EB2F))
-        u = ((h >> 8).to(tl.float32) + 0.5) / 16777216.0
-        score = tl.where(greedy, z, zs - tl.log(-tl.log(u)))
-        score = tl.where(valid, score, -float("inf"))
-        take = score > best_val
-        best_idx = tl.where(take, offs, best_idx)
-        best_val = tl.where(take, score, best_val)
-    top = tl.max(best_val, axis=0)
-    idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
-    row_max = tl.max(run_max, axis=0)
-    total = tl.sum(run_sum * tl.exp(run_max - row_max), axis=0)
-    chosen = tl.load(base + idx) / div
-    tl.store(tok_ptr + row, idx.to(tl.int64))
-    tl.store(logp_ptr + row, chosen - row_max - tl.log(total))
-
-
 def gumbel_argmax(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -154,7 +112,7 @@ def gumbel_argmax(
 
     A small batch leaves most multiprocessors idle with one program per row, so each row is cut into
     `splits` stretches (default: enough programs to fill the GPU about four times over) whose parts a
-    second kernel combines; one split runs the one-pass kernel alone."""
+    second kernel combines."""
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     batch, vocab = logits.shape
     assert vocab < 1 << 24, "split parts carry token indices as fp32"
@@ -166,11 +124,6 @@ def gumbel_argmax(
         splits = _default_splits(logits.device, batch)
     temperature = temperature.float().contiguous()
     seeds, steps = seeds.contiguous(), steps.contiguous()
-    if splits == 1:
-        _gumbel_argmax_kernel[(batch,)](
-            logits, logits.stride(0), temperature, seeds, steps, tokens, logps, vocab, BLOCK=2048, num_warps=8
-        )
-        return tokens, logps
     assert splits & (splits - 1) == 0, "splits must be a power of two"
     block = 1024
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
