@@ -38,12 +38,9 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
@@ -51,54 +48,14 @@ import torch
 from miles.engine.cuda_graph import DecodeGraphs
 from miles.engine.kv_cache import RowKV, SlotAllocator
 from miles.engine.model import Batch, Decoder
-from miles.engine.sampling import SamplingParams, sample
+from miles.engine.request import Request, prefill_batch, prefill_groups, sampling_rows
+from miles.engine.sampling import sample
 from miles.engine.staging import InFlight, Staging
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 T = TypeVar("T")
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request and its progress."""
-
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    stop_ids: frozenset[int]
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    """Pool slots of tokens[: len(slots)]; their K/V is computed for tokens[: kv_len]."""
-    kv_len: int = 0
-    row: int = -1
-    cached_tokens: int = 0
-    cache_epoch: int = -1
-    finish: dict[str, Any] | None = None
-    abort_requested: bool = False
-    done: Future = field(default_factory=Future)
-    created_s: float = field(default_factory=time.monotonic)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def last_token(self) -> int:
-        return self.output[-1] if self.output else self.prompt[-1]
-
-    @cached_property
-    def restricts_support(self) -> bool:
-        """Sampled with top-p or top-k (the sorted path of the sampler)."""
-        return self.params.temperature > 0 and (self.params.top_p < 1 or self.params.top_k > 0)
 
 
 class Scheduler:
@@ -447,9 +404,9 @@ class Scheduler:
         """Batched forwards over `reqs` (their not-yet-cached tokens), then sample one token each."""
         decode = [r for r in reqs if len(r.slots) == r.kv_len == r.num_tokens - 1]
         prefill = [r for r in reqs if len(r.slots) != r.kv_len]
-        for group in self._prefill_groups(prefill):
-            logits = self.decoder.forward(self._make_batch(group), self.pool)
-            self._sample(group, logits, self._to_device(self._sampling_rows(group, logits.shape[1])))
+        for group in prefill_groups(prefill):
+            logits = self.decoder.forward(prefill_batch(group, self.table), self.pool)
+            self._sample(group, logits, self._to_device(sampling_rows(group, logits.shape[1])))
         decode = self._grow(decode)
         if decode:
             self._decode(decode)
@@ -458,7 +415,7 @@ class Scheduler:
         """CPU: the new requests' prompts ride along the running requests' decode forward (one forward
         instead of two; prompts arriving one by one over HTTP would otherwise each cost a forward)."""
         decode = [r for r in running if len(r.slots) == r.kv_len == r.num_tokens - 1]
-        groups = self._prefill_groups([r for r in admitted if len(r.slots) != r.kv_len])
+        groups = prefill_groups([r for r in admitted if len(r.slots) != r.kv_len])
         for group in groups[1:]:  # long prompts that do not pad well together: forwards of their own
             self._forward(group)
         decode = self._grow(decode)
@@ -483,10 +440,10 @@ class Scheduler:
         self.table[head[2], head[1]] = head[3]
         batch = Batch.decode(head[0], head[1], head[2], self.table, context)
         batch.kv_rows = head[2]
-        pre = self._make_batch(prefill) if prefill else None
+        pre = prefill_batch(prefill, self.table) if prefill else None
         logits = self.decoder.forward_rows(batch, self.pool, self.row_kv.layers, reqs[-1].row + 1, pre)
         everyone = prefill + reqs
-        ints, floats = self._sampling_rows(everyone, self.decoder.spec.vocab_size)
+        ints, floats = sampling_rows(everyone, self.decoder.spec.vocab_size)
         self._sample(everyone, logits, (ints, floats))
 
     def _decode(self, reqs: list[Request]) -> None:
@@ -498,7 +455,7 @@ class Scheduler:
         # after _grow a decoding request's new token sits at position len(slots) - 1
         rows = [[r.last_token for r in reqs], [len(r.slots) - 1 for r in reqs], [r.row for r in reqs]]
         rows += [[r.slots[-1] for r in reqs]]
-        ints, floats = self._to_device(self._sampling_rows(reqs, vocab, rows))
+        ints, floats = self._to_device(sampling_rows(reqs, vocab, rows))
         self.table[ints[2], ints[1]] = ints[3]
         self._launch_decode(reqs, ints, floats, context)
 
@@ -548,7 +505,7 @@ class Scheduler:
         context = self._decode_context(reqs)
         # row 0 first holds where each request sits in the step in flight, then its token from there
         rows = [keep, [len(r.slots) - 1 for r in reqs], [r.row for r in reqs], fresh]
-        ints, floats = self._to_device(self._sampling_rows(reqs, self.decoder.spec.vocab_size, rows, ahead=1))
+        ints, floats = self._to_device(sampling_rows(reqs, self.decoder.spec.vocab_size, rows, ahead=1))
         ints[0].copy_(prev.tokens.index_select(0, ints[0]))
         self.table[ints[2], ints[1]] = ints[3]
         self._launch_decode(reqs, ints, floats, context)
@@ -571,19 +528,6 @@ class Scheduler:
             self.row_kv.sync(self.pool, behind)
         for r in reqs:
             filled[r.row] = len(r.slots)
-
-    def _sampling_rows(
-        self, reqs: list[Request], vocab: int, head: list[list[int]] | None = None, ahead: int = 0
-    ):
-        """Host tensors: int64 [head..., seeds, steps, top_k] and fp32 [temperature, top_p], by request
-        (`ahead`: tokens of each request sampled but not yet recorded)."""
-        ints = (head or []) + [
-            [r.seed for r in reqs],
-            [len(r.output) + ahead for r in reqs],
-            [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs],
-        ]
-        floats = [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]]
-        return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
 
     def _to_device(self, host: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.decoder.device.type != "cuda":
@@ -625,53 +569,6 @@ class Scheduler:
                 or n + len(req.prompt) >= max_context
             ):
                 self._check_finish(req, tok)
-
-    def _prefill_groups(self, reqs: list[Request]) -> list[list[Request]]:
-        """Split prefills so that padding each group to its longest member at most doubles the
-        attention work (query x key pairs); small prefills stay in one forward."""
-        reqs = sorted(reqs, key=lambda r: r.num_tokens, reverse=True)
-        groups: list[list[Request]] = []
-        for req in reqs:
-            if groups:
-                group = groups[-1]
-                head = group[0]
-                q_max, l_max = max(g.num_tokens - g.kv_len for g in group + [req]), head.num_tokens
-                padded = (len(group) + 1) * q_max * l_max
-                useful = sum((g.num_tokens - g.kv_len) * g.num_tokens for g in group + [req])
-                if padded <= max(2 * useful, 1 << 22):
-                    group.append(req)
-                    continue
-            groups.append([req])
-        return groups
-
-    def _make_batch(self, reqs: list[Request]) -> Batch:
-        dev = self.table.device
-        starts, counts, ids, pos = [], [], [], []
-        for req in reqs:
-            tokens = req.tokens
-            first = req.kv_len
-            starts.append(len(ids))
-            counts.append(len(tokens) - first)
-            ids.extend(tokens[first:])
-            pos.extend(range(first, len(tokens)))
-        positions = torch.tensor(pos, device=dev)
-        rows = torch.tensor([r.row for r in reqs], device=dev)
-        start_t = torch.tensor(starts, device=dev)
-        count_t = torch.tensor(counts, device=dev)
-        j = torch.arange(max(counts), device=dev)
-        valid = j[None, :] < count_t[:, None]
-        query_index = torch.where(valid, start_t[:, None] + j[None, :], 0)
-        lengths = [len(r.slots) for r in reqs]
-        row_pos = positions.new_tensor([i for i, c in enumerate(counts) for _ in range(c)])
-        return Batch(
-            input_ids=torch.tensor(ids, device=dev),
-            positions=positions,
-            write_slots=self.table[rows[row_pos], positions],
-            query_index=query_index,
-            query_pos=torch.where(valid, positions[query_index], -1),
-            context_slots=self.table[rows, : max(lengths)],
-            last_index=start_t + count_t - 1,
-        )
 
     def _check_finish(self, req: Request, tok: int) -> None:
         if req.abort_requested:

@@ -29,8 +29,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from miles.engine.request import Request as EngineRequest
 from miles.engine.sampling import SamplingParams
-from miles.engine.scheduler import Request as EngineRequest
 from miles.engine.scheduler import Scheduler
 from miles.engine.updates import WeightUpdater
 

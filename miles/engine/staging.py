@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from miles.engine.scheduler import Request
+    from miles.engine.request import Request
 
 
 @dataclass

@@ -1,0 +1,123 @@
+"""A generation request of the embedded engine, and the host-side inputs built from a batch of them.
+
+`Request` carries a request's prompt, sampling parameters and progress (output tokens, log-probs,
+weight versions, its KV slots and scheduler row). The functions turn a list of requests into what a
+forward pass takes: groups of prefills that pad well together, the packed prefill `Batch`, and the
+per-request sampling rows (seeds, steps, top-k, temperature, top-p).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from miles.engine.model import Batch
+from miles.engine.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    """Pool slots of tokens[: len(slots)]; their K/V is computed for tokens[: kv_len]."""
+    kv_len: int = 0
+    row: int = -1
+    cached_tokens: int = 0
+    cache_epoch: int = -1
+    finish: dict[str, Any] | None = None
+    abort_requested: bool = False
+    done: Future = field(default_factory=Future)
+    created_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @cached_property
+    def restricts_support(self) -> bool:
+        """Sampled with top-p or top-k (the sorted path of the sampler)."""
+        return self.params.temperature > 0 and (self.params.top_p < 1 or self.params.top_k > 0)
+
+
+def sampling_rows(reqs: list[Request], vocab: int, head: list[list[int]] | None = None, ahead: int = 0):
+    """Host tensors: int64 [head..., seeds, steps, top_k] and fp32 [temperature, top_p], by request
+    (`ahead`: tokens of each request sampled but not yet recorded)."""
+    ints = (head or []) + [
+        [r.seed for r in reqs],
+        [len(r.output) + ahead for r in reqs],
+        [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs],
+    ]
+    floats = [[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]]
+    return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
+
+
+def prefill_groups(reqs: list[Request]) -> list[list[Request]]:
+    """Split prefills so that padding each group to its longest member at most doubles the
+    attention work (query x key pairs); small prefills stay in one forward."""
+    reqs = sorted(reqs, key=lambda r: r.num_tokens, reverse=True)
+    groups: list[list[Request]] = []
+    for req in reqs:
+        if groups:
+            group = groups[-1]
+            head = group[0]
+            q_max, l_max = max(g.num_tokens - g.kv_len for g in group + [req]), head.num_tokens
+            padded = (len(group) + 1) * q_max * l_max
+            useful = sum((g.num_tokens - g.kv_len) * g.num_tokens for g in group + [req])
+            if padded <= max(2 * useful, 1 << 22):
+                group.append(req)
+                continue
+        groups.append([req])
+    return groups
+
+
+def prefill_batch(reqs: list[Request], table: torch.Tensor) -> Batch:
+    """The packed not-yet-cached tokens of `reqs`; `table[row, p]` is the slot of position p."""
+    dev = table.device
+    starts, counts, ids, pos = [], [], [], []
+    for req in reqs:
+        tokens = req.tokens
+        first = req.kv_len
+        starts.append(len(ids))
+        counts.append(len(tokens) - first)
+        ids.extend(tokens[first:])
+        pos.extend(range(first, len(tokens)))
+    positions = torch.tensor(pos, device=dev)
+    rows = torch.tensor([r.row for r in reqs], device=dev)
+    start_t = torch.tensor(starts, device=dev)
+    count_t = torch.tensor(counts, device=dev)
+    j = torch.arange(max(counts), device=dev)
+    valid = j[None, :] < count_t[:, None]
+    query_index = torch.where(valid, start_t[:, None] + j[None, :], 0)
+    lengths = [len(r.slots) for r in reqs]
+    row_pos = positions.new_tensor([i for i, c in enumerate(counts) for _ in range(c)])
+    return Batch(
+        input_ids=torch.tensor(ids, device=dev),
+        positions=positions,
+        write_slots=table[rows[row_pos], positions],
+        query_index=query_index,
+        query_pos=torch.where(valid, positions[query_index], -1),
+        context_slots=table[rows, : max(lengths)],
+        last_index=start_t + count_t - 1,
+    )
