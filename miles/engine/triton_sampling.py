@@ -141,9 +141,9 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def _default_splits(device: torch.device, batch: int) -> int:
-    """Power of two giving about 4 programs per multiprocessor, at most 32 splits."""
+    """Power of two giving about 4 programs per multiprocessor, from 2 to 32 splits."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     want = -(-4 * _SM_COUNT[index] // batch)
-    return min(32, 1 << max(0, (want - 1).bit_length()))
+    return min(32, 1 << max(1, (want - 1).bit_length()))
