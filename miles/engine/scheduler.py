@@ -467,16 +467,11 @@ class Scheduler:
         else:
             batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context)
             logits = self.decoder.forward(batch, self.pool)
+        if not self.overlap:
+            return self._sample(reqs, logits, (ints[4:], floats))
         tokens, logps = self._sample_on_device(reqs, logits, (ints[4:], floats))
-        for req in reqs:
-            req.kv_len = len(req.slots)
-        if self.overlap:
-            host, ready = (
-                ((tokens, logps), None) if self._staging is None else self._staging.fetch(tokens, logps)
-            )
-            self._inflight = InFlight(reqs, tokens, host, ready, self.weight_version)
-        else:
-            self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
+        host, ready = ((tokens, logps), None) if self._staging is None else self._staging.fetch(tokens, logps)
+        self._inflight = InFlight(reqs, tokens, host, ready, self.weight_version)
 
     def _would_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_running and bool(self._free_rows)
@@ -539,12 +534,13 @@ class Scheduler:
     def _sample(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
         """Sample one token per request from `logits` and record it; `params` as `_sample_on_device`."""
         tokens, logps = self._sample_on_device(reqs, logits, params)
-        for req in reqs:
-            req.kv_len = len(req.slots)
         self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
 
     def _sample_on_device(self, reqs: list[Request], logits: torch.Tensor, params):
-        """Tokens and log-probs [B] on the device; `params` = ([seeds, steps, top_k], [T, top_p])."""
+        """Tokens and log-probs [B] on the device; `params` = ([seeds, steps, top_k], [T, top_p]).
+        The forward wrote the K/V of every slot the requests hold, so those count as computed."""
+        for req in reqs:
+            req.kv_len = len(req.slots)
         (seeds, steps, top_k), (temperature, top_p) = params
         filtered = [i for i, r in enumerate(reqs) if r.restricts_support]
         return sample(logits, temperature, top_p, top_k, seeds, steps, filtered_rows=filtered)

@@ -44,7 +44,7 @@ class TokenBatch:
     ref_logp: Tensor | None = None
     entropy: Tensor | None = None
     """Entropy of the policy at each token (fused_logprob.py), for the metric and the entropy bonus;
-    carries the gradient when entropy_coef > 0."""
+    it enters the loss (and so gets a gradient) only when entropy_coef > 0."""
 
 
 def policy_objective(

@@ -256,7 +256,7 @@ class FSDPBackend:
             seq_index=seq_index,
             n_seqs=len(idx),
             ref_logp=torch.cat([ref[i] for i in idx]) if ref else None,
-            entropy=entropy if self.plan.train.loss.entropy_coef > 0 else entropy.detach(),
+            entropy=entropy,
         )
 
     def _add_mismatch(self, stats: Tensor, logp: Tensor, packed: Packed) -> None:

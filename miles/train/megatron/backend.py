@@ -243,8 +243,6 @@ class MegatronBackend:
             old_logp = torch.cat([old[i] for i in mb.sample_ids]).to(logp.device)
         n = len(mb.sample_ids)
         w = token_weights(mb.mask, mb.seq_index, n, cfg.aggregation, norm[0], norm[1])
-        if cfg.entropy_coef == 0:
-            entropy = entropy.detach()  # a metric only: no entropy term in the backward pass
         tb = TokenBatch(
             logp, old_logp, mb.rollout_logp, mb.advantages, mb.mask, w, mb.seq_index, n, entropy=entropy
         )
