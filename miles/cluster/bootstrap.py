@@ -35,7 +35,7 @@ def _facts(run_dir: Path) -> tuple[Plan, dict[str, Any]]:
 
 def incarnation(env: JobEnvironment) -> str:
     """`<job id>.<restart count>`: engines of an earlier start of a requeued job are ignored."""
-    return f"{env.job_id}.{env.restart_count}"
+    return env.incarnation
 
 
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -129,10 +129,9 @@ def _start_router(plan: Plan, run_dir: Path, env: JobEnvironment, facts: dict[st
     proc = _spawn(
         router_command(plan, host=bind, port=port, worker_urls=urls), run_dir / "logs" / "router.log"
     )
-    from miles.cluster.rendezvous import write_atomic
+    from miles.cluster.rendezvous import publish_router
 
-    info = {"url": f"http://{host}:{port}", "pid": proc.pid, "incarnation": incarnation(env)}
-    write_atomic(run_dir / "rendezvous" / "router.json", info)
+    publish_router(run_dir, f"http://{host}:{port}", proc.pid, incarnation(env))
     return proc
 
 

@@ -49,6 +49,10 @@ def _launcher(e: Mapping[str, str]) -> tuple[str, int, int, int]:
     return "single", 0, 1, 0
 
 
+INCARNATION_VAR = "MILES_INCARNATION"
+"""Set by `miles train` for the processes it starts (written here, read only by JobEnvironment)."""
+
+
 @dataclass(frozen=True)
 class JobEnvironment:
     """Typed view of the launcher's variables for this process."""
@@ -73,6 +77,8 @@ class JobEnvironment:
     """How often Slurm requeued this job (SLURM_RESTART_COUNT)."""
     array_task_id: int | None = None
     """Index within a job array (SLURM_ARRAY_TASK_ID)."""
+    local_incarnation: str | None = None
+    """Incarnation set by `miles train` for its children (MILES_INCARNATION); None under Slurm."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> JobEnvironment:
@@ -94,7 +100,19 @@ class JobEnvironment:
             het_nodes=_het_nodelists(e),
             restart_count=int(e.get("SLURM_RESTART_COUNT", 0) or 0),
             array_task_id=int(array) if array else None,
+            local_incarnation=e.get(INCARNATION_VAR) or None,
         )
+
+    @property
+    def incarnation(self) -> str:
+        """Which start of the job this process belongs to; rendezvous records of others are stale.
+
+        Slurm: `<job id>.<restart count>` (a requeue is a new incarnation); `miles train`: the value
+        it exported to its children; anything else: "local".
+        """
+        if self.job_id:
+            return f"{self.job_id}.{self.restart_count}"
+        return self.local_incarnation or "local"
 
     @property
     def is_distributed(self) -> bool:

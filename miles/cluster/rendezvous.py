@@ -1,14 +1,18 @@
 """Rendezvous through the run directory on the shared filesystem, plus job-id-derived ports.
 
 Engines publish `{"url", "pid", "node", "incarnation"}` as RUN_DIR/rendezvous/engines/<name>.json
-(temporary file + rename, so a reader never sees half a record). `incarnation` is `<job id>.<restart
-count>`: after a requeue, records of the previous start are ignored. The trainer's master address is
-the first node of the actor group; its port is derived from the job id, so no port is published.
+(temporary file + rename, so a reader never sees half a record). `incarnation` is
+JobEnvironment.incarnation (`<job id>.<restart count>` under Slurm, a per-start id under `miles
+train`): records of any other start (a requeue on other nodes, an earlier job on the same run
+directory) are stale, reported and ignored. `read_engines`/`read_router` are the only readers.
+The trainer's master address is the first node of the actor group; its port is derived from the job
+id, so no port is published.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -17,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 10000
@@ -34,6 +40,13 @@ def write_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def publish_router(run_dir: str | Path, url: str, pid: int, incarnation: str) -> Path:
+    """Publish the router in front of this incarnation's engines."""
+    path = Path(run_dir) / "rendezvous" / "router.json"
+    write_atomic(path, {"url": url, "pid": pid, "incarnation": incarnation})
+    return path
+
+
 def publish_engine(run_dir: str | Path, name: str, url: str, pid: int, node: str, incarnation: str) -> Path:
     """Publish one engine's URL for this incarnation of the job."""
     path = engines_dir(run_dir) / f"{name}.json"
@@ -41,14 +54,41 @@ def publish_engine(run_dir: str | Path, name: str, url: str, pid: int, node: str
     return path
 
 
-def read_engines(run_dir: str | Path, incarnation: str | None = None) -> list[dict[str, Any]]:
-    """Published engine records (of `incarnation` only, when given), sorted by file name."""
+def _read_records(paths: list[Path], incarnation: str) -> list[dict[str, Any]]:
+    """Records of `incarnation` among `paths`; records of other incarnations (or unreadable ones) are
+    stale: left in place for the post-mortem, reported once each, never used."""
     out = []
-    for path in sorted(engines_dir(run_dir).glob("*.json")):
-        rec = json.loads(path.read_text())
-        if incarnation is None or rec.get("incarnation") == incarnation:
+    for path in paths:
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            _report_stale(path, f"unreadable ({e})")
+            continue
+        if rec.get("incarnation") == incarnation:
             out.append(rec)
+        else:
+            _report_stale(path, f"incarnation {rec.get('incarnation')!r}, this one is {incarnation!r}")
     return out
+
+
+_REPORTED: set[tuple[str, str]] = set()
+
+
+def _report_stale(path: Path, why: str) -> None:
+    if (str(path), why) not in _REPORTED:
+        _REPORTED.add((str(path), why))
+        log.warning("ignoring stale rendezvous record %s: %s", path, why)
+
+
+def read_engines(run_dir: str | Path, incarnation: str) -> list[dict[str, Any]]:
+    """Engine records of this incarnation, sorted by file name (the one reader of engines/*.json)."""
+    return _read_records(sorted(engines_dir(run_dir).glob("*.json")), incarnation)
+
+
+def read_router(run_dir: str | Path, incarnation: str) -> str | None:
+    """The router's URL when one of this incarnation is published, else None."""
+    recs = _read_records([p for p in [Path(run_dir) / "rendezvous" / "router.json"] if p.exists()], incarnation)
+    return recs[0]["url"] if recs else None
 
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
@@ -59,7 +99,7 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
 
 
 def wait_for_engines(
-    run_dir: str | Path, n: int, timeout_s: float, incarnation: str | None = None, poll_s: float = 0.5
+    run_dir: str | Path, n: int, timeout_s: float, incarnation: str, poll_s: float = 0.5
 ) -> list[str]:
     """URLs of `n` published engines once each answers /health; TimeoutError naming what is missing."""
     deadline = time.monotonic() + timeout_s

@@ -133,9 +133,21 @@ def gpu_placement(plan: Plan, gpus: list[str]) -> tuple[list[str | None], str | 
     return gpus[:e], ",".join(gpus[e : e + t])
 
 
-def start_engines(plan: Plan, run_dir: Path, gpus: list[str | None] | None = None) -> list[Any]:
+def new_incarnation() -> str:
+    """A fresh incarnation id for this start, exported to every child: rendezvous records left by any
+    earlier start on this run directory are then stale (see JobEnvironment.incarnation)."""
+    from miles.cluster.environment import INCARNATION_VAR
+
+    value = f"local.{os.uname().nodename}.{os.getpid()}.{time.time_ns()}"
+    os.environ[INCARNATION_VAR] = value
+    return value
+
+
+def start_engines(
+    plan: Plan, run_dir: Path, gpus: list[str | None] | None = None, incarnation: str = "local"
+) -> list[Any]:
     """Start `engine.num_engines` embedded engines (and a router) and publish their URLs."""
-    from miles.cluster.rendezvous import publish_engine, write_atomic
+    from miles.cluster.rendezvous import publish_engine, publish_router
     from miles.engine.process import start_engine
     from miles.rollout.router import start_router
 
@@ -159,12 +171,12 @@ def start_engines(plan: Plan, run_dir: Path, gpus: list[str | None] | None = Non
                 env={"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus and gpus[i] is not None else None,
             )
             started.append(eng)
-            publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", "local")
+            publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", incarnation)
         if e.num_engines > 1:
             urls = [x.url for x in started]
             router = start_router(urls, policy=e.router_policy, log_path=run_dir / "logs" / "router.log")
             started.append(router)
-            write_atomic(run_dir / "rendezvous" / "router.json", {"url": router.url, "pid": router.pid})
+            publish_router(run_dir, router.url, router.pid, incarnation)
     except BaseException:
         stop_all(started)
         raise
@@ -225,7 +237,7 @@ def train_main(
     _ensure_model(plan)
     share_cpu_threads(plan)
     engine_gpus, trainer_gpus = gpu_placement(plan, visible_gpus())
-    started = start_engines(plan, run_dir, engine_gpus)
+    started = start_engines(plan, run_dir, engine_gpus, new_incarnation())
     trainers: list[subprocess.Popen] = []
     try:
         trainers = start_trainers(plan, run_dir, bool(resume), trainer_gpus)

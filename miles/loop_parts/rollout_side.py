@@ -10,7 +10,6 @@ router.json, which then receives all generation traffic (admin calls always go t
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import threading
@@ -37,21 +36,20 @@ log = logging.getLogger("miles.loop")
 
 
 def engine_urls(run_dir: Path, timeout_s: float = 60.0) -> tuple[list[str], str | None]:
-    """(engine URLs, router URL or None) from the run directory's rendezvous files."""
+    """(engine URLs, router URL or None) of this incarnation, from the run directory's rendezvous."""
+    from miles.cluster.environment import JobEnvironment
+    from miles.cluster.rendezvous import engines_dir, read_engines, read_router
+
+    incarnation = JobEnvironment.from_env().incarnation
     deadline = time.monotonic() + timeout_s
-    files: list[Path] = []
-    while time.monotonic() < deadline:
-        files = sorted((run_dir / "rendezvous" / "engines").glob("*.json"))
-        if files:
-            break
+    while not (records := read_engines(run_dir, incarnation)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    if not files:
+    if not records:
         raise RuntimeError(
-            f"no engine published in {run_dir / 'rendezvous' / 'engines'}; start engines first"
+            f"no engine of incarnation {incarnation!r} published in {engines_dir(run_dir)} within "
+            f"{timeout_s:.0f}s (engine.startup_timeout_s); see {run_dir / 'logs'}"
         )
-    urls = [json.loads(f.read_text())["url"] for f in files]
-    router = run_dir / "rendezvous" / "router.json"
-    return urls, json.loads(router.read_text())["url"] if router.exists() else None
+    return [r["url"] for r in records], read_router(run_dir, incarnation)
 
 
 def batch_metrics(samples: list[Sample]) -> dict[str, float]:
