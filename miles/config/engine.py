@@ -36,3 +36,11 @@ class EngineConfig(Section):
     """Load-balancing policy of the sglang-router."""
     startup_timeout_s: float = 300.0
     """How long to wait for every engine to report healthy."""
+    max_restarts: int = 3
+    """Local runs: how often a dead or unhealthy engine is replaced (the loop reloads the current
+    weights into it and retries the samples in flight) before the run stops with an error."""
+    health_check_interval_s: float = 5.0
+    """Local runs: how often the launcher asks each engine's /health; 3 failures in a row and the
+    engine is replaced like a dead one."""
+    fault_injection: bool = False
+    """Testing only: engines serve POST /debug/inject_fault (miles.engine.server) to fake their faults."""
