@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from miles.processes import stop_processes
+from miles.processes import child_options, stop_processes
 
 
 @dataclass
@@ -86,6 +86,7 @@ def start_engine(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
+            **child_options(),
         )
     engine = EngineProcess(url="", proc=proc, log_path=log_file)
     deadline = time.monotonic() + startup_timeout_s

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from miles.processes import free_port, stop_processes
+from miles.processes import child_options, free_port, stop_processes
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "manual")
 
@@ -121,7 +121,9 @@ def start_router(
         cmd += ["--worker-urls", *worker_urls] if worker_urls else []
         cmd += extra_args or []
         with open(log_file, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **child_options()
+            )
         router = RouterProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_file)
         deadline = time.monotonic() + startup_timeout_s
         while proc.poll() is None and time.monotonic() < deadline:
