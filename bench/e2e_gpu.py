@@ -7,7 +7,11 @@ shapes, 32 prompts x 8 samples per step, prompts of exactly 128 random tokens, r
 512 tokens (ignore_eos), temperature 1, GRPO without KL or reference model, one optimiser update per
 step, log-probs of the rollout as the old policy. The run is `miles train` with the recipe below;
 numbers come from its metrics.jsonl (time/rollout_s, time/train_s, time/sync_s per step, the
-first `--warmup` steps left out: CUDA graph captures and allocator growth).
+first `--warmup` steps left out: CUDA graph captures and allocator growth). The training share of
+a step is also given as MFU (bench/gpu_train.py's FLOP count for 256 x (prompt + completion) tokens:
+the standard one over the 989 TFLOP/s datasheet peak with the LM head on the positions it runs on,
+and the older all-positions figure over the measured 790 TFLOP/s). `--tag` gives repeated runs their
+own run directories.
 
 Layouts: `colocated` (engine and trainer on one GPU, weights by CUDA IPC; with the default sync
 schedule the engine releases its memory while the trainer trains, or stays resident with
@@ -38,7 +42,9 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
     schedule = args.schedule or ("sync" if colocated else "async")
     return {
         "run": {
-            "name": f"e2e-{args.layout}-{args.backend}-{schedule}{'-resident' if args.keep_engine_memory else ''}",
+            "name": f"e2e-{args.layout}-{args.backend}-{schedule}"
+            + ("-resident" if args.keep_engine_memory else "")
+            + (f"-{args.tag}" if args.tag else ""),
             "runs_root": str(runs_root),
             "tensorboard": False,
         },
@@ -129,6 +135,7 @@ def main() -> int:
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--micro-tokens", type=int, default=16384)
     p.add_argument("--workdir", default="runs/bench_e2e")
+    p.add_argument("--tag", default="", help="suffix of the run name (repeated runs, one directory each)")
     p.add_argument("--out", default=None, help="JSON file for the summary")
     p.add_argument("--tiny", action="store_true", help="tiny model and lengths: a CPU smoke test")
     args = p.parse_args()
@@ -162,12 +169,22 @@ def main() -> int:
         "wall_s": wall,
         **summarize(run_dir, args.warmup),
     }
+    if not args.tiny:
+        from bench.gpu_train import mfu_figures
+
+        n = data["rollout"]["prompts_per_step"] * data["rollout"]["n_samples_per_prompt"]
+        lengths, responses = [args.prompt + args.completion] * n, [args.completion] * n
+        summary["train_mfu"] = mfu_figures(args.backend, lengths, responses, summary["time/train_s"])
     print(f"\n{args.layout} / {args.backend}: {summary['steps_timed']} timed steps (median)")
     for key in ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/engine_release_s",
                 "time/engine_resume_s", "weights/push_s", "train/logprob_mismatch"):  # fmt: skip
         print(f"  {key:26s} {summary[key]:.4f}")
     print(f"  {'steps/hour':26s} {summary['steps_per_hour']:.0f}")
     print(f"  {'generated tokens/step':26s} {summary['generated_tokens_per_step']:.0f}")
+    if "train_mfu" in summary:
+        m = summary["train_mfu"]
+        print(f"  {'train MFU (989, computed)':26s} {m['mfu']:.3f}  ({m['model_tflop_per_step']:.1f} TFLOP)")
+        print(f"  {'train MFU (790, all pos.)':26s} {m['mfu_all_positions_vs_790']:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
     return 0

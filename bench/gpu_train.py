@@ -2,13 +2,20 @@
 
     python -m bench.gpu_train --backend megatron --steps 4 --batch 64 --seq 1024
 
-Model FLOPs per step (fwd + bwd = 3 x forward, no recompute), over sequences of length s_i:
-    6 * N_matmul * sum_i s_i  +  6 * L * h * sum_i s_i^2
-The first term is every linear layer and the LM head (N_matmul parameters, not the embedding
-lookup); the second is causal attention (QK^T and AV cost 4 s^2 h forward, half of it under the
-causal mask, times 3 for backward). MFU = FLOPs / step time / 790 TFLOP/s, the bf16 matmul rate
-measured on this H200. The Megatron step includes its old-log-prob handling (rollout log-probs:
-no extra forward) and the optimiser step.
+Model FLOPs per step (fwd + bwd = 3 x forward, no recompute), over sequences of length s_i of
+which r_i are response tokens:
+    6 * N_body * sum_i s_i  +  6 * V * h * (positions given to the LM head)  +  6 * L * h * sum_i s_i^2
+N_body is every linear layer of the decoder (not the embedding lookup), V * h the LM head, and the
+last term causal attention (QK^T and AV cost 4 s^2 h forward, half of it under the causal mask,
+times 3 for backward). The LM head runs only where it is computed: Megatron applies it to the
+sum_i r_i positions that score response tokens (`response_head` in miles/train/megatron/batch.py), FSDP to
+all sum_i s_i positions.
+
+MFU (the standard one) = those FLOPs / step time / 989 TFLOP/s, the dense bf16 peak of the H200 SXM
+datasheet. Also reported, as in the older entries of bench/RESULTS.md: the LM head counted on every
+position, over the 790 TFLOP/s bf16 matmul rate measured on this H200 (`mfu_all_positions_vs_790`);
+it reads higher and is not comparable with MFU figures published elsewhere. The Megatron step
+includes its old-log-prob handling (rollout log-probs: no extra forward) and the optimiser step.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from miles.models.tiny import QWEN25_05B_SHAPE as SHAPE
 from miles.models.tiny import QWEN25_EOS, QWEN25_PAD
 from miles.models.tiny import QWEN25_VOCAB as VOCAB
 
-PEAK = 790e12
+PEAK_DATASHEET = 989e12  # H200 SXM dense bf16, datasheet
+MATMUL_MEASURED = 790e12  # 8192^3 bf16 matmul through torch on this H200 (random data)
 
 
 def make_model(out: Path) -> Path:
@@ -41,11 +49,27 @@ def make_model(out: Path) -> Path:
     return out
 
 
-def model_flops(lengths: list[int]) -> float:
+def model_flops(lengths: list[int], head_positions: int | None = None) -> float:
+    """Training FLOPs of one step over sequences of `lengths`; the LM head on `head_positions`
+    positions (None: every position)."""
     h, L, ffn = SHAPE["hidden_size"], SHAPE["num_hidden_layers"], SHAPE["intermediate_size"]
     kv = SHAPE["num_key_value_heads"] * h // SHAPE["num_attention_heads"]
-    n_matmul = L * (2 * h * h + 2 * h * kv + 3 * h * ffn) + VOCAB * h
-    return 6 * n_matmul * sum(lengths) + 6 * L * h * sum(s * s for s in lengths)
+    n_body = L * (2 * h * h + 2 * h * kv + 3 * h * ffn)
+    head = sum(lengths) if head_positions is None else head_positions
+    return 6 * n_body * sum(lengths) + 6 * VOCAB * h * head + 6 * L * h * sum(s * s for s in lengths)
+
+
+def mfu_figures(backend: str, lengths: list[int], responses: list[int], step_s: float) -> dict:
+    """The standard MFU (positions computed, datasheet peak) and the older definition beside it."""
+    computed = model_flops(lengths, sum(responses) if backend == "megatron" else None)
+    everywhere = model_flops(lengths)
+    return dict(
+        model_tflop_per_step=computed / 1e12,
+        tflops=computed / step_s / 1e12,
+        mfu=computed / step_s / PEAK_DATASHEET,
+        tflop_per_step_all_positions=everywhere / 1e12,
+        mfu_all_positions_vs_790=everywhere / step_s / MATMUL_MEASURED,
+    )
 
 
 def samples(n: int, seq: int, prompt: int, seed: int = 0):
@@ -133,7 +157,7 @@ def main() -> None:
     if a.profile:
         profile_step(b, batch)
     lengths = [len(s.tokens) for s in batch]
-    flops = model_flops(lengths)
+    responses = [len(s.response_ids) for s in batch]
     res = dict(
         backend=a.backend,
         batch=a.batch,
@@ -142,9 +166,7 @@ def main() -> None:
         step_s=step,
         steps=times,
         tokens_per_s=sum(lengths) / step,
-        model_tflop_per_step=flops / 1e12,
-        tflops=flops / step / 1e12,
-        mfu=flops / step / PEAK,
+        **mfu_figures(a.backend, lengths, responses, step),
         peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9,
         loss=m.get("loss"),
     )

@@ -1,6 +1,6 @@
 """The embedded engine on a CUDA GPU: bf16 generation, CUDA-graph decode equal to eager decode,
 the one-pass Triton sampler against the torch reference, log-probs against an HF bf16 forward,
-release/resume of device memory, and a weight update into a CUDA engine process over gloo.
+release/resume of device memory (measured in a fresh process), and a weight update into a CUDA engine process over gloo.
 
 Measured on one H200 (torch 2.11, 2026-11-30), model hidden 256 / 4 layers / 8 heads / 2 kv heads:
 engine vs HF bf16 full forward, |log-prob diff| over 1348 generated tokens: greedy max 0.0081, mean
@@ -130,33 +130,19 @@ def test_triton_sampler_matches_torch_reference():
 
 
 def test_release_and_resume_memory(gpu_model):
-    sched = _scheduler(gpu_model)
-    work = _work(6, 2)
-    before = [r.output for r in _run(sched, work)]
-    torch.cuda.synchronize()
-    alloc, reserved, free = (
-        torch.cuda.memory_allocated(),
-        torch.cuda.memory_reserved(),
-        torch.cuda.mem_get_info()[0],
-    )
-    weight_bytes = sum(t.numel() * t.element_size() for t in sched.decoder.params.values())
-    pool_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in sched.pool)
-    sched.release_memory()
-    freed = alloc - torch.cuda.memory_allocated()
-    print(
-        f"release: allocated -{freed / 2**20:.1f} MiB (weights {weight_bytes / 2**20:.1f} + KV "
-        f"{pool_bytes / 2**20:.1f}), reserved {reserved / 2**20:.1f} -> "
-        f"{torch.cuda.memory_reserved() / 2**20:.1f} MiB, device free +"
-        f"{(torch.cuda.mem_get_info()[0] - free) / 2**20:.1f} MiB"
-    )
-    assert freed >= weight_bytes + pool_bytes
+    """Measured in a fresh process (tests/gpu/memory_probes.py): what earlier tests left in this one
+    (cached segments, graph pools, garbage) would otherwise enter the before/after numbers."""
+    from memory_probes import run_probe
+
+    r = run_probe("engine", gpu_model)
+    freed = r["allocated"] - r["released_allocated"]
+    assert freed >= r["weight_bytes"] + r["pool_bytes"], r
     # the KV pool's segments go back to the device; small weights may share a segment with a live
-    # allocation of someone else (e.g. a BLAS workspace), so only the pool is required here
-    assert torch.cuda.memory_reserved() <= reserved - pool_bytes
-    assert all(not t.is_cuda and t.is_pinned() for t in sched.decoder.params.values())
-    sched.resume_memory()
-    assert torch.cuda.memory_allocated() >= weight_bytes + pool_bytes
-    assert [r.output for r in _run(sched, work)] == before
+    # allocation of the process (e.g. a BLAS workspace), so only the pool is required here
+    assert r["released_reserved"] <= r["reserved"] - r["pool_bytes"], r
+    assert r["weights_pinned_on_host"]
+    assert r["resumed_allocated"] >= r["weight_bytes"] + r["pool_bytes"], r
+    assert r["same_outputs"], "greedy outputs changed across release/resume"
 
 
 def test_weight_update_into_cuda_engine_over_gloo(gpu_model, tmp_path):
