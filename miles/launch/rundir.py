@@ -131,11 +131,15 @@ class RunDirBusy(ConfigError):
         self.owner = owner
         lock = run_dir / LOCK_FILE
         who = owner.describe() if owner else f"an unreadable lock file {lock}"
-        stop = f"scancel {owner.job_id}" if owner and owner.job_id else f"kill {owner.pid}" if owner else ""
+        stop = ""
+        if owner:
+            stop = (
+                f" or stop it (scancel {owner.job_id})" if owner.job_id else f" or stop it (kill {owner.pid})"
+            )
         super().__init__(
-            f"run directory {run_dir} is in use by another process: {who}{detail}. Wait for it to end"
-            f"{f' or stop it ({stop})' if stop else ''}, or give this run another run.name. If that process"
-            f" is gone and Miles cannot tell (another host), delete {lock}"
+            f"run directory {run_dir} is in use by another process: {who}{detail}. Wait for it to end{stop},"
+            f" or give this run another run.name. If that process is gone (one on another host cannot be"
+            f" checked from here), delete {lock}"
         )
 
 
