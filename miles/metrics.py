@@ -3,8 +3,9 @@
 metrics.jsonl holds one JSON object per step, `{"step": N, "time": unix_s, "<group>/<name>": value}`,
 appended, flushed and fsynced as each step ends, so a crash loses at most the step in progress.
 Step 0 holds the evaluation of the initial weights. On resume from the checkpoint of step N the
-file is cut back to steps <= N (atomically), because later steps are trained again: the final
-file has each step exactly once.
+file is cut back to steps <= N (atomically, one record per step), because later steps are trained
+again, and TensorBoard purges its events from step N+1 on; the logger refuses a step that is not
+after the last one recorded, so the final file has each step exactly once.
 """
 
 from __future__ import annotations
@@ -35,34 +36,49 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
-    """Keep only records with step <= last_step (atomic rewrite); returns how many were kept."""
+    """Keep one record per step <= last_step (the last one written), in step order (atomic rewrite);
+    returns how many were kept."""
     path = Path(run_dir) / METRICS_FILE
-    kept = [r for r in read_metrics(run_dir) if int(r.get("step", -1)) <= last_step]
+    records = [r for r in read_metrics(run_dir) if isinstance(r, dict) and "step" in r]
+    by_step = {int(r["step"]): r for r in records if int(r["step"]) <= last_step}
+    kept = [by_step[s] for s in sorted(by_step)]
     tmp = path.with_name(METRICS_FILE + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    with open(tmp, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return len(kept)
 
 
 class MetricsLogger:
-    """Writes one record per step to metrics.jsonl and, optionally, TensorBoard."""
+    """Writes one record per step to metrics.jsonl and, optionally, TensorBoard.
+
+    `resume_step=N` continues a run resumed from the checkpoint of step N (records after N are cut
+    off); None starts a fresh file."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            truncate_metrics(self.run_dir, resume_step)
-        elif (self.run_dir / METRICS_FILE).exists():
-            truncate_metrics(self.run_dir, -1)
+        truncate_metrics(self.run_dir, -1 if resume_step is None else resume_step)
+        self.last_step = max((int(r["step"]) for r in read_metrics(self.run_dir)), default=-1)
+        """The newest step recorded; `log` accepts only later ones."""
         self._file = open(self.run_dir / METRICS_FILE, "a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step)
+            purge = None if resume_step is None else resume_step + 1  # TensorBoard drops steps >= purge
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the record of `step` and make it durable before returning."""
+        if step <= self.last_step:
+            raise ValueError(
+                f"metrics of step {step} after step {self.last_step} in {self.run_dir / METRICS_FILE}: "
+                "each step is recorded once, in order"
+            )
+        self.last_step = step
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         record = {"step": step, "time": time.time(), **clean}
         self._file.write(json.dumps(record) + "\n")

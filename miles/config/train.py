@@ -41,12 +41,12 @@ class LossConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Checkpointing of the full training state."""
+    """Checkpointing of the full training state (file sizes and SHA-256 recorded, checked on resume)."""
 
-    every_steps: int = 0
-    """Save every N steps (0: only at the end of the run)."""
+    every_steps: int = Field(50, ge=0)
+    """Save every N steps and at the end (0: only at the end); a crash loses at most N steps."""
     keep_last: int = Field(2, ge=1)
-    """Complete checkpoints kept; older ones are deleted after a new one is complete."""
+    """Complete checkpoints kept (>= 2 leaves one to resume from if the newest is damaged)."""
 
 
 class TrainConfig(Section):

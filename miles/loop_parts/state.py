@@ -66,20 +66,31 @@ class LoopState:
 
     @classmethod
     def restore(cls, backend: Any, plan: Plan, run_dir: Path, resume: bool, rank0: bool) -> LoopState:
-        """Load the latest complete checkpoint when resuming (none: start fresh)."""
-        from miles.train.checkpoint import latest_complete_step
+        """Fresh start, or (resume) load the newest checkpoint that verifies; damaged newer ones are
+        skipped with a warning. Raises NoCheckpointError when resuming finds no usable checkpoint."""
+        from miles.train.checkpoint import NoCheckpointError
 
         state = cls(run_dir)
-        latest = broadcast(latest_complete_step(run_dir) if rank0 else None)
-        if resume and latest is not None:
-            extra = backend.load(latest)
-            state.step, state.data_index = int(extra.get("step", latest)), int(extra.get("data_index", 0))
+        if resume:
+            try:
+                extra = backend.load(None)
+            except NoCheckpointError as exc:
+                raise NoCheckpointError(
+                    f"--resume: nothing to resume in {run_dir}: {exc}\n"
+                    "start without --resume to begin a fresh run in it"
+                ) from exc
+            if "step" not in extra:
+                raise NoCheckpointError(
+                    f"--resume: the checkpoint in {run_dir} has no loop position (its extra state has "
+                    "no 'step': it was not written by the RL loop); start without --resume"
+                )
+            state.step, state.data_index = int(extra["step"]), int(extra.get("data_index", 0))
             log.info("resumed from checkpoint step %d (data index %d)", state.step, state.data_index)
-        elif resume:
-            log.info("--resume: no complete checkpoint in %s, starting fresh", run_dir)
         if rank0:
             state.preempt_file.unlink(missing_ok=True)
-            state.logger = MetricsLogger(run_dir, tensorboard=plan.run.tensorboard, resume_step=state.step)
+            state.logger = MetricsLogger(
+                run_dir, tensorboard=plan.run.tensorboard, resume_step=state.step if resume else None
+            )
         return state
 
     def rollout_side(self, plan: Plan, run_dir: Path) -> Any:
@@ -124,7 +135,8 @@ class LoopState:
     def save(self, backend: Any, side: Any) -> None:
         """Complete checkpoint of this step with the data position (collective)."""
         index = broadcast(side.producer.next_index if side is not None else None)
-        backend.save(self.step, {"step": self.step, "data_index": index})
+        path = backend.save(self.step, {"step": self.step, "data_index": index})
+        log.info("checkpoint of step %d written to %s", self.step, path)
 
     def close(self, side: Any) -> None:
         if side is not None:

@@ -8,15 +8,19 @@ Layout of `<run_dir>/checkpoints/step_<N>/`:
                     it writes its own state there and DCP holds the model alone.
     trainer.pt      rank 0: step, LR-scheduler state, the caller's `extra` (loop state, data position)
     rng_rank<r>.pt  per rank: torch (CPU and CUDA) and Python RNG states
-    .complete       written last, by rank 0, after every rank has finished writing
+    .complete       written last, by rank 0, after every rank has finished writing: the size and
+                    SHA-256 of every file above (miles/train/checkpoint.py)
 
-Only directories with `.complete` count; `keep_last` complete checkpoints are kept. `export_hf`
+Only directories with `.complete` count; `keep_last` complete checkpoints are kept. Loading verifies
+the files against the marker first (the newest damaged checkpoint is skipped for the previous one when
+no step is named) and reports a failure of torch's readers with the step and the path. `export_hf`
 writes an inference-ready Hugging Face directory (config, tokenizer, model.safetensors).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import random
 import shutil
@@ -35,8 +39,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from miles.train.checkpoint import COMPLETE, complete_steps, latest_complete_step, mark_complete, step_dir
+from miles.train.checkpoint import choose, load_error, seal, step_dir
 from miles.train.fsdp.weights import iter_full_tensors
+
+log = logging.getLogger("miles.train.checkpoint")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -85,8 +91,7 @@ def save_checkpoint(
         trainer = {"step": step, "scheduler": scheduler.state_dict(), "extra": extra or {}}
         torch.save(trainer, out / "trainer.pt")
     dist.barrier()
-    if rank == 0:
-        mark_complete(run_dir, step, keep_last)
+    seal(run_dir, step, keep_last, dist)
     dist.barrier()
     return out
 
@@ -98,15 +103,22 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
 ) -> tuple[int, dict[str, Any]]:
-    """Restore the state of `step` (None: the latest complete); returns (step, extra). Collective."""
-    if step is None:
-        step = latest_complete_step(run_dir)
-        if step is None:
-            raise FileNotFoundError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
-    src = step_dir(run_dir, step)
-    if not (src / COMPLETE).exists():
-        found = ", ".join(map(str, complete_steps(run_dir))) or "none"
-        raise FileNotFoundError(f"checkpoint {src} is missing or incomplete; complete steps: {found}")
+    """Restore the state of `step` after verifying its files (None: the newest complete checkpoint
+    that verifies); returns (step, extra). Collective. Raises NoCheckpointError / CheckpointError."""
+    group = dist if dist.is_initialized() else None
+    choice = choose(run_dir, step, group)
+    for note in choice.notes if group is None or dist.get_rank() == 0 else []:
+        log.warning("%s", note)
+    step = choice.check()
+    try:
+        trainer = _load_files(step_dir(run_dir, step), model, optimizer, scheduler)
+    except Exception as exc:
+        raise load_error(step, run_dir, exc) from exc
+    dist.barrier()
+    return int(trainer["step"]), trainer["extra"]
+
+
+def _load_files(src: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict:
     if _has_own_state(optimizer):
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(src / "state"))
@@ -121,8 +133,7 @@ def load_checkpoint(
     scheduler.load_state_dict(trainer["scheduler"])
     rng_file = src / f"rng_rank{dist.get_rank()}.pt"
     _set_rng_state(torch.load(rng_file if rng_file.exists() else src / "rng_rank0.pt", weights_only=False))
-    dist.barrier()
-    return int(trainer["step"]), trainer["extra"]
+    return trainer
 
 
 def export_hf(model: nn.Module, model_path: str | Path, out_dir: str | Path, dtype: torch.dtype) -> Path:

@@ -9,20 +9,28 @@ with the FSDP backend, miles/train/fsdp/checkpoint.py):
                                      data-parallel shards by Megatron's distributed optimizer
     megatron/rng_rankR.pt            RNG states
     trainer.pt                       step counter and the caller's `extra`, by rank 0
-    .complete                        written last, by rank 0, after every rank has finished
+    .complete                        written last, by rank 0, after every rank has finished: the
+                                     size and SHA-256 of every file above
+
+Loading verifies the files against the marker first (with no step named, a damaged newest checkpoint
+is skipped for the previous one that verifies) and reports a failure of torch's readers with the step
+and the path (miles/train/checkpoint.py).
 
 Resuming needs the same tensor / pipeline sizes; the data-parallel size may change.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from miles.train.checkpoint import COMPLETE, complete_steps, latest_complete_step, mark_complete, step_dir
+from miles.train.checkpoint import CheckpointError, choose, load_error, seal, step_dir
+
+log = logging.getLogger("miles.train.checkpoint")
 
 
 def _files(run_dir: str, step: int) -> tuple[Path, Path, Path]:
@@ -60,8 +68,7 @@ def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
     if rank == 0:
         torch.save({"step": step, "step_count": backend.step_count, "extra": extra or {}}, out / "trainer.pt")
     dist.barrier()
-    if rank == 0:
-        mark_complete(run_dir, step, backend.plan.train.checkpoint.keep_last)
+    seal(run_dir, step, backend.plan.train.checkpoint.keep_last, dist)
     dist.barrier()
     return str(out)
 
@@ -79,22 +86,32 @@ def _load_parameter_state(optimizer: Any, path: str) -> None:
 
 
 def load(backend: Any, step: int | None) -> dict[str, Any]:
-    """Collective; restores weights, master weights, moments, RNG and the step; returns `extra`."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
+    """Collective; verifies the checkpoint's files (None: the newest complete one that verifies), then
+    restores weights, master weights, moments, RNG and the step; returns `extra`."""
     run_dir = backend.plan.run_dir
-    step = latest_complete_step(run_dir) if step is None else step
-    if step is None or not (step_dir(run_dir, step) / COMPLETE).exists():
-        found = ", ".join(map(str, complete_steps(run_dir))) or "none"
-        raise FileNotFoundError(
-            f"no complete checkpoint for step {step} in {run_dir}; complete steps: {found}"
-        )
-    model_f, optim_f, state_f = _files(run_dir, step)
+    choice = choose(run_dir, step, dist)
+    for note in choice.notes if dist.get_rank() == 0 else []:
+        log.warning("%s", note)
+    step = choice.check()
+    model_f, _, _ = _files(run_dir, step)
     if not model_f.exists():
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"no Megatron checkpoint {model_f}: was it saved by the megatron backend with the same "
             "train.tensor_parallel and train.pipeline_parallel?"
         )
+    try:
+        trainer = _load_files(backend, run_dir, step)
+    except Exception as exc:
+        raise load_error(step, run_dir, exc) from exc
+    backend.step_count = int(trainer["step_count"])
+    dist.barrier()
+    return trainer["extra"]
+
+
+def _load_files(backend: Any, run_dir: str, step: int) -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    model_f, optim_f, state_f = _files(run_dir, step)
     backend.gpt.load_state_dict(torch.load(model_f, map_location="cpu"), strict=False)
     backend.optimizer.load_state_dict(torch.load(optim_f, map_location="cpu", weights_only=False))
     _load_parameter_state(backend.optimizer, str(state_f))
@@ -102,7 +119,4 @@ def load(backend: Any, step: int | None) -> dict[str, Any]:
     torch.set_rng_state(rng["torch"])
     torch.cuda.set_rng_state(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
-    trainer = torch.load(step_dir(run_dir, step) / "trainer.pt", weights_only=False)
-    backend.step_count = int(trainer["step_count"])
-    dist.barrier()
-    return trainer["extra"]
+    return torch.load(step_dir(run_dir, step) / "trainer.pt", weights_only=False)
