@@ -42,8 +42,6 @@ class Sample:
     response: str = ""
     answer: Any = None
     """Reference answer of the task, given to the reward function."""
-    routed_experts: bytes | None = None
-    """R3: base64 int32 expert ids [tokens-1, layers, top_k] as returned by the engine."""
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -51,8 +51,6 @@ class LaunchConfig(Section):
     """Tag shared by the points of one sweep (set by `miles sweep`)."""
     actor_module: str = "miles.loop"
     """Module the actor ranks run (`python -m MODULE --run-dir RUN_DIR --resume`)."""
-    pipeline_last_stage_layers: int | None = None
-    """Megatron: transformer layers on the last pipeline stage (the rest split evenly); None: even split."""
     stop_grace_s: float = 120.0
     """Ctrl-C / SIGTERM of `miles train`: how long the trainer may take to write a checkpoint of the
     step it reached before everything is stopped (a second Ctrl-C stops at once)."""

@@ -1,7 +1,8 @@
 """recipe + profile + overrides -> one frozen Plan, with every derived value logged.
 
 This is the only place where values are derived. The steps run in order, each small:
-merge the layers, validate the schema, fill derived defaults, check cross-section rules.
+merge the layers, validate the schema, fill derived defaults, check cross-section rules and the
+trainer's parallel layout (miles.config.layout, the same rules `miles submit` applies to the actor group).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from miles.config.base import ConfigError, explain
+from miles.config.layout import check_layout
 from miles.config.loading import apply_overrides, deep_merge, read_yaml
 from miles.config.plan import Plan
 
@@ -88,7 +90,13 @@ def resolve(
     overrides: list[str] | None = None,
     profile_defaults: dict[str, Any] | None = None,
 ) -> Plan:
-    """Build the frozen Plan: profile defaults < recipe < overrides, then derive, check, log."""
+    """Build the frozen Plan: profile defaults < recipe < overrides, then derive, check, log.
+
+    Without `profile_defaults` the plan runs on this host (`miles train`): the trainer has
+    `train.num_ranks` ranks and the layout is checked against them here. `miles submit` passes a
+    profile's defaults; there the actor group decides the ranks, and miles.launch.spec checks them with
+    the same check_layout once the profile's GPUs per node are known.
+    """
     data = read_yaml(recipe) if isinstance(recipe, (str, Path)) else dict(recipe or {})
     data = deep_merge(profile_defaults or {}, data)
     data = apply_overrides(data, overrides or [])
@@ -103,6 +111,7 @@ def resolve(
     before = _flatten(plan.model_dump())
     plan = plan.model_copy(update=sections)
     _check(plan)
+    check_layout(plan, plan.train.num_ranks if profile_defaults is None else None)
     for key, value in _flatten(plan.model_dump()).items():
         if before.get(key) != value:
             log.info("derived %s = %r", key, value)
@@ -118,9 +127,22 @@ def write_plan(plan: Plan, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
+RETIRED_KEYS: dict[tuple[str, str], Any] = {("launch", "pipeline_last_stage_layers"): None}
+"""Keys plan.yaml files of earlier versions hold at their default, which nothing reads any more."""
+
+
+def _drop_retired(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored plan without its retired keys, so that older run directories can still be resumed."""
+    for (section, key), default in RETIRED_KEYS.items():
+        values = data.get(section)
+        if isinstance(values, dict) and key in values and values[key] == default:
+            data = {**data, section: {k: v for k, v in values.items() if k != key}}
+    return data
+
+
 def read_plan(path: str | Path) -> Plan:
     """Read a plan written by write_plan (already resolved; validated again, not re-derived)."""
-    data = read_yaml(path)
+    data = _drop_retired(read_yaml(path))
     try:
         return Plan.model_validate(data)
     except ValidationError as e:

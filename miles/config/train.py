@@ -93,8 +93,8 @@ class TrainConfig(Section):
     loss: LossConfig = LossConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     tensor_parallel: int = 1
-    """Megatron: tensor-parallel size."""
+    """Megatron: tensor-parallel size (train.backend=fsdp refuses > 1; rules in miles/config/layout.py)."""
     pipeline_parallel: int = 1
-    """Megatron: pipeline-parallel size."""
+    """Megatron: pipeline-parallel size, layers split evenly over the stages (fsdp refuses > 1)."""
     expert_parallel: int = 1
-    """Megatron: expert-parallel size."""
+    """Expert-parallel size of MoE layers; MoE training is not built yet, so every backend refuses > 1."""

@@ -2,7 +2,8 @@
 
 Every check raises ConfigError naming the key to change, before anything reaches Slurm:
 node and time limits of the partition, GPUs a profile lacks, a container profile without an
-image, parallelism the groups cannot hold. `job_facts` is what the job-side bootstrap needs
+image, parallelism the groups cannot hold (the rules of miles.config.layout, which `miles train` runs
+too, over the actor group's ranks). `job_facts` is what the job-side bootstrap needs
 besides plan.yaml (written as RUN_DIR/launch.json).
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from miles.cluster.collectives import collectives_env
 from miles.config import ConfigError, Plan
+from miles.config.layout import check_layout
 from miles.config.profile import Profile
 from miles.launch.slurm import RUN_DIR, ComponentSpec, JobSpec, StepSpec
 
@@ -86,25 +88,9 @@ def _check_partition(plan: Plan, profile: Profile) -> str | None:
 
 
 def _check_parallelism(plan: Plan, profile: Profile, ranks: int) -> None:
-    t = plan.train
-    if min(t.tensor_parallel, t.pipeline_parallel, t.expert_parallel) < 1:
-        raise ConfigError(
-            "train.tensor_parallel, train.pipeline_parallel and train.expert_parallel must be >= 1"
-        )
-    model_parallel = t.tensor_parallel * t.pipeline_parallel
-    if ranks % model_parallel:
-        raise ConfigError(
-            f"the actor group has {ranks} ranks, not a multiple of train.tensor_parallel x "
-            f"train.pipeline_parallel = {model_parallel}; change launch.actor_nodes or the parallel sizes"
-        )
-    if (ranks // t.pipeline_parallel) % t.expert_parallel:
-        raise ConfigError(
-            f"train.expert_parallel={t.expert_parallel} must divide the {ranks // t.pipeline_parallel} ranks of "
-            f"one pipeline stage ({ranks} ranks / train.pipeline_parallel={t.pipeline_parallel})"
-        )
-    if plan.launch.pipeline_last_stage_layers is not None and t.pipeline_parallel < 2:
-        raise ConfigError("launch.pipeline_last_stage_layers needs train.pipeline_parallel >= 2")
-    if t.backend == "megatron" and profile.vendor == "cpu":
+    """The layout rules `miles train` runs too (miles.config.layout), over the actor group's ranks."""
+    check_layout(plan, ranks, "launch.actor_nodes x launch.actor_tasks_per_node")
+    if plan.train.backend == "megatron" and profile.vendor == "cpu":
         raise ConfigError(f"train.backend=megatron needs GPUs; profile {profile.name!r} has none")
 
 

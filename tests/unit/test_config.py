@@ -81,3 +81,25 @@ def test_colocated_layout_derives_the_tensor_transport() -> None:
     assert resolve({}).weights.transport == "distributed"
     with pytest.raises(ConfigError, match="set weights.transport=tensor"):
         resolve({"launch": {"layout": "colocated"}, "weights": {"transport": "distributed"}})
+
+
+def test_plans_of_earlier_versions_still_read(tmp_path) -> None:
+    """A retired key at its default (written by an earlier version) is dropped; a set one is refused."""
+    import yaml
+
+    data = resolve({}).model_dump(mode="json")
+    data["launch"]["pipeline_last_stage_layers"] = None
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(data))
+    assert read_plan(tmp_path / "plan.yaml") == resolve({})
+    data["launch"]["pipeline_last_stage_layers"] = 10
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="unknown key 'launch.pipeline_last_stage_layers'"):
+        read_plan(tmp_path / "plan.yaml")
+
+
+def test_python_dash_m_miles_runs_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "miles", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: miles") and "submit" in out.stdout and "train" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "miles", "nope"], capture_output=True, text=True)
+    assert out.returncode == 2 and "invalid choice: 'nope'" in out.stderr

@@ -1,0 +1,115 @@
+"""The trainer's parallel layout: what each backend implements and how the sizes must divide the ranks.
+
+`check_layout` holds every layout rule that does not depend on a hardware profile, so that
+`miles train` (through resolve(), with the plan's `train.num_ranks`) and `miles submit` (through
+miles.launch.spec, with the ranks of the actor group) refuse the same layouts with the same message.
+What a profile decides (GPUs per node, partitions, a CPU-only vendor) stays in miles.launch.spec.
+
+The model's shape rules (heads and vocabulary split over tensor-parallel ranks, layers over pipeline
+stages) are checked here when the model directory already holds its config.json; otherwise the
+Megatron backend checks them when it starts. Reads JSON only: no torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from miles.config.base import ConfigError
+from miles.config.plan import Plan
+
+log = logging.getLogger("miles.config")
+
+SIZES = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
+"""The parallel sizes of train.*, each 1 when unused."""
+
+_MOE = "MoE training is not built yet"
+UNSUPPORTED: dict[tuple[str, str], str] = {
+    ("fsdp", "tensor_parallel"): "FSDP shards every parameter over all train ranks instead; "
+    "train.backend=megatron splits layers",
+    ("fsdp", "pipeline_parallel"): "FSDP shards every parameter over all train ranks instead; "
+    "train.backend=megatron splits layers",
+    ("fsdp", "expert_parallel"): _MOE,
+    ("megatron", "expert_parallel"): f"the Megatron backend builds dense models only; {_MOE}",
+}
+"""(train.backend, size) pairs the backend does not implement, and why; any other size may exceed 1."""
+
+
+def _check_support(plan: Plan) -> None:
+    t = plan.train
+    for key in SIZES:
+        value = getattr(t, key)
+        if value < 1:
+            raise ConfigError(f"train.{key} must be >= 1 (got {value})")
+        why = UNSUPPORTED.get((t.backend, key))
+        if value != 1 and why:
+            yet = " yet" if _MOE in why else ""
+            raise ConfigError(
+                f"train.{key}={value} is not supported{yet} by train.backend={t.backend} ({why}); "
+                f"set train.{key}=1"
+            )
+    if t.backend == "megatron" and t.device == "cpu":
+        raise ConfigError(
+            "train.backend=megatron runs on CUDA GPUs only (megatron-core's forward is CUDA-only): set "
+            "train.device=auto (or cuda), or train.backend=fsdp to train on CPU"
+        )
+
+
+def _check_ranks(plan: Plan, ranks: int, ranks_key: str) -> None:
+    t = plan.train
+    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    if ranks % model_parallel:
+        raise ConfigError(
+            f"{ranks} trainer ranks ({ranks_key}) are not a multiple of train.tensor_parallel x "
+            f"train.pipeline_parallel = {model_parallel}: change {ranks_key} or those sizes"
+        )
+
+
+def _model_shape(path: str) -> dict[str, int] | None:
+    """Layer, head and vocabulary counts from the model's config.json (None when it is not there yet)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot read {config}: {e}") from None
+    cfg = cfg.get("text_config", cfg)
+    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    shape = {k: cfg[k] for k in keys if isinstance(cfg.get(k), int)}
+    if "num_key_value_heads" not in shape and "num_attention_heads" in shape:
+        shape["num_key_value_heads"] = shape["num_attention_heads"]
+    return shape
+
+
+def _check_model(plan: Plan) -> None:
+    t = plan.train
+    if t.backend != "megatron" or (t.tensor_parallel == 1 and t.pipeline_parallel == 1):
+        return
+    shape = _model_shape(plan.model.path)
+    if shape is None:
+        log.info(
+            "model %s has no config.json yet; its split is checked when the trainer starts", plan.model.path
+        )
+        return
+    rules = [(k, "train.tensor_parallel", t.tensor_parallel) for k in shape if k != "num_hidden_layers"]
+    rules.append(("num_hidden_layers", "train.pipeline_parallel", t.pipeline_parallel))
+    for what, key, size in rules:
+        if what in shape and shape[what] % size:
+            raise ConfigError(
+                f"model {plan.model.path} has {what}={shape[what]}, not divisible by {key}={size}; "
+                f"choose a {key} that divides it"
+            )
+
+
+def check_layout(plan: Plan, ranks: int | None = None, ranks_key: str = "train.num_ranks") -> None:
+    """Refuse a parallel layout the backend cannot run, naming the key to change.
+
+    `ranks` is the trainer's world size and `ranks_key` the key(s) that set it (`train.num_ranks` for
+    local runs, the actor group for Slurm); None checks only the rules that do not depend on it.
+    """
+    _check_support(plan)
+    if ranks is not None:
+        _check_ranks(plan, ranks, ranks_key)
+    _check_model(plan)
