@@ -6,6 +6,10 @@
               -> every `weights.update_interval` steps push weights (version = step)
               -> evaluate every `eval.every_steps` -> metrics.jsonl -> checkpoint / preemption
 
+An engine lost on the way (rank 0's rollout side finds it unreachable) is waited for until the
+launcher has replaced it; then every rank exports the current weights again and rank 0 pushes them
+into the new engine before generation resumes (`next_batch`, `push_weights`).
+
 Weight versions are training steps: the engine's initial weights are version 0, the weights after
 step s are version s. A file RUN_DIR/control/preempt, checked at each step boundary, makes the
 run write a complete checkpoint and exit 0; `--resume` continues from the latest complete one.
@@ -15,14 +19,19 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
+import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 from miles.config import read_plan
+from miles.loop_parts.rollout_side import REPLACED
 from miles.loop_parts.state import LoopState, barrier_flag, broadcast, setup_logging
+from miles.processes import die_with_parent
 
 
 def train_step(
@@ -46,6 +55,26 @@ def train_step(
     return metrics, times
 
 
+def push_weights(state: LoopState, plan: Any, backend: Any, side: Any, rank0: bool) -> dict[str, float]:
+    """Push the current weights; an engine lost during the push is replaced and pushed to again
+    (at most engine.max_restarts + 1 attempts, all ranks together)."""
+    for _ in range(plan.engine.max_restarts + 1):
+        metrics = state.push_weights(plan, backend, side)
+        if not barrier_flag(rank0 and bool(side.lost)):
+            return metrics
+        if rank0:
+            side.repair()
+    raise RuntimeError(f"weight push kept failing after {plan.engine.max_restarts + 1} engine repairs")
+
+
+def next_batch(state: LoopState, plan: Any, backend: Any, side: Any, rank0: bool) -> list[Any]:
+    """Rank 0's next batch on every rank; pushes the current weights first whenever rank 0 had to
+    replace an engine (its new engine serves the initial weights until then)."""
+    while (samples := broadcast(side.batch(state.step) if rank0 else None)) == REPLACED:
+        push_weights(state, plan, backend, side, rank0)
+    return samples
+
+
 def run(run_dir: Path, resume: bool) -> int:
     import torch.distributed as dist
 
@@ -67,19 +96,19 @@ def run(run_dir: Path, resume: bool) -> int:
     )
     try:
         if state.step > 0:
-            state.push_weights(plan, backend, side)
+            push_weights(state, plan, backend, side, rank0)
         elif plan.eval.every_steps > 0 and rank0:
             state.log(0, side.evaluate())
         for step in range(state.step + 1, plan.train.steps + 1):
             t0 = time.monotonic()
-            samples = broadcast(side.batch(state.step) if rank0 else None)
+            samples = next_batch(state, plan, backend, side, rank0)
             t1 = time.monotonic()
             metrics, times = train_step(backend, samples, side, take_turns, rank0)
             state.step, t2 = step, time.monotonic()
             last = step == plan.train.steps
             pushed = step % plan.weights.update_interval == 0 or last
             if pushed:
-                metrics.update(state.push_weights(plan, backend, side))
+                metrics.update(push_weights(state, plan, backend, side, rank0))
             t3 = time.monotonic()
             state.eval_due |= bool(plan.eval.every_steps) and (step % plan.eval.every_steps == 0 or last)
             if rank0:
@@ -108,6 +137,7 @@ def run(run_dir: Path, resume: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent(signal.SIGKILL)  # never outlive the launcher (torchrun, srun) that started us
     faulthandler.register(
         signal.SIGUSR1, all_threads=True
     )  # `kill -USR1 PID`: every thread's stack to the log
@@ -119,7 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     if not (run_dir / "plan.yaml").exists():
         print(f"miles.loop: {run_dir / 'plan.yaml'} does not exist; run `miles train` first", file=sys.stderr)
         return 2
-    return run(run_dir, args.resume)
+    try:
+        return run(run_dir, args.resume)
+    except BaseException:
+        # A failed rank must end even when a helper thread is stuck (e.g. in a collective with an
+        # engine that died): print the error, flush, and leave without joining threads.
+        traceback.print_exc()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(1)
 
 
 if __name__ == "__main__":

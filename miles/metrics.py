@@ -14,7 +14,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,32 +95,33 @@ class MetricsLogger:
             self._tb.close()
 
 
-def follow_progress(
-    run_dir: str | Path, total_steps: int, running: Callable[[], bool], poll_s: float = 1.0
-) -> None:
-    """Show a live progress bar from metrics.jsonl while `running()` is true (used by `miles train`)."""
-    from tqdm import tqdm
+class ProgressBar:
+    """A live progress bar fed from metrics.jsonl: call `update()` as often as you like (`miles train`
+    calls it from its supervision loop), `close()` at the end."""
 
-    bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
-    seen = 0
-    try:
-        while True:
-            alive = running()
-            records = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0]
-            if records:
-                last = records[-1]
-                bar.update(max(0, int(last["step"]) - seen))
-                seen = max(seen, int(last["step"]))
-                evals = [r for r in read_metrics(run_dir) if "eval/pass@1" in r]
-                post = {"reward": f"{last.get('rollout/reward_mean', float('nan')):.3f}"}
-                if evals:
-                    post["eval_pass@1"] = f"{evals[-1]['eval/pass@1']:.3f}"
-                bar.set_postfix(post)
-            if not alive:
-                return
-            time.sleep(poll_s)
-    finally:
-        bar.close()
+    def __init__(self, run_dir: str | Path, total_steps: int) -> None:
+        from tqdm import tqdm
+
+        self.run_dir = run_dir
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self.seen = 0
+
+    def update(self) -> None:
+        records = read_metrics(self.run_dir)
+        steps = [r for r in records if r.get("step", 0) > 0]
+        if not steps:
+            return
+        last = steps[-1]
+        self.bar.update(max(0, int(last["step"]) - self.seen))
+        self.seen = max(self.seen, int(last["step"]))
+        post = {"reward": f"{last.get('rollout/reward_mean', float('nan')):.3f}"}
+        evals = [r for r in records if "eval/pass@1" in r]
+        if evals:
+            post["eval_pass@1"] = f"{evals[-1]['eval/pass@1']:.3f}"
+        self.bar.set_postfix(post)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 _PANELS: dict[str, list[str]] = {

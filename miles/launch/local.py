@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,9 @@ from typing import Any
 
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.loading import apply_overrides
-from miles.processes import free_port, stop_processes
+from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
+from miles.metrics import ProgressBar
+from miles.processes import child_options, free_port, stop_processes
 
 log = logging.getLogger("miles.launch")
 
@@ -143,12 +146,33 @@ def new_incarnation() -> str:
     return value
 
 
+def start_engine_process(plan: Plan, run_dir: Path, i: int, gpu: str | None, incarnation: str) -> Any:
+    """Start engine i (the embedded engine, its log in RUN_DIR/logs/engine-<i>.log) and publish it."""
+    from miles.cluster.rendezvous import publish_engine
+    from miles.engine.process import start_engine
+
+    e = plan.engine
+    eng = start_engine(
+        plan.model.path,
+        device=e.device,
+        dtype=plan.model.dtype,
+        max_running_requests=e.max_running_requests,
+        max_total_tokens=e.max_total_tokens,
+        seed=plan.run.seed + i,
+        log_path=run_dir / "logs" / f"engine-{i}.log",
+        startup_timeout_s=e.startup_timeout_s,
+        env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
+        extra_args=["--enable-fault-injection"] if e.fault_injection else None,
+    )
+    publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", incarnation)
+    return eng
+
+
 def start_engines(
     plan: Plan, run_dir: Path, gpus: list[str | None] | None = None, incarnation: str = "local"
 ) -> list[Any]:
-    """Start `engine.num_engines` embedded engines (and a router) and publish their URLs."""
-    from miles.cluster.rendezvous import publish_engine, publish_router
-    from miles.engine.process import start_engine
+    """Start `engine.num_engines` embedded engines (and a router, last) and publish their URLs."""
+    from miles.cluster.rendezvous import publish_router
     from miles.rollout.router import start_router
 
     e = plan.engine
@@ -159,19 +183,7 @@ def start_engines(
     started: list[Any] = []
     try:
         for i in range(e.num_engines):
-            eng = start_engine(
-                plan.model.path,
-                device=e.device,
-                dtype=plan.model.dtype,
-                max_running_requests=e.max_running_requests,
-                max_total_tokens=e.max_total_tokens,
-                seed=plan.run.seed + i,
-                log_path=run_dir / "logs" / f"engine-{i}.log",
-                startup_timeout_s=e.startup_timeout_s,
-                env={"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus and gpus[i] is not None else None,
-            )
-            started.append(eng)
-            publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", incarnation)
+            started.append(start_engine_process(plan, run_dir, i, gpus[i] if gpus else None, incarnation))
         if e.num_engines > 1:
             urls = [x.url for x in started]
             router = start_router(urls, policy=e.router_policy, log_path=run_dir / "logs" / "router.log")
@@ -197,18 +209,12 @@ def start_trainers(
            "-m", "miles.loop", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])  # fmt: skip
     with open(run_dir / "logs" / "trainer-stdout.log", "ab") as out:
         env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {})}
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        # SIGTERM when we die, however: torchrun then stops its ranks (each also dies with torchrun)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            **child_options(signal.SIGTERM),
+        )  # fmt: skip
     return [proc]
-
-
-def wait_trainers(procs: list[subprocess.Popen], poll_s: float = 0.5) -> int:
-    """Wait for every rank; when one fails the others are stopped (they would hang in a collective)."""
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode not in (None, 0) for p in procs):
-            break
-        time.sleep(poll_s)
-    stop_processes(procs, 30.0)
-    return next((p.returncode for p in procs if p.returncode != 0), 0)
 
 
 def stop_all(procs: list[Any]) -> None:
@@ -220,35 +226,67 @@ def stop_all(procs: list[Any]) -> None:
             log.warning("stopping %s failed: %s", p, e)
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the finally that stops children
-
-
 def train_main(
     recipe: str, overrides: list[str] | None = None, resume: str | None = None, progress: bool = True
 ) -> int:
-    """Run the job to completion on this host; returns the trainer's exit code."""
-    from miles.metrics import follow_progress
-
-    signal.signal(signal.SIGTERM, _terminate)
+    """Run the job to completion on this host; returns the exit status for the console."""
     plan = _plan(recipe, overrides or [], resume)
     check_rollout_inputs(plan)
     run_dir = _prepare_run_dir(plan, bool(resume))
     _ensure_model(plan)
     share_cpu_threads(plan)
     engine_gpus, trainer_gpus = gpu_placement(plan, visible_gpus())
-    started = start_engines(plan, run_dir, engine_gpus, new_incarnation())
+    incarnation = new_incarnation()
+    sup: Supervisor | None = None
+    started: list[Any] = []
     trainers: list[subprocess.Popen] = []
+    old_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        started = start_engines(plan, run_dir, engine_gpus, incarnation)
+        slots = [EngineSlot(i, p) for i, p in enumerate(started[: plan.engine.num_engines])]
+        router = started[-1] if len(started) > plan.engine.num_engines else None
+
+        def restart(i: int) -> Any:
+            return start_engine_process(plan, run_dir, i, engine_gpus[i], incarnation)
+
+        sup = Supervisor(plan, run_dir, slots, restart, router)
+        for s in old_handlers:
+            signal.signal(s, sup.on_signal)
         trainers = start_trainers(plan, run_dir, bool(resume), trainer_gpus)
-        if progress:
-            follow_progress(run_dir, plan.train.steps, lambda: all(t.poll() is None for t in trainers))
-        rc = wait_trainers(trainers)
+        bar = ProgressBar(run_dir, plan.train.steps) if progress else None
+        try:
+            rc = sup.watch(trainers, bar.update if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
+    except RunFailed as e:
+        print(f"miles: {e}", file=sys.stderr)
+        rc = 1
     finally:
         stop_processes(trainers, 30.0)
-        stop_all(started)
-    if rc != 0:
-        print(f"miles: trainer exited with {rc}; see {run_dir / 'logs'}", file=sys.stderr)
-    else:
+        stop_all([*(s.proc for s in sup.engines), *started[plan.engine.num_engines :]] if sup else started)
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    return _report(recipe, run_dir, rc, sup.interrupted if sup else None)
+
+
+def _report(recipe: str, run_dir: Path, rc: int, interrupted: int | None) -> int:
+    """One closing message on the console; the exit status (128 + signal when interrupted)."""
+    from miles.train.checkpoint import latest_complete_step
+
+    step = latest_complete_step(run_dir)
+    resume = shlex.join(["miles", "train", recipe, "--resume", str(run_dir)])
+    if interrupted is not None:
+        name = signal.Signals(interrupted).name
+        saved = f"checkpoint of step {step} in {run_dir / 'checkpoints'}" if step else "no checkpoint yet"
+        print(f"miles: stopped by {name} ({saved}); continue with: {resume}", file=sys.stderr)
+        return 128 + interrupted
+    if rc == 0:
         print(f"miles: run finished; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
+        return 0
+    error, path = trainer_error(run_dir)
+    print(f"miles: trainer failed (exit {rc}); its log {path} ends with:", file=sys.stderr)
+    print("\n".join(f"    {line}" for line in error.splitlines()), file=sys.stderr)
+    if step:
+        print(f"miles: the last checkpoint is step {step}; continue with: {resume}", file=sys.stderr)
     return rc

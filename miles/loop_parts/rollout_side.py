@@ -67,20 +67,27 @@ def batch_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
+REPLACED = "engines-replaced"
+"""What `RolloutSide.batch` returns after replacing a lost engine: push the weights, then ask again."""
+
+_SETUP_TIMEOUT_S = 600.0
+
+
 class RolloutSide:
     """Rank 0's rollout machinery behind a small blocking API for the training loop."""
 
     def __init__(self, plan: Plan, run_dir: Path) -> None:
+        from miles.cluster.environment import JobEnvironment
+
         self.plan, self.run_dir = plan, run_dir
+        self.incarnation = JobEnvironment.from_env().incarnation
         urls, router = engine_urls(run_dir, plan.engine.startup_timeout_s)
         r = plan.rollout
-        # connections: the concurrency we use, plus admin calls
-        conns = r.max_concurrency_per_engine * len(urls) + 8
-        self.admins = [SGLangClient(u, max_connections=conns) for u in urls]
-        gen_clients = [SGLangClient(router, max_connections=conns)] if router else self.admins
         self.task = build_task(r.task, plan.run.seed)
         encoder = PromptEncoder(plan.model.path)
-        self.generator = Generator.from_config(gen_clients, encoder, load_reward(r.reward), r)
+        self.generator = Generator.from_config([], encoder, load_reward(r.reward), r)
+        self.generator.on_unreachable = self._on_unreachable
+        self._connect(urls, router)
         self.buffer = RolloutBuffer(
             r.buffer_capacity_groups or 2 * r.prompts_per_step, load_policy(r.buffer_policy), r.max_staleness
         )
@@ -92,11 +99,38 @@ class RolloutSide:
             r.max_concurrency_per_engine * len(urls),
             group_requests=r.group_requests,
         )
-        self.transport = self._transport(urls)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)
         self._stop: asyncio.Event | None = None
         self._forever: Any = None
+        self._fill: Any = None
+        self.lost: set[str] = set()
+        """URLs of engines found unreachable since the last (re)connection."""
+        self.published = set(urls)
+        """The engine URLs published when we last connected (a change means a replacement)."""
+        self._closing = False
+        self.replacements = 0
+
+    def _connect(self, urls: list[str], router: str | None) -> None:
+        """Clients and weight transport for these engines (the transport joins in `_setup`)."""
+        conns = self.plan.rollout.max_concurrency_per_engine * len(urls) + 8  # ours, plus admin calls
+        self.urls, self.router = list(urls), router
+        self.admins = [SGLangClient(u, max_connections=conns) for u in urls]
+        self.generator.set_clients([SGLangClient(router, max_connections=conns)] if router else self.admins)
+        self.transport = self._transport(urls)
+
+    def _setup(self) -> None:
+        """Join the weight-update group; bounded, so an engine that never answers fails the rank."""
+        self.call(self.transport.setup(), timeout_s=_SETUP_TIMEOUT_S)
+
+    def _on_unreachable(self, url: str) -> None:
+        """A request found `url` gone: hold new requests until the engines are repaired."""
+        if self._closing:
+            return
+        if url not in self.lost:
+            log.warning("engine %s unreachable; holding generation until it is replaced", url)
+        self.lost.add(url)
+        self.generator.ready.clear()
 
     def _transport(self, urls: list[str]) -> Any:
         from miles.weights import get_transport
@@ -124,28 +158,91 @@ class RolloutSide:
         """Start the loop thread, join the weight-update group, start async production."""
         self.producer.next_index = next_index
         self._thread.start()
-        self.call(self.transport.setup())
+        self._setup()
         if self.plan.rollout.schedule == "async":
             self._stop = self.call(_make_event())
             self._forever = asyncio.run_coroutine_threadsafe(
                 self.producer.run_forever(self._stop), self._loop
             )
 
-    def batch(self, current_version: int) -> list[Sample]:
-        """The next training batch (prompts_per_step groups), flattened."""
+    def batch(self, current_version: int) -> list[Sample] | str:
+        """The next training batch (prompts_per_step groups), flattened; or REPLACED when an engine
+        was lost and has been replaced: the caller pushes the current weights and asks again."""
         n = self.plan.rollout.prompts_per_step
-        if self.plan.rollout.schedule == "sync":
-            self.call(self.producer.fill(n))
         while True:
+            if self.lost or self._engines_changed():
+                self.repair()
+                return REPLACED
             if self.producer.error is not None:
                 raise RuntimeError("rollout failed") from self.producer.error
+            if self.plan.rollout.schedule == "sync":
+                if self._fill is None:
+                    self._fill = asyncio.run_coroutine_threadsafe(self.producer.fill(n), self._loop)
+                try:
+                    self._fill.result(timeout=1.0)
+                except TimeoutError:
+                    continue
+                self._fill = None
             try:
-                groups = self.buffer.get(n, current_version, timeout_s=5.0)
+                groups = self.buffer.get(n, current_version, timeout_s=1.0)
                 break
             except TimeoutError:
                 if self._forever is not None and self._forever.done():
                     self._forever.result()
         return [s for g in groups for s in g]
+
+    def _engines_changed(self) -> bool:
+        """True when this incarnation's published engines are no longer the ones we talk to (one was
+        replaced behind our back, or a lost one came back after we continued without it)."""
+        from miles.cluster.rendezvous import read_engines
+
+        return {r["url"] for r in read_engines(self.run_dir, self.incarnation)} != self.published
+
+    def repair(self) -> None:
+        """Reconnect to this incarnation's engines after a loss; the generator's gate stays closed
+        until the caller has pushed the current weights (`push` opens it).
+
+        Waits until every published engine answers /health; with several engines, after one health
+        interval it continues with those that do (a replaced engine rejoins when it is published).
+        Raises RuntimeError when none is usable within engine.startup_timeout_s.
+        """
+        from miles.cluster.rendezvous import healthy, read_engines, read_router
+
+        e = self.plan.engine
+        self.generator.ready.clear()
+        log.warning("engines lost: %s; waiting for replacements", ", ".join(sorted(self.lost)) or "-")
+        start, deadline = time.monotonic(), time.monotonic() + e.startup_timeout_s
+        while True:
+            urls = [r["url"] for r in read_engines(self.run_dir, self.incarnation)]
+            usable = [u for u in urls if healthy(u)]
+            waited = time.monotonic() - start
+            if usable and (len(usable) == len(urls) or waited > e.health_check_interval_s):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"engines {sorted(self.lost)} unreachable and not replaced within "
+                    f"engine.startup_timeout_s={e.startup_timeout_s:.0f}s; see {self.run_dir / 'logs'}"
+                )
+            time.sleep(0.5)
+        self._close_engine_side(timeout_s=30)
+        self._connect(usable, read_router(self.run_dir, self.incarnation))
+        self.published = set(urls)
+        self._setup()
+        self.lost.clear()
+        self.replacements += 1
+        log.warning("reconnected to %d engine(s): %s", len(usable), ", ".join(usable))
+
+    def _close_engine_side(self, timeout_s: float) -> None:
+        """Leave the weight-update group and close the engine clients (errors of dead engines ignored)."""
+        try:
+            self.call(self.transport.close(), timeout_s=timeout_s)
+        except Exception as exc:
+            log.warning("closing the weight transport: %s", exc)
+        clients = {id(c): c for c in [*self.admins, *self.generator.clients]}.values()
+        try:
+            self.call(_gather(*(c.aclose() for c in clients)), timeout_s=10)
+        except Exception as exc:
+            log.warning("closing engine clients: %s", exc)
 
     def release_engines(self) -> None:
         """Colocated runs: every engine frees its GPU memory for the trainer (requests in flight wait)."""
@@ -155,7 +252,22 @@ class RolloutSide:
         self.call(_gather(*(a.resume_memory_occupation() for a in self.admins)))
 
     def push(self, buckets: Iterable[Any], version: int) -> None:
-        self.call(self.transport.push(buckets, str(version)))
+        """Push one version into every engine and open the generator's gate. When an engine is lost
+        on the way, the remaining buckets are still drawn (every rank exports them collectively), the
+        engine is recorded in `lost`, and the caller repairs and pushes again."""
+        it = iter(buckets)
+        try:
+            self.call(self.transport.push(it, str(version)))
+        except Exception as exc:
+            dead = [a.url for a in self.admins if not self.call(a.health(), timeout_s=30)]
+            if not dead:
+                raise
+            log.warning("weight push of version %d failed (%s); engines down: %s", version, exc, dead)
+            self.lost.update(dead)
+            for _ in it:
+                pass
+            return
+        self._loop.call_soon_threadsafe(self.generator.ready.set)
 
     def check(self, buckets: Iterable[Any]) -> float:
         """Max |engine - trainer| over all tensors after a push (0.0: identical)."""
@@ -195,16 +307,16 @@ class RolloutSide:
         return out
 
     def stop(self) -> None:
+        self._closing = True
         if self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.generator.ready.set)
             try:
                 self.call(self.producer.drain(), timeout_s=30)
-                self.call(self.transport.close(), timeout_s=30)
-                clients = {id(c): c for c in [*self.admins, *self.generator.clients]}.values()
-                self.call(_gather(*(c.aclose() for c in clients)), timeout_s=10)
             except Exception as e:
                 log.warning("rollout shutdown: %s", e)
+            self._close_engine_side(timeout_s=30)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
 

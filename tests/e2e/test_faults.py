@@ -1,0 +1,159 @@
+"""Faults injected into a real `miles train` on CPU: what Miles does about each (docs/reliability.md).
+
+Every test runs the whole job as a child process (engine, torchrun, trainer rank) and hurts it the
+way an operator or a bug would: the engine killed, its scheduler dead, the launcher SIGKILLed or
+interrupted. It then checks the run directory and the console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import finish, miles_train, pids_alive, stop, wait_for_step
+
+from miles.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def steps_of(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir)]
+
+
+def engine_record(run_dir: Path, name: str = "engine-0") -> dict:
+    return json.loads((run_dir / "rendezvous" / "engines" / f"{name}.json").read_text())
+
+
+def run_pids(run_dir: Path) -> list[int]:
+    """PIDs of every live process whose command line names the run directory (engines, torchrun, ranks)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().split(") ")[-1][:1]
+        except OSError:
+            continue
+        if str(run_dir) in cmd and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def test_engine_killed_mid_run_is_replaced_and_the_run_finishes(recipe) -> None:
+    path, run_dir = recipe(train={"steps": 12}, rollout={"schedule": "async"})
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 3, proc)
+        first = engine_record(run_dir)
+        os.kill(first["pid"], signal.SIGKILL)
+        out = finish(proc, timeout_s=300)
+    finally:
+        stop(proc)
+    assert "engine-0 exited with -9; replacing it (1/3)" in out, out[-3000:]
+    assert engine_record(run_dir)["url"] != first["url"]
+    assert steps_of(run_dir) == list(range(1, 13))  # every step once, through the replacement
+    trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "reconnected to 1 engine(s)" in trainer_log
+
+
+def test_dead_scheduler_makes_the_engine_unhealthy_and_it_is_replaced(recipe) -> None:
+    path, run_dir = recipe(
+        train={"steps": 10},
+        rollout={"schedule": "async"},
+        engine={"fault_injection": True, "health_check_interval_s": 0.5},
+    )
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 3, proc)
+        url = engine_record(run_dir)["url"]
+        httpx.post(
+            f"{url}/debug/inject_fault", json={"kind": "scheduler_death"}, timeout=10
+        ).raise_for_status()
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        out = finish(proc, timeout_s=300)
+    finally:
+        stop(proc)
+    assert "engine-0 failed /health 3 times in a row; replacing it" in out, out[-3000:]
+    assert steps_of(run_dir) == list(range(1, 11))
+
+
+def test_sigkill_of_miles_train_leaves_no_process_of_the_run(recipe) -> None:
+    path, run_dir = recipe(train={"steps": 200}, rollout={"schedule": "async"})
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 2, proc)
+        children = run_pids(run_dir)
+        assert len(children) >= 3, children  # engine, torchrun, trainer rank
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while pids_alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids_alive(children) == [], [Path(f"/proc/{p}/cmdline").read_bytes() for p in children]
+    finally:
+        for pid in pids_alive(run_pids(run_dir)):  # the test's own cleanup, should it fail
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_checkpoints_prints_the_resume_command_and_exits_128_plus_signal(recipe, sig) -> None:
+    path, run_dir = recipe(train={"steps": 200, "checkpoint": {"every_steps": 1000}})
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 2, proc)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    reached = steps_of(run_dir)[-1]
+    assert (run_dir / "checkpoints" / f"step_{reached}" / ".complete").exists()
+    assert f"checkpoint of step {reached}" in out
+    assert f"--resume {run_dir}" in out
+    assert run_pids(run_dir) == []
+
+
+def test_resume_after_interrupt_continues_from_the_checkpoint(recipe) -> None:
+    path, run_dir = recipe(train={"steps": 8, "checkpoint": {"every_steps": 1000}})
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 3, proc)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert proc.returncode == 130
+    reached = steps_of(run_dir)[-1]
+    finish(miles_train(str(path), "--resume", str(run_dir)))
+    assert steps_of(run_dir) == list(range(1, 9))
+    assert f"resumed from checkpoint step {reached}" in (run_dir / "logs" / "trainer-0.log").read_text()
+
+
+def test_trainer_failure_prints_the_error_and_its_log(recipe) -> None:
+    path, run_dir = recipe(rollout={"reward": "e2e_rewards:raises"})
+    proc = miles_train(str(path))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode not in (0, None)
+    assert "trainer failed" in out and "stderr.log" in out, out[-3000:]
+    assert "reward function exploded" in out, out[-3000:]
+
+
+def test_launcher_children_are_not_in_the_terminal_process_group(recipe) -> None:
+    """Ctrl-C in a terminal goes to the foreground process group: only the launcher may get it."""
+    path, run_dir = recipe(train={"steps": 200})
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 1, proc)
+        groups = {os.getpgid(pid) for pid in run_pids(run_dir)}
+        assert os.getpgid(proc.pid) not in groups
+    finally:
+        stop(proc)
+    assert proc.returncode == 128 + signal.SIGTERM
