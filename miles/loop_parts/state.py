@@ -84,7 +84,7 @@ class LoopState:
                     f"--resume: the checkpoint in {run_dir} has no loop position (its extra state has "
                     "no 'step': it was not written by the RL loop); start without --resume"
                 )
-            state.step, state.data_index = int(extra["step"]), int(extra.get("data_index", 0))
+            state.step, state.data_index = int(extra["step"]), int(extra.get("data_index") or 0)
             log.info("resumed from checkpoint step %d (data index %d)", state.step, state.data_index)
         if rank0:
             state.preempt_file.unlink(missing_ok=True)

@@ -3,6 +3,9 @@ completion markers, and the Hugging Face export."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from test_fsdp_ranks import probe_ids, reference_runs
@@ -106,3 +109,140 @@ def test_resume_with_offloaded_optimizer_is_exact(tiny_model, tmp_path):
         assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= TOL
     finally:
         teardown_distributed()
+
+
+# ---- integrity: a damaged newest checkpoint, a backend read error, resume refusal, metrics ---------
+
+
+@pytest.fixture
+def fsdp(tiny_model, tmp_path):
+    """A factory of one-rank FSDP backends on CPU writing under tmp_path/<run>; tears down after."""
+    from miles.cluster.distributed import teardown_distributed
+    from miles.config import resolve
+    from miles.train import get_backend
+
+    def make(run: str = "run", **train):
+        config = {
+            "model": {"path": tiny_model},
+            "run": {"runs_root": str(tmp_path), "name": run, "tensorboard": True},
+            "train": {"device": "cpu", "lr": 1e-3, "checkpoint": {"keep_last": 3}, **train},
+        }
+        plan = resolve(config)
+        backend = get_backend("fsdp")()
+        backend.setup(plan)
+        return backend, plan
+
+    yield make
+    teardown_distributed()
+
+
+def _weights(backend) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for bucket in backend.export_weights(1 << 20) for n, t in bucket}
+
+
+def _truncate_largest(directory) -> str:
+    path = max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return str(path.relative_to(directory))
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_truncated_newest_shard_falls_back_to_the_previous_checkpoint(fsdp, caplog):
+    from test_fsdp_ranks import make_samples
+
+    from miles.train.checkpoint import CheckpointError
+
+    backend, plan = fsdp()
+    backend.train(make_samples(0))
+    backend.save(10, extra={"step": 10})
+    at_10 = _weights(backend)
+    backend.train(make_samples(1))
+    backend.save(20, extra={"step": 20})
+    newest = step_dir(plan.run_dir, 20)
+    shard = _truncate_largest(newest)
+    assert shard.startswith("state/")  # a DCP shard, the file a resume would have failed on
+
+    resumed, _ = fsdp()
+    with caplog.at_level("WARNING", logger="miles.train.checkpoint"):
+        assert resumed.load() == {"step": 10}
+    assert resumed.step == 10
+    assert _max_diff(_weights(resumed), at_10) == 0.0
+    message = caplog.text
+    assert f"checkpoint step 20 at {newest} is damaged ({shard} has" in message
+    assert "resuming from step 10" in message
+    with pytest.raises(CheckpointError, match=f"checkpoint step 20 at {re.escape(str(newest))} is damaged"):
+        resumed.load(20)
+
+
+@pytest.mark.slow
+def test_backend_read_error_names_the_step_and_path(fsdp):
+    from miles.train.checkpoint import CheckpointError
+
+    backend, plan = fsdp()
+    backend.save(3, extra={"step": 3})
+    src = step_dir(plan.run_dir, 3)
+    (src / COMPLETE).write_text("3\n")  # a marker of the first format: nothing to verify against
+    (src / "trainer.pt").write_bytes((src / "trainer.pt").read_bytes()[:200])
+    with pytest.raises(
+        CheckpointError, match=rf"checkpoint step 3 at {re.escape(str(src))} could not be loaded: \w+"
+    ):
+        backend.load()
+
+
+@pytest.mark.slow
+def test_resume_without_a_usable_checkpoint_refuses(fsdp):
+    from miles.loop_parts.state import LoopState
+    from miles.train.checkpoint import NoCheckpointError
+
+    backend, plan = fsdp()
+    run_dir = Path(plan.run_dir)
+    with pytest.raises(
+        NoCheckpointError,
+        match=rf"nothing to resume in {re.escape(str(run_dir))}(?s:.*)start without --resume",
+    ):
+        LoopState.restore(backend, plan, run_dir, resume=True, rank0=True)
+    assert not (run_dir / "metrics.jsonl").exists()  # refused before the metrics were touched
+    backend.save(5, extra={"step": 5, "data_index": 40})
+    (step_dir(run_dir, 5) / "trainer.pt").write_bytes(b"")
+    with pytest.raises(NoCheckpointError, match=r"(?s)no complete checkpoint verifies.*step 5 .*is damaged"):
+        LoopState.restore(backend, plan, run_dir, resume=True, rank0=True)
+
+
+@pytest.mark.slow
+def test_metrics_hold_each_step_once_after_resuming_past_a_damaged_checkpoint(fsdp):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from miles.loop_parts.state import LoopState
+    from miles.metrics import read_metrics
+
+    backend, plan = fsdp()
+    run_dir = Path(plan.run_dir)
+    state = LoopState.restore(backend, plan, run_dir, resume=False, rank0=True)
+    state.log(0, {"eval/pass@1": 0.0})
+    for step in range(1, 6):  # checkpoints at 2 and 4; the run dies after logging step 5
+        state.step = step
+        state.log(step, {"rollout/reward_mean": step / 10})
+        if step % 2 == 0:
+            state.save(backend, None)
+    state.close(None)
+    _truncate_largest(step_dir(run_dir, 4))
+
+    state = LoopState.restore(backend, plan, run_dir, resume=True, rank0=True)
+    assert state.step == 2
+    with pytest.raises(ValueError, match="each step is recorded once"):
+        state.log(2, {"rollout/reward_mean": 9.0})
+    for step in range(3, 6):
+        state.log(step, {"rollout/reward_mean": step})
+    state.close(None)
+
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    assert [r.get("rollout/reward_mean") for r in records[1:]] == [0.1, 0.2, 3.0, 4.0, 5.0]
+    tb = EventAccumulator(str(run_dir / "tensorboard"))
+    tb.Reload()
+    rows = [(e.step, round(e.value, 6)) for e in tb.Scalars("rollout/reward_mean")]
+    assert rows == [(1, 0.1), (2, 0.2), (3, 3.0), (4, 4.0), (5, 5.0)]
