@@ -1,6 +1,7 @@
 """Run directory ownership: one process at a time, and no earlier run lost without being asked.
 
-    RUN_DIR/.lock     JSON owner record {host, pid, start_ticks, job_id, restart_count, since, command, token}
+    RUN_DIR/.lock        JSON owner record {host, pid, start_ticks, job_id, restart_count, since, command, token}
+    RUN_DIR/.lock.guard  empty; its flock serialises acquisitions where the filesystem has flock (kept)
 
 `RunDirLock.acquire(run_dir)` takes the lock for as long as the `with` block (or until `release()`);
 a second process is refused with `RunDirBusy`, whose message names the owner. The lock file is
@@ -34,7 +35,8 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ except ImportError:  # not POSIX: the lock file alone decides
 log = logging.getLogger("miles.launch")
 
 LOCK_FILE = ".lock"
+GUARD_FILE = ".lock.guard"
 
 RUN_OUTPUTS = (
     "checkpoints",
@@ -238,6 +241,24 @@ def flock_held(path: Path) -> bool:
         os.close(fd)  # also drops the probe's shared lock
 
 
+@contextmanager
+def _acquisitions_serialised(run_dir: Path, wait_s: float = 30.0) -> Iterator[None]:
+    """Hold an exclusive flock on RUN_DIR/.lock.guard (kept, never deleted) while one process looks
+    at, takes over or creates the lock, so that contenders for a stale lock cannot interleave.
+    Where flock is unsupported, or the guard stays taken for wait_s, the lock file's own protocol
+    (atomic create, rename-then-check takeover) is all there is."""
+    fd = os.open(run_dir / GUARD_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while (taken := _flock(fd, shared=False)) is False and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if taken is False:
+            log.warning("run directory %s: %s stayed taken for %.0f s; going on", run_dir, GUARD_FILE, wait_s)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _read_lock(path: Path) -> tuple[bytes | None, LockOwner | None]:
     """(raw bytes, parsed owner) of a lock file; (None, None) when it does not exist."""
     try:
@@ -309,6 +330,10 @@ class RunDirLock:
 
     def _acquire(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        with _acquisitions_serialised(self.run_dir):
+            self._acquire_once()
+
+    def _acquire_once(self) -> None:
         me = this_process()
         seen: LockOwner | None = None
         for _ in range(5):
@@ -343,7 +368,7 @@ class RunDirLock:
         finally:
             private.unlink(missing_ok=True)
         self.owner = me
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd = os.open(self.path, os.O_RDWR)  # NFS grants an exclusive flock to writers only
         for _ in range(50):  # a prober holds a shared flock for an instant only
             if _flock(self._fd, shared=False) is not False:
                 break

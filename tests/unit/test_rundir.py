@@ -13,6 +13,7 @@ import pytest
 
 from miles.config import ConfigError
 from miles.launch.rundir import (
+    GUARD_FILE,
     LOCK_FILE,
     LockOwner,
     RunDirBusy,
@@ -61,7 +62,7 @@ def test_owner_record_names_this_process(tmp_path: Path) -> None:
         assert (owner.host, owner.pid, owner.job_id) == (os.uname().nodename, os.getpid(), None)
         assert owner.start_ticks == process_start_ticks(os.getpid())
     assert not (tmp_path / "run" / LOCK_FILE).exists()
-    assert [p.name for p in (tmp_path / "run").iterdir()] == []  # no private files left behind
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [GUARD_FILE]  # no private files left behind
 
 
 def test_second_acquirer_is_refused_naming_the_owner(tmp_path: Path) -> None:
@@ -244,7 +245,7 @@ def test_directory_without_outputs_is_free(tmp_path: Path) -> None:
     with RunDirLock.acquire(tmp_path):
         removed = prepare_run_dir(tmp_path, resume=False, overwrite=False)
         assert sorted(removed) == [str(tmp_path / "logs"), str(tmp_path / "rendezvous")]
-        assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "plan.yaml"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, GUARD_FILE, "plan.yaml"]
 
 
 def test_resume_and_overwrite_together_are_refused(tmp_path: Path) -> None:
