@@ -1,15 +1,21 @@
 """The run directory lock between real processes: a live owner refuses others, a SIGKILLed owner's
-lock is taken over, and of several processes racing for a stale lock exactly one wins."""
+lock is taken over, of several processes racing for a stale lock exactly one wins, and (on the
+Slurm dev cluster) a lock held inside a job names the job and is freed once Slurm says it ended."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from miles.launch.rundir import RunDirBusy, RunDirLock, read_owner
+import pytest
+
+from miles.launch.rundir import RunDirBusy, RunDirLock, pid_alive, read_owner, slurm_job_state
 
 # Says it is ready, waits for a line on stdin, tries the lock, prints the outcome, then holds it until stdin closes.
 CONTENDER = """
@@ -99,3 +105,60 @@ def test_exactly_one_of_several_processes_takes_a_stale_lock(tmp_path: Path) -> 
     assert len(winners) == 1, results
     # the guard's flock lets one contender at a time look, so the winner is the one that took over
     assert all(r == ["locked", str(dead.pid)] or r == ["busy", str(winners[0])] for r in results), results
+
+
+def _slurm_missing() -> str | None:
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "Slurm is not installed (see .ci/run)"
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    up = out.returncode == 0 and any(s in ("idle", "mixed") for s in out.stdout.split())
+    return None if up else "dev cluster not up (make slurm-up)"
+
+
+HOLDER = """
+import sys, time
+from miles.launch.rundir import RunDirLock
+with RunDirLock.acquire(sys.argv[1]):
+    time.sleep(600)
+"""
+
+
+def _wait_for(check, what: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"no {what} after {timeout_s} s")
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(_slurm_missing() is not None, reason=_slurm_missing() or "")
+def test_lock_held_by_a_slurm_job_names_the_job_and_frees_once_it_ended(tmp_path: Path) -> None:
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "seen-from-another-host"
+    (tmp_path / "hold.py").write_text(HOLDER)
+    cmd = f"{sys.executable} {tmp_path / 'hold.py'} {run_dir}"
+    job = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(tmp_path / "job.out"), "--wrap", cmd],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    try:
+        owner = _wait_for(lambda: (o := read_owner(run_dir)) and o.job_id == job and o, "lock of the job")
+        with pytest.raises(RunDirBusy, match=f"pid {owner.pid}, Slurm job {job},.*scancel {job}"):
+            RunDirLock.acquire(run_dir)
+        # the same record as a process on another host sees it: only Slurm can say the job ended
+        elsewhere.mkdir()
+        record = json.loads((run_dir / ".lock").read_text()) | {"host": "another-host"}
+        (elsewhere / ".lock").write_text(json.dumps(record))
+        with pytest.raises(RunDirBusy, match=f"Slurm job {job}"):
+            RunDirLock.acquire(elsewhere)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    _wait_for(lambda: (slurm_job_state(job) or "").startswith("CANCELLED"), "CANCELLED state in sacct")
+    with RunDirLock.acquire(elsewhere) as lock:  # the job ended: its lock is stale wherever it was taken
+        assert lock.taken_over.job_id == job
+    _wait_for(lambda: not pid_alive(owner.pid), f"exit of the job's process {owner.pid}")
+    with RunDirLock.acquire(run_dir) as lock:  # same host: its PID decides
+        assert lock.taken_over.pid == owner.pid
