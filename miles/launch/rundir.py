@@ -1,6 +1,6 @@
 """Run directory ownership: one process at a time, and no earlier run lost without being asked.
 
-    RUN_DIR/.lock        JSON owner record {host, pid, start_ticks, job_id, restart_count, since, command, token}
+    RUN_DIR/.lock        owner record (JSON): host, pid, start_ticks, job_id, restart_count, since, ...
     RUN_DIR/.lock.guard  empty; its flock serialises acquisitions where the filesystem has flock (kept)
 
 `RunDirLock.acquire(run_dir)` takes the lock for as long as the `with` block (or until `release()`);
@@ -13,16 +13,19 @@ A lock whose owner is gone is stale and is taken over with a warning:
 - owner on this host: its PID no longer runs, or the PID now belongs to another process (the start
   time in /proc/PID/stat differs from the one recorded);
 - owner on another host with a Slurm job id: it is an earlier incarnation of our own job (a requeue),
-  or Slurm (sacct, through submitit) says the job has ended;
+  or Slurm (sacct, through submitit) says the job has ended. sacct says so as soon as the job is
+  cancelled, while its processes may run on for Slurm's KillWait; a live owner's flock (where the
+  shared filesystem has working flock) still refuses a takeover then;
 - any other owner on another host is held; the refusal says how to remove its lock.
-Takeover is rename-then-check: the stale file is renamed aside (only one contender can do that),
-then compared byte for byte with the record judged stale; a lock that turns out to be another one
-is put back and the acquisition retried.
+Acquisitions are serialised by the guard's flock. Where flock is missing, takeover is
+rename-then-check: the stale file is renamed aside (only one contender can do that), then compared
+byte for byte with the record judged stale; a lock that turns out to be another one is put back and
+the acquisition retried.
 
 `prepare_run_dir(run_dir, resume=..., overwrite=...)` (called under the lock, before the new run
 writes anything) refuses a directory that holds an earlier run's outputs unless `--resume` or
-`--overwrite` was given; with `--overwrite` it removes them and returns what it removed.
-Imports no torch.
+`--overwrite` was given; with `--overwrite` it removes them, logs a warning naming them and returns
+them. Imports no torch.
 """
 
 from __future__ import annotations

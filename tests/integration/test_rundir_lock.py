@@ -17,7 +17,8 @@ import pytest
 
 from miles.launch.rundir import RunDirBusy, RunDirLock, pid_alive, read_owner, slurm_job_state
 
-# Says it is ready, waits for a line on stdin, tries the lock, prints the outcome, then holds it until stdin closes.
+# Says it is ready, waits for a line on stdin, tries the lock, prints the outcome, then holds the
+# lock until its stdin closes.
 CONTENDER = """
 import sys
 from miles.launch.rundir import RunDirBusy, RunDirLock
