@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/miles train $(RECIPE)
+	$(VENV)/bin/miles train $(RECIPE) --overwrite
 	$(VENV)/bin/miles plot runs/default
 
 test: setup lint

@@ -1,8 +1,9 @@
 """DeepSeek-V4 Flash RL on 4 MI355X nodes, in the layout of AMD's report.
 
 2 rollout nodes (one SGLang server of TP8/EP8 per node: 48 running requests, 524288 total tokens)
-and 2 actor nodes (Megatron TP1 PP4 EP4, the last pipeline stage holding 10 layers, 8192 tokens per
-GPU, optimizer state offloaded to host memory); rollout batch 32 prompts x 8 samples, context 16384,
+and 2 actor nodes (Megatron TP1 PP4, 8192 tokens per GPU, optimizer state offloaded to host memory;
+the report's EP4 and its 10-layer last pipeline stage wait until MoE training and uneven pipeline
+stages exist); rollout batch 32 prompts x 8 samples, context 16384,
 response 4096; AIME-2024 evaluation every 10 steps with 8 samples; TIS on.
 
     python launchers/deepseek_v4_flash.py prepare-checkpoint --src HF_DIR --dst /shared/models/dsv4-flash
@@ -43,7 +44,6 @@ RECIPE = {
         "steps": 100,
         "tensor_parallel": 1,
         "pipeline_parallel": 4,
-        "expert_parallel": 4,
         "max_tokens_per_microbatch": 8192,
         "optimizer_offload": "cpu",
         "loss": {"tis": "truncate"},
@@ -53,7 +53,6 @@ RECIPE = {
         "rollout_nodes": 2,
         "actor_nodes": 2,
         "time_limit_min": 2880,
-        "pipeline_last_stage_layers": 10,
         "sglang": {"context_length": 16384},
     },
 }

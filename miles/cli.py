@@ -25,7 +25,7 @@ def _cmd_model_init_tiny(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from miles.launch.local import train_main
 
-    return train_main(args.recipe, args.set, resume=args.resume)
+    return train_main(args.recipe, args.set, resume=args.resume, overwrite=args.overwrite)
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     p.add_argument(
         "--resume", metavar="RUN_DIR", help="continue a stopped run from its last complete checkpoint"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a run directory that holds an earlier run, deleting its outputs",
     )
     p.set_defaults(func=_cmd_train)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,21 +23,12 @@ from typing import Any
 
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.loading import apply_overrides
+from miles.launch.rundir import RunDirLock, prepare_run_dir
 from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
 from miles.metrics import ProgressBar
 from miles.processes import child_options, free_port, stop_processes
 
 log = logging.getLogger("miles.launch")
-
-_FRESH_START_CLEARS = (
-    "checkpoints",
-    "rendezvous",
-    "weights",
-    "tensorboard",
-    "plots",
-    "control",
-    "metrics.jsonl",
-)
 
 
 def _plan(recipe: str, overrides: list[str], resume: str | None) -> Plan:
@@ -51,16 +41,11 @@ def _plan(recipe: str, overrides: list[str], resume: str | None) -> Plan:
     return resolve(data)
 
 
-def _prepare_run_dir(plan: Plan, resume: bool) -> Path:
+def _prepare_run_dir(plan: Plan, resume: bool, overwrite: bool) -> Path:
+    """Refuse to reuse an earlier run's directory unless told how (see miles.launch.rundir)."""
     run_dir = Path(plan.run_dir)
-    if not resume:
-        for name in _FRESH_START_CLEARS:
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-    shutil.rmtree(run_dir / "rendezvous", ignore_errors=True)
+    for removed in prepare_run_dir(run_dir, resume=resume, overwrite=overwrite):
+        print(f"miles: --overwrite: removed {removed}", file=sys.stderr)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     write_plan(plan, run_dir / "plan.yaml")
     return run_dir
@@ -227,14 +212,26 @@ def stop_all(procs: list[Any]) -> None:
 
 
 def train_main(
-    recipe: str, overrides: list[str] | None = None, resume: str | None = None, progress: bool = True
+    recipe: str,
+    overrides: list[str] | None = None,
+    resume: str | None = None,
+    progress: bool = True,
+    *,
+    overwrite: bool = False,
 ) -> int:
-    """Run the job to completion on this host; returns the exit status for the console."""
+    """Run the job to completion on this host, holding the run directory's lock; returns the exit
+    status for the console."""
     plan = _plan(recipe, overrides or [], resume)
     check_rollout_inputs(plan)
-    run_dir = _prepare_run_dir(plan, bool(resume))
-    _ensure_model(plan)
-    share_cpu_threads(plan)
+    with RunDirLock.acquire(plan.run_dir):
+        run_dir = _prepare_run_dir(plan, bool(resume), overwrite)
+        _ensure_model(plan)
+        share_cpu_threads(plan)
+        return _run(plan, recipe, run_dir, bool(resume), progress)
+
+
+def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool) -> int:
+    """Engines, then trainer ranks under supervision; everything started is stopped at the end."""
     engine_gpus, trainer_gpus = gpu_placement(plan, visible_gpus())
     incarnation = new_incarnation()
     sup: Supervisor | None = None
@@ -252,7 +249,7 @@ def train_main(
         sup = Supervisor(plan, run_dir, slots, restart, router)
         for s in old_handlers:
             signal.signal(s, sup.on_signal)
-        trainers = start_trainers(plan, run_dir, bool(resume), trainer_gpus)
+        trainers = start_trainers(plan, run_dir, resume, trainer_gpus)
         bar = ProgressBar(run_dir, plan.train.steps) if progress else None
         try:
             rc = sup.watch(trainers, bar.update if bar else None)

@@ -157,3 +157,22 @@ def test_launcher_children_are_not_in_the_terminal_process_group(recipe) -> None
     finally:
         stop(proc)
     assert proc.returncode == 128 + signal.SIGTERM
+
+
+def test_a_second_process_on_the_run_directory_is_refused_and_reuse_needs_a_flag(recipe) -> None:
+    path, run_dir = recipe(train={"steps": 200})
+    first = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 1, first)
+        for args in ([], ["--resume", str(run_dir)]):
+            second = miles_train(str(path), *args)
+            out, _ = second.communicate(timeout=120)
+            assert second.returncode == 2, out[-3000:]
+            assert f"pid {first.pid}" in out.lower() or str(first.pid) in out, out[-3000:]
+    finally:
+        stop(first)
+    before = steps_of(run_dir)
+    again = miles_train(str(path))
+    out, _ = again.communicate(timeout=120)
+    assert again.returncode == 2 and "--resume" in out and "--overwrite" in out, out[-3000:]
+    assert steps_of(run_dir) == before  # nothing of the earlier run was touched

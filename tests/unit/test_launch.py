@@ -79,8 +79,16 @@ def test_mpi_bootstrap_profile(tmp_path: Path) -> None:
         ("h200", ["launch.partition=cpu"], "launch.partition='cpu' is not a partition"),
         ("local", ["engine.kind=sglang"], "engine.kind=sglang needs GPUs"),
         ("h200", ["engine.tp_size=3"], "engine.tp_size=3 must divide the 8 GPUs"),
-        ("h200", ["train.tensor_parallel=3"], "not a multiple of train.tensor_parallel"),
-        ("h200", ["train.pipeline_parallel=4", "train.expert_parallel=8"], "expert_parallel=8 must divide"),
+        (
+            "h200",
+            ["train.backend=megatron", "train.tensor_parallel=3"],
+            "not a multiple of train.tensor_parallel",
+        ),
+        (
+            "h200",
+            ["train.backend=megatron", "train.expert_parallel=8"],
+            "expert_parallel=8 is not supported yet by train.backend=megatron",
+        ),
         ("h200", ["launch.actor_tasks_per_node=9"], "exceeds the 8 GPUs per node"),
         ("h200", ["launch.time_limit_min=9999"], "exceeds the 2880 min limit"),
     ],
