@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from miles.config import Plan
-from miles.metrics import MetricsLogger
+from miles.metrics import MetricsLogger, read_metrics
 
 log = logging.getLogger("miles.loop")
 
@@ -49,6 +49,17 @@ def barrier_flag(flag: bool) -> bool:
     return bool(broadcast(flag))
 
 
+def _recorded_progress(run_dir: Path) -> str | None:
+    """What of an earlier start of this run is on disk (metrics after step 0, checkpoint directories)."""
+    last = max((int(r.get("step", 0)) for r in read_metrics(run_dir)), default=0)
+    if last > 0:
+        return f"metrics up to step {last}"
+    root = run_dir / "checkpoints"
+    if root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir()):
+        return f"checkpoint directories in {root}"
+    return None
+
+
 @dataclass
 class LoopState:
     """Step counter, data position and the rank-0 metrics logger."""
@@ -67,31 +78,43 @@ class LoopState:
     @classmethod
     def restore(cls, backend: Any, plan: Plan, run_dir: Path, resume: bool, rank0: bool) -> LoopState:
         """Fresh start, or (resume) load the newest checkpoint that verifies; damaged newer ones are
-        skipped with a warning. Raises NoCheckpointError when resuming finds no usable checkpoint."""
-        from miles.train.checkpoint import NoCheckpointError
-
+        skipped with a warning. Resuming a run that recorded progress (metrics after step 0, a
+        checkpoint directory) without a usable checkpoint raises NoCheckpointError; a run directory
+        with neither is the run's first start (every Slurm start passes --resume) and starts fresh."""
         state = cls(run_dir)
-        if resume:
-            try:
-                extra = backend.load(None)
-            except NoCheckpointError as exc:
-                raise NoCheckpointError(
-                    f"--resume: nothing to resume in {run_dir}: {exc}\n"
-                    "start without --resume to begin a fresh run in it"
-                ) from exc
-            if "step" not in extra:
-                raise NoCheckpointError(
-                    f"--resume: the checkpoint in {run_dir} has no loop position (its extra state has "
-                    "no 'step': it was not written by the RL loop); start without --resume"
-                )
-            state.step, state.data_index = int(extra["step"]), int(extra.get("data_index") or 0)
-            log.info("resumed from checkpoint step %d (data index %d)", state.step, state.data_index)
+        resumed = resume and state._resume(backend, rank0)
         if rank0:
             state.preempt_file.unlink(missing_ok=True)
             state.logger = MetricsLogger(
-                run_dir, tensorboard=plan.run.tensorboard, resume_step=state.step if resume else None
+                run_dir, tensorboard=plan.run.tensorboard, resume_step=state.step if resumed else None
             )
         return state
+
+    def _resume(self, backend: Any, rank0: bool) -> bool:
+        """Load the newest usable checkpoint (collective); False: nothing was recorded to resume."""
+        from miles.train.checkpoint import NoCheckpointError
+
+        try:
+            extra = backend.load(None)
+        except NoCheckpointError as exc:
+            progress = broadcast(_recorded_progress(self.run_dir) if rank0 else None)
+            if progress is None:
+                log.info(
+                    "--resume: %s holds no checkpoint and no step yet: the run's first start", self.run_dir
+                )
+                return False
+            raise NoCheckpointError(
+                f"--resume: no usable checkpoint in {self.run_dir}, which holds {progress}: {exc}\n"
+                "start without --resume to begin a fresh run in it"
+            ) from exc
+        if "step" not in extra:
+            raise NoCheckpointError(
+                f"--resume: the checkpoint in {self.run_dir} has no loop position (its extra state has "
+                "no 'step': it was not written by the RL loop); start without --resume"
+            )
+        self.step, self.data_index = int(extra["step"]), int(extra.get("data_index") or 0)
+        log.info("resumed from checkpoint step %d (data index %d)", self.step, self.data_index)
+        return True
 
     def rollout_side(self, plan: Plan, run_dir: Path) -> Any:
         from miles.loop_parts.rollout_side import RolloutSide

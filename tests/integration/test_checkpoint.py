@@ -1,5 +1,7 @@
 """Checkpoints of the FSDP backend: resume with another rank count continues exactly, keep-last,
-completion markers, and the Hugging Face export."""
+completion markers, the Hugging Face export, and integrity: a damaged newest checkpoint is skipped for
+the previous one, read errors name the step, `--resume` without a usable checkpoint refuses, and the
+metrics hold each step once after a resume."""
 
 from __future__ import annotations
 
@@ -196,20 +198,39 @@ def test_backend_read_error_names_the_step_and_path(fsdp):
 @pytest.mark.slow
 def test_resume_without_a_usable_checkpoint_refuses(fsdp):
     from miles.loop_parts.state import LoopState
+    from miles.metrics import MetricsLogger, read_metrics
     from miles.train.checkpoint import NoCheckpointError
 
     backend, plan = fsdp()
     run_dir = Path(plan.run_dir)
-    with pytest.raises(
-        NoCheckpointError,
-        match=rf"nothing to resume in {re.escape(str(run_dir))}(?s:.*)start without --resume",
-    ):
+    # a run that crashed at step 3 before its first checkpoint: resuming would silently start over
+    log = MetricsLogger(run_dir, tensorboard=False)
+    for step in range(4):
+        log.log(step, {"rollout/reward_mean": 0.5})
+    log.close()
+    expected = rf"no usable checkpoint in {re.escape(str(run_dir))}, which holds metrics up to step 3"
+    with pytest.raises(NoCheckpointError, match=rf"{expected}(?s:.*)start without --resume"):
         LoopState.restore(backend, plan, run_dir, resume=True, rank0=True)
-    assert not (run_dir / "metrics.jsonl").exists()  # refused before the metrics were touched
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]  # refused before touching them
     backend.save(5, extra={"step": 5, "data_index": 40})
     (step_dir(run_dir, 5) / "trainer.pt").write_bytes(b"")
     with pytest.raises(NoCheckpointError, match=r"(?s)no complete checkpoint verifies.*step 5 .*is damaged"):
         LoopState.restore(backend, plan, run_dir, resume=True, rank0=True)
+
+
+@pytest.mark.slow
+def test_resume_of_a_run_without_progress_is_its_first_start(fsdp):
+    """Every Slurm start passes --resume: a run directory with no checkpoint and no step starts fresh."""
+    from miles.loop_parts.state import LoopState
+
+    backend, plan = fsdp()
+    run_dir = Path(plan.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "eval/pass@1": 0.1}\n')  # died in the first eval
+    state = LoopState.restore(backend, plan, run_dir, resume=True, rank0=True)
+    assert state.step == 0 and state.logger is not None and state.logger.last_step == -1
+    state.log(0, {"eval/pass@1": 0.2})
+    state.close(None)
 
 
 @pytest.mark.slow
