@@ -217,6 +217,8 @@ def _file_problem(root: Path, name: str, entry: dict[str, Any]) -> str | None:
         size = path.stat().st_size
     except FileNotFoundError:
         return f"{name} is missing"
+    except OSError as exc:
+        return f"{name} cannot be read ({exc})"
     if size != entry["size"]:
         return f"{name} has {size} bytes, {entry['size']} were written"
     try:
