@@ -251,6 +251,10 @@ class SGLangClient:
         }
         return _checked(self.url, await self._post("/init_weights_update_group", body, retry=False))
 
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        body = {"group_name": group_name}
+        return _checked(self.url, await self._post("/destroy_weights_update_group", body, retry=False))
+
     async def update_weights_from_distributed(
         self,
         names: list[str],

@@ -10,10 +10,13 @@ generating and load them between two steps. The last bucket carries the new weig
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Sequence
 
 from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
 from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode, dtype_name, push_paused
+
+log = logging.getLogger(__name__)
 
 
 class DistributedTransport:
@@ -88,6 +91,17 @@ class DistributedTransport:
         await push_paused(self.engines, self.pause_mode, buckets, version, self._send)
 
     async def close(self) -> None:
-        if self.group is not None:
-            destroy_update_group(self.group)
-            self.group = None
+        """Leave the group on both sides; engines that cannot be reached are skipped (after an engine
+        was lost, the survivors must drop the old group before a new one of the same name forms)."""
+        if self.group is None:
+            return
+        leaving = [e.destroy_weights_update_group(self.group_name) for e in self.engines]
+        for engine, result in zip(
+            self.engines, await asyncio.gather(*leaving, return_exceptions=True), strict=True
+        ):
+            if isinstance(result, Exception):
+                log.info(
+                    "engine %s did not leave the update group: %s", getattr(engine, "url", engine), result
+                )
+        destroy_update_group(self.group)
+        self.group = None

@@ -48,6 +48,7 @@ class EngineAdmin(Protocol):
         group_name: str = ...,
         backend: str = ...,
     ) -> Any: ...
+    async def destroy_weights_update_group(self, group_name: str = ...) -> Any: ...
     async def update_weights_from_distributed(
         self,
         names: list[str],

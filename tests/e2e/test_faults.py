@@ -176,3 +176,22 @@ def test_a_second_process_on_the_run_directory_is_refused_and_reuse_needs_a_flag
     out, _ = again.communicate(timeout=120)
     assert again.returncode == 2 and "--resume" in out and "--overwrite" in out, out[-3000:]
     assert steps_of(run_dir) == before  # nothing of the earlier run was touched
+
+
+def test_one_of_two_engines_killed_the_run_continues_and_the_router_gets_its_replacement(recipe) -> None:
+    path, run_dir = recipe(train={"steps": 12}, engine={"num_engines": 2}, rollout={"schedule": "async"})
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 3, proc)
+        lost = engine_record(run_dir, "engine-1")
+        os.kill(lost["pid"], signal.SIGKILL)
+        wait_for_step(run_dir, 6, proc)
+        router = json.loads((run_dir / "rendezvous" / "router.json").read_text())["url"]
+        workers = {w["url"] for w in httpx.get(f"{router}/workers", timeout=10).json()["workers"]}
+        out = finish(proc, timeout_s=300)
+    finally:
+        stop(proc)
+    assert "engine-1 exited with -9; replacing it" in out, out[-3000:]
+    replacement = engine_record(run_dir, "engine-1")["url"]
+    assert replacement != lost["url"] and lost["url"] not in workers
+    assert steps_of(run_dir) == list(range(1, 13))

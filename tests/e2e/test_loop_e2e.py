@@ -6,6 +6,8 @@ left in its run directory (metrics.jsonl, checkpoints, logs).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
 from conftest import finish, miles_train, stop, wait_for_step
@@ -49,10 +51,13 @@ def test_resume_after_kill_keeps_every_step_once(recipe) -> None:
     proc = miles_train(str(path))
     try:
         wait_for_step(run_dir, 5, proc)
+        proc.kill()  # SIGKILL: no final checkpoint; every child dies with the launcher
+        proc.wait()
     finally:
-        stop(proc)  # SIGTERM: the trainer dies mid-run without a final checkpoint
+        stop(proc)
     before = steps_of(run_dir)
     assert before[:5] == [1, 2, 3, 4, 5] and max(before) < 8
+    time.sleep(2)  # the trainer rank's parent-death signal has landed
     finish(miles_train(str(path), "--resume", str(run_dir)))
     assert steps_of(run_dir) == list(range(1, 9))
     log = (run_dir / "logs" / "trainer-0.log").read_text()
