@@ -26,7 +26,7 @@ from typing import Any
 from miles.cluster.environment import JobEnvironment
 from miles.cluster.rendezvous import healthy, master_port, node_address, publish_engine, wait_for_engines
 from miles.config import Plan, read_plan
-from miles.processes import stop_processes
+from miles.processes import child_options, stop_processes
 
 
 def _facts(run_dir: Path) -> tuple[Plan, dict[str, Any]]:
@@ -38,10 +38,24 @@ def incarnation(env: JobEnvironment) -> str:
     return env.incarnation
 
 
+def share_cpus(env: JobEnvironment, processes: int) -> int:
+    """Export OMP_NUM_THREADS for the `processes` torch processes this task runs (logged).
+
+    Without it every engine and trainer rank would start one thread per core it sees, and the
+    processes of one node would oversubscribe its cores (see JobEnvironment.cpu_threads).
+    """
+    threads = env.cpu_threads(len(os.sched_getaffinity(0)), processes)
+    origin = "exported" if env.omp_num_threads else "derived"
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    print(f"miles bootstrap: {origin} OMP_NUM_THREADS={threads} for {processes} process(es)", file=sys.stderr)
+    return threads
+
+
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """A child that dies with this process, even on SIGKILL (its own session, parent-death signal)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **child_options())
 
 
 def _wait_url(proc: subprocess.Popen[bytes], url_file: Path, deadline: float) -> str:
@@ -94,28 +108,40 @@ def _start_engine(plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvi
             time.sleep(1.0)
     url = f"http://{advertise}:{port}"
     publish_engine(run_dir, f"{node}-{i}", url, proc.pid, node, incarnation(env))
-    return proc, url
+    return proc, log
 
 
 def run_rollout(run_dir: Path) -> int:
+    """Start and watch this node's engines (and the router); a child that exits ends the step with 1,
+    which the batch script turns into the end of the job (the trainer is not left waiting)."""
     env = JobEnvironment.from_env()
     plan, facts = _facts(run_dir)
     children: list[subprocess.Popen[bytes]] = []
+    logs: dict[int, Path] = {}
 
     def stop(*_: object) -> None:
         stop_processes(children)
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    share_cpus(env, facts["engines_per_node"])
     for i in range(facts["engines_per_node"]):
-        proc, _ = _start_engine(plan, facts, run_dir, env, i)
+        proc, logs[i] = _start_engine(plan, facts, run_dir, env, i)
         children.append(proc)
     if env.rank == 0 and facts["num_engines"] > 1:
         children.append(_start_router(plan, run_dir, env, facts))
+        logs[len(children) - 1] = run_dir / "logs" / "router.log"
     while all(p.poll() is None for p in children):
         time.sleep(1.0)
-    print(f"miles bootstrap: a child exited: {[(p.args, p.returncode) for p in children]}", file=sys.stderr)
-    stop()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for i, p in enumerate(children):
+        if p.returncode is not None:
+            what = "router" if logs[i].name == "router.log" else f"engine {i}"
+            print(
+                f"miles bootstrap: {what} (pid {p.pid}) exited with {p.returncode}; see {logs[i]}",
+                file=sys.stderr,
+            )
+    stop_processes(children)
     return 1
 
 
@@ -172,6 +198,7 @@ def run_actor(run_dir: Path, command: list[str]) -> int:
     record = {**variables, "source": source, "node": env.node_name, "incarnation": incarnation(env)}
     write_atomic(run_dir / "rendezvous" / "ranks" / f"rank-{variables['RANK']}.json", record)
     os.environ.update(variables)
+    share_cpus(env, 1)
     os.execvp(command[0], command)
     return 127  # not reached: exec replaces this process
 

@@ -3,8 +3,11 @@
 PyTorch's NCCL watchdog aborts a rank whose collectives stop progressing for
 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC; with TORCH_NCCL_DUMP_ON_TIMEOUT=1 it first writes the flight
 recorder (the last TORCH_FR_BUFFER_SIZE collectives of each rank) to TORCH_FR_DUMP_TEMP_FILE<rank>,
-readable with `python -m torch.distributed.flight_recorder.fr_trace`. The dump path is set under both its current and its
-older name, so the dump lands in the run's log dir on old and new PyTorch. Pure: no torch.
+readable with `python -m torch.distributed.flight_recorder.fr_trace`. Buffer size and dump path are
+set under both their current and their older names (TORCH_NCCL_TRACE_BUFFER_SIZE,
+TORCH_NCCL_DEBUG_INFO_TEMP_FILE), so the dump lands in the run's log dir on old and new PyTorch.
+The timeout of each collective is the trainer's `train.collective_timeout_s` (given to the process
+group by miles.cluster.distributed); gloo raises in the waiting rank when it passes. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def collectives_env(profile: Profile, log_dir: str) -> dict[str, str]:
         env |= {
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_BUFFER_SIZE": str(c.flight_recorder_entries),
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": str(c.flight_recorder_entries),
             "TORCH_FR_DUMP_TEMP_FILE": dump,
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump,
         }

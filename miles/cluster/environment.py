@@ -49,6 +49,24 @@ def _launcher(e: Mapping[str, str]) -> tuple[str, int, int, int]:
     return "single", 0, 1, 0
 
 
+def tasks_per_node(text: str) -> list[int]:
+    """Slurm's compressed task counts -> one count per node: `2(x3),1` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", text):
+        counts += [int(count)] * int(repeat or 1)
+    return counts
+
+
+def _tasks_on_node(e: Mapping[str, str]) -> int:
+    counts = tasks_per_node(e.get("SLURM_STEP_TASKS_PER_NODE", e.get("SLURM_TASKS_PER_NODE", "")))
+    node = int(e.get("SLURM_NODEID", 0))
+    return counts[node] if node < len(counts) else 1
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text and text.strip().isdigit() else None
+
+
 INCARNATION_VAR = "MILES_INCARNATION"
 """Set by `miles train` for the processes it starts (written here, read only by JobEnvironment)."""
 
@@ -79,6 +97,12 @@ class JobEnvironment:
     """Index within a job array (SLURM_ARRAY_TASK_ID)."""
     local_incarnation: str | None = None
     """Incarnation set by `miles train` for its children (MILES_INCARNATION); None under Slurm."""
+    cpus_per_task: int | None = None
+    """CPUs Slurm reserved for each task of the step (SLURM_CPUS_PER_TASK); None when not asked for."""
+    tasks_on_node: int = 1
+    """Tasks of this step on this node (SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID)."""
+    omp_num_threads: int | None = None
+    """OMP_NUM_THREADS as exported (by the user or the profile's env); None when unset."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> JobEnvironment:
@@ -101,6 +125,9 @@ class JobEnvironment:
             restart_count=int(e.get("SLURM_RESTART_COUNT", 0) or 0),
             array_task_id=int(array) if array else None,
             local_incarnation=e.get(INCARNATION_VAR) or None,
+            cpus_per_task=_int_or_none(e.get("SLURM_CPUS_PER_TASK")),
+            tasks_on_node=_tasks_on_node(e),
+            omp_num_threads=_int_or_none(e.get("OMP_NUM_THREADS")),
         )
 
     @property
@@ -117,6 +144,19 @@ class JobEnvironment:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    def cpu_threads(self, available_cpus: int, processes_per_task: int = 1) -> int:
+        """Intra-op threads for each of `processes_per_task` torch processes of this task.
+
+        OMP_NUM_THREADS when exported wins. Else the task's CPUs: SLURM_CPUS_PER_TASK when the job
+        reserved them (Slurm binds each task to its own), otherwise the `available_cpus` this process
+        may run on shared by the step's tasks on this node. Every torch process defaults to one thread
+        per core it sees; several on one node then oversubscribe the cores and spin-wait on each other.
+        """
+        if self.omp_num_threads:
+            return self.omp_num_threads
+        cpus = self.cpus_per_task or available_cpus // max(1, self.tasks_on_node)
+        return max(1, cpus // max(1, processes_per_task))
 
     def group_nodes(self, group: int) -> tuple[str, ...]:
         """Nodes of het group `group`; in a homogeneous job, the step's nodes."""

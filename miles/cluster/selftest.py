@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     run_dir: Path = args.run_dir
     plan = read_plan(run_dir / "plan.yaml")
-    env = init_distributed("cpu", timeout_s=120)
+    env = init_distributed("cpu", timeout_s=plan.train.collective_timeout_s)
     urls = [r["url"] for r in read_engines(run_dir, incarnation(env))]
     assert urls and all(healthy(u) for u in urls), f"engines not healthy: {urls}"
     t = torch.tensor([float(env.rank + 1)])

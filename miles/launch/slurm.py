@@ -5,6 +5,10 @@ actor group (`#SBATCH hetjob` between them), each role started with `srun --het-
 colocated run is one homogeneous group running both roles (`srun --overlap`). Sweeps of
 homogeneous layouts add `--array=0-N%k`; the array task picks its point's run directory.
 
+Job hygiene: every step runs with `--kill-on-bad-exit=1` (a task that fails ends its step), the
+batch shell ends the job as soon as either step ends (a dead rollout step fails the job instead of
+leaving the trainer waiting for engines), and the job's end takes every step with it.
+
 Preemption: `--signal=B:USR2@S` reaches the batch shell S seconds before the time limit; its trap
 touches RUN_DIR/control/preempt (the loop checkpoints at the next step boundary and exits 0), waits
 for the actor step, then `scontrol requeue`s the job. Every start runs the loop with `--resume`, so
@@ -141,6 +145,33 @@ def _word(text: str) -> str:
     return '"' + text.replace(RUN_DIR, "$RUN_DIR").replace('"', '\\"') + '"'
 
 
+def _wait_lines(spec: JobSpec) -> list[str]:
+    """Wait for whichever step ends first: the actor step's status is the job's; another step ending
+    first (the engines are gone) stops the actor step and fails the job, which then never hangs."""
+    others = [f"${s.role.upper()}_PID" for s in spec.steps[:-1]]
+    alive = " && ".join(f'kill -0 "{pid}" 2>/dev/null' for pid in ["$ACTOR_PID", *others])
+    lines = [
+        "",
+        "# The first step to end decides: the actor step's status is the job's; any other step ending",
+        "# first fails the job at once. `wait -n` returns early when a trapped signal arrives.",
+        f"while {alive}; do wait -n; done",
+        'if ! kill -0 "$ACTOR_PID" 2>/dev/null; then',
+        '  wait "$ACTOR_PID"; STATUS=$?',
+        '  echo "miles: actor step exited with $STATUS"',
+    ]
+    for step, pid in zip(spec.steps[:-1], others, strict=True):
+        lines += [
+            f'elif ! kill -0 "{pid}" 2>/dev/null; then',
+            f'  wait "{pid}"; STATUS=$?',
+            f'  echo "miles: {step.role} step exited with $STATUS before the actor step; stopping the job"',
+            '  [ "$STATUS" -ne 0 ] || STATUS=1',
+            '  kill -TERM "$ACTOR_PID" 2>/dev/null; wait "$ACTOR_PID" 2>/dev/null',
+        ]
+    lines.append("fi")
+    lines += [f'kill -TERM "{pid}" 2>/dev/null; wait "{pid}" 2>/dev/null' for pid in others]
+    return [*lines, 'exit "$STATUS"', ""]
+
+
 def render_sbatch(spec: JobSpec) -> str:
     """The batch script of `spec` (the exact text handed to sbatch)."""
     assert spec.steps and spec.steps[-1].role == "actor", "the actor step is last: its exit ends the job"
@@ -156,17 +187,7 @@ def render_sbatch(spec: JobSpec) -> str:
     for step in spec.steps[:-1]:
         lines += [_srun(step) + " &", f"{step.role.upper()}_PID=$!"]
     lines += [_srun(spec.steps[-1]) + " &", "ACTOR_PID=$!"]
-    lines += [
-        "",
-        "# `wait PID` returns early when a trapped signal arrives, so the trap runs promptly.",
-        'wait "$ACTOR_PID"',
-        "STATUS=$?",
-    ]
-    for step in spec.steps[:-1]:
-        pid = f"${step.role.upper()}_PID"
-        lines.append(f'kill -TERM "{pid}" 2>/dev/null; wait "{pid}" 2>/dev/null')
-    lines += ['echo "miles: actor step exited with $STATUS"', 'exit "$STATUS"', ""]
-    return "\n".join(lines)
+    return "\n".join(lines + _wait_lines(spec))
 
 
 def sbatch_command(script_path: str) -> list[str]:

@@ -43,6 +43,50 @@ def test_het_job_layout_and_requeue_trap(tmp_path: Path) -> None:
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
+STUB_SRUN = """#!/bin/bash
+# stands in for srun: the rollout step lives ROLLOUT_S seconds and exits ROLLOUT_RC, the actor likewise;
+# SIGTERM ends the step (as srun ends its tasks)
+case "$*" in
+  *"bootstrap rollout"*) s=$ROLLOUT_S rc=$ROLLOUT_RC ;;
+  *) s=$ACTOR_S rc=$ACTOR_RC ;;
+esac
+trap 'kill "$child"; exit 143' TERM
+sleep "$s" & child=$!
+wait "$child"
+exit "$rc"
+"""
+
+
+@pytest.mark.parametrize(
+    ("rollout", "actor", "status", "line"),
+    [
+        ((0.2, 3), (60, 0), 3, "rollout step exited with 3 before the actor step; stopping the job"),
+        ((0.2, 0), (60, 0), 1, "rollout step exited with 0 before the actor step; stopping the job"),
+        ((60, 0), (0.2, 7), 7, "actor step exited with 7"),
+        ((60, 0), (0.2, 0), 0, "actor step exited with 0"),
+    ],
+)
+def test_batch_script_ends_with_the_first_step_to_end(rollout, actor, status, line, tmp_path: Path) -> None:
+    """The rendered script run by bash over a stand-in srun: whichever step ends first ends the job
+    (a dead rollout step fails it, the surviving step is stopped), never a hang."""
+    plan, prof = load_plan(TINY, "local", [f"run.runs_root={tmp_path}"])
+    spec = build_job(plan, prof, [plan.run_dir], log_dir=str(tmp_path / "logs"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(STUB_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "7",
+        **{"ROLLOUT_S": str(rollout[0]), "ROLLOUT_RC": str(rollout[1])},
+        **{"ACTOR_S": str(actor[0]), "ACTOR_RC": str(actor[1])},
+    }
+    out = subprocess.run(
+        ["bash", "-c", render_sbatch(spec)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == status and f"miles: {line}" in out.stdout, out
+
+
 def test_colocated_is_one_group_with_overlapping_steps(tmp_path: Path) -> None:
     text = _job("local", ["launch.layout=colocated", "launch.requeue=false"], tmp_path)
     assert "hetjob" not in text and "--het-group" not in text

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from miles.cluster.collectives import collectives_env
-from miles.cluster.environment import JobEnvironment, expand_nodelist, inherited_slurm_variables
-from miles.cluster.hardware import GpuInfo, detect_profile, match_profile
+from miles.cluster.environment import (
+    JobEnvironment,
+    expand_nodelist,
+    inherited_slurm_variables,
+    tasks_per_node,
+)
+from miles.cluster.hardware import GpuInfo, detect_profile, match_profile, probe_amd, probe_nvidia
 from miles.cluster.rendezvous import master_port, publish_engine, read_engines
 from miles.config.profile import load_profile
 
@@ -51,7 +56,9 @@ def test_launcher_precedence() -> None:
 def test_collectives_env_points_dumps_at_run_logs() -> None:
     env = collectives_env(load_profile("mi355x"), "/runs/x/logs")
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/runs/x/logs/flight_recorder-"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/runs/x/logs/flight_recorder-"  # older PyTorch
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_FR_BUFFER_SIZE"] == "200000"
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "200000"  # the older name of the buffer size
     assert env["NCCL_IB_GID_INDEX"] == "1" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC" not in collectives_env(load_profile("local"), "/l")
 
@@ -64,9 +71,34 @@ def test_rendezvous_records_by_incarnation(tmp_path) -> None:
     assert master_port("5") == master_port(5) != master_port(6)
 
 
-def test_detect_without_gpus_and_matching() -> None:
-    name, reason = detect_profile()  # this machine: NVML without a driver, amdsmi absent or without ROCm
-    assert name is None and "NVML unavailable" in reason and "amdsmi" in reason
+def test_cpu_threads_share_the_task_cpus() -> None:
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1] and tasks_per_node("") == []
+    # 8 ranks per node without reserved CPUs: the 112 cores this task sees are shared by 8 tasks
+    unbound = JobEnvironment.from_env({**HET, "SLURM_STEP_TASKS_PER_NODE": "8(x2)"})
+    assert unbound.tasks_on_node == 8 and unbound.cpu_threads(112) == 14
+    # --cpus-per-task=14: each task has its own CPUs, split between the processes it starts
+    bound = JobEnvironment.from_env({**HET, "SLURM_CPUS_PER_TASK": "14", "SLURM_STEP_TASKS_PER_NODE": "8"})
+    assert bound.cpu_threads(14) == 14 and bound.cpu_threads(14, processes_per_task=2) == 7
+    # an exported OMP_NUM_THREADS (the profile's env, or the user's) wins; never fewer than one thread
+    assert JobEnvironment.from_env({**HET, "OMP_NUM_THREADS": "1"}).cpu_threads(112) == 1
+    assert unbound.cpu_threads(2) == 1
+
+
+def test_detect_reports_what_the_probes_see() -> None:
+    """True on hosts with and without a GPU driver: the answer follows what NVML / amdsmi report."""
+    name, reason = detect_profile()
+    nvidia, nvidia_why = probe_nvidia()
+    assert nvidia_why in reason
+    if nvidia is not None:
+        assert name == match_profile(nvidia) and all(n in reason for n in nvidia.names)
+    else:
+        amd, amd_why = probe_amd()
+        assert amd_why in reason
+        assert name == (match_profile(amd) if amd else None)
+        assert amd is not None or "no GPUs seen" in reason
+
+
+def test_profile_matching() -> None:
     assert match_profile(GpuInfo("nvidia", ("NVIDIA H200",))) == "h200"
     assert match_profile(GpuInfo("nvidia", ("NVIDIA GB300",))) == "gb300"
     assert match_profile(GpuInfo("amd", ("AMD Instinct MI355X",), ("gfx950",))) == "mi355x"

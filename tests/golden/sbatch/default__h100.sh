@@ -29,6 +29,7 @@ export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$RUN_DIR/logs/flight_recorder-"
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 export TORCH_NCCL_ENABLE_MONITORING=1
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=480
+export TORCH_NCCL_TRACE_BUFFER_SIZE=20000
 export TP_SOCKET_IFNAME='^lo,docker'
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/control"
 rm -f "$RUN_DIR/control/preempt"
@@ -44,14 +45,22 @@ on_usr2() {
 }
 trap on_usr2 USR2
 
-srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
 ROLLOUT_PID=$!
-srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
 ACTOR_PID=$!
 
-# `wait PID` returns early when a trapped signal arrives, so the trap runs promptly.
-wait "$ACTOR_PID"
-STATUS=$?
+# The first step to end decides: the actor step's status is the job's; any other step ending
+# first fails the job at once. `wait -n` returns early when a trapped signal arrives.
+while kill -0 "$ACTOR_PID" 2>/dev/null && kill -0 "$ROLLOUT_PID" 2>/dev/null; do wait -n; done
+if ! kill -0 "$ACTOR_PID" 2>/dev/null; then
+  wait "$ACTOR_PID"; STATUS=$?
+  echo "miles: actor step exited with $STATUS"
+elif ! kill -0 "$ROLLOUT_PID" 2>/dev/null; then
+  wait "$ROLLOUT_PID"; STATUS=$?
+  echo "miles: rollout step exited with $STATUS before the actor step; stopping the job"
+  [ "$STATUS" -ne 0 ] || STATUS=1
+  kill -TERM "$ACTOR_PID" 2>/dev/null; wait "$ACTOR_PID" 2>/dev/null
+fi
 kill -TERM "$ROLLOUT_PID" 2>/dev/null; wait "$ROLLOUT_PID" 2>/dev/null
-echo "miles: actor step exited with $STATUS"
 exit "$STATUS"

@@ -16,11 +16,13 @@
 
 set -uo pipefail
 RUN_DIR=<repo>/runs/default
+export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 export TORCH_FR_BUFFER_SIZE=2000
 export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/logs/flight_recorder-"
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$RUN_DIR/logs/flight_recorder-"
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
+export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/control"
 rm -f "$RUN_DIR/control/preempt"
 echo "miles: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} run $RUN_DIR"
@@ -40,9 +42,17 @@ ROLLOUT_PID=$!
 srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
 ACTOR_PID=$!
 
-# `wait PID` returns early when a trapped signal arrives, so the trap runs promptly.
-wait "$ACTOR_PID"
-STATUS=$?
+# The first step to end decides: the actor step's status is the job's; any other step ending
+# first fails the job at once. `wait -n` returns early when a trapped signal arrives.
+while kill -0 "$ACTOR_PID" 2>/dev/null && kill -0 "$ROLLOUT_PID" 2>/dev/null; do wait -n; done
+if ! kill -0 "$ACTOR_PID" 2>/dev/null; then
+  wait "$ACTOR_PID"; STATUS=$?
+  echo "miles: actor step exited with $STATUS"
+elif ! kill -0 "$ROLLOUT_PID" 2>/dev/null; then
+  wait "$ROLLOUT_PID"; STATUS=$?
+  echo "miles: rollout step exited with $STATUS before the actor step; stopping the job"
+  [ "$STATUS" -ne 0 ] || STATUS=1
+  kill -TERM "$ACTOR_PID" 2>/dev/null; wait "$ACTOR_PID" 2>/dev/null
+fi
 kill -TERM "$ROLLOUT_PID" 2>/dev/null; wait "$ROLLOUT_PID" 2>/dev/null
-echo "miles: actor step exited with $STATUS"
 exit "$STATUS"
