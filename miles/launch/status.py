@@ -2,12 +2,14 @@
 
 A run directory remembers its job in RUN_DIR/job.json; a sweep lists its points in
 <runs_root>/sweeps/<tag>.json. State comes from sacct (via submitit), last metrics from the last
-line of each point's metrics.jsonl.
+line of each point's metrics.jsonl. For a run that failed, the batch log names the step that ended
+it ("miles: <role> step exited with N"); that role's logs under RUN_DIR/logs give the error shown.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +45,66 @@ def last_metrics(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(lines[-1]) if lines else {}
 
 
+ROLE_LOGS = {
+    "actor": ("actor-*.log", "trainer-*.log"),
+    "rollout": ("rollout-*.log", "engine-*.log", "router.log"),
+}
+"""Logs of each role under RUN_DIR/logs, in the order they are searched for the error."""
+ERROR_LINES = 12
+_STEP_EXIT = re.compile(r"^miles: (\w+) step exited with (\d+)(.*)$", re.MULTILINE)
+
+
+def _error_excerpt(text: str, lines: int = ERROR_LINES) -> str | None:
+    """The last `lines` lines of the last Python traceback in `text` (None when there is none)."""
+    rows = [r for r in text.splitlines() if r.strip()]
+    starts = [i for i, r in enumerate(rows) if "Traceback (most recent call last)" in r]
+    return "\n".join(rows[starts[-1] :][-lines:]) if starts else None
+
+
+def failure(run_dir: str | Path, batch_log: str) -> dict[str, Any] | None:
+    """{role, exit_code, log, error} of the step that failed the job, from the batch log and the
+    role's own logs (the first one holding a traceback, else the first non-empty one); None when no
+    step exited non-zero."""
+    ends = [(m[1], int(m[2]), m[3]) for m in _STEP_EXIT.finditer(batch_log)]
+    failed = [(role, code) for role, code, rest in ends if code != 0 or "before the actor step" in rest]
+    if not failed:
+        return None
+    role, code = failed[-1]
+    logs = [
+        f
+        for pattern in ROLE_LOGS.get(role, (f"{role}-*.log",))
+        for f in sorted((Path(run_dir) / "logs").glob(pattern))
+    ]
+    texts = {f: f.read_text(errors="replace") for f in logs if f.stat().st_size}
+    for f, text in texts.items():
+        if (excerpt := _error_excerpt(text)) is not None:
+            return {"role": role, "exit_code": code, "log": str(f), "error": excerpt}
+    f, text = next(iter(texts.items()), (Path(run_dir) / "logs", ""))
+    tail = "\n".join([r for r in text.splitlines() if r.strip()][-ERROR_LINES:])
+    return {"role": role, "exit_code": code, "log": str(f), "error": tail}
+
+
+def format_failure(run_dir: str | Path, fail: dict[str, Any]) -> str:
+    """Which role failed, the last lines of its error and where its log is."""
+    body = "\n".join(f"  | {line}" for line in fail["error"].splitlines()) or "  | (its logs are empty)"
+    return (
+        f"{run_dir}: the {fail['role']} step failed (exit {fail['exit_code']}); "
+        f"last lines of {fail['log']}:\n{body}"
+    )
+
+
 def run_status(run_dir: str | Path) -> dict[str, Any]:
-    """{run_dir, job_id, state, metrics} of one submitted run."""
+    """{run_dir, job_id, state, metrics} of one submitted run, and `failure` (see `failure`) when the
+    job ended in any state but COMPLETED."""
     from miles.launch.jobs import job_object, job_state
 
     rec = job_record(run_dir)
-    state = job_state(job_object(rec["log_dir"], rec["job_id"]))
-    return {
-        "run_dir": str(run_dir),
-        "job_id": rec["job_id"],
-        "state": state,
-        "metrics": last_metrics(run_dir),
-    }
+    job = job_object(rec["log_dir"], rec["job_id"])
+    state = job_state(job)
+    row = {"run_dir": str(run_dir), "job_id": rec["job_id"], "state": state, "metrics": last_metrics(run_dir)}
+    if state.startswith(TERMINAL) and state != "COMPLETED":
+        row["failure"] = failure(run_dir, job.stdout() or "")
+    return row
 
 
 def sweep_status(runs_root: str | Path, tag: str) -> list[dict[str, Any]]:
@@ -83,6 +133,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     if rows and all(r["state"].startswith(TERMINAL) for r in rows):
         done = sum(r["state"] == "COMPLETED" for r in rows)
         lines.append(f"summary: {done}/{len(rows)} completed")
+    lines += [format_failure(r["run_dir"], r["failure"]) for r in rows if r.get("failure")]
     return "\n".join(lines)
 
 
@@ -94,7 +145,9 @@ def run_logs(run_dir: str | Path, role: str | None = None) -> str:
         files = sorted((Path(run_dir) / "logs").glob(f"{role}-*.log"))
         return "\n".join(f"==> {f} <==\n{f.read_text()}" for f in files)
     rec = job_record(run_dir)
-    return job_object(rec["log_dir"], rec["job_id"]).stdout() or ""
+    text = job_object(rec["log_dir"], rec["job_id"]).stdout() or ""
+    fail = failure(run_dir, text)
+    return text + ("\n" + format_failure(run_dir, fail) if fail else "")
 
 
 def cancel(run_dir: str | Path) -> str:

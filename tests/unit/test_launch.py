@@ -268,3 +268,26 @@ def test_bad_task_or_reward_is_a_config_error_before_anything_starts() -> None:
         check_rollout_inputs(resolve(too_many))
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         check_rollout_inputs(resolve({"rollout": {"reward": "miles.rollout.rewards:nope"}}))
+
+
+def test_failure_names_the_role_its_error_and_log(tmp_path: Path) -> None:
+    from miles.launch.status import failure, format_failure
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "actor-0.log").write_text("slurmstepd: error: *** STEP 5.1 ON n2 CANCELLED ***\n")
+    (logs / "actor-1.log").write_text(
+        "step 1\nTraceback (most recent call last):\n  File 'x.py', line 1\nRuntimeError: Timed out\n"
+    )
+    (logs / "rollout-0.log").write_text("miles bootstrap: engine 0 (pid 9) exited with -9; see engine.log\n")
+    fail = failure(tmp_path, "miles: job 5 start 0\nmiles: actor step exited with 1\n")
+    assert fail == {
+        "role": "actor",
+        "exit_code": 1,
+        "log": str(logs / "actor-1.log"),
+        "error": "Traceback (most recent call last):\n  File 'x.py', line 1\nRuntimeError: Timed out",
+    }
+    assert "the actor step failed (exit 1)" in format_failure(tmp_path, fail)
+    early = failure(tmp_path, "miles: rollout step exited with 0 before the actor step; stopping the job\n")
+    assert early and early["role"] == "rollout" and "exited with -9" in early["error"]
+    assert failure(tmp_path, "miles: actor step exited with 0\n") is None
