@@ -1,4 +1,5 @@
-"""On the one-host Slurm dev cluster (`make slurm-up`): het jobs, arrays, cancel, requeue, MPI bootstrap.
+"""On the one-host Slurm dev cluster (`make slurm-up`): het jobs, arrays, cancel, requeue, MPI bootstrap,
+stale rendezvous records, and jobs that fail (a hung collective, a dead engine) instead of hanging.
 
 Each job runs real processes: the embedded engine on the rollout node, gloo trainer ranks on the
 actor nodes, started by srun inside a real het job and tracked through submitit + sacct.
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.launch.status import cancel, run_logs, run_status, sweep_status
+from miles.cluster.rendezvous import publish_engine, publish_router, read_engines
+from miles.launch.status import cancel, format_table, run_logs, run_status, sweep_status
 from miles.launch.submit import submit, sweep
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +54,16 @@ def _common(tmp_path: Path, tiny_model: str) -> list[str]:
     return [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", SELFTEST]
 
 
+def _plant_stale_records(run_dir: Path) -> str:
+    """Records an earlier job left in the run directory, pointing at an address nothing serves."""
+    dead = "http://127.0.0.1:9"
+    publish_engine(run_dir, "n9-0", dead, 1, "n9", "999.0")
+    publish_router(run_dir, dead, 1, "999.0")
+    return dead
+
+
 def test_het_job_engine_and_gloo_ranks(tmp_path: Path, tiny_model: str) -> None:
+    dead = _plant_stale_records(tmp_path / "slurm-tiny")
     sub = submit(TINY, "local", _common(tmp_path, tiny_model))
     run_dir = Path(sub.run_dirs[0])
     assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED")) == "COMPLETED", run_logs(
@@ -60,6 +71,8 @@ def test_het_job_engine_and_gloo_ranks(tmp_path: Path, tiny_model: str) -> None:
     )
     result = json.loads((run_dir / "selftest.json").read_text())
     assert result["world_size"] == 2 and result["allreduce"] == 3.0 and len(result["engines"]) == 1
+    assert dead not in result["engines"]  # the stale record of job 999 was ignored
+    assert [r["incarnation"] for r in read_engines(run_dir, f"{sub.job_ids[0]}.0")] == [f"{sub.job_ids[0]}.0"]
     ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "rendezvous" / "ranks").glob("*.json"))]
     assert {r["node"] for r in ranks} == {"n2", "n3"} or len({r["node"] for r in ranks}) == 2
     assert all(r["source"] == "slurm" and r["MASTER_ADDR"] == "127.0.0.1" for r in ranks)
@@ -68,6 +81,7 @@ def test_het_job_engine_and_gloo_ranks(tmp_path: Path, tiny_model: str) -> None:
 
 
 def test_het_job_runs_the_rl_loop(tmp_path: Path, tiny_model: str) -> None:
+    _plant_stale_records(tmp_path / "slurm-tiny")  # the loop must find this job's engine, not these
     sub = submit(TINY, "local", [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", "train.steps=2"])
     run_dir = Path(sub.run_dirs[0])
     assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 180) == "COMPLETED", run_logs(
@@ -168,3 +182,51 @@ def test_mpi_bootstrap_under_pmix(tmp_path: Path, tiny_model: str) -> None:
         ("mpi", "1", "2"),
     ]
     assert json.loads((run_dir / "selftest.json").read_text())["allreduce"] == 3.0
+
+
+def _gone(pid: int, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_hung_collective_fails_the_job_and_status_names_the_role(
+    tmp_path: Path, tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 stops taking part: rank 0's collective times out after train.collective_timeout_s, its
+    failure ends the actor step (--kill-on-bad-exit) and the job, and `miles status` says why."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the job imports the test's actor program
+    stall = ["launch.actor_module=tests.integration.collective_stall", "train.collective_timeout_s=5"]
+    sub = submit(TINY, "local", [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", *stall])
+    run_dir = sub.run_dirs[0]
+    assert _wait(run_dir, ("COMPLETED", "FAILED", "CANCELLED")) == "FAILED"
+    fail = run_status(run_dir)["failure"]
+    assert fail["role"] == "actor" and fail["log"].endswith("actor-0.log")
+    assert "Timed out waiting 5000ms" in fail["error"], fail
+    table = format_table([run_status(run_dir)])
+    assert "the actor step failed" in table and fail["log"] in table and "Timed out" in table
+    assert "the actor step failed" in run_logs(run_dir)
+    (engine,) = read_engines(run_dir, f"{sub.job_ids[0]}.0")
+    assert _gone(engine["pid"]), "the engine outlived the job"
+
+
+def test_dead_engine_fails_the_job(tmp_path: Path, tiny_model: str) -> None:
+    """The engine dies mid-run: the rollout step ends, the batch script stops the actor step and the
+    job fails at once (not after the trainer's timeouts); `miles status` names the rollout role."""
+    sub = submit(TINY, "local", [*_common(tmp_path, tiny_model), "train.steps=400"])
+    run_dir = Path(sub.run_dirs[0])
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline, run_logs(run_dir, "actor")
+        time.sleep(0.5)
+    (engine,) = read_engines(run_dir, f"{sub.job_ids[0]}.0")
+    os.kill(engine["pid"], 9)
+    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 60) == "FAILED"
+    fail = run_status(run_dir)["failure"]
+    assert fail["role"] == "rollout" and f"exited with -9; see {run_dir}/logs/engine-" in fail["error"], fail
+    assert "rollout step exited with 1 before the actor step" in run_logs(run_dir)
