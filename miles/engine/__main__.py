@@ -3,6 +3,14 @@
 With --port 0 the OS picks the port. Once the server accepts requests, `{"url": ..., "pid": ...}`
 is written atomically (temporary file + rename) to --url-file, which launchers and the Slurm
 rendezvous read.
+
+SIGTERM (or SIGINT) always stops the engine, also when its engine thread is dead or stuck: the
+engine thread is told to stop (requests in flight end with an abort), open connections get
+`SHUTDOWN_GRACE_S` to finish, then the process ends by the signal itself (killed by SIGTERM, or
+SIGINT).
+Should the shutdown itself not finish within `SHUTDOWN_DEADLINE_S` (a stuck engine thread or a
+handler blocked on it), the process exits at once with status 1, after logging why. Only daemon
+threads are started here, so none keeps the process alive.
 """
 
 from __future__ import annotations
@@ -25,8 +33,11 @@ from miles.engine.model import Decoder, ModelSpec, load_weights
 from miles.engine.scheduler import Scheduler
 from miles.engine.server import EngineState, build_app, model_path_of
 from miles.engine.tokenizer import load_codec
+from miles.engine.validation import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("miles.engine")
+SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_DEADLINE_S = 15.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,7 +65,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--url-file", default=None)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies are answered 413 without being parsed",
+    )
+    p.add_argument(
+        "--scheduler-stuck-timeout-s",
+        type=float,
+        default=60.0,
+        help="/health answers 503 when work waits and the engine thread finished no step for this long",
+    )
+    p.add_argument(
+        "--health-generate-timeout-s",
+        type=float,
+        default=20.0,
+        help="/health_generate answers 503 when its one-token generation takes longer (SGLang: 20)",
+    )
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="tests only: add POST /debug/inject_fault (step_error, step_hang, scheduler_death)",
+    )
+    args = p.parse_args(argv)
+    if (
+        args.max_request_bytes < 1
+        or args.scheduler_stuck_timeout_s <= 0
+        or args.health_generate_timeout_s <= 0
+    ):
+        p.error(
+            "--max-request-bytes, --scheduler-stuck-timeout-s and --health-generate-timeout-s must be > 0"
+        )
+    return args
 
 
 def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> frozenset[int]:
@@ -85,6 +128,7 @@ def build_state(args: argparse.Namespace) -> EngineState:
         cuda_graph=not args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_max_context=args.cuda_graph_max_context,
+        stuck_timeout_s=args.scheduler_stuck_timeout_s,
     )
     tok = load_codec(model_dir)
     if tok is None:
@@ -106,7 +150,15 @@ def build_state(args: argparse.Namespace) -> EngineState:
         "cuda_graph_max_bs": scheduler.graph_max_bs,
     }
     return EngineState(
-        scheduler, model_path_of(args.model), tok, server_args, _eos_ids(model_dir, spec, tok), args.seed
+        scheduler,
+        model_path_of(args.model),
+        tok,
+        server_args,
+        _eos_ids(model_dir, spec, tok),
+        args.seed,
+        max_request_bytes=args.max_request_bytes,
+        health_generate_timeout_s=args.health_generate_timeout_s,
+        enable_fault_injection=args.enable_fault_injection,
     )
 
 
@@ -119,7 +171,27 @@ def write_url_file(path: str, url: str) -> None:
     os.replace(tmp, target)
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, url_file: str | None) -> None:
+def _force_exit() -> None:
+    log.error(
+        "the engine did not shut down within %g s (stuck engine thread?); exiting now", SHUTDOWN_DEADLINE_S
+    )
+    logging.shutdown()
+    os._exit(1)
+
+
+def _begin_shutdown(state: EngineState) -> None:
+    """On SIGTERM/SIGINT: stop the engine thread (requests in flight end, so their connections close)
+    and arm the deadline (module docstring)."""
+    log.info("shutting down")
+    state.scheduler.stop()
+    deadline = threading.Timer(SHUTDOWN_DEADLINE_S, _force_exit)
+    deadline.daemon = True
+    deadline.start()
+
+
+async def _serve(
+    server: uvicorn.Server, sock: socket.socket, url: str, url_file: str | None, state: EngineState
+) -> None:
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
@@ -127,6 +199,12 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, url: str, url_file
         log.info("serving at %s", url)
         if url_file:
             write_url_file(url_file, url)
+    # uvicorn's own signal handler only sets should_exit; acting on it here, not in the handler,
+    # keeps locks out of signal context
+    while not task.done() and not server.should_exit:
+        await asyncio.sleep(0.1)
+    if server.should_exit:
+        _begin_shutdown(state)
     await task
 
 
@@ -144,13 +222,18 @@ def main(argv: list[str] | None = None) -> None:
     sock.bind((args.host, args.port))
     host, port = sock.getsockname()[:2]
     state.server_args["port"] = port
-    config = uvicorn.Config(build_app(state), log_level="warning", timeout_keep_alive=60)
+    config = uvicorn.Config(
+        build_app(state),
+        log_level="warning",
+        timeout_keep_alive=60,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     server = uvicorn.Server(config)
     try:
-        asyncio.run(_serve(server, sock, f"http://{host}:{port}", args.url_file))
+        asyncio.run(_serve(server, sock, f"http://{host}:{port}", args.url_file, state))
     finally:
         state.scheduler.stop()
-        engine_thread.join(timeout=10)
+        engine_thread.join(timeout=SHUTDOWN_GRACE_S)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,15 @@ class Request:
         return self.params.temperature > 0 and (self.params.top_p < 1 or self.params.top_k > 0)
 
 
+def abort_reason(message: str, status_code: int | None = None) -> dict[str, Any]:
+    """SGLang's FINISH_ABORT as JSON. A `status_code` marks an engine failure: a non-streamed request
+    is then answered with that HTTP status and the message (as SGLang's tokenizer manager does)."""
+    reason: dict[str, Any] = {"type": "abort", "message": message}
+    if status_code is not None:
+        reason |= {"status_code": status_code, "err_type": "InternalServerError"}
+    return reason
+
+
 def sampling_rows(reqs: list[Request], vocab: int, head: list[list[int]] | None = None, ahead: int = 0):
     """Host tensors: int64 [head..., seeds, steps, top_k] and fp32 [temperature, top_p], by request
     (`ahead`: tokens of each request sampled but not yet recorded)."""

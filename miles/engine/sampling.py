@@ -17,10 +17,22 @@ parameters alone, so batching never changes its tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int64(value: int) -> int:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{value} is outside the int64 range [-2**63, 2**63 - 1]")
+    return value
+
+
+Int64 = Annotated[int, AfterValidator(_int64)]
+"""An integer the engine can hold in an int64 tensor (larger ones are a 400, never a scheduler error)."""
 
 # SGLang fields we accept only at their default value (the embedded engine does not implement them).
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
@@ -42,27 +54,28 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
 
 
 class SamplingParams(BaseModel):
-    """SGLang's `sampling_params` object (same field names and defaults)."""
+    """SGLang's `sampling_params` object (same field names and defaults). Every integer is within
+    int64 and every float finite, so no value can fail inside the engine thread."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_new_tokens: int = Field(128, ge=0)
+    max_new_tokens: Int64 = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    stop_token_ids: list[int] | None = None
+    top_k: Int64 = -1
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    sampling_seed: int | None = None
-    stream_interval: int | None = None
+    sampling_seed: Int64 | None = None
+    stream_interval: Int64 | None = None
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    n: int = 1
+    min_new_tokens: Int64 = 0
+    n: Int64 = 1
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

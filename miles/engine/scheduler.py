@@ -4,15 +4,8 @@ Each loop turn is one engine step:
     admit waiting requests that fit (slots, width) -> one batched prefill forward for them
     -> one batched decode forward over every running request -> retire the finished ones.
 Requests join between steps and leave the moment they finish, so the batch never waits for its
-slowest member. HTTP handlers never touch the batch: they append to an inbox (thread-safe deque)
-and wait on a Future; administrative operations (pause, weight updates, flush, memory release) are
-handed to the engine thread, which runs them between two steps under the step lock.
-
-One thread runs every torch kernel (on CPU, the KV memory too is allocated by the engine thread,
-at its first step). Each thread that runs a parallel CPU kernel gets its own OpenMP thread pool;
-with more pool threads than cores, every pool's workers go to sleep between kernels, and decode
-steps of a tiny model became ~1.5x slower (8 -> 12 ms at batch 64 on 2 cores) once one weight
-copy had run on an HTTP worker thread.
+slowest member. The thread around the steps (inbox, administrative calls between steps, a failing
+step, health) is miles/engine/engine_thread.py.
 
 Pause modes (as SGLang's /pause_generation): `abort` finishes every request with an abort reason;
 `retract` frees the KV of running requests and puts them back in the queue (they continue after
@@ -37,28 +30,25 @@ from __future__ import annotations
 
 import heapq
 import logging
-import threading
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from miles.engine.cuda_graph import DecodeGraphs
+from miles.engine.engine_thread import EngineThread
 from miles.engine.kv_cache import RowKV, SlotAllocator
 from miles.engine.model import Batch, Decoder
-from miles.engine.request import Request, prefill_batch, prefill_groups, sampling_rows
+from miles.engine.request import Request, abort_reason, prefill_batch, prefill_groups, sampling_rows
 from miles.engine.sampling import sample
 from miles.engine.staging import InFlight, Staging
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-T = TypeVar("T")
 
 
-class Scheduler:
+class Scheduler(EngineThread):
     """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body.
 
     The pool has one slot more than `max_total_tokens` (the scratch slot) and the slot table one row
@@ -76,7 +66,10 @@ class Scheduler:
         cuda_graph_max_bs: int | None = None,
         cuda_graph_max_context: int = 4096,
         overlap: bool | None = None,
+        stuck_timeout_s: float = 60.0,
+        max_step_failures: int = 3,
     ):
+        super().__init__(stuck_timeout_s, max_step_failures)
         self.decoder = decoder
         self.max_running = max_running_requests
         self.max_total_tokens = max_total_tokens
@@ -95,20 +88,12 @@ class Scheduler:
         self.graphs: DecodeGraphs | None = None
         self.row_kv: RowKV | None = None
         self.weight_version = "default"
-        self.lock = threading.Lock()
-        self.paused = False
-        self.released = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._inbox: deque[Request] = deque()
-        self._aborts: deque[str | None] = deque()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._calls_lock = threading.Lock()
-        self._engine_thread: threading.Thread | None = None
         self._cache_epoch = 0
         self.num_steps = 0
+        self.num_token_steps = 0
+        """Steps that recorded tokens (a busy engine's sign of life for /health_generate)."""
         self.slots = SlotAllocator(self.max_total_tokens)
         self.pool: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.table = torch.empty(0)
@@ -144,10 +129,6 @@ class Scheduler:
             )
 
     # ---- called from other threads ----
-    def submit(self, req: Request) -> None:
-        self._inbox.append(req)
-        self._wake.set()
-
     def run_until_idle(self) -> None:
         """In the calling thread, with no engine thread running (benchmarks, tests): take every
         submitted request and step until none is left."""
@@ -155,15 +136,6 @@ class Scheduler:
             self._drain_inbox()
             while self.step():
                 pass
-
-    def abort(self, rid: str | None) -> None:
-        """Abort one request by rid, or all requests when rid is None."""
-        self._aborts.append(rid)
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
 
     def pause(self, mode: str) -> int:
         """Stop stepping (see module docstring); returns the number of requests affected."""
@@ -234,30 +206,6 @@ class Scheduler:
             self._alloc_memory()
             self.released = False
 
-    def _on_engine_thread(self, fn: Callable[[], T]) -> T:
-        """fn() under the step lock, run by the engine thread between two steps (see the module
-        docstring for why), or by the caller when no engine thread runs."""
-        with self._calls_lock:
-            hand_over = self._engine_thread not in (None, threading.current_thread())
-            if hand_over:
-                done: Future = Future()
-                self._calls.append((fn, done))
-        if not hand_over:
-            with self.lock:
-                return fn()
-        self._wake.set()
-        return done.result()
-
-    def _run_calls(self) -> None:
-        if self._calls:
-            self._land()
-        while self._calls:
-            fn, done = self._calls.popleft()
-            try:
-                done.set_result(fn())
-            except Exception as e:  # the caller's error, raised again in the calling thread
-                done.set_exception(e)
-
     def stats(self) -> dict[str, Any]:
         return {
             "num_running_reqs": len(self.running),
@@ -270,31 +218,12 @@ class Scheduler:
         }
 
     # ---- the engine thread ----
-    def run(self) -> None:
-        self._engine_thread = threading.current_thread()
-        try:
-            while not self._stop.is_set():
-                self._wake.clear()
-                with self.lock:
-                    self._run_calls()
-                    self._drain_inbox()
-                    busy = not (self.paused or self.released) and self.step()
-                if not busy:
-                    self._wake.wait(1.0)
-        finally:
-            with self._calls_lock:
-                self._engine_thread = None
-            with self.lock:
-                self._land()
-                self._run_calls()
-                self._drain_inbox()
-                self._abort_all("engine shutting down")
-
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""
         if self._needs_memory:
             self._alloc_memory()
         if self._inflight is not None:
+            self._fault_point()
             if not self._would_admit() and self._step_ahead():
                 self._retire()
                 self.num_steps += 1
@@ -302,6 +231,8 @@ class Scheduler:
             self._land()
             self._retire()
         admitted = self._admit()
+        if self.running:
+            self._fault_point()
         others = [r for r in self.running if r not in admitted] if admitted else list(self.running)
         if admitted and others and self.row_kv is not None:
             self._forward_mixed(admitted, others)
@@ -330,11 +261,29 @@ class Scheduler:
                 kept.append(req)
         self.waiting = kept
 
-    def _abort_all(self, message: str) -> None:
+    def _abort_all(self, message: str, status_code: int | None = None) -> None:
         for req in [*self.running, *self.waiting]:
             self._free(req)
-            self._finish(req, {"type": "abort", "message": message})
+            self._finish(req, abort_reason(message, status_code))
         self.running, self.waiting = [], deque()
+
+    def _num_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def _drop_batch(self) -> list[Request]:
+        """After a failed step: take out the batch's requests and start the KV bookkeeping afresh
+        (pool contents stay; the prefix cache is lost). Waiting requests hold no slots and stay queued."""
+        batch = {id(r): r for r in self.running}
+        batch.update((id(r), r) for r in (self._inflight.reqs if self._inflight else []) if not r.done.done())
+        self._inflight, self._staging, self.running = None, None, []
+        for req in batch.values():
+            req.slots, req.kv_len, req.row = [], 0, -1
+        self.slots = SlotAllocator(self.max_total_tokens)
+        self._free_rows = list(range(self.max_running))
+        if self.row_kv is not None:
+            self.row_kv.filled = [0] * len(self.row_kv.filled)
+        self._cache_epoch += 1
+        return list(batch.values())
 
     def _flush_locked(self) -> None:
         self.slots.flush()
@@ -357,7 +306,7 @@ class Scheduler:
                     self._finish(req, {"type": "abort", "message": "request does not fit in the KV cache"})
                     continue
                 break
-            self.waiting.popleft()
+            self.running.append(self.waiting.popleft())
             budget -= need
             req.slots = matched + fresh
             req.kv_len = len(matched)
@@ -367,7 +316,6 @@ class Scheduler:
             if self.row_kv is not None:
                 self.row_kv.filled[req.row] = 0
             self.table[req.row, : len(req.slots)] = torch.tensor(req.slots, device=self.table.device)
-            self.running.append(req)
             admitted.append(req)
         return admitted
 
@@ -549,6 +497,7 @@ class Scheduler:
         """Append each request's sampled token and check whether it finished. Requests that finished
         or left the batch after the step was launched (overlap) drop their token."""
         max_context = self.max_context
+        self.num_token_steps += 1
         for req, tok, lp in zip(reqs, tokens, logps, strict=True):
             if req.finish is not None or req.row < 0:
                 continue
@@ -587,8 +536,3 @@ class Scheduler:
             self._free(req)
             self.running.remove(req)
             self._finish(req, req.finish)
-
-    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
-        req.finish = reason
-        if not req.done.done():
-            req.done.set_result(req)

@@ -2,7 +2,21 @@
 
 Requests and replies follow sglang/srt/managers/io_struct.py and sglang/srt/entrypoints/http_server.py
 so the same client (miles.rollout.client) and the sglang-router work against both. Errors are
-`{"error": {"message": ...}}` with a 4xx status, as in SGLang, and never stop the engine.
+`{"error": {"message": ...}}` with a 4xx status, as in SGLang, and never stop the engine; every
+field is checked before a request reaches the engine thread (miles/engine/validation.py). A request
+failed by the engine (a step that raised) is answered 500 with the error, as SGLang answers an abort
+that carries a status code.
+
+Health, as SGLang: `/health` and `/health_generate` answer 503 with a message when the engine
+thread is dead, stopped or stuck (miles/engine/engine_thread.py); `/health_generate` also runs a
+one-token generation and answers 503 when it fails or takes longer than `health_generate_timeout_s`
+(SGLang's 20 s); an engine that makes progress on other requests meanwhile is healthy. While the
+engine is paused or its memory released, no generation runs and the thread's state decides. An
+unhealthy engine answers new /generate requests 503 at once.
+
+With `--enable-fault-injection`, `POST /debug/inject_fault` `{"kind": "step_error" | "step_hang" |
+"scheduler_death", "seconds": ...}` arms a fault in the engine thread, for tests; without the flag
+the route does not exist.
 
 Miles-specific addition: `meta_info["miles_output_token_weight_versions"]`, the weight version that
 produced each output token (one entry per token of `output_ids`). With in_place pauses a request
@@ -22,39 +36,28 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from miles.engine.engine_thread import FAULT_KINDS
 from miles.engine.request import Request as EngineRequest
-from miles.engine.sampling import SamplingParams
 from miles.engine.scheduler import Scheduler
 from miles.engine.updates import WeightUpdater
+from miles.engine.validation import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    BadRequest,
+    GenerateReqInput,
+    HTTPError,
+    check_prompt,
+    parse_body,
+    sampling_params,
+)
 
 log = logging.getLogger(__name__)
-
-
-class BadRequest(ValueError):
-    """A user mistake in a request: answered with 400 and this message."""
-
-
-class GenerateReqInput(BaseModel):
-    """The /generate body (SGLang's GenerateReqInput; fields the engine does not use are ignored)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
-    rid: str | list[str] | None = None
-    stream: bool = False
-    return_routed_experts: bool = False
 
 
 @dataclass
@@ -67,6 +70,9 @@ class EngineState:
     server_args: dict[str, Any]
     eos_token_ids: frozenset[int]
     seed: int = 0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    health_generate_timeout_s: float = 20.0
+    enable_fault_injection: bool = False
     updater: WeightUpdater = field(init=False)
 
     def __post_init__(self) -> None:
@@ -80,35 +86,6 @@ class EngineState:
 
 def error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-async def _body(request: Request, model: type[BaseModel] | None = None) -> Any:
-    raw = await request.body()
-    if not raw:
-        data: Any = {}
-    else:
-        try:
-            data = pydantic_core.from_json(raw)
-        except ValueError as e:
-            raise BadRequest(f"request body is not valid JSON: {e}") from e
-    if model is None:
-        return data
-    if not isinstance(data, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise BadRequest(_explain(e)) from e
-
-
-def _explain(e: ValidationError) -> str:
-    parts = []
-    for item in e.errors():
-        loc = ".".join(str(p) for p in item["loc"])
-        parts.append(
-            f"unknown field {loc!r}" if item["type"] == "extra_forbidden" else f"{loc}: {item['msg']}"
-        )
-    return "; ".join(parts)
 
 
 def _items(req: GenerateReqInput, state: EngineState) -> list[tuple[list[int], dict, bool, str]]:
@@ -144,23 +121,14 @@ def _items(req: GenerateReqInput, state: EngineState) -> list[tuple[list[int], d
     return list(zip(prompts, params, logprob, rids, strict=True))
 
 
-def _make_request(state: EngineState, prompt: list[int], params: dict, rid: str) -> EngineRequest:
-    try:
-        sp = SamplingParams.model_validate(params)
-        sp.check_supported()
-    except ValidationError as e:
-        raise BadRequest("sampling_params: " + _explain(e)) from e
-    except ValueError as e:
-        raise BadRequest(str(e)) from e
-    vocab = state.scheduler.decoder.spec.vocab_size
-    if not prompt:
-        raise BadRequest("the prompt is empty")
-    if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt):
-        raise BadRequest(f"input_ids must be integers in [0, {vocab})")
-    if len(prompt) >= state.scheduler.max_context:
-        raise BadRequest(
-            f"the prompt has {len(prompt)} tokens; the context limit is {state.scheduler.max_context}"
-        )
+def _make_request(
+    state: EngineState, prompt: list[int], params: Any, rid: str, index: int | None = None
+) -> EngineRequest:
+    at = "" if index is None else f"[{index}]"
+    sp = sampling_params(params, "sampling_params" + at)
+    check_prompt(
+        prompt, state.scheduler.decoder.spec.vocab_size, state.scheduler.max_context, "input_ids" + at
+    )
     stop = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(state.eos_token_ids))
     seed = sp.sampling_seed if sp.sampling_seed is not None else state.next_seed()
     return EngineRequest(rid=rid, prompt=list(prompt), params=sp, seed=seed, stop_ids=frozenset(stop))
@@ -201,16 +169,26 @@ async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
     if req.return_routed_experts:
         raise BadRequest("return_routed_experts needs an MoE model; this engine serves dense models")
     items = _items(req, state)
-    reqs = [(_make_request(state, p, sp, rid), lp) for p, sp, lp, rid in items]
+    batch = len(items) > 1 or isinstance(req.text, list) or isinstance(req.sampling_params, list)
+    reqs = [
+        (_make_request(state, p, sp, rid, i if batch else None), lp)
+        for i, (p, sp, lp, rid) in enumerate(items)
+    ]
+    problem = state.scheduler.health_problem()
+    if problem is not None:
+        raise HTTPError(503, problem)
 
     async def encoded(r: EngineRequest, return_logprob: bool) -> bytes:
-        return to_json(_reply(state, await asyncio.wrap_future(r.done), return_logprob))
+        await asyncio.wrap_future(r.done)
+        if r.finish.get("status_code"):  # failed by the engine, not by the client: no reply object
+            raise HTTPError(r.finish["status_code"], r.finish["message"])
+        return to_json(_reply(state, r, return_logprob))
 
     for r, _ in reqs:
         state.scheduler.submit(r)
     try:
         out = await asyncio.gather(*(encoded(r, lp) for r, lp in reqs))
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, HTTPError):
         for r, _ in reqs:
             state.scheduler.abort(r.rid)
         raise
@@ -223,33 +201,99 @@ def build_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="miles embedded engine")
     app.state.engine = state
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return error(str(exc))
+    app.state.max_request_bytes = state.max_request_bytes
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
+        return error(str(exc), exc.status)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error(f"{request.url.path} failed: {type(exc).__name__}: {exc}", 500)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def _generate(request: Request):
-        body = await generate(state, await _body(request, GenerateReqInput))
+        body = await generate(state, await parse_body(request, GenerateReqInput))
         return Response(content=body, media_type="application/json")
 
     @app.get("/health")
     async def _health():
-        return Response(status_code=200)
+        problem = state.scheduler.health_problem()
+        return error(problem, 503) if problem else Response(status_code=200)
 
     @app.get("/health_generate")
     async def _health_generate():
         s = state.scheduler
-        if s.paused or s.released:
-            return Response(status_code=200)
-        r = _make_request(state, [0], {"max_new_tokens": 1, "temperature": 0}, "health_" + uuid.uuid4().hex)
-        s.submit(r)
-        await asyncio.wait_for(asyncio.wrap_future(r.done), timeout=60)
+        problem = s.health_problem()
+        if problem is None and not (s.paused or s.released):
+            problem = await _one_token(state)
+        if problem is not None:
+            log.warning("health_generate: %s", problem)
+            return error(problem, 503)
         return Response(status_code=200)
 
     _info_routes(app, state)
     _control_routes(app, state)
-    state.updater.add_routes(app, _body, error)
+    state.updater.add_routes(app, parse_body, error)
+    if state.enable_fault_injection:
+        _fault_routes(app, state)
     return app
+
+
+async def _one_token(state: EngineState) -> str | None:
+    """SGLang's health generation: one greedy token from prompt [0]. None (healthy) when it finishes,
+    or when the engine records tokens of other requests meanwhile (a busy engine is alive); else why not."""
+    s = state.scheduler
+    r = _make_request(state, [0], {"max_new_tokens": 1, "temperature": 0}, "HEALTH_CHECK_" + uuid.uuid4().hex)
+    before = s.num_token_steps
+    s.submit(r)
+    done = asyncio.wrap_future(r.done)
+    deadline = time.monotonic() + state.health_generate_timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(asyncio.shield(done), timeout=0.2)
+            except TimeoutError:
+                if s.num_token_steps != before and s.health_problem() is None:
+                    return None
+                continue
+            if r.finish.get("status_code"):
+                return f"the health check's one-token generation failed: {r.finish['message']}"
+            return None
+        return (
+            "the health check's one-token generation did not finish within "
+            f"{state.health_generate_timeout_s:g} s"
+        )
+    finally:
+        if not r.done.done():
+            s.abort(r.rid)
+
+
+class InjectFault(BaseModel):
+    """The /debug/inject_fault body."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    kind: Literal[FAULT_KINDS]  # type: ignore[valid-type]
+    seconds: float = Field(0.0, ge=0.0, le=3600.0)
+    """How long a step_hang step sleeps."""
+
+
+def _fault_routes(app: FastAPI, state: EngineState) -> None:
+    """Tests only (--enable-fault-injection): arm a fault in the engine thread (engine_thread.py)."""
+    s = state.scheduler
+
+    @app.post("/debug/inject_fault")
+    async def _inject(request: Request):
+        body = await parse_body(request, InjectFault)
+        log.warning("injecting fault %s (seconds=%g)", body.kind, body.seconds)
+        s.inject_fault(body.kind, body.seconds)
+        if body.kind == "scheduler_death":  # answer once it has struck, so callers see its effect
+            deadline = time.monotonic() + 10.0
+            while s.failure is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        return {"success": True, "message": f"fault {body.kind} armed"}
 
 
 def _info_routes(app: FastAPI, state: EngineState) -> None:
@@ -295,7 +339,7 @@ def _control_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.post("/abort_request")
     async def _abort(request: Request):
-        body = await _body(request)
+        body = await parse_body(request)
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object with 'rid' or 'abort_all'")
         if body.get("abort_all"):
@@ -308,7 +352,7 @@ def _control_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.post("/pause_generation")
     async def _pause(request: Request):
-        body = await _body(request)
+        body = await parse_body(request)
         mode = (body or {}).get("mode", "abort") if isinstance(body, dict) else None
         try:
             n = await asyncio.to_thread(s.pause, mode)
@@ -323,13 +367,13 @@ def _control_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.post("/release_memory_occupation")
     async def _release(request: Request):
-        _memory_tags(await _body(request))
+        _memory_tags(await parse_body(request))
         await asyncio.to_thread(s.release_memory)
         return {"success": True, "message": "memory released"}
 
     @app.post("/resume_memory_occupation")
     async def _resume(request: Request):
-        _memory_tags(await _body(request))
+        _memory_tags(await parse_body(request))
         await asyncio.to_thread(s.resume_memory)
         return {"success": True, "message": "memory resumed"}
 

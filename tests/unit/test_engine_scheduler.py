@@ -268,3 +268,40 @@ def test_admin_operations_run_on_the_engine_thread(engine, tiny_model):
         engine.update_weights({"no.such.weight": torch.zeros(1)}, "v3", abort_all=False)
     assert engine.weight_version == "v2"
     assert _run(engine, [_req("after", [1, 2, 3], 3)])[0].finish["type"] == "length"
+
+
+def test_failing_step_fails_its_batch_and_the_engine_goes_on(engine):
+    """The batch of a step that raises ends with a 500 abort; the KV bookkeeping starts afresh, so
+    the same requests afterwards give the tokens they gave before."""
+    work = _mixed(6, seed=3)
+    before = _run(engine, [_req(f"a{i}", p, m) for i, (p, m) in enumerate(work)])
+    engine.inject_fault("step_error")
+    failed = _run(engine, [_req(f"b{i}", p, m) for i, (p, m) in enumerate(work)])
+    assert all(r.finish["type"] == "abort" and r.finish["status_code"] == 500 for r in failed)
+    assert "injected fault: step_error" in failed[0].finish["message"]
+    assert engine.health_problem() is None and engine.num_failed_steps == 1
+    after = _run(engine, [_req(f"c{i}", p, m) for i, (p, m) in enumerate(work)])
+    assert [r.output for r in after] == [r.output for r in before]
+    assert engine.num_failed_steps == 0 and not engine.running and engine.slots.num_free > 0
+
+
+def test_failing_steps_in_a_row_end_the_thread_and_later_requests_fail_at_once(tiny_model):
+    spec = ModelSpec.from_dir(tiny_model)
+    sched = Scheduler(
+        Decoder(spec, load_weights(tiny_model), "cpu", torch.float32), 8, 1024, max_step_failures=2
+    )
+    thread = threading.Thread(target=sched.run, daemon=True)
+    thread.start()
+    try:
+        for i in range(2):
+            sched.inject_fault("step_error")
+            assert _run(sched, [_req(i, [1, 2, 3], 4)])[0].finish["status_code"] == 500
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        assert "2 engine steps failed in a row" in sched.health_problem()
+        late = _req("late", [1, 2], 2)
+        sched.submit(late)
+        assert late.done.result(timeout=5).finish["status_code"] == 500
+        assert "died" in late.finish["message"]
+    finally:
+        sched.stop()
