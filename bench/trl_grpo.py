@@ -11,7 +11,9 @@ No tokenizer can be downloaded, so prompts come from miles' small BPE tokenizer
 tokenizer's decode to nothing, which only changes the completion text TRL hands to reward functions.
 
 TRL settings, and why:
-- HF `generate` (use_vllm=False), sampling at temperature 1, top_p 1, top_k 0 (TRL's defaults).
+- HF `generate` (use_vllm=False: TRL's generation path without a vLLM server), sampling at temperature
+  1, top_p 1, top_k 0 (TRL's defaults). Quoted results name this mode, and both gradient-checkpointing
+  settings (on by default, off with --no-gradient-checkpointing; bench/h200_sitting.sh runs both).
 - Completions forced to full length: `generation_kwargs={"min_new_tokens": C}` makes transformers mask
   every id of the generation config's eos list (TRL puts the tokenizer's eos and the model's there)
   until C tokens exist, and max_completion_length=C stops there. The run fails if any is shorter.
