@@ -42,8 +42,20 @@ def _plan(recipe: str, overrides: list[str], resume: str | None) -> Plan:
 
 
 def _prepare_run_dir(plan: Plan, resume: bool, overwrite: bool) -> Path:
-    """Refuse to reuse an earlier run's directory unless told how (see miles.launch.rundir)."""
+    """Refuse to reuse an earlier run's directory unless told how (see miles.launch.rundir); with
+    --resume, refuse when no checkpoint verifies (damaged newer ones are reported and skipped)."""
+    from miles.train.checkpoint import find_resume_step
+
     run_dir = Path(plan.run_dir)
+    if resume:
+        step, damaged = find_resume_step(run_dir)
+        for message in damaged:
+            print(f"miles: {message}", file=sys.stderr)
+        if step is None:
+            raise ConfigError(
+                f"--resume {run_dir}: no complete checkpoint verifies in {run_dir / 'checkpoints'}; "
+                "start without --resume (with --overwrite to discard the earlier run)"
+            )
     for removed in prepare_run_dir(run_dir, resume=resume, overwrite=overwrite):
         print(f"miles: --overwrite: removed {removed}", file=sys.stderr)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -174,7 +174,8 @@ class RolloutSide:
                 self.repair()
                 return REPLACED
             if self.producer.error is not None:
-                raise RuntimeError("rollout failed") from self.producer.error
+                e = self.producer.error
+                raise RuntimeError(f"rollout failed: {type(e).__name__}: {e}") from e
             if self.plan.rollout.schedule == "sync":
                 if self._fill is None:
                     self._fill = asyncio.run_coroutine_threadsafe(self.producer.fill(n), self._loop)
