@@ -275,7 +275,7 @@ class Scheduler(EngineThread):
         (pool contents stay; the prefix cache is lost). Waiting requests hold no slots and stay queued."""
         batch = {id(r): r for r in self.running}
         batch.update((id(r), r) for r in (self._inflight.reqs if self._inflight else []) if not r.done.done())
-        self._inflight, self._staging, self.running = None, None, []
+        self._inflight, self.running = None, []
         for req in batch.values():
             req.slots, req.kv_len, req.row = [], 0, -1
         self.slots = SlotAllocator(self.max_total_tokens)
