@@ -200,7 +200,6 @@ def build_app(state: EngineState) -> FastAPI:
     """The FastAPI application serving SGLang's routes over `state`."""
     app = FastAPI(title="miles embedded engine")
     app.state.engine = state
-
     app.state.max_request_bytes = state.max_request_bytes
 
     @app.exception_handler(HTTPError)
