@@ -9,7 +9,8 @@ that carries a status code.
 
 Health, as SGLang: `/health` and `/health_generate` answer 503 with a message when the engine
 thread is dead, stopped or stuck (miles/engine/engine_thread.py); `/health_generate` also runs a
-one-token generation and answers 503 when it fails or takes longer than `health_generate_timeout_s`
+one-token generation (`/health` does not: it is SGLang's with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
+off, cheap enough to poll) and answers 503 when it fails or takes longer than `health_generate_timeout_s`
 (SGLang's 20 s); an engine that makes progress on other requests meanwhile is healthy. While the
 engine is paused or its memory released, no generation runs and the thread's state decides. An
 unhealthy engine answers new /generate requests 503 at once.
