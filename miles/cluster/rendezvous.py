@@ -87,7 +87,9 @@ def read_engines(run_dir: str | Path, incarnation: str) -> list[dict[str, Any]]:
 
 def read_router(run_dir: str | Path, incarnation: str) -> str | None:
     """The router's URL when one of this incarnation is published, else None."""
-    recs = _read_records([p for p in [Path(run_dir) / "rendezvous" / "router.json"] if p.exists()], incarnation)
+    recs = _read_records(
+        [p for p in [Path(run_dir) / "rendezvous" / "router.json"] if p.exists()], incarnation
+    )
     return recs[0]["url"] if recs else None
 
 

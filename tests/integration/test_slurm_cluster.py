@@ -78,6 +78,8 @@ def test_het_job_engine_and_gloo_ranks(tmp_path: Path, tiny_model: str) -> None:
     assert all(r["source"] == "slurm" and r["MASTER_ADDR"] == "127.0.0.1" for r in ranks)
     assert (run_dir / "checkpoints" / "step_2" / ".complete").exists()
     assert "actor step exited with 0" in run_logs(run_dir)
+    # one intra-op thread per process: the profile's OMP_NUM_THREADS reached the ranks and the engine
+    assert "exported OMP_NUM_THREADS=1" in run_logs(run_dir, "actor") + run_logs(run_dir, "rollout")
 
 
 def test_het_job_runs_the_rl_loop(tmp_path: Path, tiny_model: str) -> None:
@@ -120,9 +122,13 @@ def test_sweep_as_job_array(tmp_path: Path, tiny_model: str) -> None:
 def test_cancel(tmp_path: Path, tiny_model: str) -> None:
     sub = submit(TINY, "local", [*_common(tmp_path, tiny_model), "train.steps=200"])
     run_dir = sub.run_dirs[0]
-    _wait(run_dir, ("RUNNING",))
+    deadline = time.monotonic() + 120
+    while not (engines := read_engines(run_dir, f"{sub.job_ids[0]}.0")):
+        assert time.monotonic() < deadline, run_logs(run_dir, "rollout")
+        time.sleep(0.5)
     assert cancel(run_dir) == sub.job_ids[0]
     assert _wait(run_dir, ("CANCELLED",), 60).startswith("CANCELLED")
+    assert _gone(engines[0]["pid"]), "the engine outlived the cancelled job"
 
 
 def _train_steps(run_dir: Path) -> list[int]:
