@@ -213,7 +213,15 @@ class SGLangClient:
         return await self._get("/get_server_info")
 
     async def get_weight_version(self) -> str:
-        return str((await self._get("/get_weight_version"))["weight_version"])
+        """The served weight version, from /model_info (SGLang's place for it; servers that predate
+        that route answer 404 and are asked at /get_model_info)."""
+        try:
+            info = await self._get("/model_info")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            info = await self._get("/get_model_info")
+        return str(info["weight_version"])
 
     # ---- control ----
     async def pause_generation(self, mode: str = "abort") -> None:
@@ -274,6 +282,24 @@ class SGLangClient:
             "flush_cache": flush_cache,
         }
         return _checked(self.url, await self._post("/update_weights_from_distributed", body, retry=False))
+
+    async def begin_weight_update(self, selector: str = "all") -> dict[str, Any]:
+        """Open SGLang's weight-update session (SGLang >= 0.5.23 loads tensor and distributed
+        updates only inside one; the embedded engine takes them either way)."""
+        return _checked(
+            self.url, await self._post("/begin_weight_update", {"selector": selector}, retry=False)
+        )
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        return _checked(self.url, await self._post("/end_weight_update", {}, retry=False))
+
+    async def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
+        """Set the served weight version. SGLang's own default aborts every request; this client
+        sends False unless told, as upstream trainers do."""
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return _checked(self.url, await self._post("/update_weight_version", body, retry=False))
 
     async def update_weights_from_tensor(
         self,

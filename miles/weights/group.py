@@ -1,9 +1,15 @@
 """The weight-update process group shared by a trainer rank and the engines.
 
-Built the way SGLang builds its update group (TCP rendezvous at master_address:master_port, a store
-prefixed with the group name, a fresh process group beside, not instead of, the default one), so a
-trainer can talk to real SGLang servers and to the embedded engine alike. The trainer is rank 0;
-engine i of n (one rank each) is rank rank_offset + i. Backend `gloo` on CPU, `nccl` on GPU.
+Built the way SGLang's `init_custom_process_group` and upstream trainers build it, so a trainer can
+talk to real SGLang servers and to the embedded engine alike, in either role: a TCPStore at
+master_address:master_port hosted by rank 0 (the trainer), every rank counted in as torch's `tcp://`
+rendezvous counts it (the host of a `tcp://` store waits until all world_size ranks have checked in,
+so a rank that connects without checking in leaves the host waiting until its timeout), a store
+prefixed with the group name, and a fresh process group beside, not instead of, the default one.
+Engine i of n (one rank each) is rank rank_offset + i. Backend `gloo` on CPU, `nccl` on GPU.
+
+Every wait is bounded by `timeout_s`: connecting to the store, the host waiting for all ranks, the
+backend's own rendezvous, and each collective of the group.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ def init_update_group(
     backend: str = "gloo",
     timeout_s: float = 120.0,
 ) -> dist.ProcessGroup:
-    """Join (rank 0: host) the update group; blocks until all world_size ranks have joined."""
+    """Join (rank 0: host) the update group; blocks until all world_size ranks have joined, at most
+    about `timeout_s` per stage (store, then backend), and raises when they have not."""
     if backend not in BACKENDS:
         raise ValueError(
             f"unknown backend {backend!r} for the weight-update group; known: {', '.join(BACKENDS)}"
@@ -36,8 +43,15 @@ def init_update_group(
     timeout = timedelta(seconds=timeout_s)
     # A TCPStore made here, not `dist.rendezvous("tcp://...")`: under torchrun that handler turns every
     # rank into a client of the elastic agent's store, and the trainer (rank 0) must host this one.
+    # wait_for_workers=True is what `tcp://` does: each rank checks in, the host waits for all of them.
     store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        master_address,
+        master_port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=True,
+        multi_tenant=rank == 0,
     )
     store = dist.PrefixStore(group_name, store)
     default = c10d._world.default_pg if dist.is_initialized() else None
