@@ -33,12 +33,46 @@ from miles.engine.model import Decoder, ModelSpec, load_weights
 from miles.engine.scheduler import Scheduler
 from miles.engine.server import EngineState, build_app, model_path_of
 from miles.engine.tokenizer import load_codec
+from miles.engine.updates import DEFAULT_TIMEOUT_S as DEFAULT_WEIGHT_UPDATE_TIMEOUT_S
 from miles.engine.validation import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("miles.engine")
 SHUTDOWN_GRACE_S = 5.0
 SHUTDOWN_DEADLINE_S = 15.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _add_health_args(p: argparse.ArgumentParser) -> None:
+    """Limits and liveness: body size, stuck detection, the health generation, fault injection."""
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies are answered 413 without being parsed",
+    )
+    p.add_argument(
+        "--scheduler-stuck-timeout-s",
+        type=float,
+        default=60.0,
+        help="/health answers 503 when work waits and the engine thread finished no step for this long",
+    )
+    p.add_argument(
+        "--health-generate-timeout-s",
+        type=float,
+        default=20.0,
+        help="/health_generate answers 503 when its one-token generation takes longer (SGLang: 20)",
+    )
+    p.add_argument(
+        "--weight-update-timeout-s",
+        type=float,
+        default=DEFAULT_WEIGHT_UPDATE_TIMEOUT_S,
+        help="bound on each wait of a weight update (update-group rendezvous, each broadcast, the HTTP call)",
+    )
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="tests only: add POST /debug/inject_fault (step_error, step_hang, scheduler_death)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,37 +99,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--url-file", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="larger request bodies are answered 413 without being parsed",
-    )
-    p.add_argument(
-        "--scheduler-stuck-timeout-s",
-        type=float,
-        default=60.0,
-        help="/health answers 503 when work waits and the engine thread finished no step for this long",
-    )
-    p.add_argument(
-        "--health-generate-timeout-s",
-        type=float,
-        default=20.0,
-        help="/health_generate answers 503 when its one-token generation takes longer (SGLang: 20)",
-    )
-    p.add_argument(
-        "--enable-fault-injection",
-        action="store_true",
-        help="tests only: add POST /debug/inject_fault (step_error, step_hang, scheduler_death)",
-    )
+    _add_health_args(p)
     args = p.parse_args(argv)
     if (
         args.max_request_bytes < 1
         or args.scheduler_stuck_timeout_s <= 0
         or args.health_generate_timeout_s <= 0
+        or args.weight_update_timeout_s <= 0
     ):
         p.error(
-            "--max-request-bytes, --scheduler-stuck-timeout-s and --health-generate-timeout-s must be > 0"
+            "--max-request-bytes, --scheduler-stuck-timeout-s, --health-generate-timeout-s and "
+            "--weight-update-timeout-s must be > 0"
         )
     return args
 
@@ -149,7 +163,7 @@ def build_state(args: argparse.Namespace) -> EngineState:
         "disable_cuda_graph": not scheduler.use_cuda_graph,
         "cuda_graph_max_bs": scheduler.graph_max_bs,
     }
-    return EngineState(
+    state = EngineState(
         scheduler,
         model_path_of(args.model),
         tok,
@@ -160,6 +174,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
         health_generate_timeout_s=args.health_generate_timeout_s,
         enable_fault_injection=args.enable_fault_injection,
     )
+    state.updater.timeout_s = args.weight_update_timeout_s
+    return state
 
 
 def write_url_file(path: str, url: str) -> None:
