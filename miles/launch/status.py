@@ -66,7 +66,8 @@ def failure(run_dir: str | Path, batch_log: str) -> dict[str, Any] | None:
     role's own logs (the first one holding a traceback, else the first non-empty one); None when no
     step exited non-zero."""
     ends = [(m[1], int(m[2]), m[3]) for m in _STEP_EXIT.finditer(batch_log)]
-    failed = [(role, code) for role, code, rest in ends if code != 0 or "before the actor step" in rest]
+    # a step that ends before the actor step fails the job (exit 1) even when it exited with 0
+    failed = [(role, code or 1) for role, code, rest in ends if code != 0 or "before the actor step" in rest]
     if not failed:
         return None
     role, code = failed[-1]

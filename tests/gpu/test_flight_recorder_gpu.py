@@ -39,7 +39,8 @@ def test_hung_nccl_collective_dumps_the_flight_recorder_into_the_run_logs(tmp_pa
     (run_dir / "logs").mkdir(parents=True)
     write_plan(plan, run_dir / "plan.yaml")
     env = {**os.environ, **collectives_env(load_profile("h200"), str(run_dir / "logs"))}
-    env.update(PYTHONPATH=str(REPO), NCCL_SOCKET_IFNAME="lo", NCCL_IB_HCA="", CUDA_VISIBLE_DEVICES="0,1")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env.update(PYTHONPATH=path, NCCL_SOCKET_IFNAME="lo", NCCL_IB_HCA="", CUDA_VISIBLE_DEVICES="0,1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "tests.integration.collective_stall", "--run-dir", str(run_dir), "--device", "cuda"]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -29,7 +29,8 @@ def test_stalled_rank_times_out_the_collective_and_fails_the_job(tmp_path: Path)
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True)
     write_plan(plan, run_dir / "plan.yaml")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "tests.integration.collective_stall", "--run-dir", str(run_dir)]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)

@@ -206,7 +206,8 @@ def test_hung_collective_fails_the_job_and_status_names_the_role(
 ) -> None:
     """Rank 1 stops taking part: rank 0's collective times out after train.collective_timeout_s, its
     failure ends the actor step (--kill-on-bad-exit) and the job, and `miles status` says why."""
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the job imports the test's actor program
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)  # the job imports the test's actor program
     stall = ["launch.actor_module=tests.integration.collective_stall", "train.collective_timeout_s=5"]
     sub = submit(TINY, "local", [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", *stall])
     run_dir = sub.run_dirs[0]

@@ -289,5 +289,7 @@ def test_failure_names_the_role_its_error_and_log(tmp_path: Path) -> None:
     }
     assert "the actor step failed (exit 1)" in format_failure(tmp_path, fail)
     early = failure(tmp_path, "miles: rollout step exited with 0 before the actor step; stopping the job\n")
-    assert early and early["role"] == "rollout" and "exited with -9" in early["error"]
+    assert (
+        early and (early["role"], early["exit_code"]) == ("rollout", 1) and "exited with -9" in early["error"]
+    )
     assert failure(tmp_path, "miles: actor step exited with 0\n") is None
