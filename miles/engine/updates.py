@@ -169,9 +169,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def failure(message: str, status: int = 400) -> JSONResponse:
+def failure(message: str, status: int = 400, **extra: Any) -> JSONResponse:
     """SGLang's answer to a failed weight call."""
-    return JSONResponse({"success": False, "message": message}, status_code=status)
+    return JSONResponse({"success": False, "message": message, **extra}, status_code=status)
 
 
 class WeightUpdater:
@@ -317,15 +317,13 @@ class WeightUpdater:
         return task.result()
 
     async def _call(self, what: str, fn: Callable[[Any], str], body: Any) -> dict[str, Any] | JSONResponse:
+        extra = {"num_paused_requests": 0} if fn == self.from_disk else {}  # as SGLang answers
         try:
             message = await self.exclusive(fn, body)
         except Exception as e:
             log.warning("%s failed: %s", what, e)
-            return failure(f"Failed to {what}: {e}")
-        reply: dict[str, Any] = {"success": True, "message": message}
-        if fn == self.from_disk:
-            reply["num_paused_requests"] = 0
-        return reply
+            return failure(f"Failed to {what}: {e}", **extra)
+        return {"success": True, "message": message, **extra}
 
     def begin(self, _: BeginUpdate) -> dict[str, Any] | JSONResponse:
         if self.session_open:

@@ -67,15 +67,15 @@ def _weight(engine, name: str) -> torch.Tensor:
     return torch.tensor(resp.json())
 
 
-def _failed(resp: httpx.Response) -> str:
+def _failed(resp: httpx.Response, *extra: str) -> str:
     """The message of SGLang's failure answer; fails the test on any other answer."""
     assert resp.status_code == 400, resp.text
     body = resp.json()
-    assert body["success"] is False and set(body) == {"success", "message"}, body
+    assert body["success"] is False and set(body) == {"success", "message", *extra}, body
     return body["message"]
 
 
-def _group(port: int, name: str, timeout_s: float = 60.0) -> dict:
+def _group(port: int, name: str) -> dict:
     return {
         "master_address": "127.0.0.1",
         "master_port": port,
@@ -153,8 +153,11 @@ def test_own_trainer_side_and_a_broadcast_that_never_comes(engine, tiny_model):
 
 def test_failures_answer_success_false(engine):
     dist = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[8]], "group_name": "none"}
+    disk = _failed(
+        _post(engine, "/update_weights_from_disk", {"model_path": "/no/dir"}), "num_paused_requests"
+    )
+    assert "not a directory" in disk
     cases = [
-        ("/update_weights_from_disk", {"model_path": "/no/such/dir"}, "not a directory"),
         ("/destroy_weights_update_group", {"group_name": "never-made"}, "does not exist"),
         ("/update_weights_from_distributed", dist, "/init_weights_update_group"),
         ("/init_weights_update_group", {**_group(free_port(), "n"), "backend": "nccl"}, "gloo"),
