@@ -302,7 +302,7 @@ def _info_routes(app: FastAPI, state: EngineState) -> None:
     @app.get("/get_model_info")
     async def _model_info():
         return {
-            "model_path": state.model_path,
+            "model_path": state.updater.model_path,
             "tokenizer_path": state.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,

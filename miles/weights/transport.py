@@ -104,8 +104,25 @@ async def push_paused(
     if pause_mode:
         await asyncio.gather(*(e.pause_generation(pause_mode) for e in engines))
     try:
-        for bucket, last in with_last(buckets):
-            await send(bucket, str(version) if last else None)
+        await asyncio.gather(*(_session(e, "begin") for e in engines))
+        try:
+            for bucket, last in with_last(buckets):
+                await send(bucket, str(version) if last else None)
+        finally:
+            await asyncio.gather(*(_session(e, "end") for e in engines), return_exceptions=True)
     finally:
         if pause_mode:
             await asyncio.gather(*(e.continue_generation() for e in engines))
+
+
+async def _session(engine: EngineAdmin, which: str) -> None:
+    """SGLang's weight-update session (`/begin_weight_update`, `/end_weight_update`): recent SGLang
+    loads tensor and distributed updates only inside one; servers without the routes (404) skip it."""
+    call = getattr(engine, f"{which}_weight_update", None)
+    if call is None:
+        return
+    try:
+        await call()
+    except Exception as e:
+        if getattr(e, "status", None) != 404:
+            raise
