@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from miles.engine.model import Batch
+from miles.engine.options import RequestOptions
 from miles.engine.sampling import SamplingParams
 
 
@@ -40,6 +41,8 @@ class Request:
     cache_epoch: int = -1
     finish: dict[str, Any] | None = None
     abort_requested: bool = False
+    opts: RequestOptions | None = None
+    """Logprob and sampling options beyond the plain path (miles/engine/options.py); None for most."""
     done: Future = field(default_factory=Future)
     created_s: float = field(default_factory=time.monotonic)
 

@@ -37,20 +37,15 @@ Int64 = Annotated[int, AfterValidator(_int64)]
 # SGLang fields we accept only at their default value (the embedded engine does not implement them).
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "n": 1,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
     "structural_tag": None,
-    "stop": None,
     "stop_regex": None,
-    "logit_bias": None,
     "custom_params": None,
 }
+MAX_STOP_COUNT = 32
+"""At most this many stop strings (SGLang's limit)."""
+MAX_N = 128
+"""At most this many parallel samples per prompt (`n`)."""
+_GRAMMARS = ("json_schema", "regex", "ebnf")
 
 
 class SamplingParams(BaseModel):
@@ -86,16 +81,48 @@ class SamplingParams(BaseModel):
     custom_params: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        """Raise ValueError naming a parameter the embedded engine does not implement."""
+        """Raise ValueError naming a parameter the embedded engine does not implement, or a value out of
+        SGLang's range (sglang/srt/sampling/sampling_params.py `verify`)."""
         for name, default in _UNSUPPORTED_DEFAULTS.items():
             value = getattr(self, name)
-            if value != default and not (name in ("stop", "stop_regex") and not value):
+            if value != default and not (name == "stop_regex" and not value):
                 raise ValueError(
                     f"sampling_params.{name}={value!r} is not supported by the embedded engine "
-                    f"(leave it at {default!r}; use stop_token_ids for stopping)"
+                    f"(leave it at {default!r})"
                 )
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"sampling_params.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"sampling_params.repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}"
+            )
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"sampling_params.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"sampling_params.n must be in [1, {MAX_N}], got {self.n}")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_COUNT or any(not s for s in stops):
+            raise ValueError(
+                f"sampling_params.stop must be at most {MAX_STOP_COUNT} non-empty strings, got {self.stop!r}"
+            )
+        given = [g for g in _GRAMMARS if getattr(self, g)]
+        if len(given) > 1:
+            raise ValueError(f"sampling_params: give at most one of json_schema, regex, ebnf (got {given})")
+
+    @property
+    def stop_strs(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field name, grammar text) of the constrained-decoding field given, if any."""
+        return next(((g, getattr(self, g)) for g in _GRAMMARS if getattr(self, g)), None)
 
 
 _MASK32 = 0xFFFFFFFF

@@ -38,7 +38,10 @@ import torch
 from miles.engine.cuda_graph import DecodeGraphs
 from miles.engine.engine_thread import EngineThread
 from miles.engine.kv_cache import RowKV, SlotAllocator
+from miles.engine.logprobs import extra_rows, output_rows, prompt_asks, record_prompt
 from miles.engine.model import Batch, Decoder
+from miles.engine.options import after_record, match_limit, waits
+from miles.engine.penalties import shape_logits
 from miles.engine.request import Request, abort_reason, prefill_batch, prefill_groups, sampling_rows
 from miles.engine.sampling import sample
 from miles.engine.staging import InFlight, Staging
@@ -91,6 +94,8 @@ class Scheduler(EngineThread):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._cache_epoch = 0
+        self._special = 0
+        """Running requests with per-step options (miles/engine/options.py): their steps land at once."""
         self.num_steps = 0
         self.num_token_steps = 0
         """Steps that recorded tokens (a busy engine's sign of life for /health_generate)."""
@@ -275,7 +280,7 @@ class Scheduler(EngineThread):
         (pool contents stay; the prefix cache is lost). Waiting requests hold no slots and stay queued."""
         batch = {id(r): r for r in self.running}
         batch.update((id(r), r) for r in (self._inflight.reqs if self._inflight else []) if not r.done.done())
-        self._inflight, self.running = None, []
+        self._inflight, self.running, self._special = None, [], 0
         for req in batch.values():
             req.slots, req.kv_len, req.row = [], 0, -1
         self.slots = SlotAllocator(self.max_total_tokens)
@@ -295,8 +300,12 @@ class Scheduler(EngineThread):
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_running and self._free_rows:
             req = self.waiting[0]
+            if req.opts is not None and waits(req):
+                break
             tokens = req.tokens
-            matched = self.slots.match(tokens, limit=len(tokens) - 1)
+            matched = self.slots.match(
+                tokens, limit=len(tokens) - 1 if req.opts is None else match_limit(req)
+            )
             need = len(tokens) - len(matched)
             fresh = self.slots.allocate(need) if need <= budget or not admitted else None
             if fresh is None:
@@ -313,6 +322,7 @@ class Scheduler(EngineThread):
             req.cached_tokens += len(matched)
             req.cache_epoch = self._cache_epoch
             req.row = heapq.heappop(self._free_rows)
+            self._special += req.opts is not None and req.opts.per_step
             if self.row_kv is not None:
                 self.row_kv.filled[req.row] = 0
             self.table[req.row, : len(req.slots)] = torch.tensor(req.slots, device=self.table.device)
@@ -346,6 +356,7 @@ class Scheduler(EngineThread):
         if req.row >= 0:
             self.slots.release(req.slots)
             heapq.heappush(self._free_rows, req.row)
+            self._special -= req.opts is not None and req.opts.per_step
         req.slots, req.kv_len, req.row = [], 0, -1
 
     def _forward(self, reqs: list[Request]) -> None:
@@ -353,7 +364,14 @@ class Scheduler(EngineThread):
         decode = [r for r in reqs if len(r.slots) == r.kv_len == r.num_tokens - 1]
         prefill = [r for r in reqs if len(r.slots) != r.kv_len]
         for group in prefill_groups(prefill):
-            logits = self.decoder.forward(prefill_batch(group, self.table), self.pool)
+            batch = prefill_batch(group, self.table)
+            asks = prompt_asks(group)
+            if asks:  # prompt log-probs: the logits of the asked positions come after the last ones
+                batch.last_index = torch.cat((batch.last_index, extra_rows(asks, batch.last_index.device)))
+            logits = self.decoder.forward(batch, self.pool)
+            if asks:
+                record_prompt(asks, logits[len(group) :])
+                logits = logits[: len(group)]
             self._sample(group, logits, self._to_device(sampling_rows(group, logits.shape[1])))
         decode = self._grow(decode)
         if decode:
@@ -368,7 +386,7 @@ class Scheduler(EngineThread):
             self._forward(group)
         decode = self._grow(decode)
         context = self._decode_context(decode) if decode else 0
-        if decode and groups and self.row_kv.reserve(context):
+        if decode and groups and not prompt_asks(groups[0]) and self.row_kv.reserve(context):
             self._decode_rows(decode, context, groups[0])
         else:
             self._forward(groups[0] if groups else [])
@@ -415,7 +433,7 @@ class Scheduler(EngineThread):
         else:
             batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context)
             logits = self.decoder.forward(batch, self.pool)
-        if not self.overlap:
+        if not self.overlap or self._special:
             return self._sample(reqs, logits, (ints[4:], floats))
         tokens, logps = self._sample_on_device(reqs, logits, (ints[4:], floats))
         host, ready = ((tokens, logps), None) if self._staging is None else self._staging.fetch(tokens, logps)
@@ -428,7 +446,7 @@ class Scheduler(EngineThread):
         """Launch the next decode step of the requests in flight from their device-side tokens, then
         record the step in flight. False (nothing launched) when the pool is full or none goes on."""
         prev = self._inflight
-        if sum(1 for r in prev.reqs if r.finish is None) != len(self.running):
+        if self._special or sum(1 for r in prev.reqs if r.finish is None) != len(self.running):
             return False  # requests joined since (their first decode goes with everyone's, landed)
         # requests still running after this landing: not finished earlier, and not certain to stop now
         keep = [
@@ -480,9 +498,24 @@ class Scheduler(EngineThread):
         return self._staging.put(*host)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
-        """Sample one token per request from `logits` and record it; `params` as `_sample_on_device`."""
+        """Sample one token per request from `logits` and record it; `params` as `_sample_on_device`.
+        With requests that have per-step options in the batch, their logits are shaped first and their
+        extra log-prob rows, stop strings and grammars handled (miles/engine/options.py)."""
+        if self._special:
+            return self._sample_with_options(reqs, logits, params)
         tokens, logps = self._sample_on_device(reqs, logits, params)
         self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
+
+    def _sample_with_options(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
+        for req in reqs:  # max_new_tokens 0: the prefill was all it asked for
+            if req.opts is not None and req.opts.zero_tokens and req.finish is None:
+                req.finish = {"type": "length", "length": 0}
+        logits = shape_logits(reqs, logits)
+        tokens, logps = self._sample_on_device(reqs, logits, params)
+        rows = output_rows(reqs, logits)
+        before = [len(r.output) for r in reqs]
+        self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
+        after_record(reqs, before, rows)
 
     def _sample_on_device(self, reqs: list[Request], logits: torch.Tensor, params):
         """Tokens and log-probs [B] on the device; `params` = ([seeds, steps, top_k], [T, top_p]).

@@ -50,6 +50,8 @@ class GenerateReqInput(BaseModel):
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: Int64 | list[Int64] | None = None
     top_logprobs_num: Int64 | list[Int64] | None = None
+    token_ids_logprob: list[Int64] | list[list[Int64]] | None = None
+    return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
     return_routed_experts: bool = False
