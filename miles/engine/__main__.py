@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from miles.engine import streaming
 from miles.engine.model import Decoder, ModelSpec, load_weights
 from miles.engine.scheduler import Scheduler
 from miles.engine.server import EngineState, build_app, model_path_of
@@ -100,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url-file", default=None)
     p.add_argument("--seed", type=int, default=0)
     _add_health_args(p)
+    streaming.add_args(p)
     args = p.parse_args(argv)
     if (
         args.max_request_bytes < 1
@@ -173,6 +175,7 @@ def build_state(args: argparse.Namespace) -> EngineState:
         max_request_bytes=args.max_request_bytes,
         health_generate_timeout_s=args.health_generate_timeout_s,
         enable_fault_injection=args.enable_fault_injection,
+        incremental_streaming_output=args.incremental_streaming_output,
     )
     state.updater.timeout_s = args.weight_update_timeout_s
     return state

@@ -7,6 +7,12 @@ field is checked before a request reaches the engine thread (miles/engine/valida
 failed by the engine (a step that raised) is answered 500 with the error, as SGLang answers an abort
 that carries a status code.
 
+`stream: true` answers with SGLang's server-sent events (miles/engine/streaming.py). Length and
+identity rules are SGLang's: a prompt as long as the context, or prompt + an explicit `max_new_tokens`
+over it, is a 400 with SGLang's message; a `rid` repeated inside one request or equal to one in flight
+is a 400. Abort finish reasons carry `status_code` and `err_type` (null unless the engine failed the
+request). Control and information routes are miles/engine/routes.py.
+
 Health, as SGLang: `/health` and `/health_generate` answer 503 with a message when the engine
 thread is dead, stopped or stuck (miles/engine/engine_thread.py); `/health_generate` also runs a
 one-token generation (`/health` does not: it is SGLang's with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
@@ -35,17 +41,20 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import pydantic_core
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles.engine import streaming
 from miles.engine.engine_thread import FAULT_KINDS
 from miles.engine.request import Request as EngineRequest
+from miles.engine.routes import add_routes
 from miles.engine.scheduler import Scheduler
 from miles.engine.updates import WeightUpdater
 from miles.engine.validation import (
@@ -74,10 +83,14 @@ class EngineState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     health_generate_timeout_s: float = 20.0
     enable_fault_injection: bool = False
+    incremental_streaming_output: bool = False
     updater: WeightUpdater = field(init=False)
+    live_rids: dict[str, int] = field(default_factory=dict)
+    """rid -> number of its requests not yet finished (event-loop thread only)."""
 
     def __post_init__(self) -> None:
         self.updater = WeightUpdater(self.scheduler, self.model_path)
+        self.server_args.setdefault("incremental_streaming_output", self.incremental_streaming_output)
         self._seed_counter = self.seed * 1_000_003
 
     def next_seed(self) -> int:
@@ -127,6 +140,7 @@ def _make_request(
 ) -> EngineRequest:
     at = "" if index is None else f"[{index}]"
     sp = sampling_params(params, "sampling_params" + at)
+    check_context_length(len(prompt), params.get("max_new_tokens"), state.scheduler.max_context)
     check_prompt(
         prompt, state.scheduler.decoder.spec.vocab_size, state.scheduler.max_context, "input_ids" + at
     )
@@ -143,7 +157,7 @@ def _reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict
         text = state.tokenizer.decode(req.output, skip_special_tokens=req.params.skip_special_tokens)
     meta: dict[str, Any] = {
         "id": req.rid,
-        "finish_reason": req.finish,
+        "finish_reason": finish_reason_json(req.finish),
         "prompt_tokens": len(req.prompt),
         "completion_tokens": len(req.output),
         "cached_tokens": req.cached_tokens,
@@ -163,10 +177,65 @@ def to_json(data: Any) -> bytes:
     return pydantic_core.to_json(data, inf_nan_mode="null")
 
 
-async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
-    """The /generate answer as JSON bytes: one reply object, or a list of them for a batch."""
-    if req.stream:
-        raise BadRequest("stream=true is not supported by the embedded engine; send stream=false")
+def check_context_length(num_input: int, max_new_tokens: Any, context_len: int) -> None:
+    """SGLang's length rule (tokenizer_manager._validate_one_request), with its messages: the prompt
+    must be shorter than the context, and prompt + an explicit max_new_tokens must fit in it."""
+    if num_input >= context_len:
+        raise BadRequest(
+            f"The input ({num_input} tokens) is longer than the model's context length ({context_len} tokens)."
+        )
+    if isinstance(max_new_tokens, int) and num_input + max_new_tokens > context_len:
+        raise BadRequest(
+            "Requested token count exceeds the model's maximum context length "
+            f"of {context_len} tokens. You requested a total of {num_input + max_new_tokens} "
+            f"tokens: {num_input} tokens from the input messages and "
+            f"{max_new_tokens} tokens for the completion. Please reduce the number "
+            "of tokens in the input messages or the completion to fit within the limit."
+        )
+
+
+def finish_reason_json(finish: dict[str, Any] | None) -> dict[str, Any] | None:
+    """SGLang's finish reason: an abort always carries `status_code` and `err_type` (null for an abort
+    asked for by a client, a pause or a weight update; set when the engine failed the request)."""
+    if finish is None or finish.get("type") != "abort":
+        return finish
+    return {"status_code": None, "err_type": None} | finish
+
+
+def _claim_rids(state: EngineState, reqs: list[EngineRequest]) -> None:
+    """SGLang's identity rule: a rid may not repeat inside one request nor match one in flight.
+    Claimed rids are released as their requests finish."""
+    seen: set[str] = set()
+    for r in reqs:
+        if r.rid in seen or r.rid in state.live_rids:
+            raise BadRequest(f"Duplicate request ID detected: {r.rid}")
+        seen.add(r.rid)
+
+    def release(rid: str) -> None:
+        left = state.live_rids.pop(rid, 1) - 1
+        if left > 0:
+            state.live_rids[rid] = left
+
+    for r in reqs:
+        state.live_rids[r.rid] = state.live_rids.get(r.rid, 0) + 1
+        asyncio.wrap_future(r.done).add_done_callback(lambda _, rid=r.rid: release(rid))
+
+
+def _batch_form(req: GenerateReqInput) -> bool:
+    """Whether the body is SGLang's batch form (a list of prompts): the reply is then a list."""
+    return isinstance(req.text, list) or bool(req.input_ids) and isinstance(req.input_ids[0], list)
+
+
+def _n(req: GenerateReqInput) -> int:
+    """SGLang's parallel sample count (`sampling_params.n`); a single prompt with n > 1 answers a list."""
+    sp = req.sampling_params
+    first = sp[0] if isinstance(sp, list) and sp else sp
+    n = first.get("n", 1) if isinstance(first, dict) else 1
+    return n if isinstance(n, int) else 1
+
+
+def prepare(state: EngineState, req: GenerateReqInput) -> list[tuple[EngineRequest, bool]]:
+    """Checked engine requests and their return_logprob flags, rids claimed; not yet submitted."""
     if req.return_routed_experts:
         raise BadRequest("return_routed_experts needs an MoE model; this engine serves dense models")
     items = _items(req, state)
@@ -178,6 +247,13 @@ async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
     problem = state.scheduler.health_problem()
     if problem is not None:
         raise HTTPError(503, problem)
+    _claim_rids(state, [r for r, _ in reqs])
+    return reqs
+
+
+async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
+    """The /generate answer as JSON bytes: one reply object, or a list of them for a batch."""
+    reqs = prepare(state, req)
 
     async def encoded(r: EngineRequest, return_logprob: bool) -> bytes:
         await asyncio.wrap_future(r.done)
@@ -193,8 +269,28 @@ async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
         for r, _ in reqs:
             state.scheduler.abort(r.rid)
         raise
-    batch = req.input_ids is not None and bool(req.input_ids) and isinstance(req.input_ids[0], list)
-    return b"[" + b",".join(out) + b"]" if batch or isinstance(req.text, list) else out[0]
+    return b"[" + b",".join(out) + b"]" if _batch_form(req) else out[0]
+
+
+async def generate_stream(state: EngineState, req: GenerateReqInput) -> AsyncIterator[bytes]:
+    """The /generate answer with `stream: true`: SGLang's server-sent events (miles/engine/streaming.py)."""
+    try:
+        reqs = prepare(state, req)
+    except HTTPError as e:
+        yield streaming.event(to_json(streaming.error_payload(str(e), e.status)))
+        yield streaming.DONE
+        return
+    for r, _ in reqs:
+        state.scheduler.submit(r)
+    async for chunk in streaming.events(
+        reqs,
+        lambda r, lp: _reply(state, r, lp),
+        state.scheduler.abort,
+        to_json,
+        indexed=_batch_form(req) or len(reqs) > 1,
+        incremental=state.incremental_streaming_output,
+    ):
+        yield chunk
 
 
 def build_app(state: EngineState) -> FastAPI:
@@ -214,8 +310,10 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def _generate(request: Request):
-        body = await generate(state, await parse_body(request, GenerateReqInput))
-        return Response(content=body, media_type="application/json")
+        body = await parse_body(request, GenerateReqInput)
+        if body.stream:
+            return StreamingResponse(generate_stream(state, body), media_type="text/event-stream")
+        return Response(content=await generate(state, body), media_type="application/json")
 
     @app.get("/health")
     async def _health():
@@ -233,8 +331,7 @@ def build_app(state: EngineState) -> FastAPI:
             return error(problem, 503)
         return Response(status_code=200)
 
-    _info_routes(app, state)
-    _control_routes(app, state)
+    add_routes(app, state, error)
     state.updater.add_routes(app, parse_body, error)
     if state.enable_fault_injection:
         _fault_routes(app, state)
@@ -294,99 +391,6 @@ def _fault_routes(app: FastAPI, state: EngineState) -> None:
             while s.failure is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         return {"success": True, "message": f"fault {body.kind} armed"}
-
-
-def _info_routes(app: FastAPI, state: EngineState) -> None:
-    spec = state.scheduler.decoder.spec
-
-    @app.get("/get_model_info")
-    async def _model_info():
-        return {
-            "model_path": state.updater.model_path,
-            "tokenizer_path": state.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": state.scheduler.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": spec.arch,
-            "architectures": [spec.arch],
-        }
-
-    @app.get("/get_server_info")
-    async def _server_info():
-        s = state.scheduler
-        return {
-            **state.server_args,
-            "version": "miles-embedded",
-            "weight_version": s.weight_version,
-            "max_total_num_tokens": s.max_total_tokens,
-            "internal_states": [{**s.stats(), "last_gen_throughput": 0.0}],
-        }
-
-    @app.get("/get_weight_version")
-    async def _weight_version():
-        return {"weight_version": state.scheduler.weight_version}
-
-
-def _control_routes(app: FastAPI, state: EngineState) -> None:
-    s = state.scheduler
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def _flush():
-        await asyncio.to_thread(s.flush_cache)
-        return PlainTextResponse("Cache flushed.\n")
-
-    @app.post("/abort_request")
-    async def _abort(request: Request):
-        body = await parse_body(request)
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object with 'rid' or 'abort_all'")
-        if body.get("abort_all"):
-            s.abort(None)
-        elif body.get("rid"):
-            s.abort(str(body["rid"]))
-        else:
-            raise BadRequest("give 'rid' (a request id) or 'abort_all': true")
-        return Response(status_code=200)
-
-    @app.post("/pause_generation")
-    async def _pause(request: Request):
-        body = await parse_body(request)
-        mode = (body or {}).get("mode", "abort") if isinstance(body, dict) else None
-        try:
-            n = await asyncio.to_thread(s.pause, mode)
-        except ValueError as e:
-            raise BadRequest(str(e)) from e
-        return {"success": True, "message": f"paused ({mode}); {n} requests held", "num_paused_requests": n}
-
-    @app.post("/continue_generation")
-    async def _continue():
-        await asyncio.to_thread(s.resume)
-        return {"success": True, "message": "generation continued"}
-
-    @app.post("/release_memory_occupation")
-    async def _release(request: Request):
-        _memory_tags(await parse_body(request))
-        await asyncio.to_thread(s.release_memory)
-        return {"success": True, "message": "memory released"}
-
-    @app.post("/resume_memory_occupation")
-    async def _resume(request: Request):
-        _memory_tags(await parse_body(request))
-        await asyncio.to_thread(s.resume_memory)
-        return {"success": True, "message": "memory resumed"}
-
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-def _memory_tags(body: Any) -> None:
-    """SGLang's `tags` (which memory to release or resume) are checked; the embedded engine always
-    releases and resumes all of it together (its graphs hold the pool's and weights' addresses)."""
-    tags = body.get("tags") if isinstance(body, dict) else None
-    if tags is not None and (not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags)):
-        raise BadRequest(f"tags must be a list drawn from {list(MEMORY_TAGS)} or null, got {tags!r}")
 
 
 def model_path_of(model_dir: str) -> str:

@@ -1,7 +1,8 @@
 """A light text <-> token-id codec for the engine, read straight from tokenizer.json.
 
-The engine only needs encode (for `text` prompts) and decode (for the reply's `text`), so it uses
-the `tokenizers` library directly instead of importing transformers, which halves start-up time.
+The engine only needs encode (for `text` prompts and /tokenize) and decode (for the reply's `text`
+and /detokenize), so it uses the `tokenizers` library directly instead of importing transformers,
+which halves start-up time.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from pathlib import Path
 
 
 class TextCodec:
-    """encode / decode with the model directory's tokenizer.json; `eos_token_id` from its config."""
+    """encode / decode with the model directory's tokenizer.json; `eos_token_id` and
+    `model_max_length` (None when not given) from its tokenizer_config.json."""
 
     def __init__(self, model_dir: str | Path):
         from tokenizers import Tokenizer
@@ -23,9 +25,10 @@ class TextCodec:
         eos = cfg.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+        self.model_max_length = cfg.get("model_max_length")
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
