@@ -206,11 +206,21 @@ class SGLangClient:
                 raise EngineError(self.url, f"/health not OK after {timeout_s} s")
             await asyncio.sleep(poll_s)
 
+    async def _get_info(self, name: str) -> dict[str, Any]:
+        """GET /<name> (SGLang's current route); servers that predate it answer 404 and are asked at
+        its older name /get_<name>, which the embedded engine also keeps."""
+        try:
+            return await self._get(f"/{name}")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return await self._get(f"/get_{name}")
+
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._get("/get_model_info")
+        return await self._get_info("model_info")
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self._get("/get_server_info")
+        return await self._get_info("server_info")
 
     async def get_weight_version(self) -> str:
         """The served weight version, from /model_info (SGLang's place for it; servers that predate

@@ -11,6 +11,7 @@ requests the engine still serves.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from miles.engine.process import start_engine
+from miles.rollout.client import SGLangClient
 
 CONTEXT = 1024
 """The tiny model's max_position_embeddings (the engine's KV capacity is set to match)."""
@@ -240,6 +242,16 @@ def test_model_info_and_server_info_with_aliases(engine, tiny_model):
     old = httpx.get(engine.url + "/get_server_info", timeout=TIMEOUT_S).json()
     assert set(old) == set(server)
     assert httpx.get(engine.url + "/ready", timeout=TIMEOUT_S).status_code == 200
+
+    async def through_client():
+        client = SGLangClient(engine.url)
+        try:
+            return await client.get_model_info(), await client.get_server_info()
+        finally:
+            await client.aclose()
+
+    client_info, client_server = asyncio.run(through_client())
+    assert client_info == info and client_server["context_length"] == CONTEXT
 
 
 def test_pause_and_continue_reply_status_ok(engine):
