@@ -10,7 +10,8 @@ By default text, ids and per-token log-probs are cumulative (each chunk repeats 
 the last chunk equals the non-streamed reply), as SGLang's default. With the engine flag
 `--incremental-streaming-output` each chunk carries only what is new since the request's previous
 chunk, and concatenating the chunks gives the non-streamed reply. Text that ends inside a multi-byte
-character is held back until the character is complete.
+character is held back until the character is complete, and so is a tail that could still become a
+stop string (which the final reply trims), so every chunk's text is a prefix of the final text.
 
 An error before or while streaming is one event `{"error": {"message", "type", "code", "retryable"}}`
 followed by `[DONE]`, with HTTP 200 (as SGLang, whose request checks run inside the stream); only a
@@ -89,9 +90,17 @@ def _snapshot(req: Request, n: int) -> Request:
     return snap
 
 
-def _complete_text(text: str) -> str:
-    """Text without a trailing partial character (decoded as U+FFFD until its last byte arrives)."""
-    return text.rstrip("\ufffd")
+def _settled_text(text: str, req: Request) -> str:
+    """The part of a running request's text that the final reply will keep: without a trailing
+    partial character (decoded as U+FFFD until its last byte arrives) and, when the request has stop
+    strings that are trimmed, without a tail that could still become one."""
+    text = text.rstrip("\ufffd")
+    stop = getattr(req.params, "stop", None)
+    stops = [stop] if isinstance(stop, str) else stop or []
+    hold = max((len(s) for s in stops), default=0) - 1
+    if hold > 0 and not getattr(req.params, "no_stop_trim", False):
+        text = text[: max(len(text) - hold, 0)]
+    return text
 
 
 @dataclass
@@ -102,14 +111,16 @@ class _Progress:
     text: str = ""
 
 
-def _chunk(out: dict[str, Any], sent: _Progress, n: int, final: bool, incremental: bool) -> dict[str, Any]:
+def _chunk(
+    out: dict[str, Any], req: Request, sent: _Progress, n: int, final: bool, incremental: bool
+) -> dict[str, Any]:
     """Turn a reply for the first `n` tokens into this stream's next chunk and record it as sent."""
     text = out.get("text")
     if isinstance(text, str) and not final:
-        text = out["text"] = _complete_text(text)
+        text = out["text"] = _settled_text(text, req)
     if incremental:
-        if isinstance(text, str):
-            out["text"] = text[len(sent.text) :] if text.startswith(sent.text) else text
+        if isinstance(text, str):  # sent text is never taken back: a delta only extends it
+            out["text"] = text[len(sent.text) :] if text.startswith(sent.text) else ""
         out["output_ids"] = out["output_ids"][sent.tokens :]
         meta = out["meta_info"]
         for key in PER_TOKEN_META:
@@ -161,7 +172,7 @@ def _next_chunk(
     """The request's next chunk, or None while it has too few new tokens (`stream_interval`)."""
     req, return_logprob = item
     if finished:
-        return _chunk(reply(req, return_logprob), sent, len(req.output), True, incremental)
+        return _chunk(reply(req, return_logprob), req, sent, len(req.output), True, incremental)
     n = _num_recorded(req)
     if n - sent.tokens < max(getattr(req.params, "stream_interval", None) or 1, 1):
         return None
@@ -169,4 +180,4 @@ def _next_chunk(
         out = reply(_snapshot(req, n), return_logprob)
     except ValueError:  # a per-token list one entry behind the others (mid-append): next poll
         return None
-    return _chunk(out, sent, n, False, incremental)
+    return _chunk(out, req, sent, n, False, incremental)

@@ -99,6 +99,19 @@ def test_stream_is_cumulative_and_ends_as_the_plain_reply(engine):
     _same_reply(last, plain)
 
 
+def test_streamed_text_never_shows_what_a_stop_string_trims(engine):
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = _post(engine, "/generate", {"text": "The quick brown fox", "sampling_params": params}).json()
+    run = max(full["text"].split("\ufffd"), key=len)
+    assert len(run) >= 6, full
+    body = {"text": "The quick brown fox", "sampling_params": params | {"stop": run[3:6]}}
+    plain = _post(engine, "/generate", body).json()
+    assert plain["meta_info"]["finish_reason"]["type"] == "stop"
+    chunks = _stream(engine, body)
+    assert all(plain["text"].startswith(c["text"]) for c in chunks)
+    _same_reply(chunks[-1], plain)
+
+
 def test_incremental_stream_concatenates_to_the_plain_reply(tiny_model, tmp_path_factory):
     proc = _engine(tiny_model, tmp_path_factory, "protocol-incremental", ["--incremental-streaming-output"])
     try:
