@@ -20,7 +20,9 @@ malformed body is refused with a 400 before the stream starts. A request that th
 requests it had in flight.
 
 The engine thread appends tokens to a request as they are sampled; the stream reads them every
-`POLL_S` (or at once when a request finishes), so a chunk may carry several new tokens. Per-request
+`POLL_S` (or at once when a request finishes), so a chunk may carry several new tokens. A running
+request's newest token waits for the next one (or the end): the checks that may finish the request
+on it (stop strings, grammar) run after it is appended. Per-request
 `stream_interval` (SGLang's sampling parameter) holds a chunk until that many tokens are new.
 """
 
@@ -93,14 +95,19 @@ def _snapshot(req: Request, n: int) -> Request:
 def _settled_text(text: str, req: Request) -> str:
     """The part of a running request's text that the final reply will keep: without a trailing
     partial character (decoded as U+FFFD until its last byte arrives) and, when the request has stop
-    strings that are trimmed, without a tail that could still become one."""
+    strings, cut where one already appears, or else without a tail that could still become one."""
     text = text.rstrip("\ufffd")
     stop = getattr(req.params, "stop", None)
-    stops = [stop] if isinstance(stop, str) else stop or []
-    hold = max((len(s) for s in stops), default=0) - 1
-    if hold > 0 and not getattr(req.params, "no_stop_trim", False):
-        text = text[: max(len(text) - hold, 0)]
-    return text
+    stops = [stop] if isinstance(stop, str) else [s for s in stop or [] if s]
+    if not stops:
+        return text
+    keep = bool(getattr(req.params, "no_stop_trim", False))
+    hits = sorted((text.find(s), s) for s in stops if s in text)
+    if hits:
+        pos, s = hits[0]
+        return text[: pos + len(s)] if keep else text[:pos]
+    hold = 0 if keep else max(len(s) for s in stops) - 1
+    return text[: max(len(text) - hold, 0)]
 
 
 @dataclass
@@ -173,7 +180,7 @@ def _next_chunk(
     req, return_logprob = item
     if finished:
         return _chunk(reply(req, return_logprob), req, sent, len(req.output), True, incremental)
-    n = _num_recorded(req)
+    n = _num_recorded(req) - 1  # the newest token's finish checks may still be running: wait for the next
     if n - sent.tokens < max(getattr(req.params, "stream_interval", None) or 1, 1):
         return None
     try:

@@ -108,7 +108,7 @@ def test_streamed_text_never_shows_what_a_stop_string_trims(engine):
     plain = _post(engine, "/generate", body).json()
     assert plain["meta_info"]["finish_reason"]["type"] == "stop"
     chunks = _stream(engine, body)
-    assert all(plain["text"].startswith(c["text"]) for c in chunks)
+    assert all(plain["text"].startswith(c["text"]) for c in chunks), [c["text"] for c in chunks]
     _same_reply(chunks[-1], plain)
 
 
@@ -116,18 +116,27 @@ def test_incremental_stream_concatenates_to_the_plain_reply(tiny_model, tmp_path
     proc = _engine(tiny_model, tmp_path_factory, "protocol-incremental", ["--incremental-streaming-output"])
     try:
         assert httpx.get(proc.url + "/server_info", timeout=TIMEOUT_S).json()["incremental_streaming_output"]
-        body = {"text": "The quick brown fox", "sampling_params": GREEDY, "return_logprob": True}
+        body = {
+            "text": "The quick brown fox",
+            "sampling_params": GREEDY,
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        }
         plain = _post(proc, "/generate", body).json()
         chunks = _stream(proc, body)
         assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+        per_token = ("output_token_logprobs", "output_top_logprobs")
+        for c in chunks:
+            assert all(len(c["meta_info"][key]) == len(c["output_ids"]) for key in per_token), c
         joined = {
             "text": "".join(c["text"] for c in chunks),
             "output_ids": [t for c in chunks for t in c["output_ids"]],
             "meta_info": chunks[-1]["meta_info"]
-            | {"output_token_logprobs": [r for c in chunks for r in c["meta_info"]["output_token_logprobs"]]},
+            | {key: [r for c in chunks for r in c["meta_info"][key]] for key in per_token},
         }
-        assert all(len(c["output_ids"]) == len(c["meta_info"]["output_token_logprobs"]) for c in chunks)
         _same_reply(joined, plain)
+        tops = [[row[1] for row in rows] for rows in joined["meta_info"]["output_top_logprobs"]]
+        assert tops == [[row[1] for row in rows] for rows in plain["meta_info"]["output_top_logprobs"]]
     finally:
         proc.stop()
 
