@@ -41,10 +41,17 @@ def test_async_backfill_keeps_slots_busy_and_buffer_bounded(engine, tiny_model) 
         stop = asyncio.Event()
         task = asyncio.create_task(producer.run_forever(stop))
         busy, held = [], []
-        for _ in range(300):  # the trainer never takes anything: production must stop at capacity
+        # the trainer never takes anything: production must stop at capacity. Sample until the buffer
+        # is full and then a while longer (a slow host only takes longer to get there)
+        full_since = None
+        for _ in range(60_000):
             await asyncio.sleep(0.01)
             busy.append(producer.generator.active)
             held.append(len(buf) + producer.inflight_groups)
+            if len(buf) >= 30 and full_since is None:
+                full_since = len(held)
+            if full_since is not None and len(held) - full_since >= 100:
+                break
         stop.set()
         await task
         await producer.drain()
