@@ -44,6 +44,8 @@ def logprob_meta(tokenizer: Any, req: Request) -> dict[str, Any]:
     }
     if o is None:
         return meta
+    if o.wants_rows and len(o.output_top) < n:  # read mid-append by a stream: the caller reads again
+        raise ValueError("output log-prob rows are one token behind")
     if o.top_n > 0:
         meta["input_top_logprobs"] = [None if r is None else _rows(r, texts) for r in o.input_top or []]
         meta["output_top_logprobs"] = [_rows(r, texts) for r in o.output_top[:n]]

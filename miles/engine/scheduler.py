@@ -24,6 +24,13 @@ and its slot freed (stream order keeps the slot's later owner safe). Anything el
 prefill, pause, weight updates, memory release) first lands the step in flight (`_land`).
 On CPU a decode step reads keys from the RowKV (miles/engine/kv_cache.py) in place; a request takes
 the lowest free row, so the running rows stay packed at the front and the attention span is short.
+
+Requests with SGLang's logprob or sampling options (miles/engine/options.py) change three things:
+the prefix cache never supplies prompt positions whose log-probs they ask for (the prefill returns
+those positions' logits after the usual last ones, miles/engine/logprobs.py); while one with
+per-step options runs, steps are recorded at once (no step ahead) and its logits are shaped before
+sampling (miles/engine/penalties.py); and a parallel sample waits for its prompt's prefill-only
+request. Plain requests take the path above unchanged.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def test_stop_token_ids_finish_with_stop(engine):
         ({}, "input_ids"),
         ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "temprature"),
         ({"input_ids": [1], "sampling_params": {"top_p": 2}}, "top_p"),
-        ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+        ({"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}}, "frequency_penalty"),
         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
         ([1, 2], "JSON object"),
     ],
