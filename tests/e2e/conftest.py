@@ -65,7 +65,7 @@ def miles_train(recipe: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def finish(proc: subprocess.Popen, timeout_s: float = 240) -> str:
+def finish(proc: subprocess.Popen, timeout_s: float = 400) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -80,13 +80,13 @@ def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=180)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
 
 
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = 400) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(r["step"] >= step for r in read_metrics(run_dir)):

@@ -53,7 +53,7 @@ def test_engine_killed_mid_run_is_replaced_and_the_run_finishes(recipe) -> None:
         wait_for_step(run_dir, 3, proc)
         first = engine_record(run_dir)
         os.kill(first["pid"], signal.SIGKILL)
-        out = finish(proc, timeout_s=300)
+        out = finish(proc, timeout_s=500)
     finally:
         stop(proc)
     assert "engine-0 exited with -9; replacing it (1/3)" in out, out[-3000:]
@@ -77,7 +77,7 @@ def test_dead_scheduler_makes_the_engine_unhealthy_and_it_is_replaced(recipe) ->
             f"{url}/debug/inject_fault", json={"kind": "scheduler_death"}, timeout=10
         ).raise_for_status()
         assert httpx.get(f"{url}/health", timeout=10).status_code == 503
-        out = finish(proc, timeout_s=300)
+        out = finish(proc, timeout_s=500)
     finally:
         stop(proc)
     assert "engine-0 failed /health 3 times in a row; replacing it" in out, out[-3000:]
@@ -109,7 +109,7 @@ def test_interrupt_checkpoints_prints_the_resume_command_and_exits_128_plus_sign
     try:
         wait_for_step(run_dir, 2, proc)
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=300)
     finally:
         stop(proc)
     assert proc.returncode == 128 + sig, out[-3000:]
@@ -127,7 +127,7 @@ def test_resume_after_interrupt_continues_from_the_checkpoint(recipe) -> None:
     try:
         wait_for_step(run_dir, 3, proc)
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=120)
+        proc.communicate(timeout=300)
     finally:
         stop(proc)
     assert proc.returncode == 130
@@ -166,14 +166,14 @@ def test_a_second_process_on_the_run_directory_is_refused_and_reuse_needs_a_flag
         wait_for_step(run_dir, 1, first)
         for args in ([], ["--resume", str(run_dir)]):
             second = miles_train(str(path), *args)
-            out, _ = second.communicate(timeout=120)
+            out, _ = second.communicate(timeout=300)
             assert second.returncode == 2, out[-3000:]
             assert f"pid {first.pid}" in out.lower() or str(first.pid) in out, out[-3000:]
     finally:
         stop(first)
     before = steps_of(run_dir)
     again = miles_train(str(path))
-    out, _ = again.communicate(timeout=120)
+    out, _ = again.communicate(timeout=300)
     assert again.returncode == 2 and "--resume" in out and "--overwrite" in out, out[-3000:]
     assert steps_of(run_dir) == before  # nothing of the earlier run was touched
 
@@ -188,7 +188,7 @@ def test_one_of_two_engines_killed_the_run_continues_and_the_router_gets_its_rep
         wait_for_step(run_dir, 6, proc)
         router = json.loads((run_dir / "rendezvous" / "router.json").read_text())["url"]
         workers = {w["url"] for w in httpx.get(f"{router}/workers", timeout=10).json()["workers"]}
-        out = finish(proc, timeout_s=300)
+        out = finish(proc, timeout_s=500)
     finally:
         stop(proc)
     assert "engine-1 exited with -9; replacing it" in out, out[-3000:]
