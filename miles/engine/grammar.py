@@ -68,14 +68,16 @@ class Matcher:
 
         self._m = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._apply = xgr.apply_token_bitmask_inplace
 
     def mask(self, z: torch.Tensor) -> torch.Tensor:
-        """`z` [vocab] with the tokens the grammar forbids next set to -inf."""
+        """`z` [vocab] with the tokens the grammar forbids next set to -inf. Token i is allowed when bit
+        i % 32 of word i // 32 of xgrammar's bitmask is set; unpacked with torch on z's device, so
+        CPU and GPU take the same path."""
         self._m.fill_next_token_bitmask(self._bitmask)
-        row = z.float().cpu()[None, :] if not z.is_cuda else z.float()[None, :].clone()
-        self._apply(row, self._bitmask.to(row.device))
-        return row[0].to(z.device)
+        words = self._bitmask[0].to(z.device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=z.device)
+        allowed = ((words[:, None] >> shifts) & 1).reshape(-1)[: z.shape[0]].bool()
+        return z.masked_fill(~allowed, float("-inf"))
 
     def accept(self, token: int) -> bool:
         return self._m.is_terminated() or self._m.accept_token(token)
