@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,9 @@ CONTEXT = 1024
 TIMEOUT_S = 120.0
 """Bound on one HTTP call (a hang, not a timing: the host is small and shared)."""
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
-LONG = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+LONG = {"max_new_tokens": CONTEXT - 3, "temperature": 0, "ignore_eos": True}
+"""A request that runs until it is aborted (its 3-token prompt fills the context)."""
+SHORT = 48
 
 
 def _engine(tiny_model, tmp_path_factory, name: str, extra: list[str]):
@@ -206,16 +209,17 @@ def test_duplicate_rid_is_a_400(engine):
 
 
 def test_abort_by_rid_hits_only_that_request(engine):
-    def start(rid: str, client: httpx.Client):
-        body = {"input_ids": [5, 6, 7], "rid": rid, "sampling_params": LONG, "stream": True}
+    def start(rid: str, client: httpx.Client, max_new_tokens: int):
+        params = LONG | {"max_new_tokens": max_new_tokens}
+        body = {"input_ids": [5, 6, 7], "rid": rid, "sampling_params": params, "stream": True}
         resp = client.send(client.build_request("POST", "/generate", json=body), stream=True)
         events = _events(resp)
         assert next(events)["meta_info"]["finish_reason"] is None
         return resp, events
 
     with httpx.Client(base_url=engine.url, timeout=TIMEOUT_S) as client:
-        resp_a, a = start("victim", client)
-        resp_b, b = start("bystander", client)
+        resp_a, a = start("victim", client, CONTEXT - 3)
+        resp_b, b = start("bystander", client, SHORT)
         try:
             _post(engine, "/abort_request", {})  # empty: a no-op, as SGLang's
             _post(engine, "/abort_request", {"rid": "no-such-request"})
@@ -226,9 +230,22 @@ def test_abort_by_rid_hits_only_that_request(engine):
             resp_b.close()
     reason = last_a["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and reason["status_code"] is None and reason["err_type"] is None
-    assert last_a["meta_info"]["completion_tokens"] < 300
-    assert last_b["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
-    assert len(last_b["output_ids"]) == 300
+    assert last_a["meta_info"]["completion_tokens"] < CONTEXT - 3
+    assert last_b["meta_info"]["finish_reason"] == {"type": "length", "length": SHORT}
+    assert len(last_b["output_ids"]) == SHORT
+
+
+def test_a_disconnected_stream_frees_its_rid(engine):
+    body = {"input_ids": [5, 6, 7], "rid": "gone", "sampling_params": LONG, "stream": True}
+    with httpx.stream("POST", engine.url + "/generate", json=body, timeout=TIMEOUT_S) as r:
+        assert next(_events(r))["meta_info"]["finish_reason"] is None
+    again = {"input_ids": [9, 10], "rid": "gone", "sampling_params": GREEDY}
+    deadline = time.monotonic() + TIMEOUT_S
+    while (resp := httpx.post(engine.url + "/generate", json=again, timeout=TIMEOUT_S)).status_code != 200:
+        assert "Duplicate request ID detected: gone" in resp.text, resp.text
+        assert time.monotonic() < deadline, "the disconnected request still holds its rid"
+        time.sleep(0.05)
+    assert resp.json()["meta_info"]["id"] == "gone"
 
 
 def test_empty_abort_body_is_a_200(engine):
