@@ -169,24 +169,34 @@ def build_job(
         "flags": tuple(profile.sbatch_flags),
     }
     gpus = profile.gpus_per_node
-    actor = ComponentSpec("actor", lc.actor_nodes, facts["actor_tasks_per_node"], gpus, **common)
+    # CPU binding from the profile: each trainer rank gets its share of a node's cores, a rollout
+    # node's one bootstrap task all of them; said on the srun line too (not every Slurm passes the
+    # sbatch value on to steps). The bootstrap derives OMP_NUM_THREADS from SLURM_CPUS_PER_TASK.
+    actor_cpus = max(1, profile.cpus_per_node // facts["actor_tasks_per_node"])
+    actor = ComponentSpec(
+        "actor", lc.actor_nodes, facts["actor_tasks_per_node"], gpus, cpus_per_task=actor_cpus, **common
+    )
     boot = (python, "-m", "miles.cluster.bootstrap")
     rollout_argv = (*boot, "rollout", "--run-dir", RUN_DIR)
     actor_argv = (*boot, "actor", "--run-dir", RUN_DIR, "--", python, "-m", lc.actor_module)
     actor_argv += ("--run-dir", RUN_DIR, "--resume")
     mpi = ("--mpi=pmix",) if profile.bootstrap == "mpi" else ()
+    node_cpus, rank_cpus = f"--cpus-per-task={profile.cpus_per_node}", f"--cpus-per-task={actor_cpus}"
     if lc.layout == "disaggregated":
-        components = (ComponentSpec("rollout", lc.rollout_nodes, 1, gpus, **common), actor)
+        rollout = ComponentSpec(
+            "rollout", lc.rollout_nodes, 1, gpus, cpus_per_task=profile.cpus_per_node, **common
+        )
+        components = (rollout, actor)
         steps = (
-            StepSpec("rollout", 0, rollout_argv, flags),
-            StepSpec("actor", 1, actor_argv, (*mpi, *flags)),
+            StepSpec("rollout", 0, rollout_argv, (node_cpus, *flags)),
+            StepSpec("actor", 1, actor_argv, (rank_cpus, *mpi, *flags)),
         )
     else:
         components = (actor,)
-        per_node = ("--overlap", f"--nodes={lc.actor_nodes}", "--ntasks-per-node=1")
+        per_node = ("--overlap", f"--nodes={lc.actor_nodes}", "--ntasks-per-node=1", node_cpus)
         steps = (
             StepSpec("rollout", None, rollout_argv, (*per_node, *flags)),
-            StepSpec("actor", None, actor_argv, ("--overlap", *mpi, *flags)),
+            StepSpec("actor", None, actor_argv, ("--overlap", rank_cpus, *mpi, *flags)),
         )
     return JobSpec(
         job_name=f"miles-{plan.run.name}" if len(run_dirs) == 1 else f"miles-sweep-{lc.sweep_tag}",

@@ -9,11 +9,13 @@
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=112
 #SBATCH --partition=gpu
 #SBATCH hetjob
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=14
 #SBATCH --partition=gpu
 
 set -uo pipefail
@@ -45,9 +47,9 @@ on_usr2() {
 }
 trap on_usr2 USR2
 
-srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --cpus-per-task=112 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
 ROLLOUT_PID=$!
-srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --cpus-per-task=14 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
 ACTOR_PID=$!
 
 # The first step to end decides: the actor step's status is the job's; any other step ending
