@@ -104,8 +104,9 @@ def _options(state: Any, req: Request, logprob: Any, with_text: bool, at: str) -
     for key in sp.logit_bias or {}:
         if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < vocab:
             raise BadRequest(f"{label}.logit_bias keys must be token ids in [0, {vocab}), got {key!r}")
-    if sp.stop_strs and state.tokenizer is None:
-        raise BadRequest(f"{label}.stop needs the engine's tokenizer; this engine has none")
+    for name, on in (("stop", sp.stop_strs), ("stop_regex", sp.stop_regex_strs)):
+        if on and state.tokenizer is None:
+            raise BadRequest(f"{label}.{name} needs the engine's tokenizer; this engine has none")
     grammar = None
     if sp.grammar is not None:
         kind, text = sp.grammar
@@ -115,7 +116,7 @@ def _options(state: Any, req: Request, logprob: Any, with_text: bool, at: str) -
             raise BadRequest(str(e).replace("sampling_params.", label + ".", 1)) from None
         grammar = (compiled, vocab)
     decode = None
-    if sp.stop_strs:
+    if sp.stop_strs or sp.stop_regex_strs:
         skip = sp.skip_special_tokens
         decode = lambda ids: state.tokenizer.decode(ids, skip_special_tokens=skip)  # noqa: E731
     o = build_options(

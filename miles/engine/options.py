@@ -9,15 +9,18 @@ max_new_tokens 0) makes the steps it is part of land at once (no step ahead), so
 be shaped from its recorded tokens before sampling (miles/engine/penalties.py) and its extra rows
 read from the same logits (miles/engine/logprobs.py). Prompt log-probs act only at the prefill.
 
-Stopping, as SGLang (schedule_batch.py `update_finish_state`): a stop string found in the decoded
-tail of the output wins over a stop token and over the length limit in the same step; the reply's
-text is cut before the stop string (kept with `no_stop_trim`), `output_ids` keep every token. A
+Stopping, as SGLang (schedule_batch.py `update_finish_state`): a stop string (or a `stop_regex`
+match) found in the decoded tail of the output wins over a stop token and over the length limit in
+the same step; the reply's text is cut before the stop string (kept with `no_stop_trim`; a regex's
+`matched` is its pattern, cut only where that text appears literally, as SGLang's detokenizer does),
+`output_ids` keep every token. A
 finished grammar (xgrammar reports termination after its stop token) ends the request as a stop
 token does.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
     from miles.engine.grammar import Matcher
     from miles.engine.request import Request
 
+REGEX_TAIL_TOKENS = 256
+"""stop_regex patterns are searched in the text of this many last output tokens."""
 Row = tuple[float, int]
 """(log-prob, token id) of one token at one position."""
 
@@ -58,6 +63,7 @@ class RequestOptions:
     """Tokens masked until min_new_tokens are out (stop_token_ids and EOS, as SGLang)."""
     grammar: Matcher | None = None
     stop_strs: tuple[str, ...] = ()
+    stop_regex: tuple[str, ...] = ()
     decode: Callable[[list[int]], str] | None = None
     zero_tokens: bool = False
     """max_new_tokens 0: the prefill runs (prompt log-probs, prefix cache), nothing is sampled."""
@@ -85,7 +91,12 @@ class RequestOptions:
         return self.top_n > 0 or self.token_ids is not None
 
     def finish_flags(self) -> None:
-        self.per_step = self.shapes_logits or self.wants_rows or bool(self.stop_strs) or self.zero_tokens
+        self.per_step = (
+            self.shapes_logits
+            or self.wants_rows
+            or bool(self.stop_strs or self.stop_regex)
+            or self.zero_tokens
+        )
 
 
 def resolve_logprob_start(start: int, prompt_len: int, token_ids: list[int] | None) -> int:
@@ -115,6 +126,7 @@ def build_options(
         min_new_tokens=sp.min_new_tokens,
         grammar=grammar,
         stop_strs=sp.stop_strs,
+        stop_regex=sp.stop_regex_strs,
         decode=decode,
         zero_tokens=sp.max_new_tokens == 0,
         with_text=with_text,
@@ -170,7 +182,7 @@ def after_record(
             o.counts[tok] += 1
         if o.grammar is not None and not o.grammar.accept(tok) and req.finish is None:
             req.finish = {"type": "abort", "message": f"token {tok} does not fit the request's grammar"}
-        if o.stop_strs and (req.finish is None or req.finish["type"] == "length"):
+        if (o.stop_strs or o.stop_regex) and (req.finish is None or req.finish["type"] == "length"):
             matched = _stop_match(o, req.output)
             if matched is not None:
                 req.finish = {"type": "stop", "matched": matched}
@@ -180,10 +192,18 @@ def after_record(
 
 def _stop_match(o: RequestOptions, output: list[int]) -> str | None:
     """The stop string that the newest token completed, if any (the tail decoded is long enough to hold
-    the longest stop string even at a quarter character a token)."""
-    width = 4 * max(len(s) for s in o.stop_strs) + 4
-    tail = o.decode(output[-width:])
-    return next((s for s in o.stop_strs if s in tail), None)
+    the longest stop string even at a quarter character a token), else the first stop_regex pattern
+    found in the last `REGEX_TAIL_TOKENS` tokens' text (SGLang reports the pattern as `matched`)."""
+    if o.stop_strs:
+        width = 4 * max(len(s) for s in o.stop_strs) + 4
+        tail = o.decode(output[-width:])
+        found = next((s for s in o.stop_strs if s in tail), None)
+        if found is not None:
+            return found
+    if o.stop_regex:
+        tail = o.decode(output[-REGEX_TAIL_TOKENS:])
+        return next((p for p in o.stop_regex if re.search(p, tail)), None)
+    return None
 
 
 def trim_text(text: str, finish: dict[str, Any] | None, no_stop_trim: bool) -> str:

@@ -17,6 +17,7 @@ parameters alone, so batching never changes its tokens.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import torch
@@ -38,11 +39,12 @@ Int64 = Annotated[int, AfterValidator(_int64)]
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "min_p": 0.0,
     "structural_tag": None,
-    "stop_regex": None,
     "custom_params": None,
 }
 MAX_STOP_COUNT = 32
 """At most this many stop strings (SGLang's limit)."""
+MAX_STOP_REGEX_BYTES = 256
+"""At most this long a stop_regex pattern (SGLang's limit)."""
 MAX_N = 128
 """At most this many parallel samples per prompt (`n`)."""
 _GRAMMARS = ("json_schema", "regex", "ebnf")
@@ -85,7 +87,7 @@ class SamplingParams(BaseModel):
         SGLang's range (sglang/srt/sampling/sampling_params.py `verify`)."""
         for name, default in _UNSUPPORTED_DEFAULTS.items():
             value = getattr(self, name)
-            if value != default and not (name == "stop_regex" and not value):
+            if value != default:
                 raise ValueError(
                     f"sampling_params.{name}={value!r} is not supported by the embedded engine "
                     f"(leave it at {default!r})"
@@ -111,9 +113,31 @@ class SamplingParams(BaseModel):
             raise ValueError(
                 f"sampling_params.stop must be at most {MAX_STOP_COUNT} non-empty strings, got {self.stop!r}"
             )
+        self._check_stop_regex()
         given = [g for g in _GRAMMARS if getattr(self, g)]
         if len(given) > 1:
             raise ValueError(f"sampling_params: give at most one of json_schema, regex, ebnf (got {given})")
+
+    def _check_stop_regex(self) -> None:
+        patterns = self.stop_regex_strs
+        if len(patterns) > MAX_STOP_COUNT or any(
+            not p or len(p.encode()) > MAX_STOP_REGEX_BYTES for p in patterns
+        ):
+            raise ValueError(
+                f"sampling_params.stop_regex must be at most {MAX_STOP_COUNT} non-empty patterns of at most "
+                f"{MAX_STOP_REGEX_BYTES} bytes, got {self.stop_regex!r}"
+            )
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(
+                    f"sampling_params.stop_regex {p!r} is not a regular expression: {e}"
+                ) from None
+
+    @property
+    def stop_regex_strs(self) -> tuple[str, ...]:
+        return (self.stop_regex,) if isinstance(self.stop_regex, str) else tuple(self.stop_regex or ())
 
     @property
     def stop_strs(self) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ fields, each a 400 naming the field, after which the engine still serves."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -101,6 +102,18 @@ def test_stop_string_is_trimmed_or_kept(engine):
     assert kept["text"] == text[: pos + len(stop)]
 
 
+def test_stop_regex_stops_where_its_match_ends(engine):
+    full = _greedy(engine, 16, ignore_eos=True)
+    text = full["text"]
+    k = next(i for i in range(2, len(text) - 2) if text[i : i + 2].isalnum())
+    pattern = f"[{text[k]}]{re.escape(text[k + 1])}"
+    by_string = _greedy(engine, 16, ignore_eos=True, stop=text[k : k + 2])
+    by_regex = _greedy(engine, 16, ignore_eos=True, stop_regex=[pattern])
+    assert by_regex["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert by_regex["output_ids"] == by_string["output_ids"]
+    assert re.search(pattern, by_regex["text"])  # a pattern's text is not cut (it is not found literally)
+
+
 def test_stop_token_ids_are_honoured_unless_ignore_eos(engine):
     full = _greedy(engine, 12, ignore_eos=True)["output_ids"]
     target = full[3]
@@ -178,6 +191,8 @@ BAD = [
     ({"sampling_params": {"json_schema": "{not json"}}, "json_schema"),
     ({"sampling_params": {"ebnf": "root ::= "}}, "ebnf"),
     ({"sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "regex"),
+    ({"sampling_params": {"stop_regex": "(a"}}, "stop_regex"),
+    ({"sampling_params": {"stop_regex": ["a"] * 40}}, "stop_regex"),
     ({"sampling_params": {"min_p": 0.1}}, "min_p"),
     ({"sampling_params": {"structural_tag": "{}"}}, "structural_tag"),
     ({"return_logprob": True, "logprob_start_len": 11}, "logprob_start_len"),
