@@ -20,7 +20,8 @@ malformed body is refused with a 400 before the stream starts. A request that th
 requests it had in flight.
 
 The engine thread appends tokens to a request as they are sampled; the stream reads them every
-`POLL_S` (or at once when a request finishes), so a chunk may carry several new tokens. A running
+`POLL_S` or longer when many requests stream (`Pacing`), and at once when a request finishes, so a
+chunk may carry several new tokens. A running
 request's newest token waits for the next one (or the end): the checks that may finish the request
 on it (stop strings, grammar) run after it is appended. Per-request
 `stream_interval` (SGLang's sampling parameter) holds a chunk until that many tokens are new.
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +43,10 @@ from miles.engine.request import Request
 log = logging.getLogger(__name__)
 
 POLL_S = 0.01
+"""Shortest wait between two looks at a running request."""
+MAX_POLL_S = 0.5
+HOST_SHARE = 0.2
+"""Share of the event loop's time that all streams together aim to spend building chunks."""
 DONE = b"data: [DONE]\n\n"
 RECORDED_FIELDS = ("output", "logprobs", "versions")
 """Request lists the engine thread appends to for every output token, in this order."""
@@ -111,6 +117,27 @@ def _settled_text(text: str, req: Request) -> str:
 
 
 @dataclass
+class Pacing:
+    """Streams share the event loop (and the GIL) with the engine thread's host work; a cumulative
+    chunk costs O(tokens so far) to build. The wait between looks grows with the requests streamed
+    and the measured cost of a chunk, so building chunks stays near `HOST_SHARE` of one core."""
+
+    requests: int = 0
+    chunk_s: float = 0.0
+    """Moving average of the host time one chunk takes (build + encode)."""
+
+    def poll_s(self) -> float:
+        return min(max(POLL_S, self.requests * self.chunk_s / HOST_SHARE), MAX_POLL_S)
+
+    def record(self, seconds: float) -> None:
+        self.chunk_s += 0.1 * (seconds - self.chunk_s)
+
+
+PACING = Pacing()
+"""The process's one pacing (one engine, one event loop)."""
+
+
+@dataclass
 class _Progress:
     """What one request's stream has sent so far."""
 
@@ -150,25 +177,32 @@ async def events(
     return_logprob)` is the non-streamed reply of a request, `abort(rid)` stops one in flight."""
     waiters = {i: asyncio.wrap_future(r.done) for i, (r, _) in enumerate(reqs)}
     sent = [_Progress() for _ in reqs]
+    PACING.requests += len(reqs)
     try:
         while waiters:
-            await asyncio.wait(waiters.values(), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            timeout = PACING.poll_s()
+            await asyncio.wait(waiters.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             for i in list(waiters):
+                start = time.perf_counter()
                 finished = waiters[i].done()
                 data = _next_chunk(reqs[i], finished, sent[i], reply, incremental)
                 if data is None:
                     continue
                 if finished:
                     del waiters[i]
+                    PACING.requests -= 1
                 if indexed:
                     data["index"] = i
-                yield event(to_json(data))
+                chunk = event(to_json(data))
+                PACING.record(time.perf_counter() - start)
+                yield chunk
         yield DONE
     except Exception as e:  # an engine bug must not leave the client waiting: say it in the stream
         log.error("streamed /generate failed", exc_info=e)
         yield event(to_json(error_payload(f"{type(e).__name__}: {e}", 500)))
         yield DONE
     finally:
+        PACING.requests -= len(waiters)
         for i in waiters:  # disconnected, or failed: stop what is still running
             abort(reqs[i][0].rid)
 

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from miles.engine.process import start_engine
+from miles.engine.streaming import HOST_SHARE, MAX_POLL_S, POLL_S, Pacing
 from miles.rollout.client import SGLangClient
 
 CONTEXT = 1024
@@ -334,3 +335,13 @@ def test_bad_requests_are_400s_naming_the_field_then_the_engine_serves(engine):
     assert httpx.get(engine.url + "/health", timeout=TIMEOUT_S).status_code == 200
     out = _post(engine, "/generate", {"text": "Still here", "sampling_params": GREEDY}).json()
     assert out["meta_info"]["finish_reason"] is not None and out["output_ids"]
+
+
+def test_stream_pacing_grows_with_load_within_bounds():
+    idle = Pacing()
+    assert idle.poll_s() == POLL_S
+    busy = Pacing(requests=256, chunk_s=2e-4)
+    assert POLL_S < busy.poll_s() == pytest.approx(256 * 2e-4 / HOST_SHARE)
+    assert Pacing(requests=10_000, chunk_s=1e-3).poll_s() == MAX_POLL_S
+    busy.record(0.0)
+    assert busy.chunk_s < 2e-4
