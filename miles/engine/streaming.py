@@ -21,10 +21,11 @@ requests it had in flight.
 
 The engine thread appends tokens to a request as they are sampled; the stream reads them every
 `POLL_S` or longer when many requests stream (`Pacing`), and at once when a request finishes, so a
-chunk may carry several new tokens. A running
-request's newest token waits for the next one (or the end): the checks that may finish the request
-on it (stop strings, grammar) run after it is appended. Per-request
-`stream_interval` (SGLang's sampling parameter) holds a chunk until that many tokens are new.
+chunk may carry several new tokens. A running request's newest token waits for the next one (or the
+end): the checks that may finish the request on it (stop strings, grammar) run after it is appended.
+Per-request `stream_interval` (SGLang's sampling parameter) holds a chunk until that many tokens are
+new. Not held back: text that a `stop_regex` match will trim (no finite tail bounds a pattern's
+match), so with `stop_regex` only the last chunk's text is sure to be the reply's.
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ HOST_SHARE = 0.2
 """Share of the event loop's time that all streams together aim to spend building chunks."""
 DONE = b"data: [DONE]\n\n"
 RECORDED_FIELDS = ("output", "logprobs", "versions")
-"""Request lists the engine thread appends to for every output token, in this order."""
-PER_TOKEN_FIELDS = (*RECORDED_FIELDS, "top_logprobs", "output_top_logprobs", "token_ids_logprobs")
-"""Request attributes with one entry per output token (those present are cut to a chunk's length)."""
+"""Request lists the engine thread appends to for every output token, in this order; a snapshot cuts
+them to its length (the per-token lists of `req.opts` are cut to `len(output)` by replies.py)."""
 PER_TOKEN_META = (
     "output_token_logprobs",
     "output_top_logprobs",
@@ -90,10 +90,8 @@ def _num_recorded(req: Request) -> int:
 def _snapshot(req: Request, n: int) -> Request:
     """A shallow copy of a request in flight, cut to its first `n` output tokens, not finished."""
     snap = copy.copy(req)
-    for name in PER_TOKEN_FIELDS:
-        value = getattr(req, name, None)
-        if isinstance(value, list):
-            setattr(snap, name, value[:n])
+    for name in RECORDED_FIELDS:
+        setattr(snap, name, getattr(req, name)[:n])
     snap.finish = None
     return snap
 
