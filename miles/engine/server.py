@@ -51,7 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from miles.engine import streaming
+from miles.engine import intake, replies, streaming
 from miles.engine.engine_thread import FAULT_KINDS
 from miles.engine.request import Request as EngineRequest
 from miles.engine.routes import add_routes
@@ -144,17 +144,15 @@ def _make_request(
     check_prompt(
         prompt, state.scheduler.decoder.spec.vocab_size, state.scheduler.max_context, "input_ids" + at
     )
-    stop = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(state.eos_token_ids))
     seed = sp.sampling_seed if sp.sampling_seed is not None else state.next_seed()
-    return EngineRequest(rid=rid, prompt=list(prompt), params=sp, seed=seed, stop_ids=frozenset(stop))
+    stop = intake.stop_ids(sp, state.eos_token_ids)
+    return EngineRequest(rid=rid, prompt=list(prompt), params=sp, seed=seed, stop_ids=stop)
 
 
 def _reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict[str, Any]:
     """SGLang's reply to one request; `output_token_logprobs` rows are (logprob, token_id, None)
     tuples, which serialise as the JSON arrays SGLang sends."""
-    text = ""
-    if state.tokenizer is not None:
-        text = state.tokenizer.decode(req.output, skip_special_tokens=req.params.skip_special_tokens)
+    text = replies.reply_text(state.tokenizer, req)
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": finish_reason_json(req.finish),
@@ -166,9 +164,7 @@ def _reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict
         "miles_output_token_weight_versions": list(req.versions),
     }
     if return_logprob:
-        nones = [None] * len(req.output)
-        meta["output_token_logprobs"] = list(zip(req.logprobs, req.output, nones, strict=True))
-        meta["input_token_logprobs"] = []
+        meta |= replies.logprob_meta(state.tokenizer, req)
     return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
 
@@ -223,7 +219,8 @@ def _claim_rids(state: EngineState, reqs: list[EngineRequest]) -> None:
 
 def _batch_form(req: GenerateReqInput) -> bool:
     """Whether the body is SGLang's batch form (a list of prompts): the reply is then a list."""
-    return isinstance(req.text, list) or bool(req.input_ids) and isinstance(req.input_ids[0], list)
+    listed = isinstance(req.text, list) or bool(req.input_ids) and isinstance(req.input_ids[0], list)
+    return listed or _n(req) > 1
 
 
 def _n(req: GenerateReqInput) -> int:
@@ -244,10 +241,13 @@ def prepare(state: EngineState, req: GenerateReqInput) -> list[tuple[EngineReque
         (_make_request(state, p, sp, rid, i if batch else None), lp)
         for i, (p, sp, lp, rid) in enumerate(items)
     ]
+    reqs, prefills = intake.attach_options(state, req, reqs)
     problem = state.scheduler.health_problem()
     if problem is not None:
         raise HTTPError(503, problem)
     _claim_rids(state, [r for r, _ in reqs])
+    for r in prefills:  # n > 1: each prompt's prefill-only request goes first (miles/engine/intake.py)
+        state.scheduler.submit(r)
     return reqs
 
 
