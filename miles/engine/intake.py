@@ -14,6 +14,7 @@ K/V first; the samples wait for it and then take the prompt from the prefix cach
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -155,3 +156,25 @@ def _sample(req: Request, j: int, warmup: Request, state: Any) -> Request:
     o.after = warmup
     out.opts = o
     return out
+
+
+async def precompile(state: Any, body: GenerateReqInput) -> None:
+    """Compile the body's grammars in a worker thread (the first one also imports xgrammar, seconds),
+    so that `attach_options`, on the event loop, finds them in xgrammar's cache; a grammar that does
+    not compile is reported there, with its field's name."""
+    params = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params]
+    texts = {
+        (kind, p[kind])
+        for p in params
+        if isinstance(p, dict)
+        for kind in ("regex", "json_schema", "ebnf")
+        if isinstance(p.get(kind), str) and p[kind]
+    }
+    if not texts or state.tokenizer is None:
+        return
+    vocab, eos = state.scheduler.decoder.spec.vocab_size, sorted(state.eos_token_ids)
+    for kind, text in texts:
+        try:
+            await asyncio.to_thread(compile_grammar, state.tokenizer, vocab, eos, kind, text)
+        except ValueError:
+            pass

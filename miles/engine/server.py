@@ -253,6 +253,7 @@ def prepare(state: EngineState, req: GenerateReqInput) -> list[tuple[EngineReque
 
 async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
     """The /generate answer as JSON bytes: one reply object, or a list of them for a batch."""
+    await intake.precompile(state, req)
     reqs = prepare(state, req)
 
     async def encoded(r: EngineRequest, return_logprob: bool) -> bytes:
@@ -275,6 +276,7 @@ async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
 async def generate_stream(state: EngineState, req: GenerateReqInput) -> AsyncIterator[bytes]:
     """The /generate answer with `stream: true`: SGLang's server-sent events (miles/engine/streaming.py)."""
     try:
+        await intake.precompile(state, req)
         reqs = prepare(state, req)
     except HTTPError as e:
         yield streaming.event(to_json(streaming.error_payload(str(e), e.status)))
