@@ -67,20 +67,31 @@ def record_prompt(asks: list[Ask], logits: torch.Tensor) -> None:
 
 
 def output_rows(reqs: list[Request], logits: torch.Tensor) -> dict[int, tuple[list[Row], list[Row]]]:
-    """Top-k and token-id rows of this step, by index in `reqs`, for requests that ask for them."""
+    """Top-k and token-id rows of this step, by index in `reqs`, for requests that ask for them (one
+    top-k and one gather over all of them, one readback each)."""
     want = [i for i, r in enumerate(reqs) if r.opts is not None and r.opts.wants_rows]
     if not want:
         return {}
-    temps = torch.tensor([reqs[i].params.temperature for i in want], device=logits.device)
-    scaled = logits[torch.tensor(want, device=logits.device)] / torch.where(temps > 0, temps, 1.0)[:, None]
+    dev = logits.device
+    temps = torch.tensor([reqs[i].params.temperature for i in want], device=dev)
+    scaled = logits[torch.tensor(want, device=dev)] / torch.where(temps > 0, temps, 1.0)[:, None]
     logp = torch.log_softmax(scaled.float(), dim=-1)
-    out = {}
-    for j, i in enumerate(want):
-        o = reqs[i].opts
-        row = logp[j : j + 1]
-        top = _top_rows(row, o.top_n)[0] if o.top_n else []
-        ids = _id_rows(row, o.token_ids)[0] if o.token_ids is not None else []
-        out[i] = (top, ids)
+    opts = [reqs[i].opts for i in want]
+    k = max(o.top_n for o in opts)
+    tops = [[]] * len(want)
+    if k:
+        vals, idx = logp.topk(min(k, logp.shape[1]), dim=-1)
+        tops = [
+            list(zip(v[: o.top_n], t[: o.top_n], strict=True))
+            for v, t, o in zip(vals.tolist(), idx.tolist(), opts, strict=True)
+        ]
+    flat = [(j, t) for j, o in enumerate(opts) for t in o.token_ids or ()]
+    picked = logp[[j for j, _ in flat], [t for _, t in flat]].tolist() if flat else []
+    out, at = {}, 0
+    for j, (i, o) in enumerate(zip(want, opts, strict=True)):
+        n = len(o.token_ids or ())
+        out[i] = (tops[j], list(zip(picked[at : at + n], o.token_ids or (), strict=True)))
+        at += n
     return out
 
 
