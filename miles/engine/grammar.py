@@ -67,20 +67,33 @@ class Matcher:
         import xgrammar as xgr
 
         self._m = xgr.GrammarMatcher(compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write what may come next into row `row` of an xgrammar bitmask (int32 [rows, ceil(V / 32)])."""
+        self._m.fill_next_token_bitmask(bitmask, row)
 
     def mask(self, z: torch.Tensor) -> torch.Tensor:
-        """`z` [vocab] with the tokens the grammar forbids next set to -inf. Token i is allowed when bit
-        i % 32 of word i // 32 of xgrammar's bitmask is set; unpacked with torch on z's device, so
-        CPU and GPU take the same path."""
-        self._m.fill_next_token_bitmask(self._bitmask)
-        words = self._bitmask[0].to(z.device, non_blocking=True)
-        shifts = torch.arange(32, dtype=torch.int32, device=z.device)
-        allowed = ((words[:, None] >> shifts) & 1).reshape(-1)[: z.shape[0]].bool()
-        return z.masked_fill(~allowed, float("-inf"))
+        """`z` [vocab] with the tokens the grammar forbids next set to -inf."""
+        return mask_rows([self], z[None, :])[0]
 
     def accept(self, token: int) -> bool:
         return self._m.is_terminated() or self._m.accept_token(token)
 
     def terminated(self) -> bool:
         return self._m.is_terminated()
+
+
+def mask_rows(matchers: list[Matcher], z: torch.Tensor) -> torch.Tensor:
+    """Logit rows `z` [G, vocab] with what each row's grammar forbids next set to -inf: the matchers
+    fill one host bitmask, which goes to z's device in one copy and is unpacked there with torch
+    (token i is allowed when bit i % 32 of word i // 32 is set), so CPU and GPU take the same path."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(matchers), matchers[0].vocab_size)
+    for j, m in enumerate(matchers):
+        m.fill(bitmask, j)
+    words = bitmask.to(z.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=z.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(matchers), -1)[:, : z.shape[1]].bool()
+    return z.masked_fill(~allowed, float("-inf"))

@@ -19,22 +19,35 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from miles.engine.grammar import mask_rows
+
 if TYPE_CHECKING:
     from miles.engine.request import Request
 
 
 def shape_logits(reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-    """`logits` [B, vocab] with the rows of shaping requests replaced by their shaped rows."""
+    """`logits` [B, vocab] with the rows of shaping requests replaced by their shaped rows (grammar
+    masks of all rows at once, the rest row by row)."""
     rows = [i for i, r in enumerate(reqs) if r.opts is not None and r.opts.shapes_logits]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
-        logits[i] = _shape(reqs[i], logits[i])
+        logits[i] = _penalise(reqs[i], logits[i])
+    grammar = [i for i in rows if reqs[i].opts.grammar is not None]
+    if grammar:
+        index = torch.tensor(grammar, device=logits.device)
+        logits[index] = mask_rows([reqs[i].opts.grammar for i in grammar], logits[index])
+    for i in rows:
+        if reqs[i].opts.bias:
+            ids, vals = reqs[i].opts.bias
+            dev = logits.device
+            logits[i] = logits[i].index_add(0, torch.tensor(ids, device=dev), torch.tensor(vals, device=dev))
     return logits
 
 
-def _shape(req: Request, z: torch.Tensor) -> torch.Tensor:
+def _penalise(req: Request, z: torch.Tensor) -> torch.Tensor:
+    """Penalties and min_new_tokens on one row."""
     o = req.opts
     if o.frequency_penalty or o.presence_penalty or o.repetition_penalty != 1.0:
         if o.counts is None:  # from the output so far (a request retracted and resumed keeps its output)
@@ -50,9 +63,4 @@ def _shape(req: Request, z: torch.Tensor) -> torch.Tensor:
         z = z - o.frequency_penalty * o.counts - o.presence_penalty * seen.float()
     if o.min_new_tokens and len(req.output) < o.min_new_tokens and o.min_stop_ids:
         z = z.index_fill(0, torch.tensor(o.min_stop_ids, device=z.device), float("-inf"))
-    if o.grammar is not None:
-        z = o.grammar.mask(z)
-    if o.bias:
-        ids, vals = o.bias
-        z = z.index_add(0, torch.tensor(ids, device=z.device), torch.tensor(vals, device=z.device))
     return z
