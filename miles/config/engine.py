@@ -32,8 +32,8 @@ class EngineConfig(Section):
     """SGLang: data-parallel replicas inside one server."""
     ep_size: int = 1
     """SGLang: expert-parallel size of one server."""
-    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
-    """Load-balancing policy of the sglang-router."""
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random", "manual"] = "cache_aware"
+    """Policy of the sglang-router; `manual` keeps requests with one `X-SMG-Routing-Key` header on one worker."""
     startup_timeout_s: float = 300.0
     """How long to wait for every engine to report healthy."""
     max_restarts: int = 3

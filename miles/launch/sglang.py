@@ -8,6 +8,7 @@ executes what these functions return, and golden tests pin their text.
 from __future__ import annotations
 
 from miles.config import Plan
+from miles.rollout.router import policy_args
 
 # Ports of one job live in [BASE, BASE + SPAN * 1000): derived from the job id so that two jobs on
 # one node differ, and every server of a node gets its own slot of PORT_STRIDE ports.
@@ -90,8 +91,7 @@ def router_command(plan: Plan, *, host: str, port: int, worker_urls: list[str]) 
         host,
         "--prometheus-port",
         str(port - 1),
-        "--policy",
-        plan.engine.router_policy,
+        *policy_args(plan.engine.router_policy),
         "--worker-urls",
         *worker_urls,
     ]

@@ -6,6 +6,16 @@ every initial worker is registered and healthy. Workers are added with POST /wor
 and removed with DELETE /workers/<id> (the router's own ids; looked up by URL here). Requests
 already forwarded to a removed worker still finish on that worker, so stop an engine only after
 removing it and letting its requests drain. `stop()` ends only the process this module started.
+
+Session affinity: policy `manual` sends every request carrying the same `X-SMG-Routing-Key` header
+(ROUTING_KEY_HEADER) to one worker, for as long as that worker is healthy; a new key goes to the
+worker holding the fewest keys (`--assignment-mode min_group`), so sessions spread evenly. Requests
+without the header are routed at random. sglang-router 0.3's CLI offers no other header-keyed policy.
+
+Registering a worker, the router probes it over HTTP (/health, /server_info, /model_info) and, at the
+same time, over gRPC (an HTTP/2 connection preface, once for SGLang and once for vLLM). A uvicorn
+server such as SGLang's or the embedded engine's answers each preface with a logged "Invalid HTTP
+request received." warning; no router option in 0.3 turns the gRPC probe off.
 """
 
 from __future__ import annotations
@@ -24,6 +34,15 @@ import httpx
 from miles.processes import child_options, free_port, stop_processes
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "manual")
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+"""Header whose value keys a session to one worker under policy `manual`."""
+
+
+def policy_args(policy: str) -> list[str]:
+    """The router's command-line flags of a routing policy (one of POLICIES)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown router policy {policy!r}; known: {', '.join(POLICIES)}")
+    return ["--policy", policy] + (["--assignment-mode", "min_group"] if policy == "manual" else [])
 
 
 def router_binary() -> str:
@@ -109,13 +128,12 @@ def start_router(
     attempts: int = 3,
 ) -> RouterProcess:
     """Launch sglang-router on a free port in front of `worker_urls`; wait until it routes to all."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown router policy {policy!r}; known: {', '.join(POLICIES)}")
+    flags = policy_args(policy)
     log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="router-", suffix=".log")[1])
     log_file.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(attempts):
         port = free_port(host)
-        cmd = [router_binary(), "launch", "--host", host, "--port", str(port), "--policy", policy]
+        cmd = [router_binary(), "launch", "--host", host, "--port", str(port), *flags]
         # the metrics exporter binds a fixed default port (29000) unless told otherwise
         cmd += ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
         cmd += ["--worker-urls", *worker_urls] if worker_urls else []

@@ -1,0 +1,91 @@
+"""The real sglang-router in front of two embedded engines: it registers them from /health,
+/server_info and /model_info without a warning, and policy `manual` keeps a session (one
+X-SMG-Routing-Key header value) on one worker while different sessions spread over both."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from miles.engine.process import start_engine
+from miles.rollout.router import ROUTING_KEY_HEADER, start_router
+
+
+@pytest.fixture(scope="module")
+def two_engines(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("router")
+    engines = []
+    try:
+        for i in range(2):
+            engines.append(start_engine(tiny_model, device="cpu", seed=i, log_path=logs / f"engine-{i}.log"))
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def router(two_engines, tmp_path_factory):
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    with start_router([e.url for e in two_engines], policy="manual", log_path=log) as r:
+        yield r
+
+
+def _cached(engine) -> int:
+    return httpx.get(engine.url + "/server_info", timeout=10).json()["internal_states"][0][
+        "num_prefix_cached_tokens"
+    ]
+
+
+def _generate(router, key: str) -> dict:
+    body = {"text": f"{key}: a session of its own", "sampling_params": {"max_new_tokens": 2}}
+    resp = httpx.post(router.url + "/generate", json=body, headers={ROUTING_KEY_HEADER: key}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["meta_info"]
+
+
+def _session_home(router, engines, key: str, repeats: int) -> int:
+    """Engine that served session `key`: the one whose prefix cache took the session's first prompt.
+    Every later request of the session must find that prompt cached, i.e. land on the same engine."""
+    before = [_cached(e) for e in engines]
+    first = _generate(router, key)
+    assert first["cached_tokens"] == 0, first
+    grew = [i for i, e in enumerate(engines) if _cached(e) > before[i]]
+    assert len(grew) == 1, f"session {key}: the prefix caches of engines {grew} grew, expected one"
+    for _ in range(repeats):
+        meta = _generate(router, key)
+        assert meta["cached_tokens"] >= meta["prompt_tokens"] - 1, (key, meta)
+    return grew[0]
+
+
+def test_router_registers_workers_from_server_and_model_info(router, two_engines):
+    workers = router.workers()
+    assert sorted(w["url"] for w in workers) == sorted(e.url for e in two_engines)
+    for w in workers:
+        assert w["is_healthy"]
+        # model_type and architectures come from /model_info, tp/dp sizes from /server_info
+        assert w["metadata"]["model_type"] == "qwen2"
+        assert "Qwen2ForCausalLM" in w["metadata"]["architectures"]
+        assert w["metadata"]["tp_size"] == "1" and w["metadata"]["dp_size"] == "1"
+    log = router.log_path.read_text(errors="replace")
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    problems = [ln for ln in plain.splitlines() if re.search(r"\b(WARN|ERROR)\b|fallback|[Ff]ailed", ln)]
+    assert not problems, "router log:\n" + "\n".join(problems[:10])
+
+
+def test_one_session_stays_on_one_worker_and_sessions_spread(router, two_engines):
+    keys = ["alpha", "beta", "gamma", "delta"]
+    homes = {key: _session_home(router, two_engines, key, repeats=3) for key in keys}
+    assert set(homes.values()) == {0, 1}, homes
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="sglang-router 0.3 probes every worker over gRPC (an HTTP/2 preface) as well as over HTTP, "
+    "and uvicorn logs each preface as an invalid request; only the engine can answer it quietly",
+)
+def test_engine_log_has_no_invalid_http_noise(router, two_engines):
+    for e in two_engines:
+        assert "Invalid HTTP request" not in e.log_path.read_text(errors="replace"), e.log_path
