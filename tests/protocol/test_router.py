@@ -89,3 +89,21 @@ def test_one_session_stays_on_one_worker_and_sessions_spread(router, two_engines
 def test_engine_log_has_no_invalid_http_noise(router, two_engines):
     for e in two_engines:
         assert "Invalid HTTP request" not in e.log_path.read_text(errors="replace"), e.log_path
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "manual"])
+def test_rendered_router_command_parses_with_the_installed_router(policy):
+    """The job-side router command (miles.launch.sglang) against the installed sglang-router's parser."""
+    from sglang_router.launch_router import parse_router_args
+
+    from miles.config import resolve
+    from miles.launch.sglang import router_command
+
+    plan = resolve({}, [f"engine.router_policy={policy}"])
+    argv = router_command(plan, host="127.0.0.1", port=30029, worker_urls=["http://127.0.0.1:30000"])
+    assert argv[:2] == ["sglang-router", "launch"]
+    args = parse_router_args(argv[2:])
+    assert (args.policy, args.port, args.prometheus_port) == (policy, 30029, 30028)
+    assert args.worker_urls == ["http://127.0.0.1:30000"]
+    if policy == "manual":
+        assert args.assignment_mode == "min_group"
