@@ -29,6 +29,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "sglang"
 SERVER_ARGS = "sglang/srt/server_args.py"
+HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+OPTIONAL_ROUTES = {"/begin_weight_update", "/end_weight_update"}
+"""Routes the rollout client calls that older SGLang lacks; their callers treat a 404 as "not needed"
+(miles.weights.transport); SGLang 0.5.17 has no weight-update session routes, 0.5.23 has."""
 
 
 # ---- the pinned version and its flags ----
@@ -140,9 +144,10 @@ def _cache_dir(config) -> Path:
     return Path(cache.mkdir("sglang-server-args")) if cache else REPO / ".cache" / "sglang-server-args"
 
 
-def fetch_server_args(version: str, cache_dir: Path) -> str:
-    """server_args.py of SGLang `version`, from its wheel on PyPI (cached; skips if it cannot be had)."""
-    cached = cache_dir / f"server_args-{version}.py"
+def fetch_source(version: str, member: str, cache_dir: Path) -> str:
+    """One file (SERVER_ARGS or HTTP_SERVER) of SGLang `version`, from its wheel on PyPI; cached, and
+    the test skips (saying why) only when the wheel cannot be downloaded."""
+    cached = cache_dir / version / member
     if cached.exists():
         return cached.read_text()
     wheels = cache_dir / f"wheel-{version}"
@@ -152,13 +157,18 @@ def fetch_server_args(version: str, cache_dir: Path) -> str:
     if not found:
         pytest.skip(f"could not download the sglang=={version} wheel from PyPI: {proc.stderr.strip()[-300:]}")
     with zipfile.ZipFile(found[0]) as zf:
-        text = zf.read(SERVER_ARGS).decode()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    cached.write_text(text)
+        for name in (SERVER_ARGS, HTTP_SERVER):
+            (cache_dir / version / name).parent.mkdir(parents=True, exist_ok=True)
+            (cache_dir / version / name).write_bytes(zf.read(name))
     for w in found:
         w.unlink()
     wheels.rmdir()
-    return text
+    return cached.read_text()
+
+
+def fetch_server_args(version: str, cache_dir: Path) -> str:
+    """server_args.py of SGLang `version`."""
+    return fetch_source(version, SERVER_ARGS, cache_dir)
 
 
 # ---- rendering the commands of every recipe x profile ----
@@ -258,6 +268,18 @@ def test_every_optional_flag_exists_in_the_pinned_sglang(profile, request):
     version = pinned_version(image_recipe(profile))
     flags = server_flags(fetch_server_args(version, _cache_dir(request.config)))
     assert not check_command(argv, flags), f"sglang=={version}: {check_command(argv, flags)}"
+
+
+def test_every_route_the_client_calls_exists_in_the_pinned_sglang(request):
+    """The rollout client (one code path for real SGLang and the embedded engine) calls only routes the
+    pinned SGLang's http_server.py serves (or ones whose 404 its callers accept)."""
+    client = (REPO / "miles" / "rollout" / "client.py").read_text()
+    called = set(re.findall(r'(?:_post|_get|request\("[A-Z]+",)\s*\(?\s*"(/[a-z_/]+)"', client))
+    assert {"/generate", "/model_info", "/update_weights_from_distributed"} <= called, called
+    version = pinned_version(REPO / "containers" / "Dockerfile.cuda")
+    server = fetch_source(version, HTTP_SERVER, _cache_dir(request.config))
+    served = set(re.findall(r'@app\.(?:get|post|put|api_route)\(\s*"(/[^"]*)"', server))
+    assert not called - served - OPTIONAL_ROUTES, f"sglang=={version} lacks {sorted(called - served)}"
 
 
 def test_flag_parser_finds_known_flags_and_rejects_made_up_ones(request):
