@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles.engine import streaming
 from miles.engine.model import Decoder, ModelSpec, load_weights
@@ -227,6 +228,18 @@ async def _serve(
     await task
 
 
+class QuietHTTP2Probe(H11Protocol):
+    """HTTP/1.1 as usual, but a connection that opens with the HTTP/2 preface is closed quietly:
+    sglang-router probes each worker over gRPC as well when it registers it, which uvicorn would log
+    as an invalid request (twice per worker) although nothing is wrong."""
+
+    def data_received(self, data: bytes) -> None:
+        if data.startswith(b"PRI * HTTP/2.0"):
+            self.transport.close()
+            return
+        super().data_received(data)
+
+
 def main(argv: list[str] | None = None) -> None:
     faulthandler.register(
         signal.SIGUSR1, all_threads=True
@@ -243,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     state.server_args["port"] = port
     config = uvicorn.Config(
         build_app(state),
+        http=QuietHTTP2Probe,
         log_level="warning",
         timeout_keep_alive=60,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,

@@ -81,11 +81,6 @@ def test_one_session_stays_on_one_worker_and_sessions_spread(router, two_engines
     assert set(homes.values()) == {0, 1}, homes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sglang-router 0.3 probes every worker over gRPC (an HTTP/2 preface) as well as over HTTP, "
-    "and uvicorn logs each preface as an invalid request; only the engine can answer it quietly",
-)
 def test_engine_log_has_no_invalid_http_noise(router, two_engines):
     for e in two_engines:
         assert "Invalid HTTP request" not in e.log_path.read_text(errors="replace"), e.log_path
