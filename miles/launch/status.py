@@ -54,7 +54,7 @@ ERROR_LINES = 12
 _STEP_EXIT = re.compile(r"^miles: (\w+) step exited with (\d+)(.*)$", re.MULTILINE)
 
 
-def _error_excerpt(text: str, lines: int = ERROR_LINES) -> str | None:
+def error_excerpt(text: str, lines: int = ERROR_LINES) -> str | None:
     """The last `lines` lines of the last Python traceback in `text` (None when there is none)."""
     rows = [r for r in text.splitlines() if r.strip()]
     starts = [i for i, r in enumerate(rows) if "Traceback (most recent call last)" in r]
@@ -78,7 +78,7 @@ def failure(run_dir: str | Path, batch_log: str) -> dict[str, Any] | None:
     ]
     texts = {f: f.read_text(errors="replace") for f in logs if f.stat().st_size}
     for f, text in texts.items():
-        if (excerpt := _error_excerpt(text)) is not None:
+        if (excerpt := error_excerpt(text)) is not None:
             return {"role": role, "exit_code": code, "log": str(f), "error": excerpt}
     f, text = next(iter(texts.items()), (Path(run_dir) / "logs", ""))
     tail = "\n".join([r for r in text.splitlines() if r.strip()][-ERROR_LINES:])

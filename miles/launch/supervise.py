@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from miles.cluster.rendezvous import healthy
 from miles.config import Plan
+from miles.launch.status import error_excerpt
 
 log = logging.getLogger("miles.launch")
 
@@ -110,7 +110,7 @@ class Supervisor:
         for slot in self.engines:
             if slot.proc.alive() and now >= slot.next_check:
                 slot.next_check = now + self.plan.engine.health_check_interval_s
-                slot.failed_checks = 0 if _healthy(slot.proc.url) else slot.failed_checks + 1
+                slot.failed_checks = 0 if healthy(slot.proc.url) else slot.failed_checks + 1
             if not slot.proc.alive():
                 self.replace(slot, f"exited with {slot.proc.proc.returncode}")
             elif slot.failed_checks >= _FAILED_CHECKS:
@@ -144,13 +144,6 @@ class Supervisor:
         log.info("%s replaced: %s (pid %d)", slot.name, slot.proc.url, slot.proc.pid)
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _indent(text: str) -> str:
     return "\n".join(f"    {line}" for line in text.splitlines())
 
@@ -167,13 +160,9 @@ def tail_lines(path: Path, n: int) -> str:
 
 
 def last_error(text: str, n: int = 6) -> str:
-    """The end of the last Python traceback in `text` (its innermost frame and the exception), or
-    the last `n` lines when there is none."""
-    lines = text.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    block = lines[starts[-1] :] if starts else lines
-    block = [line for line in block if line.strip()]
-    return "\n".join(block[-n:])
+    """The end of the last Python traceback in `text`, or its last `n` non-blank lines."""
+    rows = [r for r in text.splitlines() if r.strip()]
+    return error_excerpt(text, n) or "\n".join(rows[-n:])
 
 
 def trainer_error(run_dir: Path) -> tuple[str, Path | None]:
