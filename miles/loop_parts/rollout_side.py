@@ -110,6 +110,7 @@ class RolloutSide:
         """The engine URLs published when we last connected (a change means a replacement)."""
         self._closing = False
         self.replacements = 0
+        """Reconnections after a lost engine so far (metric `engine/replacements`)."""
 
     def _connect(self, urls: list[str], router: str | None) -> None:
         """Clients and weight transport for these engines (the transport joins in `_setup`)."""
@@ -295,6 +296,7 @@ class RolloutSide:
     def metrics(self) -> dict[str, float]:
         """Buffer, producer and per-engine counters (engine i: `engine/<i>/num_steps`, ...)."""
         out = {**self.buffer.metrics(), **self.producer.stats.take()}
+        out["engine/replacements"] = float(self.replacements)  # reconnections after a lost engine, so far
         try:
             infos = self.call(_gather(*(a.get_server_info() for a in self.admins)), timeout_s=10)
         except Exception as e:

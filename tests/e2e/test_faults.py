@@ -61,6 +61,7 @@ def test_engine_killed_mid_run_is_replaced_and_the_run_finishes(recipe) -> None:
     assert steps_of(run_dir) == list(range(1, 13))  # every step once, through the replacement
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "reconnected to 1 engine(s)" in trainer_log
+    assert read_metrics(run_dir)[-1]["engine/replacements"] >= 1
 
 
 def test_dead_scheduler_makes_the_engine_unhealthy_and_it_is_replaced(recipe) -> None:
