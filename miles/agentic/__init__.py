@@ -1,0 +1,1 @@
+"""Agentic RL: multi-turn episodes with tools, the token-faithful session server, environments, sandboxes."""

@@ -1,0 +1,1 @@
+"""Chat rendering and tool calls: OpenAI message shapes, chat templates per model family, tool-call parsing."""
