@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from miles.config.base import Section
 from miles.config.engine import EngineConfig
+from miles.config.eval import EvalConfig
 from miles.config.launch import LaunchConfig
 from miles.config.model import ModelConfig
-from miles.config.rollout import EvalConfig, RolloutConfig
+from miles.config.rollout import RolloutConfig
 from miles.config.train import TrainConfig
 from miles.config.weights import WeightsConfig
 

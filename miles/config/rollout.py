@@ -1,4 +1,4 @@
-"""What is generated each step, how, and how it is scored and buffered; plus evaluation."""
+"""What is generated each step, how, and how it is scored and buffered."""
 
 from __future__ import annotations
 
@@ -58,14 +58,3 @@ class RolloutConfig(Section):
     """Buffer policy name (keep, drop_stale, retry_stale, dynamic_sampling) or `module:function`."""
     buffer_capacity_groups: int | None = None
     """Bound of the buffer in groups (default: 2 x prompts_per_step)."""
-
-
-class EvalConfig(Section):
-    """Evaluation on held-out prompts, on the shared engines."""
-
-    every_steps: int = 5
-    """Evaluate every N training steps (and before the first); 0 turns evaluation off."""
-    samples_per_prompt: int = 4
-    """k of pass@k; pass@1 is the mean over these samples."""
-    temperature: float = 0.0
-    """Sampling temperature for evaluation (0: greedy, then pass@k = pass@1)."""

@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import time
 
-from miles.config.rollout import EvalConfig
+from miles.config.eval import EvalConfig
 from miles.rollout.generate import Generator, sample_group
 from miles.rollout.tasks import Prompt
 from miles.sample import Status
