@@ -2,7 +2,73 @@
 
 from __future__ import annotations
 
+import re
+
+from pydantic import Field, field_validator, model_validator
+
 from miles.config.base import Section
+
+_DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class EvalDatasetConfig(Section):
+    """One named evaluation dataset and how it is sampled and scored (miles/eval/datasets.py).
+
+    Unset sampling keys inherit: `samples` from eval.samples_per_prompt, `temperature` from
+    eval.temperature, `top_p`/`top_k`/`max_new_tokens` from rollout."""
+
+    source: str = "held_out"
+    """`held_out` (the rollout task's held-out prompts), `jsonl`/`parquet` (the file at `path`), `aime`
+    (an AIME 2024/2025 file at `path`, columns found by name), `aime_synthetic` (procedural AIME-format
+    problems, generated deterministically), or a rollout task name (`digits`, ...: its held-out prompts)."""
+    path: str | None = None
+    """Dataset file (JSONL or Parquet) for the `jsonl`, `parquet` and `aime` sources."""
+    prompt_key: str | None = None
+    """Column holding the prompt (default: `prompt`; for `aime`: problem/Problem/question)."""
+    answer_key: str | None = None
+    """Column holding the reference answer (default: `answer`; for `aime`: answer/Answer)."""
+    id_key: str | None = None
+    """Column holding a problem id, copied to the per-sample records (default: id/ID when present)."""
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """Source-specific options (a rollout task's options; `aime_synthetic`: seed)."""
+    size: int | None = None
+    """Evaluate the first N prompts only (generated sources: how many to generate); None: all."""
+    samples: int | None = None
+    """Samples per prompt (n of pass@k and mean@n); None: eval.samples_per_prompt."""
+    temperature: float | None = None
+    """Sampling temperature; None: eval.temperature."""
+    top_p: float | None = None
+    """Nucleus sampling threshold; None: rollout.top_p."""
+    top_k: int | None = None
+    """Top-k sampling (-1: off); None: rollout.top_k."""
+    max_new_tokens: int | None = None
+    """Cap on response length in tokens; None: rollout.max_new_tokens."""
+    scorer: str | None = None
+    """Scorer as `module:function` or a built-in name (miles/eval/scoring.py); None: `boxed_math` for
+    the aime sources, rollout.reward otherwise. A sample is correct when it scores >= 1."""
+    prompt_template: str | None = None
+    """Text around each prompt, `{prompt}` marking where it goes; None: the aime sources ask for a
+    boxed answer, the others send the prompt as it is."""
+
+    @field_validator("samples", "size", "max_new_tokens")
+    @classmethod
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"must be >= 1 (got {v})")
+        return v
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _has_slot(cls, v: str | None) -> str | None:
+        if v is not None and "{prompt}" not in v:
+            raise ValueError("must contain `{prompt}`, where the prompt text goes")
+        return v
+
+    @model_validator(mode="after")
+    def _path_given(self) -> EvalDatasetConfig:
+        if self.source in ("jsonl", "parquet", "aime") and not self.path:
+            raise ValueError(f"source {self.source!r} needs `path` (a JSONL or Parquet file)")
+        return self
 
 
 class EvalConfig(Section):
@@ -14,3 +80,16 @@ class EvalConfig(Section):
     """k of pass@k; pass@1 is the mean over these samples."""
     temperature: float = 0.0
     """Sampling temperature for evaluation (0: greedy, then pass@k = pass@1)."""
+    datasets: dict[str, EvalDatasetConfig] = Field(default_factory=dict)
+    """Named evaluation datasets, each with its own sampling (metrics `eval/<name>/...`); empty: one
+    dataset, `held_out`, the rollout task's held-out prompts with the settings above."""
+
+    @field_validator("datasets")
+    @classmethod
+    def _names(cls, v: dict[str, EvalDatasetConfig]) -> dict[str, EvalDatasetConfig]:
+        bad = [n for n in v if not _DATASET_NAME.match(n)]
+        if bad:
+            raise ValueError(
+                f"dataset names {bad} must be letters, digits, `_`, `.` or `-` (they name metric keys and files)"
+            )
+        return v
