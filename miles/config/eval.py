@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -72,7 +73,7 @@ class EvalDatasetConfig(Section):
 
 
 class EvalConfig(Section):
-    """Evaluation on held-out prompts, on the shared engines."""
+    """Evaluation on held-out prompts: when, on which engines (`mode`), and how much may queue up."""
 
     every_steps: int = 5
     """Evaluate every N training steps (and before the first); 0 turns evaluation off."""
@@ -83,6 +84,27 @@ class EvalConfig(Section):
     datasets: dict[str, EvalDatasetConfig] = Field(default_factory=dict)
     """Named evaluation datasets, each with its own sampling (metrics `eval/<name>/...`); empty: one
     dataset, `held_out`, the rollout task's held-out prompts with the settings above."""
+    mode: Literal["shared", "dedicated", "external"] = "shared"
+    """Where evaluation runs (miles/eval/modes.py): `shared` on the rollout engines between steps (the
+    fully async producer pauses for it); `dedicated` on eval engines of their own, from a snapshot of
+    the step's weights, while training goes on; `external` a function (`external_fn`) given the
+    snapshot directory, in a process of its own, while training goes on."""
+    external_fn: str | None = None
+    """`module:function` (or `module.function`) called as fn(snapshot_dir) -> {metric: value} in
+    `external` mode; the directory holds a Hugging Face model (config, safetensors, tokenizer)."""
+    num_engines: int = 1
+    """`dedicated` mode: eval engines (started beside the trainer by `miles train`; under Slurm the
+    eval group's engines)."""
+    max_in_flight: int = 1
+    """Evaluations exported but not yet finished, at most (`dedicated`/`external` modes)."""
+    overflow: Literal["wait", "skip"] = "wait"
+    """When `max_in_flight` evaluations are pending at an eval step: `wait` holds training until one
+    finishes, `skip` skips this step's evaluation (counted as eval/skipped_overflow)."""
+    keep_snapshots: int = 2
+    """Evaluated snapshots (RUN_DIR/eval/snapshots/step_N) kept on disk, newest first; 0 deletes each
+    once evaluated. Snapshots still queued or being evaluated are always kept."""
+    timeout_s: float = 1800.0
+    """An evaluation running longer is stopped and skipped (eval/skipped_timeout)."""
 
     @field_validator("datasets")
     @classmethod
@@ -93,3 +115,14 @@ class EvalConfig(Section):
                 f"dataset names {bad} must be letters, digits, `_`, `.` or `-` (they name metric keys and files)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _mode_settings(self) -> EvalConfig:
+        if self.mode == "external" and not self.external_fn:
+            raise ValueError("eval.mode=external needs eval.external_fn (`module:function`)")
+        for key in ("num_engines", "max_in_flight"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"eval.{key} must be >= 1 (got {getattr(self, key)})")
+        if self.keep_snapshots < 0 or self.timeout_s <= 0:
+            raise ValueError("eval.keep_snapshots must be >= 0 and eval.timeout_s > 0")
+        return self
