@@ -23,6 +23,7 @@ from typing import Any
 
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.loading import apply_overrides
+from miles.launch.prepare import check_rollout_inputs, ensure_model
 from miles.launch.rundir import RunDirLock, prepare_run_dir
 from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
 from miles.metrics import ProgressBar
@@ -61,30 +62,6 @@ def _prepare_run_dir(plan: Plan, resume: bool, overwrite: bool) -> Path:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     write_plan(plan, run_dir / "plan.yaml")
     return run_dir
-
-
-def check_rollout_inputs(plan: Plan) -> None:
-    """Build the task and load the reward here, so that a bad option or reward path is a ConfigError
-    before any process starts (and not a traceback in the trainer's log)."""
-    from miles.rollout.rewards import load_reward
-    from miles.rollout.tasks import build_task
-
-    build_task(plan.rollout.task, plan.run.seed)
-    load_reward(plan.rollout.reward)
-
-
-def _ensure_model(plan: Plan) -> None:
-    path = Path(plan.model.path)
-    if path.exists():
-        return
-    if not plan.model.init_tiny_if_missing:
-        raise ConfigError(
-            f"model.path={str(path)!r} does not exist; set model.init_tiny_if_missing=true or fix it"
-        )
-    from miles.models.tiny import init_tiny
-
-    print(f"miles: creating a tiny random model at {path}", file=sys.stderr)
-    init_tiny(path, seed=plan.run.seed)
 
 
 def share_cpu_threads(plan: Plan) -> int | None:
@@ -237,7 +214,7 @@ def train_main(
     check_rollout_inputs(plan)
     with RunDirLock.acquire(plan.run_dir):
         run_dir = _prepare_run_dir(plan, bool(resume), overwrite)
-        _ensure_model(plan)
+        ensure_model(plan)
         share_cpu_threads(plan)
         return _run(plan, recipe, run_dir, bool(resume), progress)
 

@@ -1,0 +1,95 @@
+"""What a run needs on disk before any of its processes start, prepared once and atomically.
+
+`miles train` calls this on its host; `miles submit` and `miles sweep` call it on the submit host
+before `sbatch`, so a job (every array task, every requeue) only ever reads a complete model:
+
+- the rollout task and the reward are built here, so a bad task option, dataset file or reward path
+  is a ConfigError now, not a traceback in a job's log;
+- `model.path` (weights, config and tokenizer) must exist; with `model.init_tiny_if_missing` a tiny
+  random model is created there. It is written into a temporary sibling directory and renamed into
+  place (a reader sees no model or a whole one), under a lock file beside it so that concurrent
+  submissions create it once: the others wait for the lock and then find it.
+
+Imports no torch (the model writer imports it only when a model is created).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from miles.config import ConfigError, Plan
+
+log = logging.getLogger("miles.launch")
+
+
+def check_rollout_inputs(plan: Plan) -> None:
+    """Build the task and load the reward here, so that a bad option or reward path is a ConfigError
+    before any process starts (and not a traceback in the trainer's log)."""
+    from miles.rollout.rewards import load_reward
+    from miles.rollout.tasks import build_task
+
+    build_task(plan.rollout.task, plan.run.seed)
+    load_reward(plan.rollout.reward)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if absent) for the duration of the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_model(plan: Plan, *, required: bool = True) -> Path:
+    """Make sure `model.path` exists, creating the tiny model when `model.init_tiny_if_missing` is set.
+
+    A missing model without init_tiny_if_missing is a ConfigError when `required` (else only logged:
+    the path may exist only where the job runs, e.g. inside a container image).
+    """
+    path = Path(plan.model.path)
+    if path.exists():
+        return path
+    if not plan.model.init_tiny_if_missing:
+        message = f"model.path={str(path)!r} does not exist; set model.init_tiny_if_missing=true or fix it"
+        if required:
+            raise ConfigError(message)
+        log.warning("%s (not checked further: the job may see another filesystem)", message)
+        return path
+    with _locked(path.parent / f".{path.name}.lock"):
+        if path.exists():  # another submission made it while we waited for the lock
+            return path
+        _create_tiny(path, plan.run.seed)
+    return path
+
+
+def _create_tiny(path: Path, seed: int) -> None:
+    """init_tiny into a temporary sibling, then one rename: readers never see a partial model."""
+    from miles.models.tiny import init_tiny
+
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"miles: creating a tiny random model at {path}", file=sys.stderr)
+    try:
+        init_tiny(tmp, seed=seed)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_inputs(plan: Plan, *, local: bool = True) -> Path:
+    """Everything above for one plan; returns the model path. `local=False` (a submission whose steps
+    run in a container) skips what needs the job's own software and filesystem to be checked."""
+    if local:
+        check_rollout_inputs(plan)
+    return ensure_model(plan, required=local)
