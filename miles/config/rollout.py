@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from miles.config.base import Section
+from miles.config.base import ConfigError, Section
 
 
 class TaskConfig(Section):
@@ -26,12 +26,35 @@ class TaskConfig(Section):
     """Held-out prompts for evaluation (disjoint from training prompts)."""
 
 
+class EnvConfig(Section):
+    """The environment that plays multi-turn episodes (with `rollout.generate_fn` or `rollout.agent_fn`)."""
+
+    name: str | None = None
+    """Environment name (`calculator`, `guess`, ...) or `module:Class`; see miles/agentic/envs."""
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int | None = None
+    """Cap on assistant turns per episode (None: the environment's own `max_turns`)."""
+    max_episode_tokens: int = 1024
+    """Cap on an episode's tokens after the prompt (model turns plus observations); past it the
+    episode ends truncated. `rollout.max_new_tokens` caps each turn."""
+
+
 class RolloutConfig(Section):
     """Generation for training."""
 
     task: TaskConfig = TaskConfig()
     reward: str = "miles.rollout.rewards:exact_match"
     """Reward function as `module:function` (dotted path); built-ins live in miles/rollout/rewards.py."""
+    generate_fn: str | None = None
+    """Per-sample generate function as `module:function` (None: one single-turn /generate per
+    sample). It owns the sample's tokens and may call the engine many times; the built-in
+    `miles.agentic.rollout:env_generate` plays `rollout.env` episodes at the token level."""
+    agent_fn: str | None = None
+    """Agent function as `module:function`: given a task and an OpenAI `base_url` of the session
+    server, it runs the episode with any client library and returns a reward; the samples are the
+    session server's token records (miles/agentic/rollout.py)."""
+    env: EnvConfig = EnvConfig()
     prompts_per_step: int = 16
     """Prompt groups per training step."""
     n_samples_per_prompt: int = 8
@@ -58,3 +81,12 @@ class RolloutConfig(Section):
     """Buffer policy name (keep, drop_stale, retry_stale, dynamic_sampling) or `module:function`."""
     buffer_capacity_groups: int | None = None
     """Bound of the buffer in groups (default: 2 x prompts_per_step)."""
+
+    @model_validator(mode="after")
+    def _one_plugin_level(self) -> RolloutConfig:
+        if self.agent_fn is not None and self.generate_fn is not None:
+            raise ConfigError(
+                "rollout.agent_fn and rollout.generate_fn are both set: an agent function brings its own "
+                "generation (through the session server); unset one of them"
+            )
+        return self
