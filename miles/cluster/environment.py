@@ -169,3 +169,31 @@ def inherited_slurm_variables(env: Mapping[str, str] | None = None) -> list[str]
     """Names of SLURM_* variables inherited from an enclosing allocation (unset before a nested sbatch)."""
     e = os.environ if env is None else env
     return sorted(k for k in e if k.startswith("SLURM_") and k != "SLURM_CONF")
+
+
+def intra_op_threads(processes_per_task: int = 1, env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Intra-op threads of each of `processes_per_task` torch processes of this task (the rule of
+    JobEnvironment.cpu_threads over the CPUs this process may run on), and where the number comes
+    from, for the line every process logs at start: `threads: torch intra-op N (from ...)`."""
+    job = JobEnvironment.from_env(env)
+    available = len(os.sched_getaffinity(0))
+    threads = job.cpu_threads(available, processes_per_task)
+    if job.omp_num_threads:
+        origin = f"OMP_NUM_THREADS={job.omp_num_threads}"
+        origin += f"; the task has SLURM_CPUS_PER_TASK={job.cpus_per_task}" if job.cpus_per_task else ""
+        return threads, origin
+    if job.cpus_per_task:
+        origin = f"SLURM_CPUS_PER_TASK={job.cpus_per_task}"
+    else:
+        origin = f"{available} usable CPUs / {job.tasks_on_node} task(s) on this node"
+    return threads, origin + (f" / {processes_per_task} processes" if processes_per_task > 1 else "")
+
+
+def set_intra_op_threads(env: Mapping[str, str] | None = None) -> str:
+    """Set this torch process's intra-op threads by `intra_op_threads` and return the line to log at
+    start (the engine and every trainer rank call it first thing)."""
+    import torch
+
+    threads, origin = intra_op_threads(1, env)
+    torch.set_num_threads(threads)
+    return f"threads: torch intra-op {torch.get_num_threads()} (from {origin})"
