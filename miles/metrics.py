@@ -5,7 +5,9 @@ appended, flushed and fsynced as each step ends, so a crash loses at most the st
 Step 0 holds the evaluation of the initial weights. On resume from the checkpoint of step N the
 file is cut back to steps <= N (atomically, one record per step), because later steps are trained
 again, and TensorBoard purges its events from step N+1 on; the logger refuses a step that is not
-after the last one recorded, so the final file has each step exactly once.
+after the last one recorded, so the final file has each step exactly once. An evaluation that
+finishes steps later is added to the record of the step whose weights it measured (`amend`: the
+file is rewritten atomically with the keys merged in; TensorBoard gets them at that step).
 """
 
 from __future__ import annotations
@@ -83,6 +85,31 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+        if self._tb is not None:
+            for k, v in clean.items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def amend(self, step: int, metrics: dict[str, float]) -> None:
+        """Merge `metrics` into the record of `step` <= the last step logged (a record is made, in
+        step order, if the step has none), rewriting the file atomically before returning."""
+        if step > self.last_step:
+            raise ValueError(f"amend: step {step} is after the last step logged ({self.last_step}); use log")
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        by_step = {
+            int(r["step"]): r for r in read_metrics(self.run_dir) if isinstance(r, dict) and "step" in r
+        }
+        by_step.setdefault(step, {"step": step, "time": time.time()}).update(clean)
+        path = self.run_dir / METRICS_FILE
+        tmp = path.with_name(METRICS_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(json.dumps(by_step[s]) + "\n" for s in sorted(by_step)))
+            f.flush()
+            os.fsync(f.fileno())
+        self._file.close()
+        os.replace(tmp, path)
+        self._file = open(path, "a")
         if self._tb is not None:
             for k, v in clean.items():
                 if math.isfinite(v):
