@@ -1,10 +1,16 @@
-"""Settings of the rollout engines: which engine, how many, how big."""
+"""Settings of the rollout engines: which engine, how many, how big, or the URLs of running ones."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+from urllib.parse import urlparse
 
-from miles.config.base import Section
+from pydantic import field_validator
+
+from miles.config.base import ConfigError, Section
+
+if TYPE_CHECKING:
+    from miles.config.plan import Plan
 
 
 class EngineConfig(Section):
@@ -12,6 +18,11 @@ class EngineConfig(Section):
 
     kind: Literal["embedded", "sglang"] = "embedded"
     """`embedded` is Miles' own engine (CPU or GPU); `sglang` starts real SGLang servers (GPU clusters)."""
+    urls: list[str] = []
+    """`miles train`: URLs (http://host:port) of SGLang servers (or embedded engines) already running;
+    none is started, supervised or stopped by Miles. Each must answer /model_info and /server_info
+    and serve model.path's model; weights reach them by weights.transport (disk or distributed).
+    engine.num_engines and the supervision keys do not apply to them."""
     num_engines: int = 1
     """Engine processes on one host (local runs); the sglang-router is put in front when more than one."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -44,3 +55,37 @@ class EngineConfig(Section):
     engine is replaced like a dead one."""
     fault_injection: bool = False
     """Testing only: engines serve POST /debug/inject_fault (miles.engine.server) to fake their faults."""
+
+    @field_validator("urls")
+    @classmethod
+    def _urls_are_http(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            parts = urlparse(url)
+            try:
+                parts.port  # noqa: B018 (raises on a port that is not a number)
+            except ValueError:
+                parts = parts._replace(netloc="")
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+                raise ValueError(f"{url!r} is not a server URL; write http://HOST:PORT")
+        if len(set(urls)) != len(urls):
+            raise ValueError("a URL is listed twice")
+        return urls
+
+
+def check_external_engines(plan: Plan) -> None:
+    """With `engine.urls`, refuse what servers that Miles did not place cannot do (ConfigError naming
+    the key): they run wherever they were started, so neither a colocated layout nor the tensor
+    transport (CUDA IPC handles to engines on the trainer's own GPUs) can reach them."""
+    if not plan.engine.urls:
+        return
+    if plan.launch.layout == "colocated":
+        raise ConfigError(
+            "launch.layout=colocated puts the engines Miles starts on the trainer's GPUs; the servers of "
+            "engine.urls run where they were started: set launch.layout=disaggregated"
+        )
+    if plan.weights.transport == "tensor":
+        raise ConfigError(
+            "weights.transport=tensor hands CUDA IPC handles to engines Miles colocates with the trainer; "
+            "it cannot reach the servers of engine.urls: set weights.transport=distributed (or disk, when "
+            "the servers can read the run directory)"
+        )

@@ -5,6 +5,9 @@
     `python -m miles.loop` -> progress bar from metrics.jsonl
     -> stop everything started
 
+With `engine.urls` no engine is started: the servers there are checked and published instead
+(miles.launch.external), put behind a router of ours when more than one, and left running at the end.
+
 Logs: RUN_DIR/logs/engine-<i>.log, router.log, trainer-<rank>.log (written by the loop),
 torchrun/ (each rank's own output) and trainer-stdout.log (torchrun's). Imports no torch.
 """
@@ -22,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
+from miles.config.engine import check_external_engines
 from miles.config.loading import apply_overrides
+from miles.launch.external import check_external_servers, publish_external
 from miles.launch.prepare import check_rollout_inputs, ensure_model
 from miles.launch.rundir import RunDirLock, prepare_run_dir
 from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
@@ -73,11 +78,16 @@ def share_cpu_threads(plan: Plan) -> int | None:
     """
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    processes = plan.engine.num_engines + plan.train.num_ranks
+    processes = engines_started_here(plan) + plan.train.num_ranks
     threads = max(1, len(os.sched_getaffinity(0)) // processes)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the children started below
     log.info("derived OMP_NUM_THREADS=%d for %d engine + trainer processes", threads, processes)
     return threads
+
+
+def engines_started_here(plan: Plan) -> int:
+    """Engine processes `miles train` starts: none when engine.urls names running servers."""
+    return 0 if plan.engine.urls else plan.engine.num_engines
 
 
 def visible_gpus() -> list[str]:
@@ -96,8 +106,8 @@ def gpu_placement(plan: Plan, gpus: list[str]) -> tuple[list[str | None], str | 
     disaggregated: engines on the first `engine.num_engines` GPUs, trainer ranks on the next ones;
     colocated: engine i shares GPU i (mod the GPU count) with trainer rank i, whose LOCAL_RANK picks it.
     """
-    e, t = plan.engine.num_engines, plan.train.num_ranks
-    engine_gpu = plan.engine.kind == "embedded" and plan.engine.device != "cpu" and bool(gpus)
+    e, t = engines_started_here(plan), plan.train.num_ranks
+    engine_gpu = e > 0 and plan.engine.kind == "embedded" and plan.engine.device != "cpu" and bool(gpus)
     trainer_gpu = plan.train.device != "cpu" and bool(gpus)
     if plan.launch.layout == "colocated" or not (engine_gpu and trainer_gpu):
         engines = [gpus[i % len(gpus)] if engine_gpu else None for i in range(e)]
@@ -144,29 +154,40 @@ def start_engine_process(plan: Plan, run_dir: Path, i: int, gpu: str | None, inc
 
 def start_engines(
     plan: Plan, run_dir: Path, gpus: list[str | None] | None = None, incarnation: str = "local"
-) -> list[Any]:
-    """Start `engine.num_engines` embedded engines (and a router, last) and publish their URLs."""
+) -> tuple[list[EngineSlot], Any]:
+    """Start `engine.num_engines` embedded engines, or publish the servers of `engine.urls`, then a
+    router in front when there is more than one; returns (engine slots, the router or None)."""
     from miles.cluster.rendezvous import publish_router
     from miles.rollout.router import start_router
 
     e = plan.engine
-    if e.kind != "embedded":
+    if e.kind != "embedded" and not e.urls:
         raise ConfigError(
-            "`miles train` runs the embedded engine; set engine.kind=embedded or use `miles submit`"
+            "`miles train` runs the embedded engine; set engine.kind=embedded, point engine.urls at running "
+            "SGLang servers, or use `miles submit`"
         )
-    started: list[Any] = []
+    slots = [
+        EngineSlot(i, x, external=True) for i, x in enumerate(publish_external(run_dir, e.urls, incarnation))
+    ]
+    router = None
     try:
-        for i in range(e.num_engines):
-            started.append(start_engine_process(plan, run_dir, i, gpus[i] if gpus else None, incarnation))
-        if e.num_engines > 1:
-            urls = [x.url for x in started]
+        for i in range(engines_started_here(plan)):
+            slots.append(
+                EngineSlot(i, start_engine_process(plan, run_dir, i, gpus[i] if gpus else None, incarnation))
+            )
+        if len(slots) > 1:
+            urls = [s.proc.url for s in slots]
             router = start_router(urls, policy=e.router_policy, log_path=run_dir / "logs" / "router.log")
-            started.append(router)
             publish_router(run_dir, router.url, router.pid, incarnation)
     except BaseException:
-        stop_all(started)
+        stop_all(ours(slots, router))
         raise
-    return started
+    return slots, router
+
+
+def ours(slots: list[EngineSlot], router: Any) -> list[Any]:
+    """The processes this launcher started, router last: every engine but the servers of engine.urls."""
+    return [s.proc for s in slots if not s.external] + ([router] if router is not None else [])
 
 
 def start_trainers(
@@ -211,10 +232,13 @@ def train_main(
     """Run the job to completion on this host, holding the run directory's lock; returns the exit
     status for the console."""
     plan = _plan(recipe, overrides or [], resume)
+    check_external_engines(plan)
     check_rollout_inputs(plan)
     with RunDirLock.acquire(plan.run_dir):
         run_dir = _prepare_run_dir(plan, bool(resume), overwrite)
         ensure_model(plan)
+        if plan.engine.urls:
+            check_external_servers(plan, bool(resume))
         share_cpu_threads(plan)
         return _run(plan, recipe, run_dir, bool(resume), progress)
 
@@ -224,13 +248,12 @@ def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool) -
     engine_gpus, trainer_gpus = gpu_placement(plan, visible_gpus())
     incarnation = new_incarnation()
     sup: Supervisor | None = None
-    started: list[Any] = []
+    slots: list[EngineSlot] = []
+    router: Any = None
     trainers: list[subprocess.Popen] = []
     old_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        started = start_engines(plan, run_dir, engine_gpus, incarnation)
-        slots = [EngineSlot(i, p) for i, p in enumerate(started[: plan.engine.num_engines])]
-        router = started[-1] if len(started) > plan.engine.num_engines else None
+        slots, router = start_engines(plan, run_dir, engine_gpus, incarnation)
 
         def restart(i: int) -> Any:
             return start_engine_process(plan, run_dir, i, engine_gpus[i], incarnation)
@@ -250,7 +273,7 @@ def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool) -
         rc = 1
     finally:
         stop_processes(trainers, 30.0)
-        stop_all([*(s.proc for s in sup.engines), *started[plan.engine.num_engines :]] if sup else started)
+        stop_all(ours(slots, router))  # the supervisor swaps replacements into these slots
         for s, h in old_handlers.items():
             signal.signal(s, h)
     return _report(recipe, run_dir, rc, sup.interrupted if sup else None)

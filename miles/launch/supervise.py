@@ -8,6 +8,9 @@
                     in the router; rank 0 of the loop reconnects, pushes the current weights into it
                     and retries the samples that were in flight. More than `engine.max_restarts`
                     replacements of one engine stop the run with its log's last lines.
+                a server of engine.urls (not started by us) is never stopped nor replaced: failing
+                    /health 3 times in a row is reported once per outage, and the loop waits for it
+                    (engine.startup_timeout_s) or goes on with the others
                 SIGINT / SIGTERM -> the trainer is asked to checkpoint and stop (RUN_DIR/control/
                     preempt), given `launch.stop_grace_s`; a second signal stops everything at once;
                     exit status 128 + signal number, and one line saying how to resume.
@@ -46,6 +49,8 @@ class EngineSlot:
     restarts: int = 0
     failed_checks: int = 0
     next_check: float = 0.0
+    external: bool = False
+    """A server of engine.urls: watched, never restarted or stopped (it is not ours)."""
 
     @property
     def name(self) -> str:
@@ -108,6 +113,9 @@ class Supervisor:
         """Replace every engine that died or keeps failing its health check."""
         now = time.monotonic()
         for slot in self.engines:
+            if slot.external:
+                self.check_external(slot, now)
+                continue
             if slot.proc.alive() and now >= slot.next_check:
                 slot.next_check = now + self.plan.engine.health_check_interval_s
                 slot.failed_checks = 0 if healthy(slot.proc.url) else slot.failed_checks + 1
@@ -116,8 +124,29 @@ class Supervisor:
             elif slot.failed_checks >= _FAILED_CHECKS:
                 self.replace(slot, f"failed /health {slot.failed_checks} times in a row")
 
+    def check_external(self, slot: EngineSlot, now: float) -> None:
+        """Ask a server of engine.urls for /health; say once per outage that it keeps failing."""
+        if now < slot.next_check:
+            return
+        slot.next_check = now + self.plan.engine.health_check_interval_s
+        if healthy(slot.proc.url):
+            if slot.failed_checks >= _FAILED_CHECKS:
+                print(
+                    f"miles: {slot.name} {slot.proc.url} (engine.urls) answers /health again", file=sys.stderr
+                )
+            slot.failed_checks = 0
+            return
+        slot.failed_checks += 1
+        if slot.failed_checks == _FAILED_CHECKS:
+            print(
+                f"miles: {slot.name} {slot.proc.url} (engine.urls) failed /health {_FAILED_CHECKS} times in "
+                "a row; Miles does not restart servers it did not start: bring it back at the same URL",
+                file=sys.stderr,
+            )
+
     def replace(self, slot: EngineSlot, why: str) -> None:
         """Stop `slot`'s engine and start another in its place (bounded by engine.max_restarts)."""
+        assert not slot.external, "servers of engine.urls are not ours to replace"
         old = slot.proc
         old.stop()
         if slot.restarts >= self.plan.engine.max_restarts:
