@@ -1,0 +1,472 @@
+"""The session server: an OpenAI chat `base_url` per episode, token in and token out.
+
+An agent gets its own `base_url` and talks to it with any OpenAI client; every call is served by an
+engine's native `/generate` (through miles.rollout.client.SGLangClient) with the session's token
+prompt, and the reply tokens, log-probs and weight versions are recorded (miles/agentic/session.py
+says how the prompt is built; miles/agentic/trajectory.py how the record becomes Samples).
+
+API for the rollout loop (runs in the loop's event loop, in-process):
+
+    server = SessionServer(clients, tokenizer_dir)    # clients: engines or one router
+    root = await server.start()                       # "http://127.0.0.1:PORT"
+    sid, base_url = server.open_session({"group_id": 3})
+    ...  # the agent calls base_url + "/chat/completions" (plain or stream=true)
+    samples = server.close_session(sid)               # list[miles.sample.Sample], one per branch
+    await server.stop()
+
+Routes (JSON; errors in OpenAI's body `{"error": {"message", "type", "param", "code"}}`):
+- `POST /sessions` `{"metadata": {...}}` (optional) -> `{"id", "base_url"}`
+- `POST /sessions/<id>/v1/chat/completions`: OpenAI chat (miles.chat.openai_schema), `n`, `tools`,
+  `logprobs`, `stream: true` as server-sent events. A stream carries the reply in one content chunk
+  once the turn is done (the whole turn is needed to split tool calls from text).
+- `GET /sessions/<id>/v1/models`, `GET /sessions/<id>` (the trajectory tree),
+  `DELETE /sessions/<id>` (close; `{"id", "samples": [...]}`). An unknown id is a 404.
+
+Engine affinity: each session is pinned to one client (round-robin at open); every request also
+carries the session id as the router's routing key (ROUTING_KEY_HEADER) where the client supports
+it, so behind a `manual`-policy router one session stays on one engine and reuses its prefix cache.
+A request the engine aborts (a weight update in `abort` mode) is sent again, up to `max_attempts`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import inspect
+import itertools
+import json
+import re
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from miles.agentic.session import ChatTemplate, Session, TemplateFamily, Turn, template_message
+from miles.chat.openai_schema import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    DeltaFunction,
+    DeltaToolCall,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    PromptTokensDetails,
+    ReplyFunction,
+    ReplyToolCall,
+    TokenLogprob,
+    Usage,
+    parse_request,
+)
+from miles.rollout.client import EngineError, GenerateResult, SGLangClient
+from miles.rollout.generate import parse_version
+from miles.sample import Sample
+
+
+class SessionServer:
+    """Sessions over a set of engine clients; an HTTP app served in the caller's event loop."""
+
+    def __init__(
+        self,
+        clients: list[SGLangClient],
+        tokenizer_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        template_family: str | None = None,
+        max_new_tokens: int = 1024,
+        model_name: str | None = None,
+        max_attempts: int = 4,
+        tokenizer: Any = None,
+    ):
+        if not clients:
+            raise ValueError("SessionServer needs at least one engine client")
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.clients = list(clients)
+        self.template = ChatTemplate(tokenizer, template_family)
+        self.host, self.port = host, port
+        self.max_new_tokens = max_new_tokens
+        self.model_name = model_name or Path(str(tokenizer_dir)).name
+        self.max_attempts = max_attempts
+        self.sessions: dict[str, Session] = {}
+        self.url = ""
+        self._engine: dict[str, SGLangClient] = {}
+        self._next = itertools.cycle(range(len(self.clients)))
+        self._keyed = "routing_key" in inspect.signature(SGLangClient.generate).parameters
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self.app = self._routes()
+
+    # ---- in-process API ----
+    async def start(self) -> str:
+        """Serve on host:port (0: the OS picks); returns the URL root once requests are accepted."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the start-up error
+            await asyncio.sleep(0.01)
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        self._server = self._task = None
+
+    def open_session(self, metadata: dict[str, Any] | None = None) -> tuple[str, str]:
+        """A new session: its id and its OpenAI base_url."""
+        sid = uuid.uuid4().hex
+        self.sessions[sid] = Session(sid, self.template, metadata)
+        self._engine[sid] = self.clients[next(self._next)]
+        return sid, self.base_url(sid)
+
+    def base_url(self, sid: str) -> str:
+        return f"{self.url}/sessions/{sid}/v1"
+
+    def close_session(self, sid: str) -> list[Sample]:
+        """End a session; its Samples, one per branch (empty when no call was made)."""
+        session = self._session(sid)
+        del self.sessions[sid]
+        self._engine.pop(sid, None)
+        return session.samples()
+
+    def _session(self, sid: str) -> Session:
+        try:
+            return self.sessions[sid]
+        except KeyError:
+            raise OpenAIError(f"session {sid!r} not found", 404, code="session_not_found") from None
+
+    # ---- HTTP ----
+    def _routes(self) -> FastAPI:
+        app = FastAPI(title="miles sessions", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(OpenAIError)
+        async def _error(_: Request, e: OpenAIError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status)
+
+        @app.post("/sessions")
+        async def open_(request: Request) -> JSONResponse:
+            body = await _json_body(request, default={})
+            meta = body.get("metadata") if isinstance(body, dict) else None
+            if meta is not None and not isinstance(meta, dict):
+                raise OpenAIError("'metadata' must be an object", param="metadata")
+            sid, url = self.open_session(meta)
+            return JSONResponse({"id": sid, "base_url": url})
+
+        @app.get("/sessions/{sid}")
+        async def show(sid: str) -> JSONResponse:
+            s = self._session(sid)
+            return JSONResponse({"id": sid, "metadata": s.metadata, "nodes": s.tree.describe()})
+
+        @app.delete("/sessions/{sid}")
+        async def close(sid: str) -> JSONResponse:
+            samples = [_sample_json(s) for s in self.close_session(sid)]
+            return JSONResponse({"id": sid, "samples": samples})
+
+        @app.get("/sessions/{sid}/v1/models")
+        async def models(sid: str) -> Response:
+            self._session(sid)
+            return _json(ModelList(data=[ModelCard(id=self.model_name, root=self.model_name)]))
+
+        @app.post("/sessions/{sid}/v1/chat/completions")
+        async def chat(sid: str, request: Request) -> Response:
+            session = self._session(sid)
+            req = parse_request(ChatCompletionRequest, await _json_body(request))
+            return await self.chat(session, req)
+
+        return app
+
+    async def chat(self, session: Session, req: ChatCompletionRequest) -> Response:
+        """Serve one chat call of `session` and record it."""
+        _check_supported(req)
+        messages = [template_message(m.model_dump()) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            turn = session.plan(messages, tools, req.chat_template_kwargs)
+        except (ValueError, TypeError) as e:  # the template refused the messages
+            raise OpenAIError(f"the chat template cannot render these messages: {e}") from None
+        params = self._sampling(req)
+        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+        results = await asyncio.gather(*(self._generate(session, turn, params, s) for s in seeds))
+        offered = bool(tools) and req.tool_choice != "none"
+        choices = [self._record(session, turn, r, i, req, offered) for i, r in enumerate(results)]
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        model = req.model or self.model_name
+        usage = Usage(
+            prompt_tokens=len(turn.prompt_ids),
+            completion_tokens=sum(len(r.output_ids) for r in results),
+            total_tokens=len(turn.prompt_ids) + sum(len(r.output_ids) for r in results),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=min(r.cached_tokens for r in results)),
+        )
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = _chunks(cid, model, choices, usage if include else None)
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        return _json(ChatCompletion(id=cid, model=model, choices=choices, usage=usage))
+
+    def _sampling(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        stop_ids = [self.template.turn_end_id] + list(req.stop_token_ids or [])
+        params: dict[str, Any] = {
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "max_new_tokens": req.max_new_tokens() or self.max_new_tokens,
+            "stop_token_ids": stop_ids,
+            "min_new_tokens": req.min_tokens,
+            "ignore_eos": req.ignore_eos,
+        }
+        optional = {
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty,
+            "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
+            "regex": req.regex,
+            "ebnf": req.ebnf,
+        }
+        params.update({k: v for k, v in optional.items() if v is not None})
+        return params
+
+    async def _generate(
+        self, session: Session, turn: Turn, params: dict[str, Any], seed: int | None
+    ) -> GenerateResult:
+        client = self._engine.get(session.id) or self.clients[0]
+        params = params if seed is None else {**params, "sampling_seed": seed}
+        extra = {"routing_key": session.id} if self._keyed else {}
+        for _ in range(self.max_attempts):
+            try:
+                r = await client.generate(turn.prompt_ids, params, **extra)
+            except EngineError as e:
+                status = e.status if e.status is not None and 400 <= e.status < 500 else 502
+                raise OpenAIError(f"engine: {e}", status, code="engine_error") from None
+            if r.finish_reason != "abort":
+                return r
+        raise OpenAIError(
+            f"the engine aborted the request {self.max_attempts} times", 503, code="engine_aborted"
+        )
+
+    def _record(
+        self,
+        session: Session,
+        turn: Turn,
+        r: GenerateResult,
+        index: int,
+        req: ChatCompletionRequest,
+        offered: bool,
+    ) -> ChatChoice:
+        family = self.template.family
+        ids = (
+            r.output_ids[:-1]
+            if r.output_ids and r.output_ids[-1] == self.template.turn_end_id
+            else r.output_ids
+        )
+        text = _decode(self.template.tokenizer, ids)
+        reply = parse_reply(text, family, offered)
+        versions = [parse_version(v) for v in r.weight_versions]
+        session.record(turn, r.output_ids, r.logprobs, versions, reply, r.finish_reason)
+        calls = [
+            ReplyToolCall(id=c["id"], function=ReplyFunction(**c["function"]))
+            for c in reply.get("tool_calls", [])
+        ]
+        finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
+        message = ChatMessage(
+            content=reply["content"],
+            tool_calls=calls or None,
+            reasoning_content=reply.get("reasoning_content"),
+        )
+        choice = ChatChoice(index=index, message=message, finish_reason=finish)
+        if req.logprobs:
+            choice.logprobs = self._logprobs(r)
+        if req.return_token_ids:
+            choice.prompt_token_ids, choice.response_token_ids = list(turn.prompt_ids), list(r.output_ids)
+        if req.return_meta_info:
+            choice.meta_info = r.meta_info
+        return choice
+
+    def _logprobs(self, r: GenerateResult) -> ChoiceLogprobs:
+        tok = self.template.tokenizer
+        content = []
+        for tid, lp in zip(r.output_ids, r.logprobs, strict=False):
+            token = tok.decode([tid])
+            lp_out = None if lp != lp else lp  # NaN: SGLang writes null
+            content.append(
+                TokenLogprob(token=token, logprob=lp_out, bytes=list(token.encode()), top_logprobs=[])
+            )
+        return ChoiceLogprobs(content=content)
+
+
+# ---- replies ----
+
+_TOOL_TAGS = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_reply(text: str, family: TemplateFamily, tools_offered: bool) -> dict[str, Any]:
+    """The assistant message of a reply text: content, `reasoning_content` (thinking families) and
+    `tool_calls` (when tools were offered). A malformed tool call stays in the content."""
+    reply: dict[str, Any] = {"role": "assistant"}
+    if family.thinks and "</think>" in text:
+        reasoning, _, text = text.partition("</think>")
+        reply["reasoning_content"] = reasoning.replace("<think>", "", 1).strip("\n")
+        text = text.lstrip("\n")
+    calls: list[dict[str, Any]] = []
+    if tools_offered and family.tool_format == "tool_call_tags":
+        for raw in _TOOL_TAGS.findall(text):
+            call = _tool_call(raw, "arguments")
+            if call is None:
+                calls = []
+                break
+            calls.append(call)
+        if calls:
+            text = text[: text.find("<tool_call>")]
+    elif tools_offered and family.tool_format == "json":
+        call = _tool_call(text.strip().removeprefix("<|python_tag|>"), "parameters")
+        if call is not None:
+            calls, text = [call], ""
+    reply["content"] = text.strip() if calls else text
+    if calls:
+        reply["tool_calls"] = calls
+    return reply
+
+
+def _tool_call(raw: str, args_key: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", {}))
+    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    fn = {"name": obj["name"], "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn}
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_supported(req: ChatCompletionRequest) -> None:
+    if req.input_ids is not None:
+        raise OpenAIError("'input_ids' is not accepted: the session builds the prompt", param="input_ids")
+    if req.top_logprobs:
+        raise OpenAIError("'top_logprobs' is not supported by the session server", param="top_logprobs")
+    if req.logit_bias:
+        raise OpenAIError("'logit_bias' is not supported by the session server", param="logit_bias")
+
+
+# ---- wire helpers ----
+
+
+async def _json_body(request: Request, default: Any = None) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        if default is not None:
+            return default
+        raise OpenAIError("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise OpenAIError(f"the request body is not JSON: {e}") from None
+
+
+def _json(model: Any) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _sample_json(s: Sample) -> dict[str, Any]:
+    out = dataclasses.asdict(s)
+    out["status"] = s.status.value
+    return json.loads(json.dumps(out, default=str))
+
+
+def _chunks(
+    cid: str, model: str, choices: list[ChatChoice], usage: Usage | None
+) -> list[ChatCompletionChunk]:
+    """The stream of finished choices: role, reasoning, content, tool calls, then the finish reason."""
+    created = int(time.time())
+    out = []
+
+    def chunk(index: int, delta: Delta, finish: Any = None, logprobs: Any = None) -> None:
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
+        out.append(ChatCompletionChunk(id=cid, created=created, model=model, choices=[choice]))
+
+    for c in choices:
+        m = c.message
+        chunk(c.index, Delta(role="assistant", content=""))
+        if m.reasoning_content:
+            chunk(c.index, Delta(reasoning_content=m.reasoning_content))
+        if m.content:
+            chunk(c.index, Delta(content=m.content), logprobs=c.logprobs)
+        for i, call in enumerate(m.tool_calls or []):
+            fn = DeltaFunction(name=call.function.name, arguments=call.function.arguments)
+            chunk(
+                c.index, Delta(tool_calls=[DeltaToolCall(index=i, id=call.id, type="function", function=fn)])
+            )
+        chunk(c.index, Delta(), finish=c.finish_reason)
+    if usage is not None:
+        out.append(ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage))
+    return out
+
+
+async def _sse(chunks: list[ChatCompletionChunk]):
+    for c in chunks:
+        yield f"data: {c.model_dump_json()}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# ---- standalone ----
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m miles.agentic.session_server --engine URL --tokenizer DIR`: sessions over engines."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", action="append", required=True, help="engine or router URL (repeatable)")
+    p.add_argument("--tokenizer", required=True, help="model directory with the tokenizer and chat template")
+    p.add_argument("--template-family", default=None, help="chatml, qwen3 or llama3 (default: detected)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--url-file", default=None)
+    args = p.parse_args(argv)
+
+    async def serve() -> None:
+        clients = [SGLangClient(u) for u in args.engine]
+        server = SessionServer(
+            clients, args.tokenizer, host=args.host, port=args.port, template_family=args.template_family
+        )
+        url = await server.start()
+        if args.url_file:
+            Path(args.url_file).write_text(json.dumps({"url": url}))
+        print(f"serving at {url}", flush=True)
+        await server._task
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
