@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.cluster.environment import JobEnvironment
+from miles.cluster.environment import JobEnvironment, intra_op_threads
 from miles.cluster.rendezvous import healthy, master_port, node_address, publish_engine, wait_for_engines
 from miles.config import Plan, read_plan
 from miles.processes import child_options, stop_processes
@@ -39,15 +39,21 @@ def incarnation(env: JobEnvironment) -> str:
 
 
 def share_cpus(env: JobEnvironment, processes: int) -> int:
-    """Export OMP_NUM_THREADS for the `processes` torch processes this task runs (logged).
+    """Export OMP_NUM_THREADS for the `processes` torch processes this task runs, and log it.
 
     Without it every engine and trainer rank would start one thread per core it sees, and the
-    processes of one node would oversubscribe its cores (see JobEnvironment.cpu_threads).
+    processes of one node would oversubscribe its cores (the rule: miles.cluster.environment's
+    intra_op_threads; each torch process then logs the threads it really runs with).
     """
-    threads = env.cpu_threads(len(os.sched_getaffinity(0)), processes)
-    origin = "exported" if env.omp_num_threads else "derived"
+    threads, origin = intra_op_threads(processes)
+    how = "exported" if env.omp_num_threads else "derived"
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    print(f"miles bootstrap: {origin} OMP_NUM_THREADS={threads} for {processes} process(es)", file=sys.stderr)
+    print(
+        f"miles bootstrap: threads: torch intra-op {threads} for each of {processes} process(es) "
+        f"(from {origin}); {how} OMP_NUM_THREADS={threads}",
+        file=sys.stderr,
+        flush=True,
+    )
     return threads
 
 
@@ -58,16 +64,24 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **child_options())
 
 
-def _wait_url(proc: subprocess.Popen[bytes], url_file: Path, deadline: float) -> str:
+class StartFailed(Exception):
+    """An engine or server that did not come up: why, its process (stopped by the caller) and its log."""
+
+    def __init__(self, why: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        super().__init__(why)
+        self.proc, self.log = proc, log
+
+
+def _wait_url(proc: subprocess.Popen[bytes], url_file: Path, deadline: float, log: Path) -> str:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode} before serving; see its log")
+            raise StartFailed(f"exited with {proc.returncode} before serving", proc, log)
         if url_file.exists():
             url = json.loads(url_file.read_text())["url"]
             if healthy(url):
                 return url
         time.sleep(0.2)
-    raise TimeoutError(f"engine did not serve within the startup timeout ({url_file})")
+    raise StartFailed("did not serve within engine.startup_timeout_s", proc, log)
 
 
 def _start_engine(plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvironment, i: int) -> tuple:
@@ -97,14 +111,16 @@ def _start_engine(plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvi
         argv += ["--device", e.device, "--max-running-requests", str(e.max_running_requests)]
         argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(plan.run.seed)]
         proc = _spawn([*argv, "--url-file", str(url_file)], log)
-        port = _wait_url(proc, url_file, deadline).rsplit(":", 1)[1]
+        port = _wait_url(proc, url_file, deadline, log).rsplit(":", 1)[1]
     else:
         port = str(sglang_port(int(env.job_id or 0), i))
         argv = sglang_server_command(plan, host=bind, port=int(port), python=sys.executable)
         proc = _spawn(argv, log)
         while not healthy(f"http://{advertise}:{port}"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang server {i} on {node} did not come up; see {log}")
+            if proc.poll() is not None:
+                raise StartFailed(f"exited with {proc.returncode} before serving", proc, log)
+            if time.monotonic() > deadline:
+                raise StartFailed("did not serve within engine.startup_timeout_s", proc, log)
             time.sleep(1.0)
     url = f"http://{advertise}:{port}"
     publish_engine(run_dir, f"{node}-{i}", url, proc.pid, node, incarnation(env))
@@ -126,7 +142,15 @@ def run_rollout(run_dir: Path) -> int:
     signal.signal(signal.SIGTERM, stop)
     share_cpus(env, facts["engines_per_node"])
     for i in range(facts["engines_per_node"]):
-        proc, logs[i] = _start_engine(plan, facts, run_dir, env, i)
+        try:
+            proc, logs[i] = _start_engine(plan, facts, run_dir, env, i)
+        except StartFailed as e:
+            # one line naming the engine and its log (whose traceback `miles status` shows), no
+            # traceback of this process to hide it
+            node = env.node_name or "local"
+            print(f"miles bootstrap: engine {i} on {node} {e}; see {e.log}", file=sys.stderr, flush=True)
+            stop_processes([*children, e.proc])
+            return 1
         children.append(proc)
     if env.rank == 0 and facts["num_engines"] > 1:
         children.append(_start_router(plan, run_dir, env, facts))

@@ -87,9 +87,12 @@ def _create_tiny(path: Path, seed: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prepare_inputs(plan: Plan, *, local: bool = True) -> Path:
+def prepare_inputs(plan: Plan, *, local: bool = True, create: bool = True) -> Path:
     """Everything above for one plan; returns the model path. `local=False` (a submission whose steps
-    run in a container) skips what needs the job's own software and filesystem to be checked."""
+    run in a container) skips what needs the job's own software and filesystem to be checked;
+    `create=False` (a dry run) checks without writing anything."""
     if local:
         check_rollout_inputs(plan)
-    return ensure_model(plan, required=local)
+    if create:
+        return ensure_model(plan, required=local)
+    return Path(plan.model.path)

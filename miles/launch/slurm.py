@@ -145,9 +145,15 @@ def _word(text: str) -> str:
     return '"' + text.replace(RUN_DIR, "$RUN_DIR").replace('"', '\\"') + '"'
 
 
+def _tail(role: str, lines: int = 12) -> str:
+    """Shell: the last lines of each log of a failed step, so the batch log shows its error."""
+    return f'tail -v -n {lines} "$RUN_DIR/logs/{role}"-*.log 2>/dev/null | sed "s/^/  | /"'
+
+
 def _wait_lines(spec: JobSpec) -> list[str]:
     """Wait for whichever step ends first: the actor step's status is the job's; another step ending
-    first (the engines are gone) stops the actor step and fails the job, which then never hangs."""
+    first (the engines are gone) stops the actor step and fails the job, which then never hangs.
+    The failed step's logs end the batch log (`miles: <role> step exited with N`, then their tails)."""
     others = [f"${s.role.upper()}_PID" for s in spec.steps[:-1]]
     alive = " && ".join(f'kill -0 "{pid}" 2>/dev/null' for pid in ["$ACTOR_PID", *others])
     lines = [
@@ -158,6 +164,7 @@ def _wait_lines(spec: JobSpec) -> list[str]:
         'if ! kill -0 "$ACTOR_PID" 2>/dev/null; then',
         '  wait "$ACTOR_PID"; STATUS=$?',
         '  echo "miles: actor step exited with $STATUS"',
+        f'  [ "$STATUS" -eq 0 ] || {_tail("actor")}',
     ]
     for step, pid in zip(spec.steps[:-1], others, strict=True):
         lines += [
@@ -165,6 +172,7 @@ def _wait_lines(spec: JobSpec) -> list[str]:
             f'  wait "{pid}"; STATUS=$?',
             f'  echo "miles: {step.role} step exited with $STATUS before the actor step; stopping the job"',
             '  [ "$STATUS" -ne 0 ] || STATUS=1',
+            f"  {_tail(step.role)}",
             '  kill -TERM "$ACTOR_PID" 2>/dev/null; wait "$ACTOR_PID" 2>/dev/null',
         ]
     lines.append("fi")

@@ -1,7 +1,9 @@
 """`miles submit` and `miles sweep`: recipe + profile -> checked plan -> run dir -> Slurm job(s).
 
 Order: pick the profile (flag, else the recipe's launch.profile), resolve the recipe over the
-profile's defaults, check the layout against the profile, write plan.yaml + launch.json +
+profile's defaults, prepare the run's inputs on this host (miles.launch.prepare: the task and
+reward are checked, a missing tiny model is created atomically, so the job only reads them; a
+dry run creates nothing), check the layout against the profile, write plan.yaml + launch.json +
 submission.sh into the run directory, then (unless --dry-run) submit through submitit and record
 the job id in RUN_DIR/job.json. A sweep over a homogeneous layout is one job array; over a
 heterogeneous layout one het job per point (Slurm forbids arrays of het jobs), all sharing a tag
@@ -22,6 +24,7 @@ from typing import Any
 from miles.config import ConfigError, Plan, resolve, write_plan
 from miles.config.loading import apply_overrides, read_yaml
 from miles.config.profile import Profile, load_profile, profile_defaults
+from miles.launch.prepare import prepare_inputs
 from miles.launch.slurm import render_sbatch, sbatch_command
 from miles.launch.spec import build_job, check
 
@@ -55,7 +58,9 @@ def load_plan(
     return plan, prof
 
 
-def _prepare_run(plan: Plan, profile: Profile) -> Path:
+def _prepare_run(plan: Plan, profile: Profile, dry_run: bool) -> Path:
+    """Inputs first (a dry run only checks them), then the run directory with plan and launch facts."""
+    prepare_inputs(plan, local=not profile.container.enabled, create=not dry_run)
     run_dir = Path(plan.run_dir)
     (run_dir / "logs" / "slurm").mkdir(parents=True, exist_ok=True)
     write_plan(plan, run_dir / "plan.yaml")
@@ -80,7 +85,7 @@ def submit(
 ) -> Submission:
     """Render (and unless dry_run, submit) one job for the recipe; returns paths and the job id."""
     plan, prof = load_plan(recipe, profile, overrides)
-    run_dir = _prepare_run(plan, prof)
+    run_dir = _prepare_run(plan, prof, dry_run)
     log_dir = str(run_dir / "logs" / "slurm")
     script = render_sbatch(build_job(plan, prof, [str(run_dir)], log_dir=log_dir))
     script_path = run_dir / "submission.sh"
@@ -142,7 +147,7 @@ def sweep(
 
 
 def _sweep_array(plans: list[tuple[Plan, Profile]], sweep_dir: Path, dry_run: bool) -> Submission:
-    run_dirs = [str(_prepare_run(plan, prof)) for plan, prof in plans]
+    run_dirs = [str(_prepare_run(plan, prof, dry_run)) for plan, prof in plans]
     plan, prof = plans[0]
     log_dir = str(sweep_dir / "slurm")
     Path(log_dir).mkdir(parents=True, exist_ok=True)

@@ -63,10 +63,12 @@ while kill -0 "$ACTOR_PID" 2>/dev/null && kill -0 "$ROLLOUT_PID" 2>/dev/null; do
 if ! kill -0 "$ACTOR_PID" 2>/dev/null; then
   wait "$ACTOR_PID"; STATUS=$?
   echo "miles: actor step exited with $STATUS"
+  [ "$STATUS" -eq 0 ] || tail -v -n 12 "$RUN_DIR/logs/actor"-*.log 2>/dev/null | sed "s/^/  | /"
 elif ! kill -0 "$ROLLOUT_PID" 2>/dev/null; then
   wait "$ROLLOUT_PID"; STATUS=$?
   echo "miles: rollout step exited with $STATUS before the actor step; stopping the job"
   [ "$STATUS" -ne 0 ] || STATUS=1
+  tail -v -n 12 "$RUN_DIR/logs/rollout"-*.log 2>/dev/null | sed "s/^/  | /"
   kill -TERM "$ACTOR_PID" 2>/dev/null; wait "$ACTOR_PID" 2>/dev/null
 fi
 kill -TERM "$ROLLOUT_PID" 2>/dev/null; wait "$ROLLOUT_PID" 2>/dev/null
