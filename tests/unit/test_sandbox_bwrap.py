@@ -1,0 +1,208 @@
+"""The local bubblewrap sandbox really isolates: network, filesystem, run directory, limits, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from miles.agentic.sandbox.base import Limits, SandboxError
+from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings, bwrap_argv
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+@pytest.fixture
+def tmp_path():
+    """A world-searchable scratch directory: the sandbox user (65534 when tests run as root) must
+    reach the sandbox root, and the run-directory test must fail only because of the sandbox."""
+    path = Path(tempfile.mkdtemp(prefix="miles-sbtest-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def settings(tmp_path: Path, **limits) -> BwrapSettings:
+    return BwrapSettings(root=str(tmp_path / "sandboxes"), limits=Limits(**limits))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_runs_commands_in_its_own_writable_directory(tmp_path):
+    async def episode():
+        async with BwrapSandbox(settings(tmp_path)) as sb:
+            await sb.write_file("in/task.txt", "6 7")
+            r = await sb.exec("read a b < in/task.txt; echo $((a * b)) > out.txt; pwd")
+            return r, await sb.read_file("out.txt"), await sb.exec(["cat"], stdin="piped")
+
+    r, out, cat = run(episode())
+    assert r.ok and r.stdout.strip() == "/sandbox"
+    assert out == b"42\n"
+    assert cat.stdout == "piped"
+
+
+def test_no_network_from_inside(tmp_path):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+    code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+
+    async def episode():
+        async with BwrapSandbox(settings(tmp_path)) as sb:
+            return await sb.exec(["python3", "-c", code])
+
+    try:
+        r = run(episode())
+        # the same connection from outside works, so the refusal above is the sandbox's doing
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        server.close()
+    assert r.returncode != 0 and "connected" not in r.stdout
+    assert "Network is unreachable" in r.stderr or "Connection refused" in r.stderr
+
+
+def test_cannot_write_outside_nor_read_the_run_directory(tmp_path):
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "secret.txt").write_text("do not read")
+    (run_dir / "secret.txt").chmod(0o644)
+    home_file = Path.home() / ".miles-sandbox-probe"
+
+    async def episode():
+        async with BwrapSandbox(settings(tmp_path)) as sb:
+            writes = await sb.exec(f"touch /usr/x /etc/x /x {home_file} {tmp_path}/escape; echo $?")
+            reads = await sb.exec(f"cat {run_dir}/secret.txt; ls {tmp_path}")
+            with pytest.raises(SandboxError):
+                await sb.read_file("../../runs/r1/secret.txt")
+            await sb.exec(f"ln -s {run_dir}/secret.txt link")
+            with pytest.raises(SandboxError):
+                await sb.read_file("link")
+            with pytest.raises(SandboxError):
+                await sb.write_file("/etc/passwd", "x")
+            return writes, reads
+
+    writes, reads = run(episode())
+    assert writes.stdout.strip() != "0" and writes.stderr.count("Read-only file system") >= 3
+    assert not (tmp_path / "escape").exists() and not home_file.exists()
+    assert "do not read" not in reads.stdout and "No such file" in reads.stderr
+
+
+def test_unsearchable_root_is_refused(tmp_path):
+    from miles.agentic.sandbox.base import SandboxStartError
+
+    if os.getuid() != 0:
+        pytest.skip("the sandbox runs as ourselves when we are not root")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    with pytest.raises(SandboxStartError, match="root_not_searchable"):
+        run(BwrapSandbox(BwrapSettings(root=str(private / "sb"))).create())
+
+
+def test_sandbox_root_inside_the_run_directory_is_refused(tmp_path):
+    from miles.agentic.sandbox.base import SandboxStartError
+
+    s = BwrapSettings(root=str(tmp_path / "run" / "sb"), forbidden=(str(tmp_path / "run"),))
+    with pytest.raises(SandboxStartError, match="root_in_run_dir"):
+        run(BwrapSandbox(s).create())
+
+
+def test_killed_at_memory_limit(tmp_path):
+    async def episode():
+        async with BwrapSandbox(settings(tmp_path, mem_mb=128)) as sb:
+            big = await sb.exec(["python3", "-c", "x = bytearray(512 << 20); print('allocated')"])
+            small = await sb.exec(["python3", "-c", "x = bytearray(16 << 20); print('allocated')"])
+            return big, small
+
+    big, small = run(episode())
+    assert big.returncode != 0 and big.killed_reason == "memory" and "allocated" not in big.stdout
+    assert small.ok and "allocated" in small.stdout
+
+
+def test_killed_at_cpu_and_wall_time_limits(tmp_path):
+    async def episode():
+        async with BwrapSandbox(settings(tmp_path, cpu_s=1)) as sb:
+            spin = await sb.exec(["python3", "-c", "while True: pass"], timeout_s=60)
+            sleep = await sb.exec("sleep 60 & sleep 60; echo done", timeout_s=0.5)
+            after = await sb.exec("echo alive")
+            return spin, sleep, after
+
+    spin, sleep, after = run(episode())
+    assert spin.killed_reason == "cpu_time" and not spin.timed_out
+    assert sleep.timed_out and sleep.killed_reason == "wall_time" and "done" not in sleep.stdout
+    assert after.ok and after.stdout == "alive\n"
+
+
+def test_process_limit(tmp_path):
+    async def episode():
+        async with BwrapSandbox(settings(tmp_path, nproc=8)) as sb:
+            return await sb.exec("for i in $(seq 20); do sleep 2 & done; wait; echo finished", timeout_s=20)
+
+    r = run(episode())
+    assert "Cannot fork" in r.stderr or "fork" in r.stderr.lower()
+
+
+def _pids_running(marker: str) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_nothing_left_after_close_even_after_an_exception(tmp_path):
+    marker = f"{os.getpid()}{id(tmp_path)}"
+    holder: list[BwrapSandbox] = []
+
+    async def episode():
+        async with BwrapSandbox(settings(tmp_path)) as sb:
+            holder.append(sb)
+            await sb.write_file("data.bin", os.urandom(1024))
+            asyncio.ensure_future(sb.exec(f"sleep {marker}"))
+            await asyncio.sleep(0.3)
+            assert _pids_running(marker)
+            raise RuntimeError("the episode crashed")
+
+    with pytest.raises(RuntimeError, match="crashed"):
+        run(episode())
+    sb = holder[0]
+    assert sb.closed and not sb.path.exists()
+    assert list((tmp_path / "sandboxes").iterdir()) == []
+    assert _pids_running(marker) == []
+    with pytest.raises(SandboxError, match="closed"):
+        run(sb.exec("true"))
+
+
+def test_a_dropped_sandbox_is_wiped_by_its_finalizer(tmp_path):
+    async def make():
+        sb = BwrapSandbox(settings(tmp_path))
+        await sb.create()
+        await sb.write_file("f", "x")
+        return sb.path
+
+    path = run(make())
+    gc.collect()
+    assert not path.exists()
+
+
+def test_command_line_is_isolated_by_construction(tmp_path):
+    argv = bwrap_argv(BwrapSettings(), "/tmp/x", ["true"])
+    for flag in ("--unshare-net", "--unshare-pid", "--unshare-user", "--die-with-parent", "--clearenv"):
+        assert flag in argv
+    binds = [argv[i + 1 : i + 3] for i, a in enumerate(argv) if a == "--bind"]
+    assert binds == [["/tmp/x", "/sandbox"]]
