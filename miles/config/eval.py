@@ -58,6 +58,20 @@ class EvalDatasetConfig(Section):
             raise ValueError(f"must be >= 1 (got {v})")
         return v
 
+    @field_validator("top_p")
+    @classmethod
+    def _nucleus(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v <= 1.0:
+            raise ValueError(f"must be in (0, 1] (got {v})")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float | None) -> float | None:
+        if v is not None and v < 0.0:
+            raise ValueError(f"must be >= 0 (0: greedy; got {v})")
+        return v
+
     @field_validator("prompt_template")
     @classmethod
     def _has_slot(cls, v: str | None) -> str | None:
