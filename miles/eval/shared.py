@@ -77,15 +77,22 @@ def _view(generator: Generator, suite: EvalSuite) -> Generator:
     return view
 
 
-def _failed(prompt: Prompt, group_id: int, index: int, ids: list[int], error: Exception) -> Sample:
-    s = Sample(group_id, index, list(ids), prompt=prompt.text, answer=prompt.answer, status=Status.FAILED)
+def _failed(prompt: Prompt, group_id: int, index: int, ids: list[int] | None, error: Exception) -> Sample:
+    s = Sample(
+        group_id, index, list(ids or []), prompt=prompt.text, answer=prompt.answer, status=Status.FAILED
+    )
     s.metadata.update(prompt.metadata, error=f"{type(error).__name__}: {error}")
     return s
 
 
 async def _prompt_samples(gen: Generator, suite: EvalSuite, i: int, prompt: Prompt) -> list[Sample]:
     """The suite's samples of one prompt; a request the engine refuses (4xx) becomes a failed sample."""
-    ids = gen.encoder.prompt_ids(prompt)
+    # a generate plug-in (rollout.generate_fn / agent_fn) builds its own tokens from the prompt
+    ids = (
+        gen.encoder.prompt_ids(prompt)
+        if suite.group_requests or getattr(gen, "plugin", None) is None
+        else None
+    )
     group_id = -1 - i
     if suite.group_requests:
         try:
