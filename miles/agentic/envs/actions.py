@@ -5,6 +5,10 @@
 - Compact (short in tokens, for tiny models): `<tool_call>calc 2+3</tool_call>`, the tool name, one
   space, then the value of the tool's one primary argument as plain text (see `Tool.primary`).
 
+`normalize_action` also takes what an OpenAI client holds: an assistant message dict (its
+`tool_calls` plus any blocks left in its `content`, e.g. the compact form or a malformed block that
+`miles.chat.toolcalls` kept as text) or a list of OpenAI `tool_calls` dicts.
+
 A `<tool_call>` block that parses as neither becomes a `MalformedCall`, and so does an unclosed
 block: the environment answers it with a tool-error message rather than ending the episode.
 Text outside the blocks is the assistant's prose (its final answer when there are no blocks).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from miles.agentic.envs.base import MalformedCall, ToolCall
 
@@ -64,3 +69,25 @@ def _parse_json(body: str) -> ToolCall | MalformedCall:
     if not isinstance(args, dict):
         return MalformedCall(body, "`arguments` must be a JSON object")
     return ToolCall(obj["name"], args)
+
+
+def normalize_action(action: Any, primary: dict[str, str]) -> tuple[str, list[ToolCall | MalformedCall]]:
+    """(prose, calls) of any accepted action: text, an assistant message, or a list of calls."""
+    if isinstance(action, str):
+        return parse_tool_calls(action, primary)
+    if isinstance(action, dict):
+        prose, calls = parse_tool_calls(action.get("content") or "", primary)
+        return prose, [openai_call(c) for c in action.get("tool_calls") or []] + calls
+    calls = [c if isinstance(c, (ToolCall, MalformedCall)) else openai_call(c) for c in action]
+    return "", calls
+
+
+def openai_call(call: Any) -> ToolCall | MalformedCall:
+    """A ToolCall from an OpenAI `tool_calls` entry (`arguments` a JSON string or an object)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        ident = str(call.get("id") or "") if isinstance(call, dict) else ""
+        return MalformedCall(str(call)[:200], "a tool call needs a `function` object", ident)
+    fn = call["function"]
+    parsed = _parse_json(json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments", {})}))
+    parsed.id = str(call.get("id") or "")
+    return parsed

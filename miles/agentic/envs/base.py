@@ -3,7 +3,7 @@
 An episode is `reset(task)` (the opening messages), then `step(action)` per assistant turn until a
 `StepResult` says `done`. An action is either the assistant's raw text (the environment parses tool
 calls out of it, both the standard `<tool_call>{json}</tool_call>` form and the compact form of
-`miles.agentic.envs.actions`) or tool calls the caller already parsed. A turn with tool calls gets
+`miles.agentic.envs.actions`), its OpenAI assistant message, or tool calls the caller already parsed. A turn with tool calls gets
 one `tool` message per call back; a turn without tool calls is the final answer and ends the
 episode with its reward. A malformed tool call is answered with a tool-error message and the episode
 goes on; a tool that runs past its time limit is stopped and answered with a timeout message.
@@ -43,8 +43,9 @@ class MalformedCall:
     id: str = ""
 
 
-Action = str | list[ToolCall | MalformedCall]
-"""What `step` takes: the assistant's raw text, or its tool calls parsed by the caller."""
+Action = str | dict[str, Any] | list[Any]
+"""What `step` takes: the assistant's raw text, its OpenAI message dict (`content` + `tool_calls`),
+or its calls parsed by the caller (ToolCall / MalformedCall, or OpenAI `tool_calls` entries)."""
 
 
 @dataclass

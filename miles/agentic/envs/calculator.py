@@ -100,7 +100,7 @@ class CalculatorEnv(ToolEnv):
         if backend not in ("safe", "sandbox"):
             raise ValueError(f"calculator: backend must be 'safe' or 'sandbox' (got {backend!r})")
         self.num_ops, self.max_operand, self.ops = num_ops, max_operand, ops
-        self.backend, self.prompt_prefix = backend, prompt_prefix
+        self.backend, self.prompt_prefix, self.tool_timeout_s = backend, prompt_prefix, tool_timeout_s
         self._sandboxes = SandboxHolder(sandbox) if backend == "sandbox" else None
         self._tools = {
             "calc": Tool(
@@ -108,7 +108,8 @@ class CalculatorEnv(ToolEnv):
                 "Evaluate an integer arithmetic expression and return its value.",
                 {"expr": {"type": "string", "description": "the expression, e.g. 47*38+65"}},
                 self._calc,
-                timeout_s=tool_timeout_s,
+                # in a sandbox the command's own limit (tool_timeout_s) fires first; this is the backstop
+                timeout_s=tool_timeout_s + (1.0 if backend == "sandbox" else 0.0),
             )
         }
 
@@ -137,7 +138,7 @@ class CalculatorEnv(ToolEnv):
     async def _calc(self, expr: str) -> str:
         if self._sandboxes is None:
             return str(safe_eval(expr))
-        return await self._sandboxes.python_expr(expr, self._tools["calc"].timeout_s)
+        return await self._sandboxes.python_expr(expr, self.tool_timeout_s)
 
 
 class SandboxHolder:

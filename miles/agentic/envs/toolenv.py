@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from miles.agentic.envs.actions import parse_tool_calls
+from miles.agentic.envs.actions import normalize_action
 from miles.agentic.envs.base import Action, Message, Observation, StepResult
 from miles.agentic.envs.tools import Tool, ToolOutcome, run_tool_calls
 
@@ -69,10 +69,7 @@ class ToolEnv:
             raise RuntimeError(f"{self.name}: step after the episode ended; call reset first")
         self.turns += 1
         tools = self.tool_set()
-        if isinstance(action, str):
-            prose, calls = parse_tool_calls(action, {n: t.primary for n, t in tools.items()})
-        else:
-            prose, calls = "", list(action)
+        prose, calls = normalize_action(action, {n: t.primary for n, t in tools.items()})
         if not calls:
             return self._finish(self.grade(prose), {})
         outcome = await run_tool_calls(tools, calls)

@@ -204,6 +204,10 @@ class BwrapSandbox:
             timed_out = True
             _kill_group(proc.pid)
             await proc.wait()
+        except asyncio.CancelledError:  # the caller gave up: stop everything before passing it on
+            _kill_group(proc.pid)
+            await asyncio.wait([asyncio.ensure_future(proc.wait()), out, err], timeout=5)
+            raise
         finally:
             feed.cancel()
         stdout, stderr = (b.decode(errors="replace") for b in await asyncio.gather(out, err))
