@@ -5,6 +5,7 @@
               (engine.release_memory_in_train=false: they stay resident)
               -> every `weights.update_interval` steps push weights (version = step)
               -> evaluate every `eval.every_steps` -> metrics.jsonl -> checkpoint / preemption
+              -> evaluations finished meanwhile (dedicated / external) -> the records of their steps
 
 An engine lost on the way (rank 0's rollout side finds it unreachable) is waited for until the
 launcher has replaced it; then every rank exports the current weights again and rank 0 pushes them
@@ -75,9 +76,29 @@ def next_batch(state: LoopState, plan: Any, backend: Any, side: Any, rank0: bool
     return samples
 
 
+def evaluate_weights(
+    plan: Any, backend: Any, side: Any, evals: Any, step: int, rank0: bool
+) -> dict[str, float]:
+    """Evaluate the weights of `step`: `shared` mode on the rollout engines now (they serve them);
+    otherwise every rank exports them as a snapshot, whose evaluation runs on while training goes
+    on (miles.eval.modes). Returns what belongs in this step's record."""
+    if plan.eval.mode == "shared":
+        return side.evaluate(step) if rank0 else {}
+    go, metrics = evals.admit(step) if rank0 else (False, {})
+    if barrier_flag(go):
+        buckets = backend.export_weights(plan.weights.bucket_mb << 20)
+        if rank0:
+            evals.submit(step, buckets)
+        else:
+            for _ in buckets:
+                pass
+    return metrics
+
+
 def run(run_dir: Path, resume: bool) -> int:
     import torch.distributed as dist
 
+    from miles.eval.modes import Evaluations
     from miles.train import get_backend
 
     plan = read_plan(run_dir / "plan.yaml")
@@ -87,6 +108,7 @@ def run(run_dir: Path, resume: bool) -> int:
     log = setup_logging(run_dir, dist.get_rank())
     state = LoopState.restore(backend, plan, run_dir, resume, rank0)
     side = state.rollout_side(plan, run_dir) if rank0 else None
+    evals = Evaluations.create(plan, run_dir) if rank0 else None
     # colocated + sync: rollout and training take turns on the GPUs, the engines stepping aside while
     # the trainer trains (unless both fit); colocated + async: both stay resident all the time
     take_turns = (
@@ -97,8 +119,10 @@ def run(run_dir: Path, resume: bool) -> int:
     try:
         if state.step > 0:
             push_weights(state, plan, backend, side, rank0)
-        elif plan.eval.every_steps > 0 and rank0:
-            state.log(0, side.evaluate())
+        elif plan.eval.every_steps > 0:
+            row = evaluate_weights(plan, backend, side, evals, 0, rank0)
+            if rank0:
+                state.log(0, row)
         for step in range(state.step + 1, plan.train.steps + 1):
             t0 = time.monotonic()
             samples = next_batch(state, plan, backend, side, rank0)
@@ -111,10 +135,11 @@ def run(run_dir: Path, resume: bool) -> int:
                 metrics.update(push_weights(state, plan, backend, side, rank0))
             t3 = time.monotonic()
             state.eval_due |= bool(plan.eval.every_steps) and (step % plan.eval.every_steps == 0 or last)
+            # shared mode waits for a push: the engines then serve exactly this step's weights
+            if state.eval_due and (pushed or plan.eval.mode != "shared"):
+                metrics.update(evaluate_weights(plan, backend, side, evals, step, rank0))
+                state.eval_due = False
             if rank0:
-                if pushed and state.eval_due:  # the engines serve exactly this step's weights
-                    metrics.update(side.evaluate())
-                    state.eval_due = False
                 metrics.update(side.metrics(), **state.rollout_metrics(samples))
                 sync_s = (
                     t3 - t2 + times.get("time/engine_release_s", 0.0) + times.get("time/engine_resume_s", 0.0)
@@ -124,6 +149,8 @@ def run(run_dir: Path, resume: bool) -> int:
                 )
                 state.log(step, metrics)
                 log.info("step %d reward %.3f", step, metrics["rollout/reward_mean"])
+                for at, result in evals.collect(step) if evals else []:
+                    state.logger.amend(at, result)
             preempt = barrier_flag(rank0 and state.preempt_requested())
             every = plan.train.checkpoint.every_steps
             if preempt or last or (every and step % every == 0):
@@ -131,8 +158,12 @@ def run(run_dir: Path, resume: bool) -> int:
             if preempt:
                 log.warning("preempted: checkpoint of step %d written, exiting", step)
                 return 0
+        for at, result in evals.drain(state.step) if evals else []:
+            state.logger.amend(at, result)
         return 0
     finally:
+        if evals is not None:
+            evals.close()
         state.close(side)
 
 

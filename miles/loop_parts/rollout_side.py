@@ -22,7 +22,6 @@ from urllib.parse import urlparse
 import torch
 
 from miles.config import Plan
-from miles.eval.shared import evaluate
 from miles.processes import free_port
 from miles.rollout.buffer import RolloutBuffer, load_policy
 from miles.rollout.client import SGLangClient
@@ -111,6 +110,8 @@ class RolloutSide:
         self._closing = False
         self.replacements = 0
         """Reconnections after a lost engine so far (metric `engine/replacements`)."""
+        self.eval_skipped = 0
+        """Evaluations that failed so far (metric `eval/skipped_error`)."""
 
     def _connect(self, urls: list[str], router: str | None) -> None:
         """Clients and weight transport for these engines (the transport joins in `_setup`)."""
@@ -281,17 +282,39 @@ class RolloutSide:
             worst = max([worst, *bad.values()])
         return worst
 
-    def evaluate(self) -> dict[str, float]:
-        """Evaluate on held-out prompts; a failure is logged and reported as eval/failed, never raised."""
-        e, r = self.plan.eval, self.plan.rollout
+    def evaluate(self, step: int) -> dict[str, float]:
+        """`shared` mode: evaluate on the rollout engines, which serve the weights of `step`. The fully
+        async producer submits nothing meanwhile (requests already in flight finish). A failure is
+        logged and counted (eval/skipped_error), never raised."""
+        from miles.eval.modes import CountingGenerator, evaluate_step
+
+        paused = self._pause_producer()
+        gen = CountingGenerator.like(self.generator, on_unreachable=self._on_unreachable)
         try:
-            return self.call(
-                evaluate(self.generator, self.task.eval_prompts(), e, r.max_new_tokens, r.group_requests),
-                timeout_s=600,
+            metrics = self.call(
+                evaluate_step(gen, self.plan, self.task, step), timeout_s=self.plan.eval.timeout_s
             )
+            metrics.update({"eval/lag_steps": 0.0, "eval/export_s": 0.0})
         except Exception as exc:
-            log.warning("evaluation failed and is skipped: %s", exc)
-            return {"eval/failed": 1.0}
+            log.warning("evaluation of step %d failed and is skipped: %s", step, exc)
+            self.eval_skipped += 1
+            metrics = {"eval/skipped_error": float(self.eval_skipped)}
+        finally:
+            if paused:
+                self._resume_producer()
+        return metrics
+
+    def _pause_producer(self) -> bool:
+        """Stop the fully async producer from submitting (True when it was running)."""
+        if self._forever is None or self._stop is None:
+            return False
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._forever.result(timeout=self.plan.engine.startup_timeout_s)
+        return True
+
+    def _resume_producer(self) -> None:
+        self._stop = self.call(_make_event())
+        self._forever = asyncio.run_coroutine_threadsafe(self.producer.run_forever(self._stop), self._loop)
 
     def metrics(self) -> dict[str, float]:
         """Buffer, producer and per-engine counters (engine i: `engine/<i>/num_steps`, ...)."""

@@ -1,0 +1,367 @@
+"""Runners of snapshot evaluations, off the training thread, and the by-hand entry point.
+
+- ExternalRunner: one child process per evaluation, `python -m miles.eval.runner external ...`,
+  which imports `eval.external_fn`, calls it with the snapshot directory and writes
+  RUN_DIR/eval/step_N/result.json ({"ok": true, "metrics": {...}} or {"ok": false, "error": ...}).
+  A child that exits without a result crashed (eval/skipped_crash); one that outlives
+  eval.timeout_s is stopped (eval/skipped_timeout). Its output: RUN_DIR/eval/step_N/external.log.
+- DedicatedRunner: eval engines of their own, driven from one thread with its own event loop.
+  Under `miles train` (and in a Slurm job without an eval group) that thread starts
+  `eval.num_engines` embedded engines on this host (logs RUN_DIR/logs/eval-engine-<i>.log) and
+  restarts one that died; in a Slurm job with a third het group (the eval group) it uses the
+  engines that group published in RUN_DIR/rendezvous/eval_engines/*.json. Evaluations run one at
+  a time: each loads its snapshot into every eval engine (`/update_weights_from_disk`, weight
+  version = step), then evaluates.
+
+`python -m miles.eval.runner snapshot --run-dir D --step N` evaluates one snapshot by hand (the
+mode of the run's plan; `shared` runs dedicated) and prints the metrics; `miles eval` calls it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miles.config import ConfigError, Plan, read_plan
+from miles.eval.modes import CountingGenerator, EvalJob, EvalSkipped, evaluate_step
+from miles.eval.snapshot import eval_dir, find_snapshot
+from miles.processes import child_options, stop_processes
+
+log = logging.getLogger("miles.eval")
+
+RESULT = "result.json"
+
+
+def load_external(spec: str) -> Callable[[str], dict[str, Any]]:
+    """`module:function` or `module.function` -> the function; errors name eval.external_fn."""
+    module_name, sep, fn_name = spec.partition(":")
+    if not sep:
+        module_name, _, fn_name = spec.rpartition(".")
+    if not module_name or not fn_name:
+        raise ConfigError(f"eval.external_fn={spec!r} must be `module:function`")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"eval.external_fn={spec!r}: cannot import {module_name!r} ({e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"eval.external_fn={spec!r}: {module_name} has no function {fn_name!r}")
+    return fn
+
+
+def eval_metrics(raw: Any, spec: str) -> dict[str, float]:
+    """An external function's answer as eval/* metrics (keys without a group go under eval/)."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"eval.external_fn={spec!r} returned {type(raw).__name__}, not a dict of metrics")
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key if "/" in key else f"eval/{key}"] = float(value)
+    return out
+
+
+def run_external(spec: str, snapshot: Path) -> dict[str, float]:
+    """Call the external function on a complete snapshot (in this process) and time it."""
+    start = time.monotonic()
+    metrics = eval_metrics(load_external(spec)(str(snapshot)), spec)
+    metrics.setdefault("eval/duration_s", time.monotonic() - start)
+    return metrics
+
+
+def _write_result(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class ExternalRunner:
+    """`external` mode: one child process per evaluation (see the module docstring)."""
+
+    def __init__(self, plan: Plan, run_dir: Path) -> None:
+        self.spec = str(plan.eval.external_fn)
+        self.timeout_s = plan.eval.timeout_s
+        self.run_dir = run_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, job: EvalJob) -> None:
+        (job.out_dir / RESULT).unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "miles.eval.runner", "external", "--fn", self.spec]
+        cmd += ["--snapshot", str(job.snapshot), "--out", str(job.out_dir / RESULT)]
+        with open(job.out_dir / "external.log", "ab") as out:
+            job.handle = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **child_options()
+            )
+        self.procs.append(job.handle)
+        job.started = time.monotonic()
+
+    def poll(self, job: EvalJob) -> dict[str, float] | None:
+        proc: subprocess.Popen = job.handle
+        if proc.poll() is None:
+            if time.monotonic() - job.started <= self.timeout_s:
+                return None
+            stop_processes([proc], 10.0)
+            raise EvalSkipped("timeout", f"still running after eval.timeout_s={self.timeout_s:.0f}s")
+        self.procs.remove(proc)
+        try:
+            result = json.loads((job.out_dir / RESULT).read_text())
+        except (OSError, ValueError):
+            raise EvalSkipped(
+                "crash", f"exit status {proc.returncode}, no result; see {job.out_dir / 'external.log'}"
+            ) from None
+        if not result.get("ok"):
+            lines = str(result.get("error", "")).strip().splitlines()
+            raise EvalSkipped("error", lines[-1] if lines else f"see {job.out_dir / 'external.log'}")
+        return {k: float(v) for k, v in result["metrics"].items()}
+
+    def stop(self) -> None:
+        stop_processes(self.procs, 10.0)
+        self.procs.clear()
+
+
+def published_eval_engines(run_dir: Path, incarnation: str) -> list[str]:
+    """URLs the eval group of this incarnation published (RUN_DIR/rendezvous/eval_engines/*.json)."""
+    urls = []
+    for path in sorted((run_dir / "rendezvous" / "eval_engines").glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("incarnation") == incarnation:
+            urls.append(rec["url"])
+    return urls
+
+
+class DedicatedRunner:
+    """`dedicated` mode: eval engines of their own behind one event-loop thread (module docstring)."""
+
+    def __init__(self, plan: Plan, run_dir: Path) -> None:
+        from miles.cluster.environment import JobEnvironment
+
+        env = JobEnvironment.from_env()
+        self.plan, self.run_dir = plan, run_dir
+        self.incarnation = env.incarnation
+        self.published = len(env.het_nodes) > 2
+        """The job has an eval group whose engines are published (else we start our own)."""
+        self.engines: list[Any] = []
+        """EngineProcess of each engine we started (empty when they are published)."""
+        self.generator: CountingGenerator | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="eval", daemon=True)
+        self._thread.start()
+        self._lock = asyncio.run_coroutine_threadsafe(_make_lock(), self._loop).result()
+        self._task: Any = None
+
+    def start(self, job: EvalJob) -> None:
+        job.handle = asyncio.run_coroutine_threadsafe(self._evaluate(job), self._loop)
+
+    def poll(self, job: EvalJob) -> dict[str, float] | None:
+        fut = job.handle
+        if not fut.done():
+            return None
+        try:
+            return fut.result()
+        except EvalSkipped:
+            raise
+        except BaseException as e:
+            raise EvalSkipped("error", f"{type(e).__name__}: {e}") from None
+
+    async def _evaluate(self, job: EvalJob) -> dict[str, float]:
+        """One snapshot at a time on the whole group: load it, evaluate, check the versions."""
+        async with self._lock:
+            try:
+                await self._ensure_engines()
+            except Exception as e:
+                raise EvalSkipped("engine_lost", f"no eval engine: {e}") from None
+            start = time.monotonic()
+            try:
+                metrics = await asyncio.wait_for(self._run(job), self.plan.eval.timeout_s)
+            except TimeoutError:
+                raise EvalSkipped("timeout", f"over eval.timeout_s={self.plan.eval.timeout_s:.0f}s") from None
+            except Exception as e:
+                lost = [x.url for x in self.engines if not x.alive()]
+                reason = "engine_lost" if lost else "error"
+                raise EvalSkipped(reason, f"{type(e).__name__}: {e}") from None
+            metrics["eval/duration_s"] = time.monotonic() - start
+            return metrics
+
+    async def _run(self, job: EvalJob) -> dict[str, float]:
+        assert self.generator is not None
+        admins = self.generator.clients
+        await asyncio.gather(
+            *(a.update_weights_from_disk(str(job.snapshot), weight_version=str(job.step)) for a in admins)
+        )
+        return await evaluate_step(self.generator, self.plan, self.task, job.step)
+
+    async def _ensure_engines(self) -> None:
+        """Start (or find) the eval engines when none is connected or one we started has died."""
+        if self.generator is not None and all(x.alive() for x in self.engines):
+            return
+        await self._close_clients()
+        for x in self.engines:
+            x.stop()
+        self.engines = []
+        if self.published:
+            urls = await asyncio.to_thread(self._wait_published)
+        else:
+            self.engines = [self._start_engine(i) for i in range(self.plan.eval.num_engines)]
+            urls = [x.url for x in self.engines]
+        self._connect(urls)
+
+    def _start_engine(self, i: int) -> Any:
+        """Engine i, started from this thread (the eval thread lives as long as the run)."""
+        from miles.engine.process import start_engine
+
+        e, m = self.plan.engine, self.plan.model
+        return start_engine(
+            m.path,
+            device=e.device,
+            dtype=m.dtype,
+            max_running_requests=e.max_running_requests,
+            max_total_tokens=e.max_total_tokens,
+            seed=self.plan.run.seed + 1000 + i,
+            log_path=self.run_dir / "logs" / f"eval-engine-{i}.log",
+            startup_timeout_s=e.startup_timeout_s,
+        )
+
+    def _wait_published(self) -> list[str]:
+        from miles.cluster.rendezvous import healthy
+
+        deadline = time.monotonic() + self.plan.engine.startup_timeout_s
+        while time.monotonic() < deadline:
+            urls = published_eval_engines(self.run_dir, self.incarnation)
+            if urls and all(healthy(u) for u in urls):
+                return urls
+            time.sleep(1.0)
+        raise TimeoutError(
+            f"no healthy eval engine of incarnation {self.incarnation!r} published in "
+            f"{self.run_dir / 'rendezvous' / 'eval_engines'} within engine.startup_timeout_s"
+        )
+
+    def _connect(self, urls: list[str]) -> None:
+        from miles.rollout.client import SGLangClient
+        from miles.rollout.generate import PromptEncoder
+        from miles.rollout.rewards import load_reward
+        from miles.rollout.tasks import build_task
+
+        r = self.plan.rollout
+        if self.generator is None:
+            self.task = build_task(r.task, self.plan.run.seed)
+            self.encoder = PromptEncoder(self.plan.model.path)
+            self.reward = load_reward(r.reward)
+        clients = [SGLangClient(u, max_connections=r.max_concurrency_per_engine + 8) for u in urls]
+        self.generator = CountingGenerator.from_config(clients, self.encoder, self.reward, r)
+
+    async def _close_clients(self) -> None:
+        if self.generator is not None:
+            await asyncio.gather(*(c.aclose() for c in self.generator.clients), return_exceptions=True)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._close_clients(), self._loop).result(10)
+            except Exception as e:
+                log.warning("closing eval engine clients: %s", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        stop_processes([x.proc for x in self.engines], 10.0)
+        self.engines = []
+
+
+async def _make_lock() -> asyncio.Lock:
+    return asyncio.Lock()
+
+
+RUNNERS: dict[str, Callable[[Plan, Path], Any]] = {"dedicated": DedicatedRunner, "external": ExternalRunner}
+"""The runner of each snapshot mode (`shared` evaluates on the rollout engines, in the loop)."""
+
+
+def evaluate_snapshot(run_dir: Path, step: int, mode: str | None = None, fn: str | None = None) -> dict:
+    """Evaluate the complete snapshot of `step` of a run by hand, in this process (external) or on
+    an eval engine started here (dedicated); the run's plan gives every other setting."""
+    plan = read_plan(run_dir / "plan.yaml")
+    mode = "external" if fn else (mode or plan.eval.mode)
+    mode = "dedicated" if mode == "shared" else mode
+    updates = {"mode": mode, **({"external_fn": fn} if fn else {})}
+    plan = plan.model_copy(update={"eval": plan.eval.model_copy(update=updates)})
+    if mode == "external" and not plan.eval.external_fn:
+        raise ConfigError(f"{run_dir}: eval.external_fn is not set in its plan; pass --fn module:function")
+    snapshot = find_snapshot(run_dir, step)
+    if mode == "external":
+        return run_external(str(plan.eval.external_fn), snapshot)
+    runner = DedicatedRunner(plan, run_dir)
+    job = EvalJob(step, snapshot, 0.0)
+    try:
+        runner.start(job)
+        while (result := runner.poll(job)) is None:
+            time.sleep(0.2)
+        return result
+    finally:
+        runner.stop()
+
+
+def _external_main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        metrics = run_external(args.fn, Path(args.snapshot))
+    except Exception as e:
+        traceback.print_exc()
+        _write_result(out, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return 1
+    _write_result(out, {"ok": True, "metrics": metrics})
+    return 0
+
+
+def _snapshot_main(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir).resolve()
+    try:
+        metrics = evaluate_snapshot(run_dir, args.step, args.mode, args.fn)
+    except (ConfigError, FileNotFoundError, EvalSkipped) as e:
+        print(f"miles eval: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else eval_dir(run_dir, args.step) / "manual.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_result(out, {"ok": True, "step": args.step, "metrics": metrics})
+    print(json.dumps(metrics, indent=1, sort_keys=True))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m miles.eval.runner", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("external", help="call an external eval function on a snapshot (one evaluation)")
+    q.add_argument("--fn", required=True, help="module:function")
+    q.add_argument("--snapshot", required=True, help="a complete snapshot directory")
+    q.add_argument("--out", required=True, help="where to write the result JSON")
+    q.set_defaults(func=_external_main)
+    q = sub.add_parser("snapshot", help="evaluate the snapshot of one step of a run")
+    add_snapshot_args(q)
+    q.set_defaults(func=_snapshot_main)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return int(args.func(args))
+
+
+def add_snapshot_args(q: argparse.ArgumentParser) -> None:
+    """The arguments of a by-hand evaluation (shared with `miles eval`)."""
+    q.add_argument("--run-dir", required=True, help="the run directory")
+    q.add_argument("--step", type=int, required=True, help="the step whose snapshot to evaluate")
+    q.add_argument("--mode", choices=["dedicated", "external"], help="default: the run's eval.mode")
+    q.add_argument("--fn", help="an external eval function (module:function); implies --mode external")
+    q.add_argument("--out", help="result JSON (default RUN_DIR/eval/step_N/manual.json)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
