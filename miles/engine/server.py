@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from miles.engine import intake, replies, streaming
 from miles.engine.engine_thread import FAULT_KINDS
+from miles.engine.openai_routes import add_openai_routes
 from miles.engine.request import Request as EngineRequest
 from miles.engine.routes import add_routes
 from miles.engine.scheduler import Scheduler
@@ -334,6 +335,7 @@ def build_app(state: EngineState) -> FastAPI:
         return Response(status_code=200)
 
     add_routes(app, state, error)
+    add_openai_routes(app, state, error)
     state.updater.add_routes(app, parse_body, error)
     if state.enable_fault_injection:
         _fault_routes(app, state)
