@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from miles.agentic.sandbox.base import Limits, SandboxError
+from miles.agentic.sandbox.base import Limits, SandboxError, SandboxStartError
 from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings, bwrap_argv
+from miles.agentic.sandbox.pool import SandboxPool
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -100,8 +101,6 @@ def test_cannot_write_outside_nor_read_the_run_directory(tmp_path):
 
 
 def test_unsearchable_root_is_refused(tmp_path):
-    from miles.agentic.sandbox.base import SandboxStartError
-
     if os.getuid() != 0:
         pytest.skip("the sandbox runs as ourselves when we are not root")
     private = tmp_path / "private"
@@ -111,8 +110,6 @@ def test_unsearchable_root_is_refused(tmp_path):
 
 
 def test_sandbox_root_inside_the_run_directory_is_refused(tmp_path):
-    from miles.agentic.sandbox.base import SandboxStartError
-
     s = BwrapSettings(root=str(tmp_path / "run" / "sb"), forbidden=(str(tmp_path / "run"),))
     with pytest.raises(SandboxStartError, match="root_in_run_dir"):
         run(BwrapSandbox(s).create())
@@ -206,3 +203,74 @@ def test_command_line_is_isolated_by_construction(tmp_path):
         assert flag in argv
     binds = [argv[i + 1 : i + 3] for i, a in enumerate(argv) if a == "--bind"]
     assert binds == [["/tmp/x", "/sandbox"]]
+
+
+class Counting:
+    """Real bwrap sandboxes, counting how many exist at once."""
+
+    def __init__(self, tmp_path: Path, fail_first: int = 0) -> None:
+        self.tmp_path, self.fail_first = tmp_path, fail_first
+        self.live = self.peak = self.made = 0
+
+    def __call__(self) -> BwrapSandbox:
+        outer = self
+        self.made += 1
+        fail = self.made <= self.fail_first
+
+        class Tracked(BwrapSandbox):
+            async def create(self) -> None:
+                if fail:
+                    raise SandboxStartError("boom", "injected start failure")
+                await super().create()
+                outer.live += 1
+                outer.peak = max(outer.peak, outer.live)
+
+            async def close(self) -> None:
+                if self.path is not None and not self.closed:
+                    outer.live -= 1
+                await super().close()
+
+        return Tracked(settings(self.tmp_path))
+
+
+def test_pool_bounds_concurrency_and_starts_ahead(tmp_path):
+    factory = Counting(tmp_path)
+
+    async def main():
+        pool = await SandboxPool(factory, max_live=2, start_ahead=2).start()
+        for _ in range(200):  # the two ahead-starts finish in the background
+            if len(pool._ready) == 2:
+                break
+            await asyncio.sleep(0.02)
+        made_before = factory.made
+
+        async def episode(i: int) -> str:
+            async with pool.acquire() as sb:
+                return (await sb.exec(f"echo {i}")).stdout.strip()
+
+        outs = await asyncio.gather(*(episode(i) for i in range(6)))
+        await pool.close()
+        return made_before, outs, pool.stats()
+
+    made_before, outs, stats = run(main())
+    assert made_before == 2 and outs == [str(i) for i in range(6)]
+    assert factory.peak <= 2 and factory.live == 0 and stats["handed_out"] == 6
+    assert list((tmp_path / "sandboxes").iterdir()) == []
+
+
+def test_pool_retries_then_drops_with_a_counted_reason(tmp_path):
+    async def main(fail_first: int):
+        pool = SandboxPool(Counting(tmp_path, fail_first), max_live=1, retries=2, retry_delay_s=0)
+        try:
+            async with pool.acquire() as sb:
+                out = (await sb.exec("echo up")).stdout.strip()
+        except SandboxStartError as e:
+            out = e.reason
+        async with pool.acquire() as sb:  # the slot of a dropped start came back
+            await sb.exec("true")
+        return out, pool.stats()
+
+    out, stats = run(main(fail_first=2))
+    assert out == "up" and stats["failures"] == {"boom": 2} and stats["dropped"] == {}
+    out, stats = run(main(fail_first=3))
+    assert out == "boom" and stats["failures"] == {"boom": 3} and stats["dropped"] == {"boom": 1}
