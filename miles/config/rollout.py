@@ -35,6 +35,9 @@ class EnvConfig(Section):
     """Keyword arguments of the environment's constructor."""
     max_turns: int | None = None
     """Cap on assistant turns per episode (None: the environment's own `max_turns`)."""
+    render_tools: bool = True
+    """Offer the environment's tools to the chat template (`tools=`); tiny models with a compact call
+    syntax turn it off to keep prompts short."""
     max_episode_tokens: int = 1024
     """Cap on an episode's tokens after the prompt (model turns plus observations); past it the
     episode ends truncated. `rollout.max_new_tokens` caps each turn."""

@@ -12,6 +12,12 @@ Both schedules share one launcher:
 With `rollout.group_requests` a group's samples travel as one batched request and hold their n
 slots until the group is done (less HTTP overhead; backfill per group instead of per sample).
 
+With a generate function (`rollout.generate_fn`, `rollout.agent_fn`) a slot holds one episode; an
+episode that forked returns several samples (its branches), which all join the prompt's group.
+Episode facts that generate functions record in `sample.metadata["agent"]` (turns, tool calls and
+errors, environment and generation time, sandbox start, branches, success) become per-step means
+under `agent/`.
+
 Prompts come in order of their index (the next index is the data position saved in checkpoints);
 prompts sent back by the buffer's policy (RETRY) go first. Everything runs on one asyncio loop.
 """
@@ -32,6 +38,12 @@ from miles.sample import Sample, Status
 log = logging.getLogger("miles.rollout")
 
 
+AGENT_KEYS = ("turns", "tool_calls", "tool_errors", "env_s", "generate_s", "sandbox_start_s", "success")
+"""Per-episode facts of `sample.metadata["agent"]` reported as means (agent/<key>, times as *_time_s)."""
+
+_AGENT_NAMES = {"env_s": "env_time_s", "generate_s": "generate_time_s"}
+
+
 @dataclass
 class ProducerStats:
     """Counters since the last `take()`; read by the loop once per step."""
@@ -39,6 +51,20 @@ class ProducerStats:
     samples: int = 0
     tokens: int = 0
     since: float = field(default_factory=time.monotonic)
+    episodes: dict[str, list[float]] = field(default_factory=dict)
+    """Per-episode agent facts (AGENT_KEYS, plus `branches`) of the episodes finished since `take()`."""
+
+    def add(self, samples: list[Sample]) -> None:
+        """Count one finished slot: a sample, or the branches of one episode (the first carries the facts)."""
+        ok = [s for s in samples if s.status in (Status.COMPLETED, Status.TRUNCATED)]
+        self.samples += len(ok)
+        self.tokens += sum(s.response_length for s in ok)
+        facts = samples[0].metadata.get("agent") if samples else None
+        if isinstance(facts, dict):
+            for key in AGENT_KEYS:
+                if isinstance(facts.get(key), (int, float)):
+                    self.episodes.setdefault(key, []).append(float(facts[key]))
+            self.episodes.setdefault("branches", []).append(float(len(samples)))
 
     def take(self) -> dict[str, float]:
         now = time.monotonic()
@@ -48,7 +74,12 @@ class ProducerStats:
             "rollout/tokens_per_s": self.tokens / elapsed,
             "rollout/samples_per_s": self.samples / elapsed,
         }
-        self.samples, self.tokens, self.since = 0, 0, now
+        for key, values in self.episodes.items():
+            out[f"agent/{_AGENT_NAMES.get(key, key)}"] = sum(values) / len(values)
+        if self.episodes:
+            out["agent/episodes"] = float(len(self.episodes["branches"]))
+            out["agent/episodes_per_s"] = len(self.episodes["branches"]) / elapsed
+        self.samples, self.tokens, self.since, self.episodes = 0, 0, now, {}
         return out
 
 
@@ -94,34 +125,36 @@ class Producer:
         self.next_index += 1
         return prompt
 
-    async def _sample(self, prompt: Prompt, group_id: int, index: int, prompt_ids: list[int]) -> Sample:
+    async def _sample(
+        self, prompt: Prompt, group_id: int, index: int, prompt_ids: list[int] | None
+    ) -> list[Sample]:
         try:
             s = await self.generator.sample(prompt, group_id, index, prompt_ids=prompt_ids)
         finally:
             assert self._slots is not None
             self._slots.release()
-        if s.status in (Status.COMPLETED, Status.TRUNCATED):
-            self.stats.samples += 1
-            self.stats.tokens += s.response_length
-        return s
+        samples = [s, *s.metadata.pop("branches", [])]
+        self.stats.add(samples)
+        return samples
 
-    async def _batched(self, prompt: Prompt, group_id: int, prompt_ids: list[int]) -> list[Sample]:
+    async def _batched(self, prompt: Prompt, group_id: int, prompt_ids: list[int] | None) -> list[Sample]:
         try:
             group = await sample_group(self.generator, prompt, group_id, self.n_samples, prompt_ids)
         finally:
             assert self._slots is not None
             for _ in range(self.n_samples):
                 self._slots.release()
+        out = []
         for s in group:
-            if s.status in (Status.COMPLETED, Status.TRUNCATED):
-                self.stats.samples += 1
-                self.stats.tokens += s.response_length
-        return group
+            samples = [s, *s.metadata.pop("branches", [])]
+            self.stats.add(samples)
+            out.extend(samples)
+        return out
 
     async def _group(self, prompt: Prompt, group_id: int, samples: list[asyncio.Task]) -> None:
         try:
             done = await asyncio.gather(*samples)
-            group = [s for item in done for s in (item if isinstance(item, list) else [item])]
+            group = [s for item in done for s in item]
             if all(s.status is Status.FAILED for s in group):
                 log.warning("group %d failed on every sample: %s", group_id, group[0].metadata.get("error"))
             self.buffer.put(group)
@@ -138,7 +171,9 @@ class Producer:
         group_id = self._group_counter
         self._group_counter += 1
         self.inflight_groups += 1
-        prompt_ids = self.generator.encoder.prompt_ids(prompt)  # once per group: templating is slow
+        # once per group (templating is slow); a generate function makes its own
+        plain = self.generator.plugin is None
+        prompt_ids = self.generator.encoder.prompt_ids(prompt) if plain else None
         if self.group_requests:
             for _ in range(self.n_samples):
                 await self._slots.acquire()

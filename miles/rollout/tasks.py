@@ -9,6 +9,7 @@ Built-ins (the TASKS dict below):
 - `digits`: tiny procedural arithmetic over single-digit tokens ("last digit: 3 8 5" -> "5"); the
   default CPU task, learnable by RL from a random-initialised model in a few hundred steps.
 - `jsonl`: rows of a JSONL or Parquet file with a prompt and an answer column.
+- `env`: numbered episodes of the environment `rollout.env` (miles/agentic/tasks.py).
 - `longtail`: synthetic prompts with Pareto-distributed response lengths (benchmarks of schedules).
 - `random_tokens`: fixed-length random token prompts and responses (throughput benchmarks).
 - `reasoning_gym`: any offline procedural dataset of the reasoning-gym package, scored by its own
@@ -306,7 +307,14 @@ def _random_tokens(cfg: TaskConfig, seed: int) -> Task:
     return RandomTokensTask(seed, cfg.eval_size, *(int(opts[k]) for k in keys))
 
 
+def _episodes(cfg: TaskConfig, seed: int) -> Task:
+    from miles.agentic.tasks import episode_task  # numbered episodes of `rollout.env`
+
+    return episode_task(cfg, seed)
+
+
 TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
+    "env": _episodes,
     "digits": _digits,
     "longtail": _longtail,
     "random_tokens": _random_tokens,

@@ -1,0 +1,202 @@
+"""Multi-turn generate functions: environment episodes at the token level, and the agent level.
+
+`env_generate` (`rollout.generate_fn: miles.agentic.rollout:env_generate`) plays one episode of
+`rollout.env` per sample and builds one token sequence:
+
+    prompt_ids   = the opening messages, rendered by the tokenizer's chat template
+    response_ids = turn_1 obs_1 turn_2 obs_2 ... turn_k
+    loss_mask    =  1..1  0..0   1..1  0..0  ...  1..1
+
+Each turn is one engine call on everything so far (`rollout.max_new_tokens` new tokens at most); its
+output ids, log-probs and per-token weight versions are appended as the engine returned them (mask
+1), never re-tokenised. The environment's answer (tool results, feedback) is appended as the chat
+template renders it after the assistant turn, tokenised once (mask 0, log-prob 0, the weight version
+of the turn before it, so a group's staleness is that of its oldest generated token). The episode
+ends when the environment says done, at `rollout.env.max_turns` turns or at
+`rollout.env.max_episode_tokens` tokens (then truncated). The sample's reward is the episode's return.
+
+`agent_generate` (used when `rollout.agent_fn` is set) hands the task and a session `base_url` of the
+session server to the agent function, which may use any OpenAI client; the session server's token
+records become the samples (one per trajectory branch), all scored with the agent's reward.
+
+Both record per-episode facts in `sample.metadata["agent"]` (turns, tool_calls, tool_errors,
+env_s, generate_s, success, and sandbox_start_s where the environment reports it); the producer
+turns them into `agent/*` metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from miles.config import ConfigError
+from miles.rollout.generate import Generator, parse_version
+from miles.rollout.tasks import Prompt
+from miles.sample import Sample, Status
+
+_MARK = "\u2063MILES-TURN\u2063"
+"""Stand-in content of the assistant turn when the text after it is rendered (an invisible separator
+around a word no template rewrites)."""
+
+
+class TurnRenderer:
+    """Token ids of what follows an assistant turn, from the tokenizer's chat template.
+
+    The history is rendered with a marker as the last assistant turn's content; the text after the
+    marker (the end of that turn, the new messages and the next assistant header) is tokenised. When
+    the model already ended its turn with the end-of-turn token, that token is not added again.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id: int = tokenizer.eos_token_id
+        self.eos_text: str = tokenizer.eos_token or ""
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def opening(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
+        return self.encode_text(self._render(messages, True, tools))
+
+    def after_turn(
+        self, history: list[dict[str, Any]], new: list[dict[str, Any]], ended: bool, tools: Any = None
+    ) -> list[int]:
+        """Ids after an assistant turn: its closing, the `new` messages, the next assistant header.
+        `ended`: the turn's last token was the end-of-turn token."""
+        text = self._render([*history, {"role": "assistant", "content": _MARK}, *new], True, tools)
+        if _MARK not in text:
+            raise ValueError(
+                "the chat template dropped the assistant turn; it cannot render multi-turn episodes"
+            )
+        suffix = text.split(_MARK, 1)[1]
+        if ended and suffix.startswith(self.eos_text):
+            suffix = suffix[len(self.eos_text) :]
+        return self.encode_text(suffix)
+
+
+def _renderer(gen: Generator) -> TurnRenderer:
+    if "renderer" not in gen.context:
+        gen.context["renderer"] = TurnRenderer(gen.encoder.tokenizer)
+    return gen.context["renderer"]
+
+
+def _env_settings(gen: Generator) -> tuple[str, dict[str, Any], int | None, int]:
+    cfg = gen.config
+    if cfg is None or cfg.env.name is None:
+        raise ConfigError("rollout.generate_fn=miles.agentic.rollout:env_generate needs rollout.env.name")
+    e = cfg.env
+    return e.name, dict(e.options), e.max_turns, e.max_episode_tokens
+
+
+def _episode_task(env: Any, prompt: Prompt) -> dict[str, Any]:
+    """The environment's task of this prompt: an `env` task's episode number, or the prompt itself."""
+    episode = prompt.metadata.get("episode")
+    if isinstance(episode, dict):
+        return env.make_task(int(episode["seed"]), int(episode["index"]))
+    return {"prompt": prompt.text, "answer": prompt.answer, **prompt.metadata}
+
+
+class Episode:
+    """The growing token sequence of one sample and its per-episode facts."""
+
+    def __init__(self, s: Sample) -> None:
+        self.s = s
+        self.facts: dict[str, float] = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "env_s": 0.0}
+        self.facts.update(generate_s=0.0, success=0.0)
+
+    def add_turn(self, r: Any) -> None:
+        s = self.s
+        s.response_ids.extend(r.output_ids)
+        s.loss_mask.extend([1] * len(r.output_ids))
+        s.rollout_logprobs.extend(r.logprobs)
+        s.weight_versions.extend(parse_version(v) for v in r.weight_versions)
+        self.facts["turns"] += 1
+
+    def add_observation(self, ids: list[int]) -> None:
+        s = self.s
+        version = s.weight_versions[-1] if s.weight_versions else 0
+        s.response_ids.extend(ids)
+        s.loss_mask.extend([0] * len(ids))
+        s.rollout_logprobs.extend([0.0] * len(ids))
+        s.weight_versions.extend([version] * len(ids))
+
+    def add_info(self, info: dict[str, Any]) -> None:
+        for key in ("tool_calls", "tool_errors", "success", "sandbox_start_s"):
+            if isinstance(info.get(key), (int, float)):
+                self.facts[key] = self.facts.get(key, 0.0) + float(info[key])
+
+
+async def env_generate(gen: Generator, prompt: Prompt, s: Sample, sampling: dict[str, Any]) -> Sample:
+    """One `rollout.env` episode as one sample (module docstring)."""
+    from miles.agentic.envs.base import make_env
+
+    name, options, max_turns, max_tokens = _env_settings(gen)
+    renderer = _renderer(gen)
+    env = make_env(name, **options)
+    ep = Episode(s)
+    try:
+        t0 = time.monotonic()
+        obs = await env.reset(_episode_task(env, prompt))
+        ep.facts["env_s"] += time.monotonic() - t0
+        ep.add_info(obs.info)
+        tools = (
+            getattr(env, "tools", None) if gen.config is not None and gen.config.env.render_tools else None
+        )
+        history = list(obs.messages)
+        s.prompt_ids = renderer.opening(history, tools)
+        s.prompt = history[-1].get("content", "") if history else ""
+        await _play(gen, env, ep, history, sampling, renderer, tools, max_turns, max_tokens)
+    finally:
+        await env.close()
+    s.response = gen.encoder.decode(s.response_ids)
+    s.metadata["agent"] = ep.facts
+    return s
+
+
+async def _play(
+    gen: Generator,
+    env: Any,
+    ep: Episode,
+    history: list[dict[str, Any]],
+    sampling: dict[str, Any],
+    renderer: TurnRenderer,
+    tools: Any,
+    max_turns: int | None,
+    max_tokens: int,
+) -> None:
+    """Turns until the environment is done or a limit is hit; sets the sample's status and reward."""
+    s = ep.s
+    turns = min(t for t in (max_turns, getattr(env, "max_turns", None), 1 << 30) if t is not None)
+    slot = hash((s.group_id, s.index))
+    for _ in range(turns):
+        left = max_tokens - len(s.response_ids)
+        if left <= 0:
+            s.status = Status.TRUNCATED
+            return
+        params = {**sampling, "max_new_tokens": min(int(sampling.get("max_new_tokens", left)), left)}
+        t0 = time.monotonic()
+        r = await gen.call_engine(s, s.prompt_ids + s.response_ids, params, slot=slot)
+        ep.facts["generate_s"] += time.monotonic() - t0
+        if r is None:  # the engine never finished the turn: the episode failed
+            return
+        ep.add_turn(r)
+        text = gen.encoder.decode(list(r.output_ids))
+        t0 = time.monotonic()
+        result = await env.step(text)
+        ep.facts["env_s"] += time.monotonic() - t0
+        ep.add_info(result.info)
+        s.reward += float(result.reward)
+        if result.done:
+            s.status = Status.COMPLETED
+            return
+        ended = bool(r.output_ids) and r.output_ids[-1] == renderer.eos_id
+        ids = renderer.after_turn(history, result.messages, ended, tools)
+        history.extend([{"role": "assistant", "content": text}, *result.messages])
+        ep.add_observation(ids)
+    s.status = Status.TRUNCATED
