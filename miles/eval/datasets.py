@@ -91,10 +91,9 @@ def rows_to_prompts(
 
 def load_rows(path: str, cfg_key: str) -> list[dict[str, Any]]:
     """The rows of a JSONL or Parquet file; an empty or missing file names `cfg_key`."""
-    try:
-        rows = _read_rows(path)
-    except ConfigError as e:
-        raise ConfigError(f"{cfg_key}: {e}") from None
+    if not Path(path).is_file():
+        raise ConfigError(f"{cfg_key}={path!r} does not exist; give a JSONL or Parquet file")
+    rows = _read_rows(path)
     if not rows:
         raise ConfigError(f"{cfg_key}={path!r} holds no rows")
     return rows
@@ -112,10 +111,14 @@ def load_aime(
     columns = list(rows[0])
     p = _pick(columns, prompt_key, AIME_PROMPT_KEYS, f"{cfg_key}.prompt_key", path)
     a = _pick(columns, answer_key, AIME_ANSWER_KEYS, f"{cfg_key}.answer_key", path)
-    i = id_key if id_key is not None else next((k for k in AIME_ID_KEYS if k in columns), None)
-    if i is not None and i not in columns:
-        raise ConfigError(f"{path}: rows have no column {i!r}; set {cfg_key}.id_key")
-    return rows_to_prompts(rows, p, a, i)
+    return rows_to_prompts(rows, p, a, _id_column(columns, id_key, f"{cfg_key}.id_key", path))
+
+
+def _id_column(columns: list[str], given: str | None, key: str, path: str) -> str | None:
+    """The id column: the given one (which must exist), else the first of AIME_ID_KEYS present, else None."""
+    if given is not None:
+        return _pick(columns, given, (), key, path)
+    return next((k for k in AIME_ID_KEYS if k in columns), None)
 
 
 def _remainder_of_power(rng: random.Random) -> tuple[str, int]:
@@ -193,8 +196,7 @@ def _source_prompts(name: str, cfg: EvalDatasetConfig, plan: Plan, task: Task | 
         columns = list(rows[0])
         p = _pick(columns, cfg.prompt_key, ("prompt",), f"{key}.prompt_key", str(cfg.path))
         a = _pick(columns, cfg.answer_key, ("answer",), f"{key}.answer_key", str(cfg.path))
-        i = cfg.id_key or next((k for k in AIME_ID_KEYS if k in columns), None)
-        return rows_to_prompts(rows, p, a, i)
+        return rows_to_prompts(rows, p, a, _id_column(columns, cfg.id_key, f"{key}.id_key", str(cfg.path)))
     if cfg.source == "aime":
         return load_aime(str(cfg.path), cfg.prompt_key, cfg.answer_key, cfg.id_key, key)
     if cfg.source == "aime_synthetic":

@@ -95,7 +95,9 @@ def test_aime_file_errors_name_the_key(tmp_path) -> None:
         load_aime(str(path), cfg_key="eval.datasets.a24")
     with pytest.raises(ConfigError, match=r"eval\.datasets\.a24\.answer_key"):
         load_aime(str(path), prompt_key="text", answer_key="gold", cfg_key="eval.datasets.a24")
-    with pytest.raises(ConfigError, match=r"eval\.datasets\.a24\.path"):
+    with pytest.raises(ConfigError, match=r"eval\.datasets\.a24\.id_key"):
+        load_aime(str(path), prompt_key="text", id_key="pid", cfg_key="eval.datasets.a24")
+    with pytest.raises(ConfigError, match=r"eval\.datasets\.a24\.path='.*missing.jsonl' does not exist"):
         load_aime(str(tmp_path / "missing.jsonl"), cfg_key="eval.datasets.a24")
 
 
