@@ -37,11 +37,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from miles.config import Plan
-from miles.eval.shared import evaluate
+from miles.eval.shared import evaluate_suites
 from miles.eval.snapshot import eval_dir, export_snapshot, prune
 from miles.rollout.client import GenerateResult
 from miles.rollout.generate import Generator
-from miles.rollout.tasks import Task
 from miles.sample import Sample
 
 log = logging.getLogger("miles.eval")
@@ -97,16 +96,22 @@ class CountingGenerator(Generator):
     def like(cls, gen: Generator, **changes: Any) -> CountingGenerator:
         """A counting generator on `gen`'s engines, encoder, reward and sampling (its own gate)."""
         fields = {f.name: getattr(gen, f.name) for f in dataclasses.fields(Generator) if f.name != "ready"}
-        return cls(**{**fields, **changes})
+        new = cls(**{**fields, **changes})
+        for key, value in vars(gen).items():  # attributes set after construction (plug-ins, ...)
+            if key not in vars(new):
+                setattr(new, key, value)
+        return new
 
 
-async def evaluate_step(generator: CountingGenerator, plan: Plan, task: Task, step: int) -> dict[str, float]:
-    """Evaluate the held-out prompts with the engines behind `generator`, which serve the weights of
-    `step`; eval/* metrics including eval/mixed_version_ratio. Raises when every request failed."""
+async def evaluate_step(
+    generator: CountingGenerator, suites: list[Any], step: int, out_dir: Path
+) -> dict[str, float]:
+    """Evaluate every suite (miles.eval.datasets.build_suites) on the engines behind `generator`, which
+    serve the weights of `step`; eval/* metrics including eval/mixed_version_ratio, per-sample records
+    under `out_dir` (RUN_DIR/eval). Raises when every request failed."""
     generator.tally.reset(step)
-    r = plan.rollout
     start = time.monotonic()
-    metrics = await evaluate(generator, task.eval_prompts(), plan.eval, r.max_new_tokens, r.group_requests)
+    metrics = await evaluate_suites(generator, suites, step, out_dir)
     metrics["eval/mixed_version_ratio"] = generator.tally.ratio
     metrics["eval/duration_s"] = time.monotonic() - start
     if generator.tally.other:

@@ -202,7 +202,7 @@ class DedicatedRunner:
         await asyncio.gather(
             *(a.update_weights_from_disk(str(job.snapshot), weight_version=str(job.step)) for a in admins)
         )
-        return await evaluate_step(self.generator, self.plan, self.task, job.step)
+        return await evaluate_step(self.generator, self.suites, job.step, self.run_dir / "eval")
 
     async def _ensure_engines(self) -> None:
         """Start (or find) the eval engines when none is connected or one we started has died."""
@@ -250,6 +250,7 @@ class DedicatedRunner:
         )
 
     def _connect(self, urls: list[str]) -> None:
+        from miles.eval.datasets import build_suites
         from miles.rollout.client import SGLangClient
         from miles.rollout.generate import PromptEncoder
         from miles.rollout.rewards import load_reward
@@ -257,7 +258,7 @@ class DedicatedRunner:
 
         r = self.plan.rollout
         if self.generator is None:
-            self.task = build_task(r.task, self.plan.run.seed)
+            self.suites = build_suites(self.plan, build_task(r.task, self.plan.run.seed))
             self.encoder = PromptEncoder(self.plan.model.path)
             self.reward = load_reward(r.reward)
         clients = [SGLangClient(u, max_connections=r.max_concurrency_per_engine + 8) for u in urls]

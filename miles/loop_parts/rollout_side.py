@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any
@@ -110,8 +111,10 @@ class RolloutSide:
         self._closing = False
         self.replacements = 0
         """Reconnections after a lost engine so far (metric `engine/replacements`)."""
-        self.eval_skipped = 0
-        """Evaluations that failed so far (metric `eval/skipped_error`)."""
+        self.eval_suites: list[Any] = []
+        """The evaluation datasets (built at the first evaluation)."""
+        self.eval_skipped: Counter[str] = Counter()
+        """Evaluations skipped so far, by reason (metrics `eval/skipped_<reason>`)."""
 
     def _connect(self, urls: list[str], router: str | None) -> None:
         """Clients and weight transport for these engines (the transport joins in `_setup`)."""
@@ -285,20 +288,26 @@ class RolloutSide:
     def evaluate(self, step: int) -> dict[str, float]:
         """`shared` mode: evaluate on the rollout engines, which serve the weights of `step`. The fully
         async producer submits nothing meanwhile (requests already in flight finish). A failure is
-        logged and counted (eval/skipped_error), never raised."""
+        logged and counted (eval/skipped_error, eval/skipped_timeout), never raised."""
+        from miles.eval.datasets import build_suites
         from miles.eval.modes import CountingGenerator, evaluate_step
 
         paused = self._pause_producer()
         gen = CountingGenerator.like(self.generator, on_unreachable=self._on_unreachable)
         try:
-            metrics = self.call(
-                evaluate_step(gen, self.plan, self.task, step), timeout_s=self.plan.eval.timeout_s
-            )
+            self.eval_suites = self.eval_suites or build_suites(self.plan, self.task)
+            work = evaluate_step(gen, self.eval_suites, step, self.run_dir / "eval")
+            fut = asyncio.run_coroutine_threadsafe(work, self._loop)
+            try:
+                metrics = fut.result(self.plan.eval.timeout_s)
+            finally:
+                fut.cancel()  # no-op once done; stops an evaluation that ran out of time
             metrics.update({"eval/lag_steps": 0.0, "eval/export_s": 0.0})
         except Exception as exc:
-            log.warning("evaluation of step %d failed and is skipped: %s", step, exc)
-            self.eval_skipped += 1
-            metrics = {"eval/skipped_error": float(self.eval_skipped)}
+            reason = "timeout" if isinstance(exc, TimeoutError) else "error"
+            log.warning("evaluation of step %d skipped (%s): %s", step, reason, exc)
+            self.eval_skipped[reason] += 1
+            metrics = {f"eval/skipped_{reason}": float(self.eval_skipped[reason])}
         finally:
             if paused:
                 self._resume_producer()
