@@ -128,6 +128,11 @@ class EvalConfig(Section):
             raise ValueError(
                 f"dataset names {bad} must be letters, digits, `_`, `.` or `-` (they name metric keys and files)"
             )
+        taken = [n for n in v if n == "snapshots" or re.fullmatch(r"step_\d+", n)]
+        if taken:
+            raise ValueError(
+                f"dataset names {taken} are taken by RUN_DIR/eval/snapshots and eval/step_N; rename them"
+            )
         return v
 
     @model_validator(mode="after")

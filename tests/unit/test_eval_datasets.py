@@ -167,6 +167,7 @@ def test_recipe_errors_name_the_key(tmp_path) -> None:
         build_suites(plan(datasets={"x": {"source": "aime_synthetic", "options": {"seeds": 1}}}))
     for bad in (
         {"a/b": {}},
+        {"snapshots": {}},  # RUN_DIR/eval/snapshots holds the eval snapshots
         {"x": {"source": "aime"}},
         {"x": {"samples": 0}},
         {"x": {"prompt_template": "no slot"}},
