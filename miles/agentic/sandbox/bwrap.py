@@ -69,10 +69,9 @@ def run_as(settings: BwrapSettings) -> int | None:
     return 65534 if settings.uid is None else settings.uid
 
 
-def bwrap_argv(
-    settings: BwrapSettings, workdir: str, cmd: list[str], timeout_cpu_s: int | None = None
-) -> list[str]:
-    """The full command line running `cmd` in the sandbox whose directory is `workdir` (pure)."""
+def bwrap_argv(settings: BwrapSettings, workdir: str, cmd: list[str]) -> list[str]:
+    """The full command line running `cmd` in the sandbox whose directory is `workdir` (reads only
+    which of the host's /bin, /lib* are links)."""
     argv = [settings.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
     argv += ["--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     for d in settings.system_dirs:
@@ -89,10 +88,13 @@ def bwrap_argv(
     env.update(dict(settings.env))
     for key, value in env.items():
         argv += ["--setenv", key, value]
-    lim = settings.limits
-    argv += [
-        "--",
-        settings.prlimit,
+    return argv + ["--", *prlimit_argv(settings.prlimit, settings.limits), *cmd]
+
+
+def prlimit_argv(prlimit: str, lim: Limits) -> list[str]:
+    """`prlimit` setting every limit of `lim` on the command that follows (wall time excepted)."""
+    return [
+        prlimit,
         f"--cpu={lim.cpu_s}:{lim.cpu_s + 1}",
         f"--as={lim.mem_mb << 20}",
         f"--nproc={lim.nproc}",
@@ -101,7 +103,6 @@ def bwrap_argv(
         "--core=0",
         "--",
     ]
-    return argv + cmd
 
 
 def _wipe(path: str, pgids: set[int]) -> None:
@@ -123,7 +124,7 @@ class BwrapSandbox:
         self.path: Path | None = None
         self.closed = False
         self._pgids: set[int] = set()
-        self._bwrap = ""
+        self._runtime = ""
         self._finalizer: weakref.finalize | None = None
 
     async def __aenter__(self) -> BwrapSandbox:
@@ -142,9 +143,7 @@ class BwrapSandbox:
                 raise SandboxStartError(
                     "root_in_run_dir", f"sandbox root {root} lies in {bad}; pick another root"
                 )
-        self._bwrap = shutil.which(self.settings.bwrap) or ""
-        if not self._bwrap:
-            raise SandboxStartError("no_bwrap", f"{self.settings.bwrap} not found: install bubblewrap")
+        self._check_runtime()
         try:
             root.mkdir(parents=True, exist_ok=True, mode=0o711)
             path = tempfile.mkdtemp(prefix="sb-", dir=root)
@@ -161,10 +160,7 @@ class BwrapSandbox:
         self, cmd: str | list[str], timeout_s: float | None = None, stdin: bytes | str | None = None
     ) -> ExecResult:
         workdir = self._live()
-        argv = bwrap_argv(
-            self.settings, str(workdir), ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd
-        )
-        argv[0] = self._bwrap
+        argv = self._command(str(workdir), ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd)
         uid = run_as(self.settings)
         ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
         try:
@@ -187,6 +183,16 @@ class BwrapSandbox:
         finally:
             _kill_group(proc.pid)
             self._pgids.discard(proc.pid)
+
+    def _check_runtime(self) -> None:
+        """Raise SandboxStartError when the program that isolates commands is missing."""
+        self._runtime = shutil.which(self.settings.bwrap) or ""
+        if not self._runtime:
+            raise SandboxStartError("no_bwrap", f"{self.settings.bwrap} not found: install bubblewrap")
+
+    def _command(self, workdir: str, cmd: list[str]) -> list[str]:
+        """The argv running `cmd` isolated in `workdir` (other backends override this and the check)."""
+        return [self._runtime, *bwrap_argv(self.settings, workdir, cmd)[1:]]
 
     async def _wait(
         self, proc: asyncio.subprocess.Process, stdin: bytes | str | None, timeout_s: float

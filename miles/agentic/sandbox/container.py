@@ -1,0 +1,106 @@
+"""The cluster sandbox backend: per-episode commands in the cluster's container runtime (apptainer or
+enroot), rendered from the hardware profile's `container` section.
+
+`container_argv` is a pure function (profile + settings + directory + command -> argv), pinned by
+golden files in tests/golden/sandbox/. `ContainerSandbox` runs those command lines with the local
+backend's process handling (own directory, wall-time kill, output caps, wipe on close).
+
+What each runtime line does:
+- apptainer: `apptainer exec --containall --no-home --cleanenv --no-privs --net --network none
+  --writable-tmpfs --bind DIR:/sandbox --pwd /sandbox IMAGE prlimit ... -- CMD`: its own PID and IPC
+  namespaces, a clean environment, no home, no network but loopback, nothing of the host bound but
+  the episode's directory (the profile's `mounts`, which hold the shared filesystem and so the run
+  directory, are deliberately NOT bound).
+- enroot: enroot has no network namespace of its own, so the line is `unshare --user
+  --map-current-user --net -- enroot start --mount DIR:/sandbox --env HOME=/sandbox NAME prlimit ...
+  -- CMD`. The container NAME is made once per node from the profile's image (`enroot create
+  --name NAME IMAGE`, see `enroot_create_argv`); without `--rw` its root filesystem stays
+  read-only, so episodes never see each other's writes.
+Limits are set by `prlimit` inside the image (util-linux, present in the Miles images), as locally.
+These lines are rendered and checked here; they have not run on a cluster from this repository's
+tests (no apptainer or enroot on the CI hosts).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from miles.agentic.sandbox.base import Limits, SandboxStartError
+from miles.agentic.sandbox.bwrap import INSIDE, BwrapSandbox, BwrapSettings, prlimit_argv
+from miles.config.base import Section
+from miles.config.profile import Profile
+
+
+class ContainerSandboxConfig(Section):
+    """How episode sandboxes run on a cluster's nodes (a candidate `container.sandbox` profile section)."""
+
+    runtime: Literal["apptainer", "enroot"] = "apptainer"
+    """Container runtime on the compute nodes."""
+    image: str | None = None
+    """Image of the sandboxes (None: the profile's `container.image`)."""
+    network: Literal["none", "host"] = "none"
+    """`none`: only a loopback inside; `host`: the node's network (tools that must download)."""
+    root: str = "/tmp/miles-sandbox"
+    """Node-local directory holding the per-episode directories (never the run directory)."""
+    prlimit: str = "/usr/bin/prlimit"
+    """prlimit inside the image."""
+    extra_args: list[str] = []
+    """Further runtime flags, placed before the image (e.g. --nv to see GPUs)."""
+
+
+def sandbox_image(profile: Profile, cfg: ContainerSandboxConfig) -> str:
+    image = cfg.image or profile.container.image
+    if not image:
+        raise ValueError(
+            f"profile {profile.name!r} has no container image for sandboxes: set container.image in "
+            f"profiles/{profile.name}.yaml or the sandbox config's `image`"
+        )
+    return image
+
+
+def enroot_name(image: str) -> str:
+    """The enroot container name made from `image` (its file stem, as enroot's own default)."""
+    stem = Path(image.split("://")[-1]).name
+    return "miles-sandbox-" + stem.removesuffix(".sqsh").replace(":", "+").replace("/", "+")
+
+
+def enroot_create_argv(profile: Profile, cfg: ContainerSandboxConfig) -> list[str]:
+    """Once per node before enroot sandboxes start: unpack the image into a named container."""
+    image = sandbox_image(profile, cfg)
+    return ["enroot", "create", "--force", "--name", enroot_name(image), image]
+
+
+def container_argv(
+    profile: Profile, cfg: ContainerSandboxConfig, workdir: str, cmd: list[str], limits: Limits
+) -> list[str]:
+    """The command line running `cmd` in a container with `workdir` at /sandbox (pure)."""
+    image = sandbox_image(profile, cfg)
+    inner = [*prlimit_argv(cfg.prlimit, limits), *cmd]
+    if cfg.runtime == "apptainer":
+        argv = ["apptainer", "exec", "--containall", "--no-home", "--cleanenv", "--no-privs"]
+        if cfg.network == "none":
+            argv += ["--net", "--network", "none"]
+        argv += ["--writable-tmpfs", "--bind", f"{workdir}:{INSIDE}", "--pwd", INSIDE]
+        argv += ["--env", f"HOME={INSIDE}", *cfg.extra_args, image]
+        return argv + inner
+    argv = ["unshare", "--user", "--map-current-user", "--net", "--"] if cfg.network == "none" else []
+    argv += ["enroot", "start", "--mount", f"{workdir}:{INSIDE}", "--env", f"HOME={INSIDE}"]
+    return argv + [*cfg.extra_args, enroot_name(image)] + inner
+
+
+class ContainerSandbox(BwrapSandbox):
+    """A sandbox whose commands run in the cluster's container runtime (see the module docstring)."""
+
+    def __init__(self, profile: Profile, cfg: ContainerSandboxConfig, limits: Limits | None = None) -> None:
+        super().__init__(BwrapSettings(root=cfg.root, limits=limits or Limits(), bwrap=cfg.runtime))
+        self.profile, self.cfg = profile, cfg
+
+    def _check_runtime(self) -> None:
+        if shutil.which(self.cfg.runtime) is None:
+            raise SandboxStartError(f"no_{self.cfg.runtime}", f"{self.cfg.runtime} not found on this node")
+        sandbox_image(self.profile, self.cfg)
+
+    def _command(self, workdir: str, cmd: list[str]) -> list[str]:
+        return container_argv(self.profile, self.cfg, workdir, cmd, self.settings.limits)
