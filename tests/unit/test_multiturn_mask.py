@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles.agentic.rollout import env_generate
 from miles.config.rollout import RolloutConfig
 from miles.config.train import LossConfig
 from miles.rollout.buffer import group_staleness
