@@ -1,7 +1,7 @@
 """Two named eval datasets with different sampling on a real embedded engine serving a tiny model:
 the metrics land in metrics.jsonl and TensorBoard through the run's metrics logger, and every sample
 in RUN_DIR/eval/<name>/step_<N>.jsonl; a dataset the engine refuses is reported without hiding the
-other."""
+other; and `miles train` with two datasets records both at each evaluated step."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from conftest import finish, miles_train
 
 from miles.config import Plan
 from miles.engine.process import start_engine
@@ -167,3 +168,36 @@ def test_a_refused_dataset_is_reported_and_the_other_still_counts(engine, tiny_m
 
     with pytest.raises(RuntimeError, match="every dataset failed"):
         asyncio.run(evaluate_at(generator(engine, tiny_model, plan), [broken], 3, tmp_path / "eval"))
+
+
+def test_miles_train_evaluates_each_dataset_at_its_step(recipe) -> None:
+    path, run_dir = recipe(
+        rollout={"schedule": "sync"},
+        train={"steps": 2},
+        eval={
+            "every_steps": 2,
+            "datasets": {
+                "digits": {
+                    "source": "digits",
+                    "size": 3,
+                    "samples": 4,
+                    "temperature": 1.0,
+                    "max_new_tokens": 3,
+                },
+                "aime": {"source": "aime_synthetic", "size": 2, "samples": 2, "temperature": 0.0}
+                | {"max_new_tokens": 4},
+            },
+        },
+    )
+    finish(miles_train(str(path)))
+    evals = [r for r in read_metrics(run_dir) if "eval/digits/mean@4" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    for r in evals:
+        assert "eval/aime/mean@2" in r and "eval/aime/pass@2" in r and "eval/digits/pass@4" in r
+        assert r["eval/digits/weight_version_min"] == r["eval/aime/weight_version_max"] == r["step"]
+        for name, n in (("digits", 3 * 4), ("aime", 2 * 2)):
+            records = read_jsonl(run_dir / "eval" / name / f"step_{r['step']}.jsonl")
+            assert len(records) == n and all(x["weight_versions"] == [r["step"]] for x in records)
+            assert r[f"eval/{name}/response_len_mean"] == pytest.approx(
+                sum(x["response_tokens"] for x in records) / n
+            )
