@@ -8,6 +8,10 @@ again, and TensorBoard purges its events from step N+1 on; the logger refuses a 
 after the last one recorded, so the final file has each step exactly once. An evaluation that
 finishes steps later is added to the record of the step whose weights it measured (`amend`: the
 file is rewritten atomically with the keys merged in; TensorBoard gets them at that step).
+
+Multi-turn runs add per-episode means under `agent/` (turns, tool_calls, tool_errors, success,
+generate_time_s vs env_time_s, sandbox_start_s, branches; miles/rollout/producer.py), shown in the
+progress bar and in the `agent` and `agent_time` plots.
 """
 
 from __future__ import annotations
@@ -142,6 +146,12 @@ class ProgressBar:
         self.bar.update(max(0, int(last["step"]) - self.seen))
         self.seen = max(self.seen, int(last["step"]))
         post = {"reward": f"{last.get('rollout/reward_mean', float('nan')):.3f}"}
+        if "agent/turns" in last:  # multi-turn episodes: success, turns, tool calls and errors per episode
+            post["success"] = f"{last.get('agent/success', float('nan')):.2f}"
+            post["turns"] = f"{last['agent/turns']:.1f}"
+            post["tools"] = (
+                f"{last.get('agent/tool_calls', 0.0):.1f}/{last.get('agent/tool_errors', 0.0):.1f}err"
+            )
         evals = [r for r in records if "eval/pass@1" in r]
         if evals:
             post["eval_pass@1"] = f"{evals[-1]['eval/pass@1']:.3f}"
@@ -160,6 +170,8 @@ _PANELS: dict[str, list[str]] = {
     "throughput": ["rollout/tokens_per_s"],
     "time": ["time/rollout_s", "time/train_s", "time/sync_s", "time/eval_s"],
     "loss": ["train/loss", "train/entropy"],
+    "agent": ["agent/success", "agent/turns", "agent/tool_calls", "agent/tool_errors", "agent/branches"],
+    "agent_time": ["agent/generate_time_s", "agent/env_time_s", "agent/sandbox_start_s"],
 }
 
 
