@@ -29,6 +29,7 @@ ids cover every output token, also a matched stop token that the text leaves out
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import uuid
@@ -41,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles.chat import openai_schema as oa
 from miles.chat.render import ChatRenderer
+from miles.chat.token_bytes import TokenBytes
 from miles.chat.toolcalls import FAMILIES, ParsedToolCalls, ToolCallStream, parse_tool_calls
 from miles.engine import streaming
 from miles.engine.request import Request as EngineRequest
@@ -156,26 +158,19 @@ def _shown(reply: dict[str, Any], no_stop_trim: bool) -> int:
     return n - 1 if n and isinstance(_matched(reply["meta_info"]), int) and not no_stop_trim else n
 
 
-class _TokenText:
-    """Each token's text, as logprobs show it (decoded alone, special tokens included)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, token: int) -> str:
-        if token not in self.cache:
-            self.cache[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-        return self.cache[token]
+@functools.cache
+def _token_bytes(model_path: str) -> TokenBytes:
+    """Token texts and bytes for logprobs, one table per served model (miles/chat/token_bytes.py)."""
+    return TokenBytes(model_path)
 
 
-def _chat_logprobs(meta: dict[str, Any], start: int, end: int, text: _TokenText) -> oa.ChoiceLogprobs:
+def _chat_logprobs(meta: dict[str, Any], start: int, end: int, text: TokenBytes) -> oa.ChoiceLogprobs:
     rows = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or [[] for _ in rows]
 
     def entry(lp: float | None, tok: int) -> dict[str, Any]:
-        t = text(tok)
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        t, raw = text(tok)
+        return {"token": t, "logprob": lp, "bytes": raw}
 
     content = [
         oa.TokenLogprob(**entry(lp, tok), top_logprobs=[oa.TopLogprob(**entry(a, b)) for a, b, *_ in top])
@@ -185,11 +180,11 @@ def _chat_logprobs(meta: dict[str, Any], start: int, end: int, text: _TokenText)
 
 
 def _completion_logprobs(
-    meta: dict[str, Any], start: int, end: int, text: _TokenText, offset: int
+    meta: dict[str, Any], start: int, end: int, text: TokenBytes, offset: int
 ) -> oa.CompletionLogprobs:
     rows = (meta.get("output_token_logprobs") or [])[start:end]
     tops = meta.get("output_top_logprobs")
-    tokens = [text(tok) for _, tok, *_ in rows]
+    tokens = [text(tok)[0] for _, tok, *_ in rows]
     offsets = []
     for t in tokens:
         offsets.append(offset)
@@ -197,7 +192,7 @@ def _completion_logprobs(
     return oa.CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[lp for lp, *_ in rows],
-        top_logprobs=[{text(b): a for a, b, *_ in top} for top in tops[start:end]]
+        top_logprobs=[{text(b)[0]: a for a, b, *_ in top} for top in tops[start:end]]
         if tops is not None
         else None,
         text_offset=offsets,
@@ -289,7 +284,7 @@ def _tool_regex(req: oa.ChatCompletionRequest, family: str) -> str | None:
     return r'<tool_call>\n\{"name": "' + name + r'", "arguments": ' + args + r"\}\n</tool_call>"
 
 
-def _chat_choice(chat: _Chat, index: int, reply: dict[str, Any], text: _TokenText) -> oa.ChatChoice:
+def _chat_choice(chat: _Chat, index: int, reply: dict[str, Any], text: TokenBytes) -> oa.ChatChoice:
     req, meta = chat.req, reply["meta_info"]
     parsed = chat.parse(reply["text"])
     choice = oa.ChatChoice(
@@ -320,7 +315,7 @@ async def chat_completions(state: EngineState, renderer: ChatRenderer, request: 
     if req.stream:
         return _sse(_chat_stream(state, chat, items, cid, model))
     replies = await _finish(state, items)
-    text = _TokenText(state.tokenizer)
+    text = _token_bytes(state.model_path)
     reply = oa.ChatCompletion(
         id=cid,
         model=model,
@@ -368,7 +363,7 @@ async def _chat_stream(
 ) -> AsyncIterator[bytes]:
     req = chat.req
     usage_drop = () if req.stream_options and req.stream_options.include_usage else ("usage",)
-    text = _TokenText(state.tokenizer)
+    text = _token_bytes(state.model_path)
     parsers = [ToolCallStream(chat.family) if chat.parse_tools else None for _ in items]
 
     def chunk(i: int, delta: oa.Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
@@ -460,7 +455,7 @@ async def completions(state: EngineState, request: Request) -> Response:
     if req.stream:
         return _sse(_completion_stream(state, req, items, cid, model))
     replies = await _finish(state, items)
-    text = _TokenText(state.tokenizer)
+    text = _token_bytes(state.model_path)
     choices = []
     for i, r in enumerate(replies):
         meta = r["meta_info"]
@@ -481,7 +476,7 @@ async def _completion_stream(
 ) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     drop = () if include_usage else ("usage",)
-    text = _TokenText(state.tokenizer)
+    text = _token_bytes(state.model_path)
     offsets = [0] * len(items)
     async for data in _native_chunks(state, items):
         if "error" in data:
