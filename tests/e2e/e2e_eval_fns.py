@@ -55,6 +55,17 @@ def slow(snapshot: str) -> dict[str, float]:
     return {"snapshot_step": float(_step(snapshot))}
 
 
+def waits_for_the_next_step(snapshot: str) -> dict[str, float]:
+    """Answers only once the evaluation of the next step has written its result (bounded)."""
+    step, run_dir = _step(snapshot), Path(snapshot).parents[2]
+    deadline = time.monotonic() + 120
+    while not (run_dir / "eval" / f"step_{step + 1}" / "result.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no result of step {step + 1}")
+        time.sleep(0.05)
+    return {"snapshot_step": float(step)}
+
+
 def fails(snapshot: str) -> dict[str, float]:
     """An evaluation with a bug."""
     raise ValueError("eval function exploded")

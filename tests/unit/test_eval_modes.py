@@ -1,0 +1,261 @@
+"""Evaluation modes on CPU with real parts: snapshots of the tiny model, external functions in real
+child processes, a real eval engine, the metrics logger's records of earlier steps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from miles.config import ConfigError, resolve
+from miles.eval.modes import CountingGenerator, EvalJob, Evaluations, evaluate_step
+from miles.eval.runner import DedicatedRunner, evaluate_snapshot
+from miles.eval.snapshot import (
+    COMPLETE,
+    complete_steps,
+    export_snapshot,
+    find_snapshot,
+    prune,
+    snapshot_dir,
+)
+from miles.metrics import MetricsLogger, read_metrics
+
+FNS = Path(__file__).resolve().parents[1] / "e2e"
+
+
+@pytest.fixture
+def fns_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """External functions (tests/e2e/e2e_eval_fns.py) importable here and in child processes."""
+    monkeypatch.setenv("PYTHONPATH", str(FNS))
+    monkeypatch.syspath_prepend(str(FNS))
+
+
+def _buckets(model: str) -> list[list]:
+    weights = load_file(str(next(Path(model).glob("*.safetensors"))))
+    items = sorted(weights.items())
+    return [items[: len(items) // 2], items[len(items) // 2 :]]  # two buckets: two safetensors files
+
+
+def _plan(model: str, **eval_keys):
+    return resolve({"model": {"path": model}, "eval": {"every_steps": 1, **eval_keys}})
+
+
+def _evals(tmp_path: Path, model: str, **eval_keys) -> Evaluations:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    evals = Evaluations.create(_plan(model, **eval_keys), run_dir)
+    assert evals is not None
+    return evals
+
+
+def test_snapshot_is_a_complete_hugging_face_model(tmp_path: Path, tiny_model: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = export_snapshot(_buckets(tiny_model), tmp_path, 7, tiny_model)
+    assert path == snapshot_dir(tmp_path, 7) and find_snapshot(tmp_path, 7) == path
+    marker = json.loads((path / COMPLETE).read_text())
+    assert marker["step"] == 7 and marker["bytes"] > 0
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001.safetensors", "model-00002.safetensors"}
+    model = AutoModelForCausalLM.from_pretrained(path)  # config, index, shards: a loadable HF model
+    original = load_file(str(next(Path(tiny_model).glob("*.safetensors"))))
+    assert all((model.state_dict()[k] == v).all() for k, v in original.items() if k in model.state_dict())
+    assert (path / "tokenizer_config.json").exists()
+
+
+def test_incomplete_snapshot_is_never_used(tmp_path: Path, tiny_model: str) -> None:
+    export_snapshot(_buckets(tiny_model), tmp_path, 3, tiny_model)
+    path = export_snapshot(_buckets(tiny_model), tmp_path, 5, tiny_model)
+    (path / COMPLETE).unlink()  # as if the writer died before the marker
+    assert complete_steps(tmp_path) == [3]
+    with pytest.raises(FileNotFoundError, match="complete: 3"):
+        find_snapshot(tmp_path, 5)
+
+
+def test_prune_keeps_the_newest_and_those_in_use(tmp_path: Path, tiny_model: str) -> None:
+    for step in (1, 2, 3, 4):
+        export_snapshot(_buckets(tiny_model), tmp_path, step, tiny_model)
+    assert prune(tmp_path, evaluated=[1, 2, 3], in_use={1, 4}, keep=1) == [2]
+    assert complete_steps(tmp_path) == [1, 3, 4]
+    assert prune(tmp_path, evaluated=[1, 3], in_use=set(), keep=0) == [1, 3]
+    assert complete_steps(tmp_path) == [4]
+
+
+def test_external_results_come_at_their_step_with_lag(tmp_path: Path, tiny_model: str, fns_on_path) -> None:
+    evals = _evals(tmp_path, tiny_model, mode="external", external_fn="e2e_eval_fns:quick", max_in_flight=2)
+    try:
+        for step in (2, 4):
+            assert evals.admit(step) == (True, {})
+            evals.submit(step, _buckets(tiny_model))
+        results = dict(evals.drain(current_step=9))
+    finally:
+        evals.close()
+    assert sorted(results) == [2, 4]
+    for step, metrics in results.items():
+        assert metrics["eval/snapshot_step"] == step and metrics["eval/custom"] == 1.0
+        assert metrics["eval/lag_steps"] == 9 - step
+        assert metrics["eval/export_s"] > 0 and metrics["eval/duration_s"] >= 0
+        assert "eval/note" not in metrics  # not a number: dropped
+    assert complete_steps(evals.run_dir) == [2, 4]  # eval.keep_snapshots=2
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [("fails", "error"), ("not_a_dict", "error"), ("crashes", "crash"), ("no_such_fn", "error")],
+)
+def test_failed_external_eval_is_skipped_and_counted(
+    tmp_path: Path, tiny_model: str, fns_on_path, fn: str, reason: str
+) -> None:
+    evals = _evals(tmp_path, tiny_model, mode="external", external_fn=f"e2e_eval_fns:{fn}", keep_snapshots=0)
+    try:
+        rows = []
+        for step in (1, 2):
+            evals.submit(step, _buckets(tiny_model))
+            rows += evals.drain(current_step=step)
+    finally:
+        evals.close()
+    assert [step for step, _ in rows] == [1, 2]
+    assert [m[f"eval/skipped_{reason}"] for _, m in rows] == [1.0, 2.0]  # counted so far
+    assert all("eval/pass@1" not in m and "eval/lag_steps" not in m for _, m in rows)
+    assert complete_steps(evals.run_dir) == []  # keep_snapshots=0: deleted once reported
+
+
+def test_one_failure_does_not_stop_the_next_evaluation(tmp_path: Path, tiny_model: str, fns_on_path) -> None:
+    evals = _evals(tmp_path, tiny_model, mode="external", external_fn="e2e_eval_fns:fails_at_odd_steps")
+    try:
+        for step in (1, 2, 3, 4):
+            evals.submit(step, _buckets(tiny_model))
+            evals.drain(current_step=step)
+        evals.submit(6, _buckets(tiny_model))
+        ((step, metrics),) = evals.drain(current_step=6)
+    finally:
+        evals.close()
+    assert step == 6 and metrics["eval/snapshot_step"] == 6 and evals.skipped["error"] == 2
+
+
+def test_timeout_stops_the_evaluation(tmp_path: Path, tiny_model: str, fns_on_path) -> None:
+    evals = _evals(tmp_path, tiny_model, mode="external", external_fn="e2e_eval_fns:slow", timeout_s=0.5)
+    try:
+        evals.submit(1, _buckets(tiny_model))
+        ((_, metrics),) = evals.drain(current_step=1)
+    finally:
+        evals.close()
+    assert metrics["eval/skipped_timeout"] == 1.0 and not evals.runner.procs
+
+
+def test_overflow_skip_and_wait(tmp_path: Path, tiny_model: str, fns_on_path) -> None:
+    evals = _evals(tmp_path, tiny_model, mode="external", external_fn="e2e_eval_fns:slow", overflow="skip")
+    try:
+        evals.submit(1, _buckets(tiny_model))
+        assert evals.admit(2) == (False, {"eval/skipped_overflow": 1.0})
+        assert evals.admit(3) == (False, {"eval/skipped_overflow": 2.0})
+    finally:
+        evals.close()
+    evals = _evals(tmp_path, tiny_model, mode="external", external_fn="e2e_eval_fns:slow", overflow="wait")
+    try:
+        evals.submit(4, _buckets(tiny_model))
+        assert evals.admit(5) == (True, {})  # returns once step 4's evaluation has finished
+        assert not evals.running
+        ((step, metrics),) = evals.collect(current_step=5)
+    finally:
+        evals.close()
+    assert step == 4 and metrics["eval/snapshot_step"] == 4 and metrics["eval/lag_steps"] == 1
+
+
+def test_results_are_reported_in_step_order(tmp_path: Path, tiny_model: str, fns_on_path) -> None:
+    fn = "e2e_eval_fns:waits_for_the_next_step"
+    evals = _evals(tmp_path, tiny_model, mode="external", external_fn=fn, max_in_flight=2)
+    try:
+        evals.submit(1, _buckets(tiny_model))
+        evals.runner.spec = "e2e_eval_fns:quick"
+        evals.submit(2, _buckets(tiny_model))
+        while evals.jobs[1].result is None and evals.jobs[1].skipped is None:
+            evals._poll()
+            time.sleep(0.05)
+        assert evals.jobs[1].result is not None  # step 2 finished first (step 1 waited for it)
+        reported = evals.collect(current_step=2) + evals.drain(current_step=3)
+        assert [s for s, _ in reported] == [1, 2]  # step 2 waited for step 1
+    finally:
+        evals.close()
+
+
+def test_dedicated_engine_and_the_mixed_version_check(tmp_path: Path, tiny_model: str) -> None:
+    """A dedicated eval engine loads the snapshot as version = step, and every evaluated token is
+    checked against it: tokens of another version make the ratio non-zero."""
+    plan = _plan(tiny_model, mode="dedicated")
+    plan = plan.model_copy(update={"rollout": plan.rollout.model_copy(update={"max_new_tokens": 4})})
+    path = export_snapshot(_buckets(tiny_model), tmp_path, 5, tiny_model)
+    runner = DedicatedRunner(plan, tmp_path)
+    try:
+        job = EvalJob(5, path, 0.0)
+        runner.start(job)
+        while (metrics := runner.poll(job)) is None:
+            time.sleep(0.1)
+        assert metrics["eval/mixed_version_ratio"] == 0.0 and metrics["eval/weight_version_min"] == 5
+        assert metrics["eval/held_out/prompts"] > 0
+        assert (tmp_path / "eval" / "held_out" / "step_5.jsonl").exists()  # per-sample records
+        gen = runner.generator
+        assert isinstance(gen, CountingGenerator)
+        work = evaluate_step(gen, runner.suites, 6, tmp_path / "eval")  # engine still serves step 5
+        wrong = asyncio.run_coroutine_threadsafe(work, runner._loop).result(300)
+        assert wrong["eval/mixed_version_ratio"] == 1.0
+        assert gen.tally.tokens > 0 and gen.tally.other == gen.tally.tokens
+    finally:
+        runner.stop()
+    assert all(not e.alive() for e in runner.engines) or runner.engines == []
+
+
+def test_by_hand_evaluation_of_a_run_snapshot(tmp_path: Path, tiny_model: str, fns_on_path) -> None:
+    from miles.config import write_plan
+
+    write_plan(_plan(tiny_model, mode="external", external_fn="e2e_eval_fns:quick"), tmp_path / "plan.yaml")
+    export_snapshot(_buckets(tiny_model), tmp_path, 4, tiny_model)
+    assert evaluate_snapshot(tmp_path, 4)["eval/snapshot_step"] == 4
+    with pytest.raises(FileNotFoundError, match="no complete eval snapshot of step 3"):
+        evaluate_snapshot(tmp_path, 3)
+
+
+def test_metrics_of_an_earlier_step_join_its_record(tmp_path: Path) -> None:
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    try:
+        for step in (1, 2, 3):
+            logger.log(step, {"train/loss": float(step)})
+        logger.amend(2, {"eval/pass@1": 0.5, "eval/lag_steps": 1})
+        logger.amend(0, {"eval/pass@1": 0.25})  # a step without a record gets one, in order
+        logger.log(4, {"train/loss": 4.0})
+        with pytest.raises(ValueError, match="after the last step"):
+            logger.amend(9, {"eval/pass@1": 1.0})
+    finally:
+        logger.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[2] == {**records[2], "train/loss": 2.0, "eval/pass@1": 0.5, "eval/lag_steps": 1.0}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval/pass@1")] == [(2, 0.5), (0, 0.25)]
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]  # nothing purged
+
+
+def test_eval_mode_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="eval.external_fn"):
+        resolve({"eval": {"mode": "external"}})
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        resolve({"eval": {"mode": "dedicated", "max_in_flight": 0}})
+    with pytest.raises(ConfigError, match="eval.overflow"):
+        resolve({"eval": {"overflow": "drop"}})
+    assert Evaluations.create(resolve({"eval": {"mode": "shared"}}), Path("/nonexistent")) is None
+
+
+def test_external_fn_that_cannot_be_imported_names_the_key(tmp_path: Path) -> None:
+    from miles.eval.runner import load_external
+
+    with pytest.raises(ConfigError, match="eval.external_fn='nope.mod:fn': cannot import"):
+        load_external("nope.mod:fn")
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        load_external("json:nope")
