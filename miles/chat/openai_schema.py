@@ -296,7 +296,10 @@ def parse_request(model: type[_M], data: Any) -> _M:
 def _validation_error(e: ValidationError, data: Any) -> OpenAIError:
     # a union reports one error per member: the one reaching deepest into the body is the telling one
     errors = [(err, _param(err["loc"], data)) for err in e.errors(include_url=False)]
-    err, param = max(errors, key=lambda ep: len((ep[1] or "").split(".")))
+    # (and at equal depth a bad value tells more than a member of the wrong type)
+    err, param = max(
+        errors, key=lambda ep: (len((ep[1] or "").split(".")), not ep[0]["type"].endswith("_type"))
+    )
     if err["type"] == "extra_forbidden":
         return OpenAIError(f"unknown field '{param}'", param=param, code="unknown_parameter")
     if err["type"] == "missing":

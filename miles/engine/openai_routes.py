@@ -29,6 +29,7 @@ ids cover every output token, also a matched stop token that the text leaves out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import re
@@ -159,9 +160,15 @@ def _shown(reply: dict[str, Any], no_stop_trim: bool) -> int:
 
 
 @functools.cache
-def _token_bytes(model_path: str) -> TokenBytes:
-    """Token texts and bytes for logprobs, one table per served model (miles/chat/token_bytes.py)."""
+def _token_table(model_path: str) -> TokenBytes:
     return TokenBytes(model_path)
+
+
+def _token_bytes(state: EngineState) -> TokenBytes:
+    """Token texts and bytes for logprobs, one table per served model (miles/chat/token_bytes.py)."""
+    if state.tokenizer is None:
+        raise oa.OpenAIError("this engine has no tokenizer; logprobs need one", param="logprobs")
+    return _token_table(state.model_path)
 
 
 def _chat_logprobs(meta: dict[str, Any], start: int, end: int, text: TokenBytes) -> oa.ChoiceLogprobs:
@@ -315,7 +322,7 @@ async def chat_completions(state: EngineState, renderer: ChatRenderer, request: 
     if req.stream:
         return _sse(_chat_stream(state, chat, items, cid, model))
     replies = await _finish(state, items)
-    text = _token_bytes(state.model_path)
+    text = _token_bytes(state)
     reply = oa.ChatCompletion(
         id=cid,
         model=model,
@@ -339,17 +346,19 @@ async def _native_chunks(state: EngineState, items: Items) -> AsyncIterator[dict
         box.append(data)
         return b""
 
-    async for raw in streaming.events(
+    native = streaming.events(
         items,
         lambda r, lp: server._reply(state, r, lp),
         state.scheduler.abort,
         keep,
         indexed=True,
         incremental=True,
-    ):
-        if raw == streaming.DONE:
-            return
-        yield box.pop()
+    )
+    async with contextlib.aclosing(native):  # closing aborts what still runs (a client that left)
+        async for raw in native:
+            if raw == streaming.DONE:
+                return
+            yield box.pop()
 
 
 def _error_event(chunk: dict[str, Any]) -> bytes:
@@ -363,7 +372,7 @@ async def _chat_stream(
 ) -> AsyncIterator[bytes]:
     req = chat.req
     usage_drop = () if req.stream_options and req.stream_options.include_usage else ("usage",)
-    text = _token_bytes(state.model_path)
+    text = _token_bytes(state)
     parsers = [ToolCallStream(chat.family) if chat.parse_tools else None for _ in items]
 
     def chunk(i: int, delta: oa.Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
@@ -374,28 +383,29 @@ async def _chat_stream(
 
     for i in range(len(items)):
         yield chunk(i, oa.Delta(role="assistant", content=""))
-    async for data in _native_chunks(state, items):
-        if "error" in data:
-            yield _error_event(data)
-            break
-        i, meta = data["index"], data["meta_info"]
-        final = meta.get("finish_reason") is not None
-        lp = None
-        if req.logprobs:
-            n = len(data["output_ids"])
-            if final and isinstance(_matched(meta), int) and not req.no_stop_trim:
-                n -= 1
-            lp = _chat_logprobs(meta, 0, max(n, 0), text)
-        content = parsers[i].feed(data["text"]) if parsers[i] else data["text"]
-        if content or (lp is not None and lp.content):
-            yield chunk(i, oa.Delta(content=content), logprobs=lp)
-        if final:
-            for part in _chat_tail(parsers[i], meta):
-                yield chunk(i, *part)
-    else:
-        if not usage_drop:
-            usage = _usage(items, req.n)
-            yield streaming.event(_json(oa.ChatCompletionChunk(id=cid, model=model, choices=[], usage=usage)))
+    async with contextlib.aclosing(_native_chunks(state, items)) as native:
+        async for data in native:
+            if "error" in data:
+                yield _error_event(data)
+                yield streaming.DONE
+                return
+            i, meta = data["index"], data["meta_info"]
+            final = meta.get("finish_reason") is not None
+            lp = None
+            if req.logprobs:
+                n = len(data["output_ids"]) - (
+                    final and isinstance(_matched(meta), int) and not req.no_stop_trim
+                )
+                lp = _chat_logprobs(meta, 0, max(n, 0), text)
+            content = parsers[i].feed(data["text"]) if parsers[i] else data["text"]
+            if content or (lp is not None and lp.content):
+                yield chunk(i, oa.Delta(content=content), logprobs=lp)
+            if final:
+                for part in _chat_tail(parsers[i], meta):
+                    yield chunk(i, *part)
+    if not usage_drop:
+        usage = _usage(items, req.n)
+        yield streaming.event(_json(oa.ChatCompletionChunk(id=cid, model=model, choices=[], usage=usage)))
     yield streaming.DONE
 
 
@@ -449,58 +459,74 @@ async def completions(state: EngineState, request: Request) -> Response:
         top_logprobs_num=req.logprobs or 0,
         rid=req.rid,
     )
+    text = _token_bytes(state) if req.logprobs is not None else None
     items = await _start(state, body)
     cid = "cmpl-" + (req.rid or uuid.uuid4().hex)
     model = req.model or state.model_path
     if req.stream:
-        return _sse(_completion_stream(state, req, items, cid, model))
+        return _sse(_completion_stream(state, req, items, text, cid, model))
     replies = await _finish(state, items)
-    text = _token_bytes(state.model_path)
-    choices = []
-    for i, r in enumerate(replies):
-        meta = r["meta_info"]
-        choice = oa.CompletionChoice(
-            index=i, text=r["text"], finish_reason=_finish_reason(meta), matched_stop=_matched(meta)
-        )
-        if req.logprobs is not None:
-            choice.logprobs = _completion_logprobs(meta, 0, _shown(r, req.no_stop_trim), text, 0)
-        if req.return_token_ids:
-            choice.prompt_token_ids, choice.token_ids = items[i][0].prompt, list(r["output_ids"])
-        choices.append(choice)
+    choices = [_completion_choice(req, i, r, items[i][0].prompt, text) for i, r in enumerate(replies)]
     reply = oa.Completion(id=cid, model=model, choices=choices, usage=_usage(items, req.n))
     return Response(_json(reply), media_type="application/json")
 
 
+def _completion_choice(
+    req: oa.CompletionRequest, index: int, reply: dict[str, Any], prompt: list[int], text: TokenBytes | None
+) -> oa.CompletionChoice:
+    meta = reply["meta_info"]
+    choice = oa.CompletionChoice(
+        index=index, text=reply["text"], finish_reason=_finish_reason(meta), matched_stop=_matched(meta)
+    )
+    if text is not None:
+        choice.logprobs = _completion_logprobs(meta, 0, _shown(reply, req.no_stop_trim), text, 0)
+    if req.return_token_ids:
+        choice.prompt_token_ids, choice.token_ids = prompt, list(reply["output_ids"])
+    return choice
+
+
 async def _completion_stream(
-    state: EngineState, req: oa.CompletionRequest, items: Items, cid: str, model: str
+    state: EngineState,
+    req: oa.CompletionRequest,
+    items: Items,
+    text: TokenBytes | None,
+    cid: str,
+    model: str,
 ) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     drop = () if include_usage else ("usage",)
-    text = _token_bytes(state.model_path)
     offsets = [0] * len(items)
-    async for data in _native_chunks(state, items):
-        if "error" in data:
-            yield _error_event(data)
-            yield streaming.DONE
-            return
-        i, meta = data["index"], data["meta_info"]
-        final = meta.get("finish_reason") is not None
-        choice = oa.CompletionChoice(
-            index=i, text=data["text"], finish_reason=_finish_reason(meta) if final else None
-        )
-        if req.logprobs is not None:
-            n = len(data["output_ids"]) - (final and isinstance(_matched(meta), int) and not req.no_stop_trim)
-            choice.logprobs = _completion_logprobs(meta, 0, max(n, 0), text, offsets[i])
-            offsets[i] += sum(len(t) for t in choice.logprobs.tokens)
-        if req.return_token_ids:
-            choice.token_ids = list(data["output_ids"])
-        if data["text"] or final or choice.token_ids:
-            yield streaming.event(_json(oa.Completion(id=cid, model=model, choices=[choice]), drop))
+    async with contextlib.aclosing(_native_chunks(state, items)) as native:
+        async for data in native:
+            if "error" in data:
+                yield _error_event(data)
+                yield streaming.DONE
+                return
+            choice = _completion_chunk_choice(req, data, text, offsets)
+            if choice.text or choice.finish_reason or choice.token_ids:
+                yield streaming.event(_json(oa.Completion(id=cid, model=model, choices=[choice]), drop))
     if include_usage:
-        yield streaming.event(
-            _json(oa.Completion(id=cid, model=model, choices=[], usage=_usage(items, req.n)))
-        )
+        usage = _usage(items, req.n)
+        yield streaming.event(_json(oa.Completion(id=cid, model=model, choices=[], usage=usage)))
     yield streaming.DONE
+
+
+def _completion_chunk_choice(
+    req: oa.CompletionRequest, data: dict[str, Any], text: TokenBytes | None, offsets: list[int]
+) -> oa.CompletionChoice:
+    """One native incremental chunk as a completion stream choice (`offsets`: text offset per choice)."""
+    i, meta = data["index"], data["meta_info"]
+    final = meta.get("finish_reason") is not None
+    choice = oa.CompletionChoice(
+        index=i, text=data["text"], finish_reason=_finish_reason(meta) if final else None
+    )
+    if text is not None:
+        n = len(data["output_ids"]) - (final and isinstance(_matched(meta), int) and not req.no_stop_trim)
+        choice.logprobs = _completion_logprobs(meta, 0, max(n, 0), text, offsets[i])
+        offsets[i] += sum(len(t) for t in choice.logprobs.tokens)
+    if req.return_token_ids:
+        choice.token_ids = list(data["output_ids"])
+    return choice
 
 
 # ---------------------------------------------------------------------------------------------------
