@@ -4,10 +4,15 @@
 and 2 actor nodes (Megatron TP1 PP4, 8192 tokens per GPU, optimizer state offloaded to host memory;
 the report's EP4 and its 10-layer last pipeline stage wait until MoE training and uneven pipeline
 stages exist); rollout batch 32 prompts x 8 samples, context 16384,
-response 4096; AIME-2024 evaluation every 10 steps with 8 samples; TIS on.
+response 4096; TIS on. AIME-2024 evaluation every 10 steps, 8 samples per problem (mean@8,
+pass@k), in `dedicated` mode: the trainer exports a snapshot of step 10, 20, ... and an eval engine
+group of its own evaluates it while training goes on; each result lands in metrics.jsonl at the step
+whose weights produced it (miles/eval/modes.py). A snapshot can also be evaluated by hand or as a
+Slurm job of its own: `miles eval RUN_DIR --step 20 --submit`.
 
     python launchers/deepseek_v4_flash.py prepare-checkpoint --src HF_DIR --dst /shared/models/dsv4-flash
     python launchers/deepseek_v4_flash.py prepare-data --dst /shared/data/dapo.jsonl
+    python launchers/deepseek_v4_flash.py prepare-eval --src aime_2024.jsonl
     python launchers/deepseek_v4_flash.py train [--dry-run] [--set KEY=VALUE ...]
 """
 
@@ -20,6 +25,7 @@ from pathlib import Path
 
 MODEL_DIR = "/shared/models/deepseek-v4-flash"
 DATA_FILE = "/shared/data/deepseek-v4-flash/train.jsonl"
+AIME_FILE = "/shared/data/deepseek-v4-flash/aime-2024.jsonl"
 
 RECIPE = {
     "run": {"name": "deepseek-v4-flash", "runs_root": "/shared/runs"},
@@ -38,7 +44,16 @@ RECIPE = {
         "n_samples_per_prompt": 8,
         "max_new_tokens": 4096,
     },
-    "eval": {"every_steps": 10, "samples_per_prompt": 8, "temperature": 1.0},
+    "eval": {
+        "every_steps": 10,
+        "mode": "dedicated",
+        "num_engines": 1,
+        "max_in_flight": 2,
+        "overflow": "skip",
+        "keep_snapshots": 2,
+        "timeout_s": 5400.0,
+        "datasets": {"aime2024": {"source": "aime", "path": AIME_FILE, "samples": 8, "temperature": 1.0}},
+    },
     "train": {
         "backend": "megatron",
         "steps": 100,
@@ -71,6 +86,15 @@ def prepare_data(dst: str) -> None:
     raise SystemExit(f"copy a JSONL of {{prompt, answer}} rows to {dst}; no dataset is downloaded by Miles")
 
 
+def prepare_eval(src: str, dst: str) -> None:
+    """Stage an AIME 2024 JSONL file (problem/answer columns, as published) for the evaluation."""
+    if not Path(src).is_file():
+        raise SystemExit(f"{src} is not a file: pass the AIME 2024 JSONL (rows with problem and answer)")
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    print(f"staged {src} -> {dst}")
+
+
 def train(overrides: list[str], dry_run: bool) -> int:
     from miles.launch.submit import submit
 
@@ -87,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--dst", default=MODEL_DIR)
     q = sub.add_parser("prepare-data")
     q.add_argument("--dst", default=DATA_FILE)
+    q = sub.add_parser("prepare-eval")
+    q.add_argument("--src", required=True)
+    q.add_argument("--dst", default=AIME_FILE)
     q = sub.add_parser("train")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     q.add_argument("--dry-run", action="store_true")
@@ -95,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare_checkpoint(args.src, args.dst)
     elif args.cmd == "prepare-data":
         prepare_data(args.dst)
+    elif args.cmd == "prepare-eval":
+        prepare_eval(args.src, args.dst)
     else:
         return train(args.set, args.dry_run)
     return 0

@@ -10,6 +10,7 @@ import logging
 import sys
 
 from miles.config import ConfigError
+from miles.eval.cli import add_eval_command
 from miles.launch.cli import add_launch_commands
 
 
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_model(sub)
     add_launch_commands(sub)
+    add_eval_command(sub)
     return parser
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from miles.config import ConfigError, Plan, read_plan
 from miles.eval.modes import CountingGenerator, EvalJob, EvalSkipped, evaluate_step
 from miles.eval.snapshot import eval_dir, find_snapshot
-from miles.processes import child_options, stop_processes
+from miles.processes import child_options, free_port, stop_processes
 
 log = logging.getLogger("miles.eval")
 
@@ -224,6 +224,8 @@ class DedicatedRunner:
         from miles.engine.process import start_engine
 
         e, m = self.plan.engine, self.plan.model
+        if e.kind == "sglang":
+            return self._start_sglang(i)
         return start_engine(
             m.path,
             device=e.device,
@@ -234,6 +236,34 @@ class DedicatedRunner:
             log_path=self.run_dir / "logs" / f"eval-engine-{i}.log",
             startup_timeout_s=e.startup_timeout_s,
         )
+
+    def _start_sglang(self, i: int) -> Any:
+        """SGLang server i on this node (GPUs i*tp_size...), the command the rollout nodes run."""
+        from miles.cluster.rendezvous import healthy
+        from miles.engine.process import EngineProcess, log_tail
+        from miles.launch.sglang import sglang_server_command
+
+        port, log_path = free_port(), self.run_dir / "logs" / f"eval-engine-{i}.log"
+        argv = sglang_server_command(
+            self.plan,
+            host="127.0.0.1",
+            port=port,
+            python=sys.executable,
+            base_gpu_id=i * self.plan.engine.tp_size,
+        )
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **child_options())
+        engine = EngineProcess(f"http://127.0.0.1:{port}", proc, log_path)
+        deadline = time.monotonic() + self.plan.engine.startup_timeout_s
+        while not healthy(engine.url):
+            if not engine.alive() or time.monotonic() > deadline:
+                engine.stop()
+                raise RuntimeError(
+                    f"eval SGLang server {i} did not serve; log {log_path}:\n{log_tail(log_path)}"
+                )
+            time.sleep(1.0)
+        return engine
 
     def _wait_published(self) -> list[str]:
         from miles.cluster.rendezvous import healthy
@@ -324,7 +354,7 @@ def _external_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _snapshot_main(args: argparse.Namespace) -> int:
+def snapshot_main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     try:
         metrics = evaluate_snapshot(run_dir, args.step, args.mode, args.fn)
@@ -349,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     q.set_defaults(func=_external_main)
     q = sub.add_parser("snapshot", help="evaluate the snapshot of one step of a run")
     add_snapshot_args(q)
-    q.set_defaults(func=_snapshot_main)
+    q.set_defaults(func=snapshot_main)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return int(args.func(args))

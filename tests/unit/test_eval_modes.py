@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -259,3 +260,50 @@ def test_external_fn_that_cannot_be_imported_names_the_key(tmp_path: Path) -> No
         load_external("nope.mod:fn")
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         load_external("json:nope")
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
+from eval_render import CASES, GOLDEN, render  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_eval_job_script_matches_golden(case: str) -> None:
+    """`miles eval --submit`'s sbatch text; regenerate with tests/golden/eval_render.py."""
+    assert render(case) == (GOLDEN / f"{case}.sh").read_text()
+
+
+def test_miles_eval_submit_dry_run(tmp_path: Path, tiny_model: str) -> None:
+    from miles.cli import main
+    from miles.config import write_plan
+
+    run_dir = tmp_path / "run"
+    write_plan(_plan(tiny_model, mode="dedicated"), run_dir / "plan.yaml")
+    assert main(["eval", str(run_dir), "--step", "4", "--submit", "--dry-run"]) == 2  # no snapshot yet
+    export_snapshot(_buckets(tiny_model), run_dir, 4, tiny_model)
+    assert main(["eval", str(run_dir), "--step", "4", "--submit", "--dry-run"]) == 0
+    script = (run_dir / "eval" / "step_4" / "job" / "submission.sh").read_text()
+    assert f"miles.eval.runner snapshot --run-dir {run_dir} --step 4" in script
+    assert f"RUN_DIR={run_dir}/eval/step_4/job" in script and "#SBATCH --nodes=1" in script
+    assert "--requeue" not in script  # an evaluation is not requeued into a training run's directory
+
+
+def test_deepseek_launcher_wires_its_aime_eval(tmp_path: Path) -> None:
+    import subprocess
+
+    import yaml
+
+    out = subprocess.run(
+        [sys.executable, str(REPO / "launchers" / "deepseek_v4_flash.py"), "train", "--dry-run",
+         "--set", f"run.runs_root={tmp_path}"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    ev = yaml.safe_load((tmp_path / "deepseek-v4-flash" / "plan.yaml").read_text())["eval"]
+    assert ev["mode"] == "dedicated" and ev["every_steps"] == 10
+    aime = ev["datasets"]["aime2024"]
+    assert aime["source"] == "aime" and aime["samples"] == 8 and aime["path"].endswith("aime-2024.jsonl")
+    # its snapshots' evaluation as a job of its own: the profile's container, one node of 8 GPUs
+    text = render("deepseek-v4-flash__mi355x__step20")
+    assert "--container-image=/shared/containers/miles-rocm.sqsh" in text and "--gpus-per-node=8" in text
