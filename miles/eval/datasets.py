@@ -37,7 +37,7 @@ from miles.config import ConfigError, Plan
 from miles.config.eval import EvalDatasetConfig
 from miles.config.rollout import TaskConfig
 from miles.eval.scoring import Scorer, load_scorer
-from miles.rollout.tasks import TASKS, Prompt, Task, _read_rows, build_task
+from miles.rollout.tasks import TASKS, Prompt, Task, build_task, read_rows
 
 BOXED_INSTRUCTION = "{prompt}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 """The prompt template of the aime sources (the usual one for reasoning models)."""
@@ -93,7 +93,7 @@ def load_rows(path: str, cfg_key: str) -> list[dict[str, Any]]:
     """The rows of a JSONL or Parquet file; an empty or missing file names `cfg_key`."""
     if not Path(path).is_file():
         raise ConfigError(f"{cfg_key}={path!r} does not exist; give a JSONL or Parquet file")
-    rows = _read_rows(path)
+    rows = read_rows(path)
     if not rows:
         raise ConfigError(f"{cfg_key}={path!r} holds no rows")
     return rows

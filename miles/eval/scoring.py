@@ -92,7 +92,7 @@ def math_equal(gold: object, answer: str) -> bool:
     gold_text = str(gold).strip()
     gold_text = gold_text if "$" in gold_text else f"${gold_text}$"
     answer_text = answer if "$" in answer else f"${answer}$"
-    return rewards._MATH_POOL.verify(gold_text, answer_text)
+    return rewards.MATH_POOL.verify(gold_text, answer_text)
 
 
 def boxed_math(sample: Sample) -> float:

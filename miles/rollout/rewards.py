@@ -60,7 +60,7 @@ def _verify(gold: str, answer: str) -> bool:
     return bool(math_verify.verify(math_verify.parse(gold), math_verify.parse(answer)))
 
 
-class _VerifyPool:
+class VerifyPool:
     """A small process pool for math-verify, rebuilt after a timeout (the stuck worker is terminated)."""
 
     def __init__(self, processes: int = 1, timeout_s: float = 5.0, startup_timeout_s: float = 120.0) -> None:
@@ -94,7 +94,7 @@ class _VerifyPool:
                 self._pool = None
 
 
-_MATH_POOL = _VerifyPool()
+MATH_POOL = VerifyPool()
 
 
 def math_verify(sample: Sample) -> float:
@@ -102,7 +102,7 @@ def math_verify(sample: Sample) -> float:
     answer = extract_answer(sample.response)
     gold = str(sample.answer)
     gold = gold if "$" in gold or "\\" in gold else f"${gold}$"
-    return float(_MATH_POOL.verify(gold, f"${answer}$" if "$" not in answer else answer))
+    return float(MATH_POOL.verify(gold, f"${answer}$" if "$" not in answer else answer))
 
 
 def reasoning_gym(sample: Sample) -> float:

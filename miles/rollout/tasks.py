@@ -116,7 +116,7 @@ class DigitsTask:
         return list(self._eval)
 
 
-def _read_rows(path: str) -> list[dict[str, Any]]:
+def read_rows(path: str) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"rollout.task.path={path!r} does not exist; give a JSONL or Parquet file")
@@ -206,7 +206,7 @@ class DatasetTask:
     def __init__(self, seed: int, eval_size: int, path: str | None, prompt_key: str, answer_key: str) -> None:
         if not path:
             raise ConfigError("rollout.task.name=jsonl needs rollout.task.path (a JSONL or Parquet file)")
-        rows = _read_rows(path)
+        rows = read_rows(path)
         for key in (prompt_key, answer_key):
             if rows and key not in rows[0]:
                 raise ConfigError(

@@ -14,7 +14,7 @@ from miles.sample import Sample
 @pytest.fixture(scope="module", autouse=True)
 def _close_math_pool():
     yield
-    rewards._MATH_POOL.close()  # the pool math-verify answers went to, stopped before exit
+    rewards.MATH_POOL.close()  # the pool math-verify answers went to, stopped before exit
 
 
 def sample(response: str, answer) -> Sample:

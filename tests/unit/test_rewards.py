@@ -52,7 +52,7 @@ def test_load_reward_errors_name_the_key(spec: str) -> None:
 
 @pytest.mark.slow
 def test_math_verify_timeout_scores_zero_and_pool_recovers() -> None:
-    pool = rewards._VerifyPool(timeout_s=1e-4)
+    pool = rewards.VerifyPool(timeout_s=1e-4)
     try:
         assert pool.verify("$1$", "$1$") is False  # cannot finish in 0.1 ms: the stuck pool is replaced
         pool.timeout_s = 30.0
