@@ -14,9 +14,7 @@ def serve(app) -> tuple[str, Any]:
     """Serve an ASGI app with uvicorn on a port the OS picks; (base URL, server)."""
     import uvicorn
 
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="auto")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="auto"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(500):
@@ -131,3 +129,119 @@ def test_openenv_unreachable_server_names_the_url():
     env = OpenEnvEnv("http://127.0.0.1:9", mode="text")
     with pytest.raises(OpenEnvError, match="127.0.0.1:9"):
         asyncio.run(env.reset({}))
+
+
+TASKSET_MODULE = '''
+"""A two-task Verifiers taskset: the model must say the number in the prompt."""
+import verifiers.v1 as vf
+
+
+class SayData(vf.TaskData):
+    answer: str = ""
+
+
+class SayTask(vf.Task[SayData]):
+    @vf.reward
+    async def correct(self, task, trace) -> float:
+        return float(trace.last_reply == task.answer)
+
+
+class SayTaskset(vf.Taskset[SayTask]):
+    def load(self):
+        for n in ("42", "7"):
+            yield SayTask(SayData(prompt=f"say {n}", answer=n), self.config.task)
+
+
+__all__ = ["SayTaskset"]
+'''
+
+
+def openai_loopback(reply) -> tuple[str, list[dict], Any]:
+    """A loopback OpenAI chat-completions server (plain and SSE streaming) answering `reply(messages)`."""
+    import json
+
+    from aiohttp import web
+
+    seen: list[dict] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        text = reply(body["messages"])
+        base = {"id": "chatcmpl-1", "created": 0, "model": body.get("model", "m")}
+        if not body.get("stream"):
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            return web.json_response(
+                {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for delta, finish in (
+            ({"role": "assistant", "content": ""}, None),
+            ({"content": text}, None),
+            ({}, "stop"),
+        ):
+            chunk = {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return f"http://127.0.0.1:{port}/v1", seen, (loop, runner)
+
+
+@pytest.mark.slow  # Verifiers starts its interception server and a harness program per episode
+def test_verifiers_taskset_rewards_through_our_base_url(tmp_path, monkeypatch):
+    import shutil
+
+    pytest.importorskip(
+        "verifiers.v1", reason="verifiers (v1 API, 0.4.x) is not installed: pip install 'miles[verifiers]'"
+    )
+    if shutil.which("uv") is None:
+        pytest.skip("Verifiers prepares its harness programs with uv, which is not on PATH")
+    from miles.agentic.envs.adapters.verifiers import VerifiersAgent
+
+    (tmp_path / "miles_say_taskset.py").write_text(TASKSET_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("OPENAI_API_KEY", "unused-by-the-loopback-server")
+    base_url, seen, _ = openai_loopback(lambda messages: messages[-1]["content"].split()[-1])
+    agent = VerifiersAgent({"taskset": {"id": "miles_say_taskset"}})
+    tasks = agent.tasks(2)
+    assert [t["answer"] for t in tasks] == ["42", "7"]
+    good = asyncio.run(agent(tasks[0], base_url, "tiny"))
+    assert good.reward == 1.0 and good.info["ok"], good.info
+    assert seen and seen[-1]["messages"][-1]["content"] == "say 42"
+
+    wrong = VerifiersAgent({"taskset": {"id": "miles_say_taskset"}})
+    base_url2, _, _ = openai_loopback(lambda messages: "nothing")
+    bad = asyncio.run(wrong(tasks[1], base_url2, "tiny"))
+    assert bad.reward == 0.0
+
+
+def test_verifiers_agent_config_and_missing_package_message():
+    from miles.agentic.envs.adapters.verifiers import VerifiersAgent
+
+    agent = VerifiersAgent({"taskset": {"id": "t"}, "agent": {"max_turns": 3}}, harness="bash")
+    assert agent.config["agent"] == {
+        "harness": {"id": "bash"},
+        "runtime": {"type": "subprocess"},
+        "max_turns": 3,
+    }
+    try:
+        import verifiers.v1  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pip install 'miles\[verifiers\]'"):
+            agent.environment()
