@@ -1,0 +1,114 @@
+"""What evaluation costs training: steps/s with `dedicated` evaluation every step vs no evaluation.
+
+    python -m bench.eval_overhead [--steps 16] [--out DIR] [--with-shared]
+
+Runs `miles train` on this host with one recipe (tiny model, one embedded rollout engine, one
+trainer rank, fully async rollout, weights pushed every step) two ways: `eval.every_steps: 0`, and
+`eval.mode: dedicated` with `eval.every_steps: 1` (a snapshot exported every step and evaluated on
+an eval engine of its own while training goes on; eval.max_in_flight=1, overflow=skip, so training
+never waits for an evaluation). `--with-shared` adds a third run evaluating every step on the
+rollout engines (`shared`), which training waits for. Training steps/s = steps between the first
+and the last step / wall time between them (start-up excluded).
+
+The eval engine is a process more on the same cores: on a host with fewer cores than the run's
+processes (rollout engine, trainer rank, eval engine, each with its share of intra-op threads),
+its compute comes out of training's, and the result measures the core budget as much as the
+design. The core count and thread split are printed with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+RECIPE = {
+    "run": {"name": "bench", "seed": 0, "tensorboard": False},
+    "model": {"init_tiny_if_missing": True},
+    "engine": {"num_engines": 1, "max_running_requests": 64},
+    "rollout": {
+        "task": {"name": "digits", "options": {"op": "last", "num_digits": 2}, "eval_size": 16},
+        "reward": "miles.rollout.rewards:first_number",
+        "prompts_per_step": 8,
+        "n_samples_per_prompt": 4,
+        "max_new_tokens": 4,
+        "max_concurrency_per_engine": 32,
+        "schedule": "async",
+    },
+    "eval": {"every_steps": 0, "samples_per_prompt": 2},
+    "train": {"lr": 1e-4, "max_tokens_per_microbatch": 2048, "checkpoint": {"every_steps": 0}},
+    "weights": {"transport": "distributed", "update_interval": 1},
+}
+
+VARIANTS = {
+    "no_eval": {"eval": {"every_steps": 0}},
+    "dedicated": {"eval": {"every_steps": 1, "mode": "dedicated", "max_in_flight": 1, "overflow": "skip"}},
+    "shared": {"eval": {"every_steps": 1, "mode": "shared"}},
+}
+
+
+def _run(name: str, steps: int, root: Path, model: Path) -> dict[str, float]:
+    from miles.config.loading import deep_merge
+    from miles.launch.local import train_main
+    from miles.metrics import read_metrics
+
+    over = {
+        "run": {"runs_root": str(root), "name": name},
+        "model": {"path": str(model)},
+        "train": {"steps": steps},
+    }
+    recipe = root / f"{name}.yaml"
+    recipe.write_text(yaml.safe_dump(deep_merge(deep_merge(RECIPE, VARIANTS[name]), over)))
+    start = time.monotonic()
+    rc = train_main(str(recipe), [], progress=False)
+    wall = time.monotonic() - start
+    if rc != 0:
+        raise SystemExit(f"{name} run failed (exit {rc}); see {root / name / 'logs'}")
+    recs = [r for r in read_metrics(root / name) if r["step"] > 0]
+    span = recs[-1]["time"] - recs[0]["time"]
+    evals = [r for r in recs if "eval/pass@1" in r]
+    out = {
+        "steps": float(len(recs)),
+        "steps_per_s": (len(recs) - 1) / span,
+        "evaluated_steps": float(len(evals)),
+        "skipped_overflow": max((r.get("eval/skipped_overflow", 0.0) for r in recs), default=0.0),
+        "wall_s_incl_startup": wall,
+    }
+    if evals:
+        out["eval_lag_steps_mean"] = sum(r["eval/lag_steps"] for r in evals) / len(evals)
+        out["eval_export_s_mean"] = sum(r["eval/export_s"] for r in evals) / len(evals)
+        out["eval_duration_s_mean"] = sum(r["eval/duration_s"] for r in evals) / len(evals)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
+    p.add_argument(
+        "--with-shared", action="store_true", help="also evaluate every step on the rollout engines"
+    )
+    args = p.parse_args(argv)
+    root = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-eval-"))
+    root.mkdir(parents=True, exist_ok=True)
+    model = root / "model"
+    names = ["no_eval", "dedicated"] + (["shared"] if args.with_shared else [])
+    results = {n: _run(n, args.steps, root, model) for n in names}
+    cpus = len(os.sched_getaffinity(0))
+    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={cpus}  runs in {root}")
+    threads = os.environ.get("OMP_NUM_THREADS", "?")  # derived by `miles train` for its children
+    print(f"processes: rollout engine, trainer rank (+ eval engine), OMP_NUM_THREADS={threads} each")
+    for n, r in results.items():
+        print(f"{n:9s} " + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
+    ratio = results["dedicated"]["steps_per_s"] / results["no_eval"]["steps_per_s"]
+    print(f"dedicated eval every step / no eval, training steps/s = {ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
