@@ -251,14 +251,7 @@ EVERY_OPTION = (
     "profile",
     [
         "h200",
-        pytest.param(
-            "mi355x",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the ROCm image's SGLang (0.5.2) has no --enable-return-routed-experts: "
-                "launch.sglang.capture_routed_experts (R3) needs a newer base image there",
-            ),
-        ),
+        "mi355x",
     ],
 )
 def test_every_optional_flag_exists_in_the_pinned_sglang(profile, request):
