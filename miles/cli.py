@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(sub)
     add_launch_commands(sub)
     add_eval_command(sub)
+    from miles.dashboard.cli import add_dashboard_command
+    from miles.export import add_export_command
+
+    add_dashboard_command(sub)
+    add_export_command(sub)
     return parser
 
 
