@@ -1,6 +1,6 @@
 """What evaluation costs training: steps/s with `dedicated` evaluation every step vs no evaluation.
 
-    python -m bench.eval_overhead [--steps 16] [--out DIR] [--with-shared]
+    python -m bench.eval_overhead [--steps 16] [--out DIR] [--with-shared] [--set KEY=VALUE ...]
 
 Runs `miles train` on this host with one recipe (tiny model, one embedded rollout engine, one
 trainer rank, fully async rollout, weights pushed every step) two ways: `eval.every_steps: 0`, and
@@ -52,7 +52,7 @@ VARIANTS = {
 }
 
 
-def _run(name: str, steps: int, root: Path, model: Path) -> dict[str, float]:
+def _run(name: str, steps: int, root: Path, model: Path, overrides: list[str]) -> dict[str, float]:
     from miles.config.loading import deep_merge
     from miles.launch.local import train_main
     from miles.metrics import read_metrics
@@ -65,7 +65,7 @@ def _run(name: str, steps: int, root: Path, model: Path) -> dict[str, float]:
     recipe = root / f"{name}.yaml"
     recipe.write_text(yaml.safe_dump(deep_merge(deep_merge(RECIPE, VARIANTS[name]), over)))
     start = time.monotonic()
-    rc = train_main(str(recipe), [], progress=False)
+    rc = train_main(str(recipe), overrides, progress=False)
     wall = time.monotonic() - start
     if rc != 0:
         raise SystemExit(f"{name} run failed (exit {rc}); see {root / name / 'logs'}")
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     p.add_argument(
         "--with-shared", action="store_true", help="also evaluate every step on the rollout engines"
     )
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     model = root / "model"
     names = ["no_eval", "dedicated"] + (["shared"] if args.with_shared else [])
-    results = {n: _run(n, args.steps, root, model) for n in names}
+    results = {n: _run(n, args.steps, root, model, args.set) for n in names}
     cpus = len(os.sched_getaffinity(0))
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={cpus}  runs in {root}")
     threads = os.environ.get("OMP_NUM_THREADS", "?")  # derived by `miles train` for its children
