@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -85,3 +86,31 @@ def crashes(snapshot: str) -> dict[str, float]:
 
 def not_a_dict(snapshot: str) -> list[float]:
     return [1.0]
+
+
+def stats_or_fail_at_odd_steps(snapshot: str) -> dict[str, float]:
+    """`tensor_stats` for even steps (late: after training moved on), a failure for odd ones."""
+    if _step(snapshot) % 2:
+        raise ValueError("odd step")
+    return tensor_stats(snapshot)
+
+
+def _run_dir_of_this_process() -> Path:
+    """The trainer's run directory (`python -m miles.loop --run-dir D`)."""
+    return Path(sys.argv[sys.argv.index("--run-dir") + 1])
+
+
+def late_eval_reward(sample) -> float:
+    """first_number; an evaluation sample (negative group id) of step s < the last step is scored
+    only once training has logged a step after s, so its result comes late (bounded wait)."""
+    from miles.rollout.rewards import first_number
+
+    version = sample.weight_versions[0] if sample.weight_versions else 0
+    if sample.group_id < 0:
+        run_dir = _run_dir_of_this_process()
+        deadline = time.monotonic() + 120
+        while version < _last_step(run_dir) and time.monotonic() < deadline:
+            if any(r["step"] > version for r in read_metrics(run_dir)):
+                break
+            time.sleep(0.1)
+    return first_number(sample)
