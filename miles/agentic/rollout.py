@@ -200,3 +200,107 @@ async def _play(
         history.extend([{"role": "assistant", "content": text}, *result.messages])
         ep.add_observation(ids)
     s.status = Status.TRUNCATED
+
+
+AgentFn = Any
+"""`rollout.agent_fn`: `async def agent(task: dict, base_url: str) -> float | dict` (a plain function
+runs in a worker thread). A dict return holds `reward` and may add episode facts (`turns`,
+`tool_calls`, `tool_errors`, `success`, `env_s`, `sandbox_start_s`)."""
+
+
+def _load_agent(gen: Generator) -> AgentFn:
+    if "agent_fn" not in gen.context:
+        import importlib
+
+        spec = gen.config.agent_fn if gen.config is not None else None
+        module_name, _, fn_name = (spec or "").partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name, None) if module_name else None
+        except ImportError as e:
+            raise ConfigError(f"rollout.agent_fn={spec!r}: cannot import {module_name!r} ({e})") from None
+        if not callable(fn):
+            raise ConfigError(f"rollout.agent_fn={spec!r} must name a function as `module:function`")
+        gen.context["agent_fn"] = fn
+    return gen.context["agent_fn"]
+
+
+async def _session_server(gen: Generator) -> Any:
+    """The session server of this generator, started on first use in the rollout event loop."""
+    import asyncio
+
+    lock = gen.context.setdefault("server_lock", asyncio.Lock())
+    async with lock:
+        server = gen.context.get("server")
+        if server is None:
+            from miles.agentic.session_server import SessionServer
+
+            tok = gen.encoder.tokenizer
+            limit = gen.config.max_new_tokens if gen.config is not None else 1024
+            server = SessionServer(gen.clients, tok.name_or_path, tokenizer=tok, max_new_tokens=limit)
+            await server.start()
+            gen.context["server"] = server
+        if len(server.clients) == len(gen.clients):
+            server.clients = list(gen.clients)  # engines replaced after a loss: talk to the new ones
+        return server
+
+
+def _spans(mask: list[int]) -> int:
+    """Runs of 1 in a loss mask: the model turns of a branch."""
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
+async def agent_generate(
+    gen: Generator, prompt: Prompt, s: Sample, sampling: dict[str, Any]
+) -> Sample | list[Sample]:
+    """One `rollout.agent_fn` episode through a session of the session server (module docstring)."""
+    import asyncio
+    import inspect
+
+    agent = _load_agent(gen)
+    server = await _session_server(gen)
+    sid, base_url = server.open_session({"group_id": s.group_id})
+    task = _agent_task(gen, prompt)
+    t0 = time.monotonic()
+    try:
+        out = agent(task, base_url) if inspect.iscoroutinefunction(agent) else None
+        out = await out if out is not None else await asyncio.to_thread(agent, task, base_url)
+    except Exception as e:  # the agent's failure fails this sample, never the run
+        server.close_session(sid)
+        s.status, s.metadata["error"] = Status.FAILED, f"rollout.agent_fn raised {type(e).__name__}: {e}"
+        return s
+    elapsed = time.monotonic() - t0
+    branches = server.close_session(sid)
+    if not branches:
+        s.status, s.metadata["error"] = Status.FAILED, "rollout.agent_fn made no chat call"
+        return s
+    facts = dict(out) if isinstance(out, dict) else {"reward": out}
+    reward = float(facts.pop("reward", 0.0) or 0.0)
+    for b in branches:
+        b.group_id, b.index, b.reward = s.group_id, s.index, reward
+        b.prompt, b.answer = s.prompt, s.answer
+        b.metadata.update(s.metadata)
+        b.response = gen.encoder.decode(b.response_ids)
+    main = max(branches, key=lambda b: len(b.response_ids))
+    main.metadata["agent"] = {
+        "turns": float(_spans(main.loss_mask)),
+        "tool_calls": 0.0,
+        "tool_errors": 0.0,
+        "success": float(reward >= 1.0),
+        "generate_s": elapsed - float(facts.get("env_s", 0.0)),
+        **{k: float(v) for k, v in facts.items() if isinstance(v, (int, float))},
+    }
+    return [main, *(b for b in branches if b is not main)]
+
+
+def _agent_task(gen: Generator, prompt: Prompt) -> dict[str, Any]:
+    """An environment task when `rollout.env` names one, else the prompt's text, answer and metadata."""
+    cfg = gen.config
+    episode = prompt.metadata.get("episode")
+    if cfg is not None and cfg.env.name is not None and isinstance(episode, dict):
+        from miles.agentic.envs.base import make_env
+
+        return make_env(cfg.env.name, **cfg.env.options).make_task(
+            int(episode["seed"]), int(episode["index"])
+        )
+    meta = {k: v for k, v in prompt.metadata.items() if k != "sampling"}
+    return {"prompt": prompt.text, "answer": prompt.answer, **meta}
