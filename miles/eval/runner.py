@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -61,6 +62,13 @@ def load_external(spec: str) -> Callable[[str], dict[str, Any]]:
     return fn
 
 
+def _module_exists(name: str) -> bool:
+    try:
+        return bool(name) and importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def eval_metrics(raw: Any, spec: str) -> dict[str, float]:
     """An external function's answer as eval/* metrics (keys without a group go under eval/)."""
     if not isinstance(raw, dict):
@@ -91,6 +99,9 @@ class ExternalRunner:
 
     def __init__(self, plan: Plan, run_dir: Path) -> None:
         self.spec = str(plan.eval.external_fn)
+        module = self.spec.partition(":")[0] if ":" in self.spec else self.spec.rpartition(".")[0]
+        if not _module_exists(module):  # found before training starts, not at step N
+            raise ConfigError(f"eval.external_fn={self.spec!r}: no module {module!r} on the Python path")
         self.timeout_s = plan.eval.timeout_s
         self.run_dir = run_dir
         self.procs: list[subprocess.Popen] = []

@@ -260,6 +260,8 @@ def test_external_fn_that_cannot_be_imported_names_the_key(tmp_path: Path) -> No
         load_external("nope.mod:fn")
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         load_external("json:nope")
+    with pytest.raises(ConfigError, match="no module 'nope.mod' on the Python path"):
+        _evals(tmp_path, "/nonexistent", mode="external", external_fn="nope.mod:fn")
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
