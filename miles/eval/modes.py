@@ -179,10 +179,13 @@ class Evaluations:
         return [j for j in self.jobs if j.result is None and j.skipped is None]
 
     def admit(self, step: int) -> tuple[bool, dict[str, float]]:
-        """Room for an evaluation of `step`? With eval.overflow=wait, waits until there is; with
-        skip, says no and counts it. Returns (export a snapshot?, metrics for this step's record)."""
+        """Room for an evaluation of `step`? With eval.overflow=wait, waits until there is (at most
+        half of train.collective_timeout_s: the other ranks wait in a collective meanwhile); with
+        skip, or once that wait is over, says no and counts it. Returns (export a snapshot?, metrics
+        for this step's record)."""
+        deadline = time.monotonic() + self.plan.train.collective_timeout_s / 2
         while len(self.running) >= self.cfg.max_in_flight:
-            if self.cfg.overflow == "skip":
+            if self.cfg.overflow == "skip" or time.monotonic() > deadline:
                 self.skipped["overflow"] += 1
                 log.warning("evaluation of step %d skipped: %d still running", step, len(self.running))
                 return False, {"eval/skipped_overflow": float(self.skipped["overflow"])}
