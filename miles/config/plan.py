@@ -7,6 +7,7 @@ from miles.config.engine import EngineConfig
 from miles.config.eval import EvalConfig
 from miles.config.launch import LaunchConfig
 from miles.config.model import ModelConfig
+from miles.config.observe import ObserveConfig
 from miles.config.rollout import RolloutConfig
 from miles.config.train import TrainConfig
 from miles.config.weights import WeightsConfig
@@ -36,6 +37,7 @@ class Plan(Section):
     train: TrainConfig = TrainConfig()
     weights: WeightsConfig = WeightsConfig()
     launch: LaunchConfig = LaunchConfig()
+    observe: ObserveConfig = ObserveConfig()
 
     @property
     def run_dir(self) -> str:
