@@ -89,13 +89,23 @@ class ChatTemplate:
             raise ValueError(f"{self.family.turn_end!r} is not one token of this tokenizer ({ids})")
         self.turn_end_id = ids[0]
         self._marker = f"\x00turn-{uuid.uuid4().hex}\x00"
+        self._compiled = _compiled(tokenizer.chat_template)
+        self._specials = dict(getattr(tokenizer, "special_tokens_map", {}))
 
     def encode(self, text: str) -> list[int]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, no wrapper
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict] | None, options: dict[str, Any], gen: bool
     ) -> str:
+        if self._compiled is not None:  # messages are plain JSON data: no conversion needed
+            kwargs = {**self._specials, **options}
+            return self._compiled.render(
+                messages=messages, tools=tools or None, add_generation_prompt=gen, **kwargs
+            )
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=gen, tokenize=False, **options
         )
@@ -129,6 +139,20 @@ class ChatTemplate:
             )
         tail = self.encode(text[end + len(self.family.turn_end) :])
         return tail if closed else [self.turn_end_id] + tail
+
+
+def _compiled(chat_template: str) -> Any:
+    """transformers' compiled Jinja template (its sandbox, filters and globals), or None.
+
+    Rendering it directly skips `apply_chat_template`'s conversion of rich message objects to plain
+    data, most of a turn's rendering time; session messages are plain JSON data already. Where that
+    helper is missing (another transformers version), `apply_chat_template` is used."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(chat_template)
+    except (ImportError, AttributeError):
+        return None
 
 
 # ---- messages ----

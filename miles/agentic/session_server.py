@@ -116,7 +116,10 @@ class SessionServer:
         """Serve on host:port (0: the OS picks); returns the URL root once requests are accepted."""
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named explicitly: asyncio turns Nagle's algorithm off only for sockets whose
+        # proto is TCP, and with it on every reply waits ~40 ms for a delayed ACK (headers and body
+        # are written separately)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")

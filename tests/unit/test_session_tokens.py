@@ -160,6 +160,22 @@ def test_prompt_equals_full_render_where_the_template_is_prefix_preserving(token
         history += [message, {"role": "user", "content": f"and then {k}"}]
 
 
+@pytest.mark.parametrize("name", ["tiny", "qwen2.5", "qwen3", "llama3"])
+def test_rendering_equals_apply_chat_template(tokenizers, name):
+    tok = tokenizers[name]
+    template = ChatTemplate(tok)
+    session = Session("s", template)
+    tools = None if name == "tiny" else TOOLS
+    _, history = episode(session, template.family.name, tools)
+    messages = [template_message(m) for m in history]
+    for options in ({}, {"enable_thinking": False}):
+        for gen in (True, False):
+            expected = tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=gen, tokenize=False, **options
+            )
+            assert template.render(messages, tools, options, gen) == expected
+
+
 def test_chatml_boundary_newline(tokenizers):
     """The engine stops at <|im_end|>; the newline after it comes first in the appended tokens."""
     tok = tokenizers["tiny"]
