@@ -75,6 +75,10 @@ class MetricsLogger:
 
             purge = None if resume_step is None else resume_step + 1  # TensorBoard drops steps >= purge
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
+        from miles.wandb_sink import with_wandb
+
+        # W&B beside TensorBoard when RUN_DIR/plan.yaml enables observe.wandb (miles/wandb_sink.py)
+        self._tb = with_wandb(self._tb, self.run_dir, resume_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the record of `step` and make it durable before returning."""
