@@ -10,8 +10,8 @@ finishes steps later is added to the record of the step whose weights it measure
 file is rewritten atomically with the keys merged in; TensorBoard gets them at that step).
 
 Multi-turn runs add per-episode means under `agent/` (turns, tool_calls, tool_errors, success,
-generate_time_s vs env_time_s, sandbox_start_s, branches; miles/rollout/producer.py), shown in the
-progress bar and in the `agent` and `agent_time` plots.
+generate_time_s vs env_time_s, reset_time_s, sandbox_start_s, branches; see
+miles/rollout/producer.py), shown in the progress bar and in the `agent` and `agent_time` plots.
 """
 
 from __future__ import annotations
@@ -175,7 +175,12 @@ _PANELS: dict[str, list[str]] = {
     "time": ["time/rollout_s", "time/train_s", "time/sync_s", "time/eval_s"],
     "loss": ["train/loss", "train/entropy"],
     "agent": ["agent/success", "agent/turns", "agent/tool_calls", "agent/tool_errors", "agent/branches"],
-    "agent_time": ["agent/generate_time_s", "agent/env_time_s", "agent/sandbox_start_s"],
+    "agent_time": [
+        "agent/generate_time_s",
+        "agent/env_time_s",
+        "agent/reset_time_s",
+        "agent/sandbox_start_s",
+    ],
 }
 
 

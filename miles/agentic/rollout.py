@@ -20,8 +20,10 @@ session server to the agent function, which may use any OpenAI client; the sessi
 records become the samples (one per trajectory branch), all scored with the agent's reward.
 
 Both record per-episode facts in `sample.metadata["agent"]` (turns, tool_calls, tool_errors,
-env_s, generate_s, success, and sandbox_start_s where the environment reports it); the producer
-turns them into `agent/*` metrics.
+tool_timeouts, success, generate_s: time in engine calls, env_s: time in the environment's reset and
+steps, reset_s: the reset alone, where a per-episode sandbox starts, and sandbox_start_s where the
+environment reports it in its observation's or steps' info); the producer turns them into `agent/*`
+metrics.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Episode:
         s.weight_versions.extend([version] * len(ids))
 
     def add_info(self, info: dict[str, Any]) -> None:
-        for key in ("tool_calls", "tool_errors", "success", "sandbox_start_s"):
+        for key in ("tool_calls", "tool_errors", "tool_timeouts", "success", "sandbox_start_s"):
             if isinstance(info.get(key), (int, float)):
                 self.facts[key] = self.facts.get(key, 0.0) + float(info[key])
 
@@ -143,7 +145,8 @@ async def env_generate(gen: Generator, prompt: Prompt, s: Sample, sampling: dict
     try:
         t0 = time.monotonic()
         obs = await env.reset(_episode_task(env, prompt))
-        ep.facts["env_s"] += time.monotonic() - t0
+        ep.facts["reset_s"] = time.monotonic() - t0
+        ep.facts["env_s"] += ep.facts["reset_s"]
         ep.add_info(obs.info)
         tools = (
             getattr(env, "tools", None) if gen.config is not None and gen.config.env.render_tools else None

@@ -38,10 +38,21 @@ from miles.sample import Sample, Status
 log = logging.getLogger("miles.rollout")
 
 
-AGENT_KEYS = ("turns", "tool_calls", "tool_errors", "env_s", "generate_s", "sandbox_start_s", "success")
-"""Per-episode facts of `sample.metadata["agent"]` reported as means (agent/<key>, times as *_time_s)."""
+AGENT_KEYS = (
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "tool_timeouts",
+    "env_s",
+    "generate_s",
+    "reset_s",
+    "sandbox_start_s",
+    "success",
+)
+"""Per-episode facts of `sample.metadata["agent"]` reported as means (agent/<key>, times as *_time_s);
+a fact no episode of the step recorded is left out."""
 
-_AGENT_NAMES = {"env_s": "env_time_s", "generate_s": "generate_time_s"}
+_AGENT_NAMES = {"env_s": "env_time_s", "generate_s": "generate_time_s", "reset_s": "reset_time_s"}
 
 
 @dataclass
