@@ -13,7 +13,8 @@ output ids, log-probs and per-token weight versions are appended as the engine r
 template renders it after the assistant turn, tokenised once (mask 0, log-prob 0, the weight version
 of the turn before it, so a group's staleness is that of its oldest generated token). The episode
 ends when the environment says done, at `rollout.env.max_turns` turns or at
-`rollout.env.max_episode_tokens` tokens (then truncated). The sample's reward is the episode's return.
+`rollout.env.max_episode_tokens` tokens (then truncated; so does a later turn the engine refuses, e.g.
+past its context length). The sample's reward is the episode's return.
 
 `agent_generate` (used when `rollout.agent_fn` is set) hands the task and a session `base_url` of the
 session server to the agent function, which may use any OpenAI client; the session server's token
@@ -32,6 +33,7 @@ import time
 from typing import Any
 
 from miles.config import ConfigError
+from miles.rollout.client import EngineError
 from miles.rollout.generate import Generator, parse_version
 from miles.rollout.tasks import Prompt
 from miles.sample import Sample, Status
@@ -184,8 +186,16 @@ async def _play(
             return
         params = {**sampling, "max_new_tokens": min(int(sampling.get("max_new_tokens", left)), left)}
         t0 = time.monotonic()
-        r = await gen.call_engine(s, s.prompt_ids + s.response_ids, params, slot=slot)
-        ep.facts["generate_s"] += time.monotonic() - t0
+        try:
+            r = await gen.call_engine(s, s.prompt_ids + s.response_ids, params, slot=slot)
+        except EngineError as e:
+            if not s.response_ids:
+                raise  # the first turn's request is refused: a configuration error, not an episode's
+            # a later turn refused (the episode outgrew the engine's context): it ends truncated
+            s.status, s.metadata["error"] = Status.TRUNCATED, str(e)
+            return
+        finally:
+            ep.facts["generate_s"] += time.monotonic() - t0
         if r is None:  # the engine never finished the turn: the episode failed
             return
         ep.add_turn(r)
