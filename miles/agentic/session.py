@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.agentic.trajectory import Node, TrajectoryTree
+from miles.chat.render import template_messages
 from miles.sample import Sample
 
 
@@ -159,18 +160,15 @@ def _compiled(chat_template: str) -> Any:
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A request message as chat templates expect it: unset fields dropped, content one string."""
+    """A request message as chat templates expect it (miles.chat.render.template_messages: content
+    one string, tool-call arguments as objects), with unset fields dropped and OpenAI's `developer`
+    role as `system`."""
     out = {k: v for k, v in message.items() if v is not None}
     if out.get("role") == "developer":  # OpenAI's newer name for the system role
         out["role"] = "system"
-    content = out.get("content")
-    if isinstance(content, list):
-        out["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if out.get("role") == "assistant":
-        out.setdefault("content", "")
-        if not out.get("tool_calls"):
-            out.pop("tool_calls", None)
-    return out
+    if out.get("role") == "assistant" and not out.get("tool_calls"):
+        out.pop("tool_calls", None)
+    return template_messages([out])[0]
 
 
 _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.S)

@@ -36,7 +36,6 @@ import dataclasses
 import inspect
 import itertools
 import json
-import re
 import socket
 import sys
 import time
@@ -69,6 +68,7 @@ from miles.chat.openai_schema import (
     Usage,
     parse_request,
 )
+from miles.chat.toolcalls import parse_tool_calls
 from miles.rollout.client import EngineError, GenerateResult, SGLangClient
 from miles.rollout.generate import parse_version
 from miles.sample import Sample
@@ -323,48 +323,24 @@ class SessionServer:
 
 # ---- replies ----
 
-_TOOL_TAGS = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
 
 def parse_reply(text: str, family: TemplateFamily, tools_offered: bool) -> dict[str, Any]:
     """The assistant message of a reply text: content, `reasoning_content` (thinking families) and
-    `tool_calls` (when tools were offered). A malformed tool call stays in the content."""
+    `tool_calls` (when tools were offered; miles.chat.toolcalls). A malformed call stays in the
+    content."""
     reply: dict[str, Any] = {"role": "assistant"}
     if family.thinks and "</think>" in text:
         reasoning, _, text = text.partition("</think>")
         reply["reasoning_content"] = reasoning.replace("<think>", "", 1).strip("\n")
         text = text.lstrip("\n")
-    calls: list[dict[str, Any]] = []
-    if tools_offered and family.tool_format == "tool_call_tags":
-        for raw in _TOOL_TAGS.findall(text):
-            call = _tool_call(raw, "arguments")
-            if call is None:
-                calls = []
-                break
-            calls.append(call)
-        if calls:
-            text = text[: text.find("<tool_call>")]
-    elif tools_offered and family.tool_format == "json":
-        call = _tool_call(text.strip().removeprefix("<|python_tag|>"), "parameters")
-        if call is not None:
-            calls, text = [call], ""
-    reply["content"] = text.strip() if calls else text
-    if calls:
-        reply["tool_calls"] = calls
+    if not tools_offered:
+        reply["content"] = text
+        return reply
+    parsed = parse_tool_calls(text, family.name)
+    reply["content"] = parsed.content
+    if parsed.tool_calls:
+        reply["tool_calls"] = parsed.tool_calls
     return reply
-
-
-def _tool_call(raw: str, args_key: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", {}))
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    fn = {"name": obj["name"], "arguments": arguments}
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn}
 
 
 def _decode(tokenizer: Any, ids: list[int]) -> str:
