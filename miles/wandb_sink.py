@@ -53,8 +53,11 @@ class WandbWriter:
             self.inner.flush()
 
     def close(self) -> None:
+        import wandb
+
         self.flush()
         self.run.finish()
+        wandb.teardown()  # stops wandb's service process, which writes out the run file only then
         if self.inner is not None:
             self.inner.close()
 
@@ -107,6 +110,7 @@ def start_run(plan: Any, run_dir: Path, resumed: bool) -> Any:
         tags=list(cfg.tags),
         config=config,
         resume="allow",
+        settings=wandb.Settings(console="off"),  # the run's own logs are under RUN_DIR/logs
     )
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
