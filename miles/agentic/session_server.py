@@ -104,7 +104,9 @@ class SessionServer:
         self.max_attempts = max_attempts
         self.sessions: dict[str, Session] = {}
         self.url = ""
-        self._engine: dict[str, SGLangClient] = {}
+        self._engine: dict[str, int] = {}
+        """Session id -> index of its engine in `clients` (the list may be replaced, e.g. after an
+        engine was lost; a session then continues on the client now at its index)."""
         self._next = itertools.cycle(range(len(self.clients)))
         self._keyed = "routing_key" in inspect.signature(SGLangClient.generate).parameters
         self._server: Any = None
@@ -143,7 +145,7 @@ class SessionServer:
         """A new session: its id and its OpenAI base_url."""
         sid = uuid.uuid4().hex
         self.sessions[sid] = Session(sid, self.template, metadata)
-        self._engine[sid] = self.clients[next(self._next)]
+        self._engine[sid] = next(self._next)
         return sid, self.base_url(sid)
 
     def base_url(self, sid: str) -> str:
@@ -256,7 +258,7 @@ class SessionServer:
     async def _generate(
         self, session: Session, turn: Turn, params: dict[str, Any], seed: int | None
     ) -> GenerateResult:
-        client = self._engine.get(session.id) or self.clients[0]
+        client = self.clients[self._engine.get(session.id, 0) % len(self.clients)]
         params = params if seed is None else {**params, "sampling_seed": seed}
         extra = {"routing_key": session.id} if self._keyed else {}
         for _ in range(self.max_attempts):
@@ -340,6 +342,8 @@ def parse_reply(text: str, family: TemplateFamily, tools_offered: bool) -> dict[
     reply["content"] = parsed.content
     if parsed.tool_calls:
         reply["tool_calls"] = parsed.tool_calls
+    if parsed.malformed:
+        reply["malformed_tool_calls"] = parsed.malformed  # recorded, not sent to the client
     return reply
 
 

@@ -17,6 +17,8 @@ Sample layout of a branch: `prompt_ids` = the first node's appended tokens (the 
 `rollout_logprobs` are the engine's on those and 0.0 elsewhere; `weight_versions` has one entry per
 response token: the engine's version for produced tokens, and for appended tokens the version of the
 reply before them (they add no new version, so `Sample.oldest_version` is that of the policy tokens).
+`metadata` carries `branch`, `node_ids`, `turns` (engine calls on the branch), `tool_calls` and
+`malformed_tool_calls` (counted over the branch's replies), `num_branches`, plus the session's own.
 """
 
 from __future__ import annotations
@@ -186,7 +188,14 @@ def branch_sample(leaf: Node, group_id: int, index: int, metadata: dict[str, Any
         versions += node.versions
         if node.versions:
             version = node.versions[-1]
-    meta = {**metadata, "branch": index, "node_ids": [n.id for n in path], "turns": len(path)}
+    meta = {
+        **metadata,
+        "branch": index,
+        "node_ids": [n.id for n in path],
+        "turns": len(path),
+        "tool_calls": sum(len(n.reply.get("tool_calls") or []) for n in path),
+        "malformed_tool_calls": sum(int(n.reply.get("malformed_tool_calls", 0)) for n in path),
+    }
     return Sample(
         group_id,
         index,

@@ -142,6 +142,7 @@ def test_prompts_are_append_only(tokenizers, name):
         assert sample.response_ids[start : start + len(out)] == out
         assert sample.loss_mask[start : start + len(out)] == [1] * len(out)
     assert sum(sample.loss_mask) == sum(len(out) for _, out in calls)
+    assert sample.metadata["turns"] == 4 and sample.metadata["tool_calls"] == 2
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama3"])
@@ -381,7 +382,8 @@ def test_reply_parsing():
     assert reply["tool_calls"][0]["function"] == {"name": "calc", "arguments": '{"expr": "1+2"}'}
     assert "tool_calls" not in parse_reply(text, chatml, False)  # no tools offered: plain text
     broken = '<tool_call>\n{"name": "calc", "arguments": {"expr": \n</tool_call>'
-    assert parse_reply(broken, chatml, True) == {"role": "assistant", "content": broken}  # kept as text
+    kept = parse_reply(broken, chatml, True)  # a malformed call stays text, and is counted
+    assert kept == {"role": "assistant", "content": broken, "malformed_tool_calls": 1}
     assert parse_reply("<think>\nhm\n</think>\n\nok", qwen3, False)["reasoning_content"] == "hm"
     assert parse_reply('{"name": "calc", "parameters": {"expr": "2"}}', llama3, True)["content"] is None
     assert parse_reply("just words", llama3, True) == {"role": "assistant", "content": "just words"}
