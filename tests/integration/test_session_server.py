@@ -191,3 +191,54 @@ def test_delete_returns_the_samples(engine, tiny_model):
     assert all(
         s["metadata"]["task"] == "t1" and s["loss_mask"] == [1] * len(s["response_ids"]) for s in samples
     )
+
+
+def test_each_session_carries_its_routing_key(tiny_model):
+    """Every engine call of a session carries the session id in the router's routing-key header
+    (an HTTP server standing in for the router records the headers it gets)."""
+    from aiohttp import web
+
+    from miles.rollout.router import ROUTING_KEY_HEADER
+
+    seen: list[str | None] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        seen.append(request.headers.get(ROUTING_KEY_HEADER))
+        meta = {
+            "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.1, 2, None]],
+            "weight_version": "1",
+        }
+        return web.json_response({"text": "", "output_ids": [2], "meta_info": meta})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        client = SGLangClient(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        server = SessionServer([client], tiny_model)
+        await server.start()
+        sids = []
+        async with httpx.AsyncClient() as http:
+            for _ in range(2):
+                sid, base_url = server.open_session()
+                sids.append(sid)
+                history = [{"role": "user", "content": "hi"}]
+                for _ in range(2):
+                    reply = (
+                        await http.post(base_url + "/chat/completions", json={"messages": history})
+                    ).json()
+                    history += [reply["choices"][0]["message"], {"role": "user", "content": "more"}]
+        samples = server.close_session(sids[0])
+        await server.stop()
+        await client.aclose()
+        await runner.cleanup()
+        return sids, samples
+
+    sids, samples = asyncio.run(main())
+    assert seen == [sids[0], sids[0], sids[1], sids[1]]
+    (sample,) = samples
+    assert sample.weight_versions == [1] * len(sample.response_ids)
