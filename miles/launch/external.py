@@ -35,6 +35,8 @@ EXTERNAL_NODE = "external"
 INITIAL_VERSION = "default"
 """SGLang's weight version of freshly loaded weights (the loop reads it as version 0)."""
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+INFO_TIMEOUT_S = 30.0
+"""Bound on each answer to a check (a server that accepts connections but never answers fails it)."""
 PROBE_TEXT = "Miles checks the tokenizer: The quick brown fox, 0123456789 (+-*/=) and <|im_end|>."
 
 
@@ -130,7 +132,9 @@ async def load_initial_weights(client: SGLangClient, info: dict[str, Any], model
 
 
 async def _check_one(url: str, plan: Plan, resume: bool) -> None:
-    client = SGLangClient(url, timeout_s=max(plan.engine.startup_timeout_s, 30.0), retries=2)
+    # questions are answered at once by a live server; loading weights may take minutes
+    client = SGLangClient(url, timeout_s=INFO_TIMEOUT_S, retries=2)
+    loader = SGLangClient(url, timeout_s=max(plan.engine.startup_timeout_s, INFO_TIMEOUT_S), retries=0)
     try:
         try:
             info = await client.get_model_info()
@@ -150,9 +154,10 @@ async def _check_one(url: str, plan: Plan, resume: bool) -> None:
             check_shapes(url, served, model_path)
         await check_tokenizer(client, model_path)
         if not resume:
-            await load_initial_weights(client, info, model_path)
+            await load_initial_weights(loader, info, model_path)
     finally:
         await client.aclose()
+        await loader.aclose()
 
 
 def check_external_servers(plan: Plan, resume: bool) -> None:

@@ -159,3 +159,21 @@ def test_a_server_of_another_model_is_refused(tiny_model, tmp_path):
         _still_serves(server)
     finally:
         server.stop()
+
+
+def test_supervisor_reports_a_failing_external_server_and_never_replaces_it(tmp_path, capsys):
+    from miles.config import resolve
+    from miles.launch.external import ExternalEngine
+    from miles.launch.supervise import EngineSlot, Supervisor
+
+    url = f"http://127.0.0.1:{free_port()}"
+    plan = resolve({}, [f'engine.urls=["{url}"]', "engine.health_check_interval_s=0"])
+    replaced = []
+    slot = EngineSlot(0, ExternalEngine(url, "engine-0"), external=True)
+    sup = Supervisor(plan, tmp_path, [slot], restart_engine=replaced.append)
+    for _ in range(5):
+        sup.check_engines()
+    err = capsys.readouterr().err
+    assert err.count(f"engine-0 {url} (engine.urls) failed /health 3 times in a row") == 1, err
+    assert "does not restart servers it did not start" in err
+    assert replaced == [] and slot.restarts == 0
