@@ -10,6 +10,7 @@ the native `/generate` answer for the same prompt.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -276,3 +277,34 @@ def test_error_bodies(client):
     assert status == 400 and "regex" in body["message"]
     # the engine still serves afterwards
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
+def _open_stream(engine, rid: str) -> int:
+    """Open a chat stream with `rid`, read its first event when it starts, leave: the status code."""
+    body = {"model": "tiny", "messages": USER, "max_tokens": 50, "stream": True, "rid": rid}
+    with httpx.stream("POST", engine.url + "/v1/chat/completions", json=body, timeout=TIMEOUT_S) as r:
+        if r.status_code != 200:
+            r.read()
+            assert "Duplicate request ID detected" in r.json()["error"]["message"], r.text
+            return r.status_code
+        lines = r.iter_lines()  # held: a dropped line iterator closes the response, which leaves
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+        assert _open_stream(engine, rid) == 400  # its rid is held while it runs
+    return 200
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(engine):
+    # paused in place, no request can finish by itself: only the abort of a stream that was left
+    # can free its rid
+    assert httpx.post(
+        engine.url + "/pause_generation", json={"mode": "in_place"}, timeout=TIMEOUT_S
+    ).is_success
+    try:
+        assert _open_stream(engine, "left") == 200
+        deadline = time.monotonic() + TIMEOUT_S  # a bound on a hang, not a timing
+        while _open_stream(engine, "left") != 200:
+            assert time.monotonic() < deadline, "the left request still holds its rid"
+            time.sleep(0.05)
+    finally:
+        httpx.post(engine.url + "/continue_generation", json={}, timeout=TIMEOUT_S)
