@@ -211,6 +211,10 @@ def test_qwen3_keeps_the_recorded_think_block(tokenizers):
         tok.decode(second.appended_ids)
         == "\n<|im_start|>user\nand 3 plus 3<|im_end|>\n<|im_start|>assistant\n"
     )
+    # template options reach the appended generation prompt (thinking switched off: an empty block)
+    off = session.plan(history, options={"enable_thinking": False})
+    assert off.parent is None  # other template options: a prompt the model has not seen, a new root
+    assert tok.decode(off.prompt_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     # a client that sends the thinking back inside the content still matches the record
     history[1] = {"role": "assistant", "content": "<think>\n2 and 2 make 4\n</think>\n\nthe answer 4"}
     assert session.plan(history).prompt_ids == second.prompt_ids
