@@ -5,7 +5,10 @@
 One start is what an episode waits for before its first tool runs: `create()` (a fresh directory)
 plus the first `exec(["true"])` (bwrap builds its namespaces and mounts, prlimit sets the limits,
 the command runs and exits), then `close()` (timed apart: it is off the episode's critical path).
-Starts run one after another so that each measures latency, not the host's throughput. A second
+Starts run one after another so that each measures latency, not the host's throughput. On a busy
+host the wall times mostly measure waiting for a core, so the CPU time a start costs (this process
+plus its children: bwrap, prlimit, the command) is printed too: the start-up an idle core would see
+is close to it. A second
 pass goes through `SandboxPool` with start-ahead to show what an episode waits for when sandboxes
 are started in the background (`acquire()` until the first exec returns).
 """
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import os
 import platform
+import resource
 import time
 
 from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings
@@ -55,6 +59,11 @@ async def pooled_starts(n: int, settings: BwrapSettings, ahead: int) -> list[flo
     return waits
 
 
+def _cpu_s() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--starts", type=int, default=200)
@@ -63,7 +72,9 @@ def main() -> None:
     args = p.parse_args()
     settings = BwrapSettings(root=args.root)
     asyncio.run(cold_starts(5, settings))  # warm the page cache
+    cpu0 = _cpu_s()
     starts, closes = asyncio.run(cold_starts(args.starts, settings))
+    cpu_ms = 1000 * (_cpu_s() - cpu0) / args.starts
     print(f"host: {platform.node()} {os.cpu_count()} CPUs, load average {os.getloadavg()}")
     ms = lambda v: f"{1000 * v:.1f} ms"  # noqa: E731
     print(f"cold start (create + first exec), {args.starts} starts:")
@@ -71,6 +82,7 @@ def main() -> None:
         f"  p50 {ms(pct(starts, 50))}  p90 {ms(pct(starts, 90))}  p99 {ms(pct(starts, 99))}  max {ms(max(starts))}"
     )
     print(f"  close p50 {ms(pct(closes, 50))}  p99 {ms(pct(closes, 99))}")
+    print(f"  CPU time per start and close (this process + children): {cpu_ms:.1f} ms")
     if args.pooled:
         waits = asyncio.run(pooled_starts(args.pooled, settings, ahead=2))
         print(f"pooled (start_ahead=2), acquire + first exec, {args.pooled} episodes:")
