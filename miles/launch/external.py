@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,7 @@ async def load_initial_weights(client: SGLangClient, info: dict[str, Any], model
         return
     print(
         f"miles: {client.url} serves {served} (weight version {version}); loading model.path={model_path}",
-        flush=True,
+        file=sys.stderr,
     )
     try:
         await client.update_weights_from_disk(model_path, weight_version=INITIAL_VERSION)
