@@ -84,7 +84,7 @@ def evaluate_weights(
     on (miles.eval.modes). Returns what belongs in this step's record."""
     if plan.eval.mode == "shared":
         return side.evaluate(step) if rank0 else {}
-    go, metrics = evals.admit(step) if rank0 else (False, {})
+    go, metrics = evals.admit(step, step == plan.train.steps) if rank0 else (False, {})
     if barrier_flag(go):
         buckets = backend.export_weights(plan.weights.bucket_mb << 20)
         if rank0:

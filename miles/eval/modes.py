@@ -178,14 +178,15 @@ class Evaluations:
     def running(self) -> list[EvalJob]:
         return [j for j in self.jobs if j.result is None and j.skipped is None]
 
-    def admit(self, step: int) -> tuple[bool, dict[str, float]]:
-        """Room for an evaluation of `step`? With eval.overflow=wait, waits until there is (at most
-        half of train.collective_timeout_s: the other ranks wait in a collective meanwhile); with
-        skip, or once that wait is over, says no and counts it. Returns (export a snapshot?, metrics
-        for this step's record)."""
+    def admit(self, step: int, last: bool = False) -> tuple[bool, dict[str, float]]:
+        """Room for an evaluation of `step`? With eval.overflow=wait, or at the last step (training
+        is over: waiting costs it nothing), waits until there is, at most half of
+        train.collective_timeout_s (the other ranks wait in a collective meanwhile); with skip, or
+        once that wait is over, says no and counts it. Returns (export a snapshot?, metrics for this
+        step's record)."""
         deadline = time.monotonic() + self.plan.train.collective_timeout_s / 2
         while len(self.running) >= self.cfg.max_in_flight:
-            if self.cfg.overflow == "skip" or time.monotonic() > deadline:
+            if (self.cfg.overflow == "skip" and not last) or time.monotonic() > deadline:
                 self.skipped["overflow"] += 1
                 log.warning("evaluation of step %d skipped: %d still running", step, len(self.running))
                 return False, {"eval/skipped_overflow": float(self.skipped["overflow"])}

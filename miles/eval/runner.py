@@ -172,7 +172,15 @@ class DedicatedRunner:
         self._thread = threading.Thread(target=self._loop.run_forever, name="eval", daemon=True)
         self._thread.start()
         self._lock = asyncio.run_coroutine_threadsafe(_make_lock(), self._loop).result()
-        self._task: Any = None
+        self._warm = asyncio.run_coroutine_threadsafe(self._start_early(), self._loop)
+
+    async def _start_early(self) -> None:
+        """Start (or find) the eval engines now, while training starts, not at the first evaluation."""
+        async with self._lock:
+            try:
+                await self._ensure_engines()
+            except Exception as e:
+                log.warning("eval engines not ready (retried at the first evaluation): %s", e)
 
     def start(self, job: EvalJob) -> None:
         job.handle = asyncio.run_coroutine_threadsafe(self._evaluate(job), self._loop)

@@ -154,17 +154,19 @@ def test_overflow_skip_and_wait(tmp_path: Path, tiny_model: str, fns_on_path) ->
         evals.submit(1, _buckets(tiny_model))
         assert evals.admit(2) == (False, {"eval/skipped_overflow": 1.0})
         assert evals.admit(3) == (False, {"eval/skipped_overflow": 2.0})
+        assert evals.admit(4, last=True) == (True, {})  # the final weights: waits, training is over
+        assert not evals.running
     finally:
         evals.close()
     evals = _evals(tmp_path, tiny_model, mode="external", external_fn="e2e_eval_fns:slow", overflow="wait")
     try:
-        evals.submit(4, _buckets(tiny_model))
-        assert evals.admit(5) == (True, {})  # returns once step 4's evaluation has finished
+        evals.submit(5, _buckets(tiny_model))
+        assert evals.admit(6) == (True, {})  # returns once step 5's evaluation has finished
         assert not evals.running
-        ((step, metrics),) = evals.collect(current_step=5)
+        ((step, metrics),) = evals.collect(current_step=6)
     finally:
         evals.close()
-    assert step == 4 and metrics["eval/snapshot_step"] == 4 and metrics["eval/lag_steps"] == 1
+    assert step == 5 and metrics["eval/snapshot_step"] == 5 and metrics["eval/lag_steps"] == 1
 
 
 def test_results_are_reported_in_step_order(tmp_path: Path, tiny_model: str, fns_on_path) -> None:
