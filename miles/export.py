@@ -1,8 +1,37 @@
-"""`miles export RUN_DIR [--step N] OUT`: a run's checkpoint as a Hugging Face model directory."""
+"""`miles export RUN_DIR [--step N] OUT`: a run's checkpoint as a Hugging Face model directory.
+
+OUT receives model.safetensors (in plan.model.dtype), config.json, generation_config.json and the
+tokenizer of plan.model.path, so that `AutoModelForCausalLM.from_pretrained(OUT)` gives the logits of
+the trainer's weights at that step. One process, on the CPU, no process group and no GPU:
+
+- FSDP (`checkpoints/step_N/state/`, torch.distributed.checkpoint): the model entries are read into
+  a model of the run's architecture, whatever number of ranks wrote them (DCP stores global offsets).
+  The optimiser state beside them is not read.
+- Megatron (`checkpoints/step_N/megatron/model_tpT_ppP.pt`): the tensor-parallel slices of each
+  pipeline stage are joined (miles/train/megatron/convert.py), each stage's layers renumbered from
+  the layer counts of the stages before it, and the names mapped to the HF ones. Needs no megatron
+  package: the files hold plain tensors.
+
+The checkpoint is verified against its `.complete` record first (without --step: the newest one
+that verifies). Every parameter of the model must come from the checkpoint: a missing or unexpected
+name is an error that lists them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from miles.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+_MEGATRON_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -17,10 +46,149 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         help="write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer)",
     )
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("out", metavar="OUT", help="directory to write (created; must be empty if it exists)")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one that verifies)")
+    p.add_argument("out", metavar="OUT", help="directory to write (created; it must be empty if it exists)")
+    p.add_argument(
+        "--step", type=int, help="checkpoint step (default: the newest complete one that verifies)"
+    )
     p.set_defaults(func=_cmd_export)
 
 
-def export_run(run_dir: str, out: str, step: int | None = None) -> str:
-    raise NotImplementedError
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """Write the HF directory of the checkpoint of `step` (None: the newest that verifies) to `out`."""
+    from miles.config.resolve import read_plan
+    from miles.train.checkpoint import CheckpointError, choose, step_dir
+
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / "plan.yaml").is_file():
+        raise ConfigError(
+            f"{run_dir} has no plan.yaml: is it a run directory (made by `miles train`/`submit`)?"
+        )
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty: name a new directory for the export")
+    plan = read_plan(run_dir / "plan.yaml")
+    choice = choose(run_dir, step)
+    for note in choice.notes:
+        log.warning("%s", note)
+    try:
+        step = choice.check()
+    except CheckpointError as e:
+        raise ConfigError(f"miles export: {e}") from e
+    src = step_dir(run_dir, step)
+    model = _empty_model(plan.model.path)
+    if (src / "megatron").is_dir():
+        state = megatron_state(src / "megatron", model.config)
+    elif (src / "state").is_dir():
+        state = fsdp_state(src / "state", model)
+    else:
+        raise ConfigError(f"{src} holds neither state/ (FSDP) nor megatron/ (Megatron) checkpoint files")
+    _load_strict(model, state, src)
+    return _write(model, plan.model.path, plan.model.dtype, out, step)
+
+
+def _empty_model(model_path: str) -> Any:
+    """The run's architecture (from plan.model.path's config) with fp32 weights to be overwritten."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def fsdp_state(state_dir: Path, model: Any) -> dict[str, Any]:
+    """The model entries of an FSDP (DCP) checkpoint, as full CPU tensors keyed by HF names."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = {
+        k.removeprefix("model.")
+        for k in FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+        if k.startswith("model.")
+    }
+    wanted = {k: v.detach().clone() for k, v in model.state_dict().items() if k in saved}
+    holder = {"model": wanted}
+    dcp.load(holder, checkpoint_id=str(state_dir), no_dist=True)
+    extra = sorted(saved - set(model.state_dict()))
+    if extra:
+        raise ConfigError(
+            f"{state_dir}: parameters the model of plan.model.path lacks: {', '.join(extra[:8])}"
+        )
+    return holder["model"]
+
+
+def megatron_state(mg_dir: Path, hf_cfg: Any) -> dict[str, Any]:
+    """HF-named full tensors from the per-(TP, PP) model files of a Megatron checkpoint."""
+    import torch
+
+    from miles.train.megatron import convert
+
+    files: dict[tuple[int, int], Path] = {}
+    for p in mg_dir.iterdir():
+        if m := _MEGATRON_FILE.match(p.name):
+            files[(int(m.group(1)), int(m.group(2)))] = p
+    if not files:
+        raise ConfigError(f"{mg_dir} holds no model_tp<T>_pp<P>.pt files")
+    tp = 1 + max(t for t, _ in files)
+    pp = 1 + max(p for _, p in files)
+    missing = [f"model_tp{t}_pp{p}.pt" for t in range(tp) for p in range(pp) if (t, p) not in files]
+    if missing:
+        raise ConfigError(f"{mg_dir} lacks {', '.join(missing)} (a checkpoint of TP={tp}, PP={pp})")
+    full: dict[str, torch.Tensor] = {}
+    offset = 0
+    shapes = None
+    for stage in range(pp):
+        shards = [torch.load(files[(t, stage)], map_location="cpu", weights_only=True) for t in range(tp)]
+        names = [k for k in shards[0] if not k.endswith("_extra_state")]
+        if shapes is None:
+            te = any(k.endswith("layer_norm_weight") for k in names)
+            shapes = convert.Shapes.from_hf(hf_cfg, te_names=te)
+        for name in names:
+            full[convert.to_global(name, offset)] = convert.tp_unshard(
+                name, [s[name] for s in shards], shapes
+            )
+        offset += len({int(m.group(1)) for k in names if (m := _LOCAL_LAYER.match(k))})
+    if shapes.tied:
+        full.pop("output_layer.weight", None)  # the last stage's copy of the tied embedding
+    try:
+        return convert.megatron_to_hf(full, shapes)
+    except KeyError as e:
+        raise ConfigError(f"{mg_dir}: {e.args[0]}; is plan.model.path the model this run trained?") from e
+
+
+def _load_strict(model: Any, state: dict[str, Any], src: Path) -> None:
+    """Copy `state` into `model`; every parameter must be there (tied weights count once)."""
+    import torch
+
+    own = model.state_dict()
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(k for k in own if k not in state and k not in tied)
+    unexpected = sorted(k for k in state if k not in own)
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {src} does not match the model of plan.model.path: "
+            f"missing {missing[:8] or 'none'}, unexpected {unexpected[:8] or 'none'}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ConfigError(
+                f"{src}: {name} has shape {tuple(tensor.shape)}, the model {tuple(own[name].shape)}"
+            )
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)
+    if tied:
+        model.tie_weights()
+
+
+def _write(model: Any, model_path: str, dtype: str, out: Path, step: int) -> Path:
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model = model.to(getattr(torch, _DTYPES[dtype]))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    try:
+        GenerationConfig.from_pretrained(model_path).save_pretrained(out)
+    except OSError:
+        pass  # the base model ships no generation_config.json: transformers' defaults apply
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
+    log.info("exported step %d to %s", step, out)
+    return out

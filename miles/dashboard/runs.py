@@ -27,8 +27,8 @@ import yaml
 from miles.metrics import METRICS_FILE, read_metrics
 
 PANELS: dict[str, list[str]] = {
-    "reward": ["rollout/reward_mean", "train/reward_mean"],
-    "eval": ["eval/pass@1", "eval/pass@k", "eval/reward_mean"],
+    "reward": ["rollout/reward_mean"],
+    "eval": ["eval/pass@1", "eval/pass@k"],
     "mismatch": ["train/logprob_mismatch", "rollout/multi_version_frac"],
     "staleness": ["staleness/mean", "staleness/max"],
     "lengths": ["rollout/response_len_mean", "rollout/response_len_max", "rollout/truncated_frac"],

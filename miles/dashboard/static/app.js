@@ -42,7 +42,10 @@ function panelData(keys) {
       if (pts.size === 0) return;
       pts.forEach((_, s) => steps.add(s));
       const label = state.runs.length > 1 ? `${run.name}: ${key}` : key;
-      series.push({ label, pts, color: COLORS[ki % COLORS.length], dash: DASHES[ri % DASHES.length] });
+      // one run: a colour per key; several (a sweep): a colour per run, a dash pattern per key
+      const multi = state.runs.length > 1;
+      const color = COLORS[(multi ? ri : ki) % COLORS.length];
+      series.push({ label, pts, color, dash: multi ? DASHES[ki % DASHES.length] : [] });
     });
   });
   const xs = [...steps].sort((a, b) => a - b);
@@ -66,7 +69,7 @@ function drawPanel(title, keys) {
     const after = [...holder.children].find((c) => order.indexOf(c.dataset.panel) > order.indexOf(title));
     holder.insertBefore(box, after || null);
     const opts = {
-      width: 508, height: 220,
+      width: 400, height: 200,
       scales: { x: { time: false } },
       axes: [{ label: "step" }, {}],
       series: [{ label: "step" }, ...series.map((s) => ({
