@@ -17,13 +17,17 @@ Public API:
 
 SGLang extensions accepted (names as in sglang/srt/entrypoints/openai/protocol.py):
 - sampling: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
-  `no_stop_trim`, `skip_special_tokens`, `regex`, `ebnf`, `json_schema` (completions), `rid`.
+  `no_stop_trim`, `skip_special_tokens`, `regex`, `ebnf`, `json_schema`, `rid`.
 - chat: `input_ids` (prompt token ids used as given instead of rendering `messages`),
   `chat_template_kwargs`, `return_token_ids` (each choice carries `prompt_token_ids` and
   `response_token_ids`), `return_prompt_token_ids`, `return_meta_info` (each choice carries the
   native `/generate` `meta_info`: `output_token_logprobs`, `weight_version`, per-token weight
   versions, finish reason, cached tokens).
 - completions: `return_token_ids` (each choice carries `prompt_token_ids` and `token_ids`).
+
+Accepted without effect (clients send them routinely): `user`, `metadata`, `store`,
+`parallel_tool_calls` (not enforced), `reasoning_effort` (thinking is switched by the template's
+`chat_template_kwargs`), `response_format: {"type": "text"}`, `service_tier: "auto"`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ UNSUPPORTED_FIELDS = {
     "service_tier": "service tiers are not supported",
 }
 """Fields OpenAI defines that this project does not honour: a non-null value is a 400 with this reason."""
+_NO_OPS = {"response_format": ({"type": "text"},), "service_tier": ("auto", "default")}
+"""Values of those fields that ask for nothing beyond the default: accepted."""
 
 
 class OpenAIError(Exception):
@@ -221,6 +227,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     regex: str | None = None
     ebnf: str | None = None
+    json_schema: str | None = None
     rid: str | None = None
     return_token_ids: bool = False
     """Each choice carries the prompt's and its output's token ids."""
@@ -242,6 +249,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    """Accepted, not enforced: a model that writes several calls gets them all."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tokens: int | None = Field(None, ge=1)
@@ -269,7 +277,6 @@ class CompletionRequest(_Sampling):
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
-    json_schema: str | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
@@ -283,7 +290,7 @@ def parse_request(model: type[_M], data: Any) -> _M:
     if not isinstance(data, dict):
         raise OpenAIError("the request body must be a JSON object")
     for name, reason in UNSUPPORTED_FIELDS.items():
-        if data.get(name) not in (None, False) and name in model.model_fields:
+        if data.get(name) not in (None, False, *_NO_OPS.get(name, ())) and name in model.model_fields:
             raise OpenAIError(f"'{name}': {reason}", param=name, code="unsupported_parameter")
     try:
         req = model.model_validate(data)

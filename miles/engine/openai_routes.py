@@ -12,7 +12,7 @@ tool calls of the model's family (miles/chat/toolcalls.py) into `message.tool_ca
 stop becomes `finish_reason: "tool_calls"`. A call block that does not parse stays in `content`.
 `tool_choice: "required"` or a named function constrains the output with a regex (the family's
 call format, the name fixed, the arguments any one-line JSON object); it cannot be combined with
-the `regex` / `ebnf` extensions.
+the `regex` / `ebnf` / `json_schema` extensions.
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
 (also every 400 of the native checks), 413 for a body over `--max-request-bytes`, 503 while the
@@ -271,8 +271,11 @@ def _tool_regex(req: oa.ChatCompletionRequest, family: str) -> str | None:
     choice = req.tool_choice
     if not req.tools or choice in (None, "auto", "none"):
         return None
-    if req.regex is not None or req.ebnf is not None:
-        raise oa.OpenAIError("tool_choice 'required' or a named function cannot be combined with regex/ebnf")
+    if req.regex is not None or req.ebnf is not None or req.json_schema is not None:
+        raise oa.OpenAIError(
+            "tool_choice 'required' or a named function cannot be combined with regex, ebnf or json_schema",
+            param="tool_choice",
+        )
     names = (
         [choice.function.name]
         if isinstance(choice, oa.NamedToolChoice)
