@@ -67,11 +67,14 @@ def with_wandb(writer: Any | None, run_dir: str | Path, resume_step: int | None 
     plan_file = Path(run_dir) / "plan.yaml"
     if not plan_file.is_file():
         return writer
+    import yaml
+
+    raw = yaml.safe_load(plan_file.read_text()) or {}
+    if not ((raw.get("observe") or {}).get("wandb") or {}).get("enabled"):
+        return writer  # the whole plan is validated only when W&B is asked for
     from miles.config.resolve import read_plan
 
     plan = read_plan(plan_file)
-    if not plan.observe.wandb.enabled:
-        return writer
     return WandbWriter(start_run(plan, Path(run_dir), resumed=resume_step is not None), writer)
 
 
