@@ -557,6 +557,10 @@ def add_openai_routes(app: FastAPI, state: EngineState, error: Any = None) -> No
     async def _chat(request: Request) -> Response:
         if state.tokenizer is None:
             raise oa.OpenAIError("this engine has no tokenizer; chat completions need one", 400)
+        try:  # the first call loads the template's tokenizer (transformers): off the event loop
+            await asyncio.to_thread(lambda: renderer.tokenizer)
+        except ValueError as e:  # no chat template in the model directory
+            raise oa.OpenAIError(str(e), param="messages") from None
         return await chat_completions(state, renderer, request)
 
     async def _completions(request: Request) -> Response:
