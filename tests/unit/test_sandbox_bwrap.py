@@ -171,7 +171,10 @@ def test_nothing_left_after_close_even_after_an_exception(tmp_path):
             holder.append(sb)
             await sb.write_file("data.bin", os.urandom(1024))
             asyncio.ensure_future(sb.exec(f"sleep {marker}"))
-            await asyncio.sleep(0.3)
+            for _ in range(500):  # wait until the command runs (a busy host may take seconds)
+                if _pids_running(marker):
+                    break
+                await asyncio.sleep(0.02)
             assert _pids_running(marker)
             raise RuntimeError("the episode crashed")
 
