@@ -17,6 +17,7 @@ sorted by log-prob, largest first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,33 +67,103 @@ def record_prompt(asks: list[Ask], logits: torch.Tensor) -> None:
         o.input_start = None
 
 
-def output_rows(reqs: list[Request], logits: torch.Tensor) -> dict[int, tuple[list[Row], list[Row]]]:
-    """Top-k and token-id rows of this step, by index in `reqs`, for requests that ask for them (one
-    top-k and one gather over all of them, one readback each)."""
+@dataclass
+class StepRows:
+    """The extra rows of one step for the requests that ask for them (`want`: their indices in the
+    step's requests): top-k values and ids [W, k] and the token-id log-probs [F], on the device until
+    `to_host` queues their copy beside the step's tokens."""
+
+    want: list[int]
+    opts: list
+    vals: torch.Tensor | None
+    idx: torch.Tensor | None
+    picked: torch.Tensor | None
+
+    def to_host(self, buffers: RowBuffers) -> StepRows:
+        """Queue copies into pinned buffers (no wait): readable once the step's readback event passed."""
+        host = buffers.take([t for t in (self.vals, self.idx, self.picked) if t is not None])
+        it = iter(host)
+        pick = lambda t: None if t is None else next(it)  # noqa: E731
+        return StepRows(self.want, self.opts, pick(self.vals), pick(self.idx), pick(self.picked))
+
+    def read(self) -> dict[int, tuple[list[Row], list[Row]]]:
+        """Rows by index in the step's requests (reads device tensors, or host copies once landed)."""
+        tops: list[list[Row]] = [[] for _ in self.want]
+        if self.vals is not None:
+            tops = [
+                list(zip(v[: o.top_n], t[: o.top_n], strict=True))
+                for v, t, o in zip(self.vals.tolist(), self.idx.tolist(), self.opts, strict=True)
+            ]
+        picked = self.picked.tolist() if self.picked is not None else []
+        out, at = {}, 0
+        for j, (i, o) in enumerate(zip(self.want, self.opts, strict=True)):
+            n = len(o.token_ids or ())
+            out[i] = (tops[j], list(zip(picked[at : at + n], o.token_ids or (), strict=True)))
+            at += n
+        return out
+
+
+class RowBuffers:
+    """Pinned host buffers for the rows of decode steps in flight, used in turn like the token
+    buffers of miles/engine/staging.py (a copy to pageable memory would wait for the next step's
+    work queued after it); each grows to the largest step seen."""
+
+    def __init__(self, depth: int = 4) -> None:
+        self.bufs: list[list[torch.Tensor]] = [[] for _ in range(depth)]
+        self.next = 0
+
+    def take(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        k, self.next = self.next, (self.next + 1) % len(self.bufs)
+        held = self.bufs[k]
+        out = []
+        for n, t in enumerate(tensors):
+            if n == len(held) or held[n].numel() < t.numel() or held[n].dtype != t.dtype:
+                buf = torch.empty(max(t.numel(), 1024), dtype=t.dtype, pin_memory=True)
+                held[n : n + 1] = [buf]
+            view = held[n][: t.numel()].view(t.shape)
+            view.copy_(t, non_blocking=True)
+            out.append(view)
+        return out
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on `device` without waiting for the work queued there (pinned, non-blocking)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def step_rows(
+    reqs: list[Request], logits: torch.Tensor, temperature: torch.Tensor | None = None
+) -> StepRows | None:
+    """Top-k and token-id rows of this step for the requests that ask for them (one top-k and one
+    gather over all of them), left on the logits' device; None when none asks. `temperature` [B]: the
+    step's temperatures already on the device (else built from the requests)."""
     want = [i for i, r in enumerate(reqs) if r.opts is not None and r.opts.wants_rows]
     if not want:
-        return {}
+        return None
     dev = logits.device
-    temps = torch.tensor([reqs[i].params.temperature for i in want], device=dev)
-    scaled = logits[torch.tensor(want, device=dev)] / torch.where(temps > 0, temps, 1.0)[:, None]
-    logp = torch.log_softmax(scaled.float(), dim=-1)
+    if temperature is None:
+        temperature = _on(dev, [r.params.temperature for r in reqs], torch.float32)
+    if len(want) < len(reqs):
+        at = _on(dev, want, torch.long)
+        logits, temperature = logits.index_select(0, at), temperature.index_select(0, at)
+    scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
     opts = [reqs[i].opts for i in want]
     k = max(o.top_n for o in opts)
-    tops = [[]] * len(want)
+    vals = idx = picked = None
     if k:
         vals, idx = logp.topk(min(k, logp.shape[1]), dim=-1)
-        tops = [
-            list(zip(v[: o.top_n], t[: o.top_n], strict=True))
-            for v, t, o in zip(vals.tolist(), idx.tolist(), opts, strict=True)
-        ]
     flat = [(j, t) for j, o in enumerate(opts) for t in o.token_ids or ()]
-    picked = logp[[j for j, _ in flat], [t for _, t in flat]].tolist() if flat else []
-    out, at = {}, 0
-    for j, (i, o) in enumerate(zip(want, opts, strict=True)):
-        n = len(o.token_ids or ())
-        out[i] = (tops[j], list(zip(picked[at : at + n], o.token_ids or (), strict=True)))
-        at += n
-    return out
+    if flat:
+        picked = logp[_on(dev, [j for j, _ in flat], torch.long), _on(dev, [t for _, t in flat], torch.long)]
+    return StepRows(want, opts, vals, idx, picked)
+
+
+def output_rows(reqs: list[Request], logits: torch.Tensor) -> dict[int, tuple[list[Row], list[Row]]]:
+    """Top-k and token-id rows of this step, by index in `reqs`, read at once."""
+    rows = step_rows(reqs, logits)
+    return rows.read() if rows is not None else {}
 
 
 def _top_rows(logp: torch.Tensor, k: int) -> list[list[Row]]:

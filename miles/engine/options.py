@@ -3,11 +3,13 @@ shape logits or stop on text, held per request in `RequestOptions` (None for a p
 
 Plain requests (sampling with temperature/top-p/top-k, stop tokens, output log-probs) carry no
 options object and take the scheduler's fast path unchanged: CUDA-graph decode, one step ahead of
-the readback. A request with options that act at every step (`per_step`: top log-probs or token-id
-log-probs of output positions, penalties, logit bias, min_new_tokens, stop strings, a grammar,
-max_new_tokens 0) makes the steps it is part of land at once (no step ahead), so that its logits can
-be shaped from its recorded tokens before sampling (miles/engine/penalties.py) and its extra rows
-read from the same logits (miles/engine/logprobs.py). Prompt log-probs act only at the prefill.
+the readback. A request with options that act at every step on the host (`per_step`: penalties,
+logit bias, min_new_tokens, stop strings, a grammar, max_new_tokens 0) makes the steps it is part
+of land at once (no step ahead), so that its logits can be shaped from its recorded tokens before
+sampling (miles/engine/penalties.py). Extra log-prob rows of output positions (top log-probs,
+token-id log-probs) need no host work before the next step: they are computed on the device from the
+step's logits and read back with its tokens, so such requests keep the step-ahead path
+(miles/engine/logprobs.py). Prompt log-probs act only at the prefill.
 
 Stopping, as SGLang (schedule_batch.py `update_finish_state`): a stop string (or a `stop_regex`
 match) found in the decoded tail of the output wins over a stop token and over the length limit in
@@ -91,12 +93,7 @@ class RequestOptions:
         return self.top_n > 0 or self.token_ids is not None
 
     def finish_flags(self) -> None:
-        self.per_step = (
-            self.shapes_logits
-            or self.wants_rows
-            or bool(self.stop_strs or self.stop_regex)
-            or self.zero_tokens
-        )
+        self.per_step = self.shapes_logits or bool(self.stop_strs or self.stop_regex) or self.zero_tokens
 
 
 def resolve_logprob_start(start: int, prompt_len: int, token_ids: list[int] | None) -> int:
@@ -145,7 +142,7 @@ def build_options(
             n = prompt_len - o.logprob_start
             o.input_logprobs, o.input_top, o.input_ids = [None] * n, [None] * n, [None] * n
     o.finish_flags()
-    return o if o.per_step or wants_input or with_text or o.input_logprobs else None
+    return o if o.per_step or o.wants_rows or wants_input or with_text or o.input_logprobs else None
 
 
 def waits(req: Request) -> bool:

@@ -45,7 +45,7 @@ import torch
 from miles.engine.cuda_graph import DecodeGraphs
 from miles.engine.engine_thread import EngineThread
 from miles.engine.kv_cache import RowKV, SlotAllocator
-from miles.engine.logprobs import extra_rows, output_rows, prompt_asks, record_prompt
+from miles.engine.logprobs import RowBuffers, extra_rows, output_rows, prompt_asks, record_prompt, step_rows
 from miles.engine.model import Batch, Decoder
 from miles.engine.options import after_record, match_limit, waits
 from miles.engine.penalties import shape_logits
@@ -103,6 +103,9 @@ class Scheduler(EngineThread):
         self._cache_epoch = 0
         self._special = 0
         """Running requests with per-step options (miles/engine/options.py): their steps land at once."""
+        self._rows = 0
+        """Running requests that ask for log-prob rows of their output positions (top-k, token ids)."""
+        self._row_buffers = RowBuffers()
         self.num_steps = 0
         self.num_token_steps = 0
         """Steps that recorded tokens (a busy engine's sign of life for /health_generate)."""
@@ -287,7 +290,7 @@ class Scheduler(EngineThread):
         (pool contents stay; the prefix cache is lost). Waiting requests hold no slots and stay queued."""
         batch = {id(r): r for r in self.running}
         batch.update((id(r), r) for r in (self._inflight.reqs if self._inflight else []) if not r.done.done())
-        self._inflight, self.running, self._special = None, [], 0
+        self._inflight, self.running, self._special, self._rows = None, [], 0, 0
         for req in batch.values():
             req.slots, req.kv_len, req.row = [], 0, -1
         self.slots = SlotAllocator(self.max_total_tokens)
@@ -330,6 +333,7 @@ class Scheduler(EngineThread):
             req.cache_epoch = self._cache_epoch
             req.row = heapq.heappop(self._free_rows)
             self._special += req.opts is not None and req.opts.per_step
+            self._rows += req.opts is not None and req.opts.wants_rows
             if self.row_kv is not None:
                 self.row_kv.filled[req.row] = 0
             self.table[req.row, : len(req.slots)] = torch.tensor(req.slots, device=self.table.device)
@@ -364,6 +368,7 @@ class Scheduler(EngineThread):
             self.slots.release(req.slots)
             heapq.heappush(self._free_rows, req.row)
             self._special -= req.opts is not None and req.opts.per_step
+            self._rows -= req.opts is not None and req.opts.wants_rows
         req.slots, req.kv_len, req.row = [], 0, -1
 
     def _forward(self, reqs: list[Request]) -> None:
@@ -443,8 +448,13 @@ class Scheduler(EngineThread):
         if not self.overlap or self._special:
             return self._sample(reqs, logits, (ints[4:], floats))
         tokens, logps = self._sample_on_device(reqs, logits, (ints[4:], floats))
-        host, ready = ((tokens, logps), None) if self._staging is None else self._staging.fetch(tokens, logps)
-        self._inflight = InFlight(reqs, tokens, host, ready, self.weight_version)
+        rows = step_rows(reqs, logits, floats[0]) if self._rows else None
+        if self._staging is None:  # CPU (tests): nothing to copy
+            host, ready = (tokens, logps), None
+        else:  # rows queued before the tokens' readback event, which then covers both
+            rows = rows.to_host(self._row_buffers) if rows is not None else None
+            host, ready = self._staging.fetch(tokens, logps)
+        self._inflight = InFlight(reqs, tokens, host, ready, self.weight_version, rows)
 
     def _would_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_running and bool(self._free_rows)
@@ -477,14 +487,23 @@ class Scheduler(EngineThread):
         ints[0].copy_(prev.tokens.index_select(0, ints[0]))
         self.table[ints[2], ints[1]] = ints[3]
         self._launch_decode(reqs, ints, floats, context)
-        self._record(prev.reqs, *prev.read(), prev.version)
+        self._record_landed(prev)
         return True
 
     def _land(self) -> None:
         """Record the decode step in flight, if any (waits for the device)."""
         prev, self._inflight = self._inflight, None
         if prev is not None:
-            self._record(prev.reqs, *prev.read(), prev.version)
+            self._record_landed(prev)
+
+    def _record_landed(self, prev: InFlight) -> None:
+        """Record a step that was in flight, with the log-prob rows read back beside its tokens."""
+        tokens, logps = prev.read()
+        if prev.rows is None:
+            return self._record(prev.reqs, tokens, logps, prev.version)
+        before = [len(r.output) for r in prev.reqs]
+        self._record(prev.reqs, tokens, logps, prev.version)
+        after_record(prev.reqs, before, prev.rows.read())
 
     def _sync_rows(self, reqs: list[Request]) -> None:
         """CPU: order `reqs` by row (in place) and fill their RowKV rows up to the new token, which the
@@ -511,7 +530,11 @@ class Scheduler(EngineThread):
         if self._special:
             return self._sample_with_options(reqs, logits, params)
         tokens, logps = self._sample_on_device(reqs, logits, params)
+        rows = step_rows(reqs, logits) if self._rows else None
+        before = [len(r.output) for r in reqs] if rows is not None else []
         self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
+        if rows is not None:
+            after_record(reqs, before, rows.read())
 
     def _sample_with_options(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
         for req in reqs:  # max_new_tokens 0: the prefill was all it asked for

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from miles.engine.logprobs import StepRows
     from miles.engine.request import Request
 
 
@@ -29,6 +30,8 @@ class InFlight:
     """Tokens and log-probs on their way to host memory, readable once `ready` has passed."""
     ready: torch.cuda.Event | None
     version: str
+    rows: StepRows | None = None
+    """Extra log-prob rows of the requests that ask for them, copied beside the tokens."""
 
     def read(self) -> tuple[list[int], list[float]]:
         if self.ready is not None:

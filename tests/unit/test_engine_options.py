@@ -1,6 +1,6 @@
 """Requests with logprob/sampling options inside the scheduler (no HTTP): with the step-ahead
-scheduler that CUDA uses (`overlap`, run here on CPU) and without it they get the same tokens and
-finishes, plain requests beside them get exactly the tokens they get alone, and the count of
+scheduler that CUDA uses (`overlap`, run here on CPU) and without it they get the same tokens,
+finishes and log-prob rows (a request asking only for rows stays on the step-ahead path), plain requests beside them get exactly the tokens they get alone, and the count of
 running requests with options returns to zero; xgrammar's bitmask unpacked with torch equals
 xgrammar's own masking."""
 
@@ -25,6 +25,7 @@ OPTIONS = [
     {"regex": "[0-9]{4}", "max_new_tokens": 10},
     {"stop": ["e"], "max_new_tokens": 30},
     {"max_new_tokens": 0},
+    {"max_new_tokens": 14},  # log-prob rows only: stays on the step-ahead path, rows read back later
 ]
 
 
@@ -67,21 +68,47 @@ def _run(model: str, overlap: bool, options: bool) -> dict[str, tuple]:
     for req in extra:
         sched.submit(req)
     sched.run_until_idle()
-    assert sched._special == 0
-    return {r.rid: (r.output, r.finish, len(r.opts.output_top) if r.opts else None) for r in plain + extra}
+    assert sched._special == 0 and sched._rows == 0
+    return {r.rid: (r.output, r.finish, _rows(r)) for r in plain + extra}
+
+
+def _rows(req: Request):
+    """The request's output log-prob rows (None for a plain request)."""
+    return None if req.opts is None else (req.opts.output_top, req.opts.output_ids)
+
+
+def _same(a: dict[str, tuple], b: dict[str, tuple]) -> bool:
+    """Equal tokens, finishes and row ids; row log-probs within 1e-4 (batches differ in composition)."""
+
+    def flat(rows):
+        return [x for part in rows or () for row in part for x in row]
+
+    for rid in a.keys() | b.keys():
+        (out_a, fin_a, rows_a), (out_b, fin_b, rows_b) = a[rid], b[rid]
+        ra, rb = flat(rows_a), flat(rows_b)
+        if out_a != out_b or fin_a != fin_b or [t for _, t in ra] != [t for _, t in rb]:
+            return False
+        if any(abs(x - y) > 1e-4 for (x, _), (y, _) in zip(ra, rb, strict=True)):
+            return False
+    return True
 
 
 def test_options_under_the_step_ahead_scheduler(tiny_model):
     ahead, plain_ahead = _run(tiny_model, True, True), _run(tiny_model, True, False)
     landed = _run(tiny_model, False, True)
-    assert ahead == landed
+    assert _same(ahead, landed)
     assert {rid: v for rid, v in ahead.items() if rid.startswith("p")} == plain_ahead
     finishes = {rid: v[1] for rid, v in ahead.items()}
     assert finishes["s2"] == {"type": "stop", "matched": 2} and len(ahead["s2"][0]) == 6
     assert finishes["s3"] == {"type": "stop", "matched": 2} and len(ahead["s3"][0]) == 5
     assert finishes["s4"] == {"type": "stop", "matched": "e"}
     assert ahead["s5"][0] == [] and finishes["s5"] == {"type": "length", "length": 0}
-    assert all(v[2] == len(v[0]) for rid, v in ahead.items() if rid.startswith("s"))
+    for rid, v in ahead.items():
+        if rid.startswith("s"):
+            top, ids = v[2]
+            assert len(top) == len(ids) == len(v[0]) and all(len(r) == 3 for r in top), rid
+            assert all([t for _, t in r] == [5, 6] for r in ids), rid
+    assert ahead["s6"][1] == {"type": "length", "length": 14}
 
 
 @pytest.mark.parametrize("regex", ["[0-9]{3}", "[a-z ]+", "(yes|no)"])
