@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -104,14 +105,15 @@ def fsdp_state(state_dir: Path, model: Any) -> dict[str, Any]:
         for k in FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
         if k.startswith("model.")
     }
-    wanted = {k: v.detach().clone() for k, v in model.state_dict().items() if k in saved}
-    holder = {"model": wanted}
-    dcp.load(holder, checkpoint_id=str(state_dir), no_dist=True)
     extra = sorted(saved - set(model.state_dict()))
     if extra:
         raise ConfigError(
             f"{state_dir}: parameters the model of plan.model.path lacks: {', '.join(extra[:8])}"
         )
+    holder = {"model": {k: v.detach().clone() for k, v in model.state_dict().items() if k in saved}}
+    with warnings.catch_warnings():  # "loading in a single process" is exactly the intent here
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(holder, checkpoint_id=str(state_dir), no_dist=True)
     return holder["model"]
 
 
