@@ -102,6 +102,9 @@ def test_every_process_runs_the_threads_of_its_allocation(tmp_path: Path, tiny_m
                       run_logs(run_dir, "rollout") + run_logs(run_dir, "actor"))  # fmt: skip
     assert boot == [(str(cpus), f"SLURM_CPUS_PER_TASK={cpus}")] * 3, boot  # one rollout, two actor tasks
     engine = THREADS.findall("".join(p.read_text() for p in (run_dir / "logs").glob("engine-*.log")))
-    assert engine == [(str(cpus), f"OMP_NUM_THREADS={cpus}; the task has SLURM_CPUS_PER_TASK={cpus}")]
+    expected = (str(cpus), f"OMP_NUM_THREADS={cpus}; the task has SLURM_CPUS_PER_TASK={cpus}")
+    assert engine == [expected], f"the engine reports {engine} (set_intra_op_threads logs it at start)"
     ranks = THREADS.findall(run_logs(run_dir, "actor") + run_logs(run_dir, "trainer"))
-    assert ranks == [(str(cpus), f"OMP_NUM_THREADS={cpus}; the task has SLURM_CPUS_PER_TASK={cpus}")] * 2
+    assert ranks == [expected] * 2, (
+        f"the trainer ranks report {ranks} (set_intra_op_threads logs it at start)"
+    )
