@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -40,9 +41,11 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -92,12 +95,13 @@ class SessionServer:
     ):
         if not clients:
             raise ValueError("SessionServer needs at least one engine client")
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.clients = list(clients)
-        self.template = ChatTemplate(tokenizer, template_family)
+        self.tokenizer_dir = str(tokenizer_dir)
+        self.template_family = template_family
+        self.template: ChatTemplate | None = None
+        """The chat template; built here from `tokenizer`, else loaded from `tokenizer_dir` in start()."""
+        if tokenizer is not None:
+            self.template = ChatTemplate(tokenizer, template_family)
         self.host, self.port = host, port
         self.max_new_tokens = max_new_tokens
         self.model_name = model_name or Path(str(tokenizer_dir)).name
@@ -116,8 +120,11 @@ class SessionServer:
     # ---- in-process API ----
     async def start(self) -> str:
         """Serve on host:port (0: the OS picks); returns the URL root once requests are accepted."""
-        import uvicorn
+        if self.template is None:
+            from transformers import AutoTokenizer
 
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.tokenizer_dir)
+            self.template = ChatTemplate(tokenizer, self.template_family)
         # IPPROTO_TCP named explicitly: asyncio turns Nagle's algorithm off only for sockets whose
         # proto is TCP, and with it on every reply waits ~40 ms for a delayed ACK (headers and body
         # are written separately)
@@ -125,7 +132,7 @@ class SessionServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
+        self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
@@ -144,6 +151,8 @@ class SessionServer:
     def open_session(self, metadata: dict[str, Any] | None = None) -> tuple[str, str]:
         """A new session: its id and its OpenAI base_url."""
         sid = uuid.uuid4().hex
+        if self.template is None:
+            raise RuntimeError("SessionServer.start() must run before sessions are opened")
         self.sessions[sid] = Session(sid, self.template, metadata)
         self._engine[sid] = next(self._next)
         return sid, self.base_url(sid)
@@ -321,6 +330,15 @@ class SessionServer:
                 TokenLogprob(token=token, logprob=lp_out, bytes=list(token.encode()), top_logprobs=[])
             )
         return ChoiceLogprobs(content=content)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn's server without its signal handlers: it runs inside the caller's process, whose
+    SIGINT/SIGTERM handling (graceful stop, requeue) must stay the caller's."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 # ---- replies ----

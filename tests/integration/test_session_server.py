@@ -242,3 +242,30 @@ def test_each_session_carries_its_routing_key(tiny_model):
     assert seen == [sids[0], sids[0], sids[1], sids[1]]
     (sample,) = samples
     assert sample.weight_versions == [1] * len(sample.response_ids)
+
+
+def test_server_leaves_the_process_signal_handlers_alone(tiny_model):
+    """In-process, the session server must not take SIGINT/SIGTERM from the process it runs in."""
+    import signal
+
+    def mine(signum, frame):
+        raise AssertionError("not called")
+
+    async def main():
+        server = SessionServer([SGLangClient("http://127.0.0.1:9")], tiny_model)
+        await server.start()
+        during = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+        async with httpx.AsyncClient() as http:  # it serves meanwhile
+            models = await http.get(f"{server.base_url(server.open_session()[0])}/models")
+        await server.stop()
+        return during, models
+
+    before = signal.signal(signal.SIGTERM, mine), signal.getsignal(signal.SIGINT)
+    try:
+        during, models = asyncio.run(main())
+        after = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+    assert during[0] is mine and after == (mine, before[1])
+    assert "handle_exit" not in repr(during[1])  # SIGINT stays asyncio.run's, not uvicorn's
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
