@@ -7,7 +7,8 @@ says how the prompt is built; miles/agentic/trajectory.py how the record becomes
 
 API for the rollout loop (runs in the loop's event loop, in-process):
 
-    server = SessionServer(clients, tokenizer_dir)    # clients: engines or one router
+    server = SessionServer(clients, tokenizer_dir)    # clients: engines or one router; tokenizer=
+                                                      # a loaded one (else loaded in start())
     root = await server.start()                       # "http://127.0.0.1:PORT"
     sid, base_url = server.open_session({"group_id": 3})
     ...  # the agent calls base_url + "/chat/completions" (plain or stream=true)
@@ -22,10 +23,12 @@ Routes (JSON; errors in OpenAI's body `{"error": {"message", "type", "param", "c
 - `GET /sessions/<id>/v1/models`, `GET /sessions/<id>` (the trajectory tree),
   `DELETE /sessions/<id>` (close; `{"id", "samples": [...]}`). An unknown id is a 404.
 
-Engine affinity: each session is pinned to one client (round-robin at open); every request also
-carries the session id as the router's routing key (ROUTING_KEY_HEADER) where the client supports
-it, so behind a `manual`-policy router one session stays on one engine and reuses its prefix cache.
-A request the engine aborts (a weight update in `abort` mode) is sent again, up to `max_attempts`.
+uvicorn runs in the caller's event loop without installing signal handlers (the process keeps its
+own). Engine affinity: each session is pinned to one client (round-robin at open, by index, so a
+replaced `clients` list takes over); every request also carries the session id as the router's
+routing key (ROUTING_KEY_HEADER) where the client supports it, so behind a `manual`-policy router
+one session stays on one engine and reuses its prefix cache. A request the engine aborts (a weight
+update in `abort` mode) is sent again, up to `max_attempts`.
 """
 
 from __future__ import annotations
