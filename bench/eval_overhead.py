@@ -1,14 +1,15 @@
 """What evaluation costs training: steps/s with `dedicated` evaluation every step vs no evaluation.
 
-    python -m bench.eval_overhead [--steps 16] [--out DIR] [--with-shared] [--set KEY=VALUE ...]
+    python -m bench.eval_overhead [--steps 48] [--out DIR] [--with-shared] [--set KEY=VALUE ...]
 
 Runs `miles train` on this host with one recipe (tiny model, one embedded rollout engine, one
 trainer rank, fully async rollout, weights pushed every step) two ways: `eval.every_steps: 0`, and
 `eval.mode: dedicated` with `eval.every_steps: 1` (a snapshot exported every step and evaluated on
 an eval engine of its own while training goes on; eval.max_in_flight=1, overflow=skip, so training
 never waits for an evaluation). `--with-shared` adds a third run evaluating every step on the
-rollout engines (`shared`), which training waits for. Training steps/s = steps between the first
-and the last step / wall time between them (start-up excluded).
+rollout engines (`shared`), which training waits for. Training steps/s = steps / wall time over
+the second half of the steps (start-up excluded: the engines', the trainer's and the eval
+engine's, which starts with the run and takes the cores' time while it loads).
 
 The eval engine is a process more on the same cores: on a host with fewer cores than the run's
 processes (rollout engine, trainer rank, eval engine, each with its share of intra-op threads),
@@ -70,11 +71,13 @@ def _run(name: str, steps: int, root: Path, model: Path, overrides: list[str]) -
     if rc != 0:
         raise SystemExit(f"{name} run failed (exit {rc}); see {root / name / 'logs'}")
     recs = [r for r in read_metrics(root / name) if r["step"] > 0]
-    span = recs[-1]["time"] - recs[0]["time"]
+    timed = recs[len(recs) // 2 :]  # the second half: start-up (the eval engine's too) is over
+    span = timed[-1]["time"] - timed[0]["time"]
     evals = [r for r in recs if "eval/pass@1" in r]
     out = {
         "steps": float(len(recs)),
-        "steps_per_s": (len(recs) - 1) / span,
+        "steps_per_s": (len(timed) - 1) / span,
+        "evaluated_in_timed_half": float(sum("eval/pass@1" in r for r in timed)),
         "evaluated_steps": float(len(evals)),
         "skipped_overflow": max((r.get("eval/skipped_overflow", 0.0) for r in recs), default=0.0),
         "wall_s_incl_startup": wall,
@@ -88,7 +91,7 @@ def _run(name: str, steps: int, root: Path, model: Path, overrides: list[str]) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=48)
     p.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     p.add_argument(
