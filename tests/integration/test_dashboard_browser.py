@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="needs headless Chromium (Debian package `chromium`)"),
-]
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs headless Chromium (Debian package `chromium`)"
+)
+pytestmark = pytest.mark.slow
 
 RECIPE = {
     "run": {"name": "dash", "seed": 0, "tensorboard": False},
@@ -90,6 +90,7 @@ def chart_attrs(dom: str, panel: str) -> dict[str, str]:
     return dict(re.findall(r'data-([\w-]+)="([^"]*)"', m.group(1)))
 
 
+@needs_chromium
 def test_page_draws_the_run_and_updates(dashboard, trained_run, tmp_path):
     dom = chromium(dashboard, "--dump-dom")
     reward = chart_attrs(dom, "reward")
@@ -116,6 +117,7 @@ def test_page_draws_the_run_and_updates(dashboard, trained_run, tmp_path):
     assert chart_attrs(after, "reward")["last-step"] == "3"
 
 
+@needs_chromium
 def test_live_server_refuses_paths_outside(dashboard, trained_run):
     base = f"{dashboard}api/runs/dash/file"
     assert httpx.get(base, params={"path": "plan.yaml"}).status_code == 200
@@ -123,3 +125,41 @@ def test_live_server_refuses_paths_outside(dashboard, trained_run):
         assert httpx.get(base, params={"path": path}).status_code == 403, path
     raw = f"{dashboard}static/%2e%2e%2fapp.py"  # encoded so that no client folds the dots away
     assert httpx.get(raw).status_code == 404
+
+
+def _slurm_down() -> str | None:
+    if shutil.which("sinfo") is None:
+        return "Slurm is not installed"
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True)
+    idle = [x for x in out.stdout.split() if x in ("idle", "mixed", "allocated")]
+    return None if out.returncode == 0 and len(idle) >= 3 else "dev cluster not up (make slurm-up)"
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(_slurm_down() is not None, reason=_slurm_down() or "")
+def test_submitted_run_shows_its_job_and_components(tmp_path, tiny_model):
+    """A het job on the dev cluster: the run's card names the job, its state and both components."""
+    import time
+
+    from miles.cluster.rendezvous import read_engines
+    from miles.dashboard.runs import RunView
+    from miles.launch.status import cancel, run_logs
+    from miles.launch.submit import submit
+
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "slurm-tiny.yaml")
+    overrides = [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", "train.steps=200"]
+    sub = submit(recipe, "local", [*overrides, "launch.actor_module=miles.cluster.selftest"])
+    run_dir, job = Path(sub.run_dirs[0]), sub.job_ids[0]
+    try:
+        deadline = time.monotonic() + 120
+        while not read_engines(run_dir, f"{job}.0"):
+            assert time.monotonic() < deadline, run_logs(run_dir, "rollout")
+            time.sleep(0.5)
+        state = RunView("r", run_dir).state()
+        slurm = state["slurm"]
+        assert slurm["job_id"] == job and slurm["state"].startswith("RUNNING"), slurm
+        assert [c["id"] for c in slurm["components"]] == [f"{job}+0", f"{job}+1"], slurm
+        assert all(c["state"].startswith("RUNNING") for c in slurm["components"]), slurm
+        assert [e["state"] for e in state["engines"]] == ["serving"]
+    finally:
+        cancel(run_dir)
