@@ -76,6 +76,8 @@ class RunView:
         self.id = run_id
         self.path = path.resolve()
         self._slurm_cache: tuple[float, dict[str, Any]] | None = None
+        self._records: tuple[str, list[dict[str, Any]]] = ("", [])
+        """metrics.jsonl parsed, with the file version it was parsed at (parsed again when it changes)."""
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.path.name, "path": str(self.path)}
@@ -87,6 +89,13 @@ class RunView:
             return {}
         return data if isinstance(data, dict) else {}
 
+    def records(self) -> list[dict[str, Any]]:
+        """The records of metrics.jsonl, parsed once per version of the file."""
+        current = _signature(self.path / METRICS_FILE)
+        if self._records[0] != current:
+            self._records = (current, read_metrics(self.path))
+        return self._records[1]
+
     def metrics(self, version: str | None = None) -> dict[str, Any]:
         """The curves' records (only the keys some chart draws) and the file's version; records are
         left out when the caller already holds this version (a rewrite by `amend` changes it)."""
@@ -94,13 +103,13 @@ class RunView:
         if version == current:
             return {"version": current, "unchanged": True}
         wanted = {k for keys in PANELS.values() for k in keys} | {"step", "time", "weights/version"}
-        records = [{k: v for k, v in r.items() if k in wanted} for r in read_metrics(self.path)]
+        records = [{k: v for k, v in r.items() if k in wanted} for r in self.records()]
         return {"version": current, "unchanged": False, "records": records}
 
     def state(self) -> dict[str, Any]:
         """Step, weight version, buffer fill, engines, trainer ranks, owner and Slurm job."""
         plan = self.plan()
-        records = read_metrics(self.path)
+        records = self.records()
         last = records[-1] if records else {}
         capacity = plan.get("rollout", {}).get("buffer_capacity_groups")
         owner = self._owner()

@@ -126,3 +126,17 @@ def test_bad_run_dirs_are_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no run directory"):
         expand_run_dirs([str(tmp_path / "empty")])
+
+
+def test_a_sweep_record_names_its_points(tmp_path):
+    a, b = make_run(tmp_path / "runs", "p0"), make_run(tmp_path / "runs", "p1")
+    record = tmp_path / "runs" / "sweeps" / "grid.json"
+    record.parent.mkdir()
+    points = [
+        {"run_dir": str(a), "overrides": ["train.lr=1e-3"]},
+        {"run_dir": str(b), "overrides": ["train.lr=2e-3"]},
+    ]
+    record.write_text(json.dumps({"tag": "grid", "points": points}))
+    assert expand_run_dirs([str(record)]) == [a, b]
+    client = TestClient(create_app(expand_run_dirs([str(record)])))
+    assert [r["name"] for r in client.get("/api/runs").json()["runs"]] == ["p0", "p1"]
