@@ -17,16 +17,13 @@ alone, and `file` refuses any path that resolves outside its run directory (403)
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 
 from miles.dashboard.runs import PANELS, OutsideRunDir, RunView, inside, run_views
-
-log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).resolve().parent / "static"
 _MEDIA = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
@@ -103,10 +100,6 @@ def create_app(run_dirs: list[str | Path]) -> FastAPI:
         if not target.is_file():
             raise HTTPException(404, f"{path} is not a file of run {run_id}")
         return FileResponse(target, media_type=_MEDIA.get(target.suffix, "text/plain"))
-
-    @app.exception_handler(OutsideRunDir)
-    def refused(_request: Any, exc: OutsideRunDir) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=403)
 
     return app
 
