@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from miles.cluster.environment import set_intra_op_threads
 from miles.config import read_plan
 from miles.loop_parts.rollout_side import REPLACED
 from miles.loop_parts.state import LoopState, barrier_flag, broadcast, setup_logging
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True, help="run directory holding plan.yaml")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     args = p.parse_args(argv)
+    print(f"miles.loop: {set_intra_op_threads()}", file=sys.stderr, flush=True)
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "plan.yaml").exists():
         print(f"miles.loop: {run_dir / 'plan.yaml'} does not exist; run `miles train` first", file=sys.stderr)
