@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch pinned to the CPU build on disk here; GPU machines bring their own torch
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,wandb]'
 	# bubblewrap runs agent sandboxes (a Debian package; installed here when run as root)
 	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -q bubblewrap; } || echo "miles: install bubblewrap for local sandboxes"
 	touch $(STAMP)

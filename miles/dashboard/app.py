@@ -111,7 +111,10 @@ def serve(paths: list[str], host: str = "127.0.0.1", port: int = 0) -> int:
     import uvicorn
 
     app = create_app(expand_run_dirs(paths))
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP named so that asyncio turns Nagle off on accepted connections (no ~40 ms replies)
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
