@@ -62,6 +62,19 @@ def actor_tasks_per_node(plan: Plan, profile: Profile) -> int:
     return n
 
 
+def actor_cpus_per_task(plan: Plan, profile: Profile, tasks_per_node: int) -> int:
+    """CPUs of each trainer rank's task: launch.cpus_per_task, else an equal share of the node's cores."""
+    cpus = plan.launch.cpus_per_task
+    if cpus is None:
+        return max(1, profile.cpus_per_node // tasks_per_node)
+    if cpus < 1 or cpus * tasks_per_node > profile.cpus_per_node:
+        raise ConfigError(
+            f"launch.cpus_per_task={cpus} x {tasks_per_node} trainer ranks per node must be between 1 and "
+            f"the {profile.cpus_per_node} CPUs per node of profile {profile.name!r}; lower launch.cpus_per_task"
+        )
+    return cpus
+
+
 def _check_partition(plan: Plan, profile: Profile) -> str | None:
     lc = plan.launch
     partition = lc.partition or profile.partition
@@ -110,12 +123,18 @@ def container_image(plan: Plan, profile: Profile) -> str | None:
 def check(plan: Plan, profile: Profile) -> dict[str, Any]:
     """All pre-submission checks; returns the derived layout facts (logged) for job_facts."""
     lc = plan.launch
+    if plan.engine.urls:
+        raise ConfigError(
+            "engine.urls points `miles train` at SGLang servers already running; a Slurm job starts its own "
+            "servers on its rollout nodes: remove engine.urls"
+        )
     for key in ("rollout_nodes", "actor_nodes", "time_limit_min", "array_parallelism"):
         if getattr(lc, key) < 1:
             raise ConfigError(f"launch.{key} must be >= 1 (got {getattr(lc, key)})")
     partition = _check_partition(plan, profile)
     tasks = actor_tasks_per_node(plan, profile)
     _check_parallelism(plan, profile, lc.actor_nodes * tasks)
+    actor_cpus_per_task(plan, profile, tasks)
     per_node = engines_per_node(plan, profile)
     rollout_nodes = lc.rollout_nodes if lc.layout == "disaggregated" else lc.actor_nodes
     facts = {
@@ -172,7 +191,7 @@ def build_job(
     # CPU binding from the profile: each trainer rank gets its share of a node's cores, a rollout
     # node's one bootstrap task all of them; said on the srun line too (not every Slurm passes the
     # sbatch value on to steps). The bootstrap derives OMP_NUM_THREADS from SLURM_CPUS_PER_TASK.
-    actor_cpus = max(1, profile.cpus_per_node // facts["actor_tasks_per_node"])
+    actor_cpus = actor_cpus_per_task(plan, profile, facts["actor_tasks_per_node"])
     actor = ComponentSpec(
         "actor", lc.actor_nodes, facts["actor_tasks_per_node"], gpus, cpus_per_task=actor_cpus, **common
     )
