@@ -39,6 +39,7 @@ from typing import Any
 
 from miles.agentic.trajectory import Node, TrajectoryTree
 from miles.chat.render import template_messages
+from miles.chat.toolcalls import template_family
 from miles.sample import Sample
 
 
@@ -66,13 +67,19 @@ FAMILIES = {
 
 
 def detect_family(chat_template: str) -> TemplateFamily:
-    for family in FAMILIES.values():
-        if all(m in chat_template for m in family.markers):
-            return family
-    raise ValueError(
-        "the tokenizer's chat template matches no known family; pass template_family= one of "
-        f"{', '.join(FAMILIES)} to the session server"
-    )
+    """The family of a tokenizer's chat template, by the rule the engine's OpenAI routes use
+    (miles.chat.toolcalls.template_family; Qwen2.5's template is a ChatML one here)."""
+    name = template_family(chat_template)
+    if name is None or not all(m in chat_template for m in FAMILIES[_SESSION_FAMILY.get(name, name)].markers):
+        raise ValueError(
+            "the tokenizer's chat template matches no known family; pass template_family= one of "
+            f"{', '.join(FAMILIES)} to the session server"
+        )
+    return FAMILIES[_SESSION_FAMILY.get(name, name)]
+
+
+_SESSION_FAMILY = {"qwen2.5": "chatml"}
+"""Tool-call families that share a session family."""
 
 
 class ChatTemplate:

@@ -3,7 +3,7 @@
 Public API:
 - `detect_family(model_dir) -> str`: the template family of a model directory, one of `FAMILIES`
   ("qwen2.5", "qwen3", "chatml", "llama3"), from the chat template's markers and config.json's
-  `model_type`.
+  `model_type`; `template_family(template)` the same rule for a template string (the session server's).
 - `parse_tool_calls(text, family) -> ParsedToolCalls(content, tool_calls, malformed)`: the calls in
   one finished output. `tool_calls` are OpenAI dicts `{"id", "type": "function", "function": {"name",
   "arguments"}}` with `arguments` a JSON string (re-serialised with `json.dumps(ensure_ascii=False)`,
@@ -76,22 +76,27 @@ def _read_template(model_dir: Path) -> str:
     return template or ""
 
 
-def detect_family(model_dir: str | Path) -> str:
-    """The template family of `model_dir` (module docstring): Llama 3 header markers mean "llama3";
-    ChatML markers mean "qwen3" for a qwen3 model or a template that knows `<think>`, "qwen2.5" for a
-    qwen2 model, else "chatml". A template with neither marker falls back on config.json's
-    `model_type`, then on "chatml"."""
-    model_dir = Path(model_dir)
-    template = _read_template(model_dir)
-    cfg_file = model_dir / "config.json"
-    model_type = json.loads(cfg_file.read_text()).get("model_type", "") if cfg_file.exists() else ""
+def template_family(template: str, model_type: str = "") -> str | None:
+    """The family of a chat template (module docstring): Llama 3 header markers mean "llama3"; ChatML
+    markers mean "qwen3" for a qwen3 model or a template that knows `<think>`, "qwen2.5" for a qwen2
+    model, else "chatml". A template with neither marker falls back on the model type; None when
+    that says nothing either."""
     if "<|start_header_id|>" in template or (not template and model_type == "llama"):
         return "llama3"
     if model_type.startswith("qwen3") or "<think>" in template:
         return "qwen3"
     if model_type.startswith("qwen2"):
         return "qwen2.5"
-    return "chatml"
+    return "chatml" if "<|im_start|>" in template else None
+
+
+def detect_family(model_dir: str | Path) -> str:
+    """The template family of `model_dir`: its chat template and config.json's `model_type`
+    (`template_family`), "chatml" when neither tells."""
+    model_dir = Path(model_dir)
+    cfg_file = model_dir / "config.json"
+    model_type = json.loads(cfg_file.read_text()).get("model_type", "") if cfg_file.exists() else ""
+    return template_family(_read_template(model_dir), model_type) or "chatml"
 
 
 def new_call_id() -> str:
