@@ -141,7 +141,7 @@ async def _finish(state: EngineState, items: Items) -> list[dict[str, Any]]:
     failed = next((r for r, _ in items if r.finish.get("status_code")), None)
     if failed is not None:
         raise oa.OpenAIError(failed.finish["message"], failed.finish["status_code"])
-    return [server._reply(state, r, lp) for r, lp in items]
+    return [server.reply(state, r, lp) for r, lp in items]
 
 
 def _finish_reason(meta: dict[str, Any], has_calls: bool = False) -> str | None:
@@ -351,7 +351,7 @@ async def _native_chunks(state: EngineState, items: Items) -> AsyncIterator[dict
 
     native = streaming.events(
         items,
-        lambda r, lp: server._reply(state, r, lp),
+        lambda r, lp: server.reply(state, r, lp),
         state.scheduler.abort,
         keep,
         indexed=True,

@@ -150,7 +150,7 @@ def _make_request(
     return EngineRequest(rid=rid, prompt=list(prompt), params=sp, seed=seed, stop_ids=stop)
 
 
-def _reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict[str, Any]:
+def reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict[str, Any]:
     """SGLang's reply to one request; `output_token_logprobs` rows are (logprob, token_id, None)
     tuples, which serialise as the JSON arrays SGLang sends."""
     text = replies.reply_text(state.tokenizer, req)
@@ -261,7 +261,7 @@ async def generate(state: EngineState, req: GenerateReqInput) -> bytes:
         await asyncio.wrap_future(r.done)
         if r.finish.get("status_code"):  # failed by the engine, not by the client: no reply object
             raise HTTPError(r.finish["status_code"], r.finish["message"])
-        return to_json(_reply(state, r, return_logprob))
+        return to_json(reply(state, r, return_logprob))
 
     for r, _ in reqs:
         state.scheduler.submit(r)
@@ -287,7 +287,7 @@ async def generate_stream(state: EngineState, req: GenerateReqInput) -> AsyncIte
         state.scheduler.submit(r)
     async for chunk in streaming.events(
         reqs,
-        lambda r, lp: _reply(state, r, lp),
+        lambda r, lp: reply(state, r, lp),
         state.scheduler.abort,
         to_json,
         indexed=_batch_form(req) or len(reqs) > 1,
