@@ -263,6 +263,7 @@ class SessionServer:
             "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
             "regex": req.regex,
             "ebnf": req.ebnf,
+            "json_schema": req.json_schema,
         }
         params.update({k: v for k, v in optional.items() if v is not None})
         return params
