@@ -35,6 +35,9 @@ class LaunchConfig(Section):
     """Nodes of the actor (trainer) group (the whole job when colocated)."""
     actor_tasks_per_node: int | None = None
     """Trainer ranks per node (default: the profile's GPUs per node, 1 on CPU-only profiles)."""
+    cpus_per_task: int | None = None
+    """CPUs of each trainer rank's Slurm task (--cpus-per-task; its intra-op threads follow); default:
+    the profile's cpus_per_node / actor_tasks_per_node. A rollout node's task gets the node's cores."""
     engines_per_node: int | None = None
     """Engine servers per rollout node (default: sglang GPUs per node / (tp*dp); embedded engine.num_engines)."""
     time_limit_min: int = 60

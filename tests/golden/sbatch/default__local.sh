@@ -8,17 +8,16 @@
 #SBATCH --requeue
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
-#SBATCH --cpus-per-task=4
+#SBATCH --cpus-per-task=1
 #SBATCH --partition=debug
 #SBATCH hetjob
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
-#SBATCH --cpus-per-task=4
+#SBATCH --cpus-per-task=1
 #SBATCH --partition=debug
 
 set -uo pipefail
 RUN_DIR=<repo>/runs/default
-export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 export TORCH_FR_BUFFER_SIZE=2000
 export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/logs/flight_recorder-"
@@ -39,9 +38,9 @@ on_usr2() {
 }
 trap on_usr2 USR2
 
-srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --cpus-per-task=4 --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --cpus-per-task=1 --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
 ROLLOUT_PID=$!
-srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --cpus-per-task=4 --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --cpus-per-task=1 --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
 ACTOR_PID=$!
 
 # The first step to end decides: the actor step's status is the job's; any other step ending
