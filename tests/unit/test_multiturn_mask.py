@@ -184,3 +184,28 @@ def test_mismatch_metric_and_buffer_read_only_policy_tokens(encoder: PromptEncod
     wrong = samples[0]
     policy_versions = [v for v, m in zip(wrong.weight_versions, wrong.loss_mask, strict=True) if m]
     assert group_staleness(samples, 6) == 6 - min(policy_versions) == 3
+
+
+def test_calculator_episode_with_standard_tool_call(encoder: PromptEncoder) -> None:
+    """The built-in calculator environment through the same generate function: a `<tool_call>` turn
+    of many tokens, the tool's value, the answer; mask 1 exactly on the two model turns."""
+    from miles.agentic.envs.calculator import CalculatorEnv
+
+    task = CalculatorEnv().make_task(SEED, INDEX)
+    eos = encoder.eos_id
+    call = encoder.tokenizer.encode(f"<tool_call>calc {task['expr']}</tool_call>", add_special_tokens=False)
+    answer = encoder.tokenizer.encode(str(task["answer"]), add_special_tokens=False)
+    turns = [([*call, eos], [-0.1] * (len(call) + 1), 2), ([*answer, eos], [-0.2] * (len(answer) + 1), 2)]
+    cfg = RolloutConfig(generate_fn="miles.agentic.rollout:env_generate", env={"name": "calculator"})
+    engine = ScriptedEngine(turns)
+    gen = Generator.from_config([engine], encoder, lambda s: 0.0, cfg)  # type: ignore[list-item]
+    prompt = Prompt(INDEX, "", None, {"episode": {"seed": SEED, "index": INDEX}})
+    s = asyncio.run(gen.sample(prompt, 0, 0))
+    assert encoder.decode(s.prompt_ids).endswith(f"{task['expr']}\nassistant\n")
+    n_call, n_answer = len(call) + 1, len(answer) + 1
+    n_obs = len(s.response_ids) - n_call - n_answer
+    assert s.loss_mask == [1] * n_call + [0] * n_obs + [1] * n_answer
+    observation = s.response_ids[n_call : n_call + n_obs]
+    assert encoder.decode(observation) == f"\ntool\n{task['answer']}\nassistant\n"
+    assert s.reward == 1.0 and s.metadata["agent"]["success"] == 1.0
+    assert s.metadata["agent"]["tool_calls"] == 1 and s.metadata["agent"]["turns"] == 2
