@@ -43,6 +43,20 @@ def test_het_job_layout_and_requeue_trap(tmp_path: Path) -> None:
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
+def test_cpus_per_task_from_the_recipe(tmp_path: Path) -> None:
+    """launch.cpus_per_task sets each trainer rank's CPUs (component and srun line); the default is an
+    equal share of the profile's cores; more than a node holds is refused naming the key."""
+    default = _job("h200", [], tmp_path)
+    actor = default.split("#SBATCH hetjob")[1].split("set -uo")[0]
+    assert "--ntasks-per-node=8" in actor and "--cpus-per-task=14" in actor  # 112 cores / 8 ranks
+    text = _job("h200", ["launch.cpus_per_task=12"], tmp_path)
+    actor = text.split("#SBATCH hetjob")[1].split("set -uo")[0]
+    assert "--cpus-per-task=12" in actor
+    assert "--het-group=1 --cpus-per-task=12" in text
+    with pytest.raises(ConfigError, match="launch.cpus_per_task=15 x 8 trainer ranks"):
+        _job("h200", ["launch.cpus_per_task=15"], tmp_path)
+
+
 STUB_SRUN = """#!/bin/bash
 # stands in for srun: the rollout step lives ROLLOUT_S seconds and exits ROLLOUT_RC, the actor likewise;
 # SIGTERM ends the step (as srun ends its tasks)
