@@ -9,6 +9,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,40 @@ def test_pool_retries_then_drops_with_a_counted_reason(tmp_path):
     assert out == "up" and stats["failures"] == {"boom": 2} and stats["dropped"] == {}
     out, stats = run(main(fail_first=3))
     assert out == "boom" and stats["failures"] == {"boom": 3} and stats["dropped"] == {"boom": 1}
+
+
+def test_sandboxes_die_with_a_killed_owner(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    marker = f"77{os.getpid()}{id(tmp_path) % 10**6}"
+    code = (
+        "import asyncio\n"
+        "from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings\n"
+        "async def main():\n"
+        f"    sb = BwrapSandbox(BwrapSettings(root={str(tmp_path / 'sandboxes')!r}))\n"
+        "    await sb.create()\n"
+        "    print('created', flush=True)\n"
+        f"    await sb.exec('sleep {marker}')\n"
+        "asyncio.run(main())\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "created"
+        for _ in range(500):
+            if any("sleep" in open(f"/proc/{p}/cmdline").read() for p in _pids_running(marker)):
+                break
+            time.sleep(0.02)
+        assert _pids_running(marker), "the sandboxed command never started"
+    finally:
+        owner.send_signal(signal.SIGKILL)  # no close(), no finalizer: only the kernel cleans up
+        owner.wait()
+    for _ in range(250):
+        if not _pids_running(marker):
+            break
+        time.sleep(0.02)
+    left = _pids_running(marker)
+    for pid in left:  # on failure, do not leave this test's processes behind
+        os.kill(pid, signal.SIGKILL)
+    assert left == []

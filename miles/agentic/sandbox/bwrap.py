@@ -6,7 +6,8 @@ Isolation (all from `bwrap`, version 0.8 or later, no daemon, no root needed):
   sandbox's own directory (created under `settings.root`, never under the run directory) read-write
   at `/sandbox`. Nothing else of the host, the run directory included, is visible.
 - network: `--unshare-net`, so only a down loopback exists inside (no host loopback services).
-- processes: new PID, IPC, UTS and user namespaces, `--die-with-parent`; when Miles runs as root
+- processes: new PID, IPC, UTS and user namespaces, `--die-with-parent`, and bwrap itself started
+  with a parent-death signal (`setpriv --pdeathsig KILL`); when Miles runs as root
   the command runs as the unprivileged `settings.uid` (65534) so that process limits hold.
 - limits: `prlimit` (util-linux) inside the namespaces sets CPU time, address space, processes,
   file size and open files; wall time is enforced here, killing bwrap's process group, whose
@@ -16,7 +17,6 @@ Start-up is one `bwrap` exec (tens of ms); `bench/sandbox_start.py` measures it.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.agentic.sandbox import process
 from miles.agentic.sandbox.base import ExecResult, Limits, SandboxError, SandboxStartError
 
 INSIDE = "/sandbox"
@@ -48,6 +49,9 @@ class BwrapSettings:
     bwrap: str = "bwrap"
     prlimit: str = "/usr/bin/prlimit"
     """prlimit as seen inside the sandbox (util-linux)."""
+    setpriv: str = "/usr/bin/setpriv"
+    """setpriv (util-linux) giving bwrap a parent-death signal, so that a Miles process killed with
+    SIGKILL takes its sandboxes with it (skipped when absent)."""
     system_dirs: tuple[str, ...] = _SYSTEM_DIRS
     """Host directories bound read-only at the same path."""
     env: tuple[tuple[str, str], ...] = ()
@@ -161,28 +165,29 @@ class BwrapSandbox:
     ) -> ExecResult:
         workdir = self._live()
         argv = self._command(str(workdir), ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd)
-        uid = run_as(self.settings)
-        ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        lim = self.settings.limits
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                env={"PATH": os.defpath},
-                **ids,
+            done = await process.run_in_thread(
+                argv,
+                data,
+                lim.wall_s if timeout_s is None else timeout_s,
+                lim.output_bytes,
+                self._started,
+                self._pgids.discard,
+                run_as(self.settings),
             )
         except OSError as e:
             raise SandboxStartError("bwrap_exec", str(e)) from e
-        self._pgids.add(proc.pid)
-        try:
-            return await self._wait(
-                proc, stdin, self.settings.limits.wall_s if timeout_s is None else timeout_s
-            )
-        finally:
-            _kill_group(proc.pid)
-            self._pgids.discard(proc.pid)
+        stdout, stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+        reason = "wall_time" if done.timed_out else _reason(done.returncode, stderr)
+        return ExecResult(done.returncode, stdout, stderr, done.timed_out, reason)
+
+    def _started(self, pid: int) -> None:
+        """Called from the exec thread: register the process group, or stop it if the sandbox closed."""
+        self._pgids.add(pid)
+        if self.closed:
+            process.kill_group(pid)
 
     def _check_runtime(self) -> None:
         """Raise SandboxStartError when the program that isolates commands is missing."""
@@ -192,33 +197,10 @@ class BwrapSandbox:
 
     def _command(self, workdir: str, cmd: list[str]) -> list[str]:
         """The argv running `cmd` isolated in `workdir` (other backends override this and the check)."""
-        return [self._runtime, *bwrap_argv(self.settings, workdir, cmd)[1:]]
-
-    async def _wait(
-        self, proc: asyncio.subprocess.Process, stdin: bytes | str | None, timeout_s: float
-    ) -> ExecResult:
-        cap = self.settings.limits.output_bytes
-        if isinstance(stdin, str):
-            stdin = stdin.encode()
-        out = asyncio.ensure_future(_read_capped(proc.stdout, cap))
-        err = asyncio.ensure_future(_read_capped(proc.stderr, cap))
-        feed = asyncio.ensure_future(_feed(proc, stdin))
-        timed_out = False
-        try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-            _kill_group(proc.pid)
-            await proc.wait()
-        except asyncio.CancelledError:  # the caller gave up: stop everything before passing it on
-            _kill_group(proc.pid)
-            await asyncio.wait([asyncio.ensure_future(proc.wait()), out, err], timeout=5)
-            raise
-        finally:
-            feed.cancel()
-        stdout, stderr = (b.decode(errors="replace") for b in await asyncio.gather(out, err))
-        rc = proc.returncode if proc.returncode is not None else -9
-        return ExecResult(rc, stdout, stderr, timed_out, "wall_time" if timed_out else _reason(rc, stderr))
+        argv = [self._runtime, *bwrap_argv(self.settings, workdir, cmd)[1:]]
+        if os.path.exists(self.settings.setpriv):
+            argv = [self.settings.setpriv, "--pdeathsig", "KILL", "--", *argv]
+        return argv
 
     async def write_file(self, path: str, data: bytes | str) -> None:
         target = self._inside(path)
@@ -268,13 +250,6 @@ def _check_searchable(path: Path, uid: int) -> None:
             )
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _reason(rc: int, stderr: str) -> str | None:
     """Why a command died, from its exit status and stderr (rlimits give no other trace)."""
     if rc == 128 + signal.SIGXCPU or rc == 128 + signal.SIGKILL and "cpu" in stderr.lower():
@@ -286,24 +261,3 @@ def _reason(rc: int, stderr: str) -> str | None:
     if rc > 128:
         return "signal"
     return None
-
-
-async def _read_capped(stream: asyncio.StreamReader | None, cap: int) -> bytes:
-    if stream is None:
-        return b""
-    kept = bytearray()
-    while chunk := await stream.read(1 << 16):
-        if len(kept) < cap:
-            kept += chunk[: cap - len(kept)]
-    return bytes(kept)
-
-
-async def _feed(proc: asyncio.subprocess.Process, data: bytes | None) -> None:
-    if data is None or proc.stdin is None:
-        return
-    try:
-        proc.stdin.write(data)
-        await proc.stdin.drain()
-        proc.stdin.close()
-    except (BrokenPipeError, ConnectionResetError):
-        pass
