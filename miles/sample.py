@@ -43,6 +43,11 @@ class Sample:
     answer: Any = None
     """Reference answer of the task, given to the reward function."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Any = None
+    """The engine's expert choice per position and MoE layer, or None (dense models, or not
+    requested): a numpy integer array [len(tokens) - 1, num_hidden_layers * top_k] (row p: the
+    experts that routed the token at position p, layer-major), uint8 or int16 where the expert ids
+    allow. The trainer views it as [rows, num_hidden_layers, top_k] (miles/train/routing_replay.py)."""
 
     @property
     def tokens(self) -> list[int]:

@@ -87,6 +87,7 @@ class RolloutSide:
         encoder = PromptEncoder(plan.model.path)
         self.generator = Generator.from_config([], encoder, load_reward(r.reward), r)
         self.generator.on_unreachable = self._on_unreachable
+        self.generator.routed_experts = plan.train.routing_replay == "rollout"
         self._connect(urls, router)
         self.buffer = RolloutBuffer(
             r.buffer_capacity_groups or 2 * r.prompts_per_step, load_policy(r.buffer_policy), r.max_staleness

@@ -24,6 +24,7 @@ client's connections and sends the key on each of its requests. Servers without 
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import gc
 import math
@@ -32,12 +33,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pydantic_core
 
 from miles.rollout.router import ROUTING_KEY_HEADER
 
 RETRY_STATUSES = (502, 503, 504)
 VERSIONS_KEY = "miles_output_token_weight_versions"
+
+
+def decode_routed_experts(text: str, rows: int) -> np.ndarray:
+    """SGLang's `meta_info.routed_experts` (base64 of int32 C-order bytes, shape
+    (rows, num_hidden_layers, top_k)) as a compact [rows, num_hidden_layers * top_k] array: uint8
+    when every expert id fits, else int16, else int32. The wire carries no layer count or top-k, so
+    the trainer, which knows its model, views the rows as [rows, layers, top_k]."""
+    flat = np.frombuffer(base64.b64decode(text), dtype="<i4")
+    if rows < 1 or flat.size % rows:
+        raise ValueError(
+            f"routed_experts has {flat.size} int32 values, not a whole number of rows for {rows} rows "
+            "(prompt_tokens + completion_tokens - 1)"
+        )
+    top = int(flat.max(initial=0))
+    if int(flat.min(initial=0)) < 0:
+        raise ValueError("routed_experts holds a negative expert id")
+    dtype = np.uint8 if top < 2**8 else np.int16 if top < 2**15 else np.int32
+    return flat.astype(dtype).reshape(rows, -1)
 
 
 class EngineError(RuntimeError):
@@ -66,6 +86,9 @@ class GenerateResult:
     cached_tokens: int
     text: str = ""
     meta_info: dict[str, Any] = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None
+    """Expert ids per position [prompt + completion - 1, layers * top_k] (decode_routed_experts),
+    when the request asked for `return_routed_experts`; None otherwise."""
 
     @classmethod
     def from_reply(cls, reply: dict[str, Any]) -> GenerateResult:
@@ -74,6 +97,9 @@ class GenerateResult:
         output_ids = list(reply.get("output_ids") or [row[1] for row in rows])
         version = str(meta.get("weight_version", ""))
         finish = meta.get("finish_reason") or {}
+        prompt_tokens = int(meta.get("prompt_tokens", 0))
+        completion_tokens = int(meta.get("completion_tokens", len(output_ids)))
+        routed = meta.get("routed_experts")
         return cls(
             rid=str(meta.get("id", "")),
             output_ids=output_ids,
@@ -82,11 +108,14 @@ class GenerateResult:
             finish_reason=finish.get("type", "abort") if isinstance(finish, dict) else str(finish),
             weight_version=version,
             weight_versions=list(meta.get(VERSIONS_KEY) or [version] * len(output_ids)),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
             cached_tokens=int(meta.get("cached_tokens", 0)),
             text=reply.get("text", ""),
-            meta_info=meta,
+            meta_info={k: v for k, v in meta.items() if k != "routed_experts"},
+            routed_experts=(
+                decode_routed_experts(routed, prompt_tokens + completion_tokens - 1) if routed else None
+            ),
         )
 
 
@@ -228,14 +257,18 @@ class SGLangClient:
         return_logprob: bool = True,
         rid: str | None = None,
         routing_key: str | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateResult:
         """One /generate; `routing_key` (else the client's bound one) keeps a session on one worker
-        behind sglang-router's `manual` policy."""
+        behind sglang-router's `manual` policy; `return_routed_experts` asks an MoE engine for its
+        expert choice per position (GenerateResult.routed_experts)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
             "return_logprob": return_logprob,
         }
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         if rid is not None:
             body["rid"] = rid
         return GenerateResult.from_reply(await self._post("/generate", body, routing_key=routing_key))

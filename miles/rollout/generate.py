@@ -102,6 +102,8 @@ class Generator:
     """The rollout section, for plug-ins (environment, limits)."""
     context: dict[str, Any] = field(default_factory=dict)
     """State a plug-in keeps across samples (e.g. a session server), created by the plug-in."""
+    routed_experts: bool = False
+    """Ask the engines for their expert choices (`train.routing_replay=rollout`); kept on samples."""
 
     def __post_init__(self) -> None:
         self._next = itertools.cycle(range(len(self.clients)))
@@ -173,7 +175,7 @@ class Generator:
             client = self.clients[pick]
             self.active += 1
             try:
-                r = await client.generate(input_ids, params)
+                r = await client.generate(input_ids, params, return_routed_experts=self.routed_experts)
             except EngineError as e:
                 if e.status is not None and 400 <= e.status < 500:
                     raise  # the request itself is wrong: repeating it cannot help
@@ -196,6 +198,7 @@ class Generator:
         s.rollout_logprobs = list(r.logprobs)
         s.loss_mask = [1] * len(s.response_ids)
         s.weight_versions = [parse_version(v) for v in r.weight_versions]
+        s.routed_experts = r.routed_experts
         s.response = self.encoder.decode(s.response_ids)
         s.reward = float(await asyncio.to_thread(self.reward_fn, s))
 
@@ -210,6 +213,8 @@ async def sample_group(
         return list(await asyncio.gather(*jobs))
     params = {**gen.sampling, **prompt.metadata.get("sampling", {})}
     body = {"input_ids": [prompt_ids] * n, "sampling_params": params, "return_logprob": True}
+    if gen.routed_experts:
+        body["return_routed_experts"] = True
     await gen.ready.wait()
     client = gen.clients[next(gen._next)]
     try:
