@@ -30,7 +30,10 @@ q/k/v weights (and biases) are stored as one [q; k; v] tensor and its gate/up we
 [gate; up] tensor, the HF-named weights being views into them, so each is one GEMM; Triton kernels
 (miles/engine/triton_fused.py) fuse the fp32 residual add with the next RMSNorm, RoPE with the K/V
 pool write, and silu(gate) * up, with the roundings of the per-op path (`Decoder.fused = False`).
-Left out: rope scaling variants (llama3/yarn), sliding window, MoE, tensor parallelism.
+Qwen3-MoE: sparse layers run the router + experts of miles/engine/moe.py in place of the MLP (its
+docstring has the maths and the expert storage); with `record_routing` set, a forward leaves each
+token's top-k expert ids per sparse layer in `routing` ([T, sparse layers, k], narrow ints).
+Left out: rope scaling variants (llama3/yarn), sliding window, shared experts, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+from miles.engine import moe
+
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+QK_NORM_ARCHS = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    moe: moe.MoeSpec | None = None
+    """The mixture-of-experts shape (Qwen3MoeForCausalLM), None for dense models."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelSpec:
@@ -89,6 +97,7 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if "Moe" in arch else None,
         )
 
 
@@ -182,6 +191,11 @@ class Decoder:
         self.fused = self.device.type == "cuda"
         """The CUDA forward runs the fused GEMMs and the Triton kernels of triton_fused.py; False runs
         the per-op path (the CPU forward's), one GEMM per HF weight."""
+        self.record_routing = False
+        """MoE: each forward leaves the top-k expert ids of its tokens in `routing`."""
+        self.routing: torch.Tensor | None = None
+        """[T, sparse layers, k] expert ids of the last forward's packed tokens (record_routing)."""
+        self._routed: list[torch.Tensor] = []
         self.load(weights, strict=True)
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
         self.inv_freq = (1.0 / spec.rope_theta**half).float()
@@ -195,10 +209,13 @@ class Decoder:
             p = f"model.layers.{i}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
             names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            if s.moe is not None and i in s.moe.sparse_layers:
+                names += s.moe.expert_names(i)
+            else:
+                names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
             if s.arch == "Qwen2ForCausalLM":
                 names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-            if s.arch == "Qwen3ForCausalLM":
+            if s.arch in QK_NORM_ARCHS:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         return names
 
@@ -213,6 +230,8 @@ class Decoder:
                     members = [f"{p}{sub}.{x}_proj.{kind}" for x in parts]
                     if all(m in known for m in members):
                         groups[f"{p}{sub}.{fused}_proj.{kind}"] = members
+            if self.spec.moe is not None and i in self.spec.moe.sparse_layers:
+                groups.update(self.spec.moe.stacked_groups(i))
         return groups
 
     def _allocate(self, weights: dict[str, torch.Tensor]) -> None:
@@ -240,6 +259,8 @@ class Decoder:
 
     def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
         """Copy tensors in by HF name; unknown names or wrong shapes raise ValueError naming them."""
+        if self.spec.moe is not None:  # stacked [E, ...] expert tensors arrive as their per-expert views
+            weights = moe.per_expert(weights, self.spec.moe)
         known = set(self.expected_names())
         unknown = [n for n in weights if n not in known and not (n == "lm_head.weight")]
         if unknown:
@@ -335,7 +356,7 @@ class Decoder:
         k = F.linear(x, self.params[p + "k_proj.weight"], self.params.get(p + "k_proj.bias"))
         v = F.linear(x, self.params[p + "v_proj.weight"], self.params.get(p + "v_proj.bias"))
         q, k, v = q.view(T, s.num_heads, D), k.view(T, KVH, D), v.view(T, KVH, D)
-        if s.arch == "Qwen3ForCausalLM":
+        if s.arch in QK_NORM_ARCHS:
             q, k = (
                 self._norm(q, self.params[p + "q_norm.weight"]),
                 self._norm(k, self.params[p + "k_norm.weight"]),
@@ -457,11 +478,21 @@ class Decoder:
             x = x + F.linear(out, self.params[p + "self_attn.o_proj.weight"])
             x = x + self._mlp(i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]))
         last = d.last_index if prefill is None else torch.cat((prefill.last_index, n_pre + d.last_index))
+        self._take_routing()
         x = self._norm(x[last], self.params["model.norm.weight"])
         return F.linear(x, self.get("lm_head.weight")).float()
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
+        m = self.spec.moe
+        if m is not None and i in m.sparse_layers:
+            st = self.storage
+            gate_up = st[p + "experts.gate_up_proj"].view(m.num_experts, 2 * m.intermediate_size, -1)
+            down = st[p + "experts.down_proj"].view(m.num_experts, -1, m.intermediate_size)
+            out, ids = moe.sparse_mlp(x, self.params[p + "gate.weight"], gate_up, down, m)
+            if self.record_routing:
+                self._routed.append(ids)
+            return out
         gate = F.linear(x, self.params[p + "gate_proj.weight"])
         up = F.linear(x, self.params[p + "up_proj.weight"])
         return F.linear(F.silu(gate) * up, self.params[p + "down_proj.weight"])
@@ -487,7 +518,14 @@ class Decoder:
             x = x + self._mlp(
                 i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]).to(self.dtype)
             )
+        self._take_routing()
         return self._logits(self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype))
+
+    def _take_routing(self) -> None:
+        """`routing` from the ids the sparse layers of this forward recorded (module docstring)."""
+        if self.record_routing and self._routed:
+            self.routing = torch.stack(self._routed, dim=1).to(self.spec.moe.record_dtype())
+        self._routed = []
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         head = self.get("lm_head.weight")
@@ -517,7 +555,13 @@ class Decoder:
             )
             out = F.linear(self._attend(q, b, pool[i], mask), w[p + "self_attn.o_proj.weight"])
             h = add_rms_norm_(x, out, w[p + "post_attention_layernorm.weight"], eps, self.dtype)
-            act = silu_mul(F.linear(h, st[p + "mlp.gate_up_proj.weight"]))
-            h = add_rms_norm_(x, F.linear(act, w[p + "mlp.down_proj.weight"]), w[next_norm], eps, self.dtype)
+            if p + "mlp.gate_up_proj.weight" in st:
+                mlp = F.linear(
+                    silu_mul(F.linear(h, st[p + "mlp.gate_up_proj.weight"])), w[p + "mlp.down_proj.weight"]
+                )
+            else:  # a sparse (MoE) layer
+                mlp = self._mlp(i, h)
+            h = add_rms_norm_(x, mlp, w[next_norm], eps, self.dtype)
+        self._take_routing()
         # decode (one query per request) packs exactly the last tokens, in order; the norm is per row
         return self._logits(h if b.query_index.shape[1] == 1 else h[b.last_index])

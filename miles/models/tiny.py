@@ -27,7 +27,10 @@ ARCHS = {
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
     "llama": "LlamaConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
+# the tiny mixture-of-experts shape: 4 experts, top-2, the first layer dense
+MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
 
 
 def _corpus(n_lines: int, seed: int) -> list[str]:
@@ -95,8 +98,11 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **sizes: 
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
+    if arch == "qwen3_moe":
+        dims.update(MOE_DEFAULTS, norm_topk_prob=True)
     dims.update(sizes)
-    extra = {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]} if arch == "qwen3" else {}
+    qk_norm = arch in ("qwen3", "qwen3_moe")
+    extra = {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]} if qk_norm else {}
     cls = getattr(transformers, ARCHS[arch])
     return cls(
         vocab_size=vocab_size,

@@ -1,0 +1,196 @@
+"""The engine's mixture-of-experts layer: the Qwen3-MoE sparse MLP (router + experts).
+
+Maths (one token x [H], E experts, top-k), as transformers' Qwen3MoeSparseMoeBlock:
+    p   = softmax(W_gate x)                      in fp32 over the E router logits
+    S   = top-k indices of p,  w_e = p_e for e in S   (w /= sum(w) when norm_topk_prob), cast to x's dtype
+    out = sum_{e in S} w_e * W_down[e] (silu(W_g[e] x) * (W_u[e] x))
+Layer i is sparse when it is not in `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0; the
+others keep the dense MLP of the decoder (miles/engine/model.py).
+
+Storage: a sparse layer's experts live in two stacked tensors, `mlp.experts.gate_up_proj` [E, 2I, H]
+(expert e's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I] — transformers' own
+in-memory layout — and the per-expert HF names of checkpoints (`mlp.experts.E.{gate,up,down}_proj.weight`,
+what `save_pretrained` writes and published checkpoints hold) are views into them. Loading accepts
+either naming.
+
+Three exact expert paths, one result:
+  - `experts_looped`: tokens sorted by expert, one GEMM pair per expert hit (host-synchronising: CPU).
+  - `experts_grouped`: the same sorted layout through `torch._grouped_mm` with device offsets — no
+    host synchronisation and no data-dependent shapes ([T*k] rows always), so a decode step runs
+    inside a CUDA graph. Used on CUDA where the kernel takes the shapes (bf16, dims multiple of 8).
+  - `experts_gathered`: each (token, slot) gathers its expert's weights and runs a batched matmul —
+    also free of host syncs, the CUDA fallback for small batches (decode) without grouped GEMM.
+Left out: shared experts (Qwen2-MoE; the Qwen3-MoE config has none), expert parallelism, the
+router's auxiliary loss (training only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GATHER_MAX_ROWS = 256
+"""CUDA without grouped GEMM: the largest T*k the gathered path takes (each row copies one expert's
+weights); larger batches (prefill) use the looped path."""
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The mixture-of-experts shape of a Qwen3-MoE config."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+    """The decoder layers whose MLP is sparse, ascending (the order of routed-expert records)."""
+
+    @classmethod
+    def from_config(cls, cfg: dict, num_layers: int) -> MoeSpec:
+        # transformers 5 writes `num_local_experts`, published checkpoints `num_experts`
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if experts <= 0:
+            raise ValueError("Qwen3MoeForCausalLM config has no experts: set num_experts > 0 in config.json")
+        top_k = int(cfg["num_experts_per_tok"])
+        if not 0 < top_k <= experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+        if cfg.get("shared_expert_intermediate_size"):
+            raise ValueError("shared experts (shared_expert_intermediate_size) are not supported")
+        dense, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step", 1))
+        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(experts, top_k, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob")), sparse)
+
+    def expert_names(self, layer: int) -> list[str]:
+        """The per-expert HF names of a sparse layer, in the row order of the stacked tensors:
+        gate_up stacks gate_0, up_0, gate_1, up_1, ...; down stacks down_0, down_1, ..."""
+        p = f"model.layers.{layer}.mlp."
+        names = [p + "gate.weight"]
+        for e in range(self.num_experts):
+            names += [f"{p}experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")]
+        return names
+
+    def stacked_groups(self, layer: int) -> dict[str, list[str]]:
+        """Stacked name -> the per-expert HF names whose rows it holds."""
+        p = f"model.layers.{layer}.mlp.experts."
+        E = range(self.num_experts)
+        return {
+            p + "gate_up_proj": [f"{p}{e}.{x}_proj.weight" for e in E for x in ("gate", "up")],
+            p + "down_proj": [f"{p}{e}.down_proj.weight" for e in E],
+        }
+
+    def record_dtype(self) -> torch.dtype:
+        """The narrowest integer dtype holding an expert id (routing records on the device)."""
+        return (
+            torch.uint8
+            if self.num_experts <= 256
+            else torch.int16
+            if self.num_experts <= 32768
+            else torch.int32
+        )
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in x's dtype, expert ids [T, k] int64) of the router W_gate [E, H]."""
+    logits = F.linear(x, gate)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def _sorted(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, token of each sorted row, rows per expert) of the T*k (token, slot) pairs by expert."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // ids.shape[1], counts
+
+
+def _combine(x: torch.Tensor, y: torch.Tensor, order, tokens, weights: torch.Tensor) -> torch.Tensor:
+    """sum over slots of weight * expert output, rows y in sorted order, back in token order."""
+    y = y * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+def experts_looped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The exact per-expert path: one [gate; up] GEMM and one down GEMM per expert hit."""
+    order, tokens, counts = _sorted(ids, gate_up.shape[0])
+    xs, outs, start = x[tokens], [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gate, up = F.linear(xs[start : start + n], gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, down[e]))
+        start += n
+    return _combine(x, torch.cat(outs), order, tokens, weights)
+
+
+def experts_grouped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The sorted layout through grouped GEMMs with device offsets (no host sync, fixed shapes)."""
+    order, tokens, counts = _sorted(ids, gate_up.shape[0])
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    return _combine(x, y, order, tokens, weights)
+
+
+def experts_gathered(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Each (token, slot) row multiplies its own expert's gathered weights (no host sync)."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, H]
+    gate, up = torch.bmm(xs, gate_up[flat].transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, down[flat].transpose(1, 2))[:, 0]  # [T*k, H]
+    y = (y * weights.reshape(-1, 1)).view(T, k, -1)
+    return y.sum(dim=1, dtype=torch.float32).to(x.dtype) if k > 1 else y[:, 0]
+
+
+def grouped_available(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these shapes on this device (CUDA, bf16, 16-byte rows)."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    E, two_i, H = gate_up.shape
+    return H % 8 == 0 and (two_i // 2) % 8 == 0
+
+
+def experts(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The sparse MLP's expert sum by the best exact path for the device (module docstring)."""
+    if x.is_cuda and grouped_available(x, gate_up):
+        return experts_grouped(x, ids, weights, gate_up, down)
+    if x.is_cuda and ids.numel() <= GATHER_MAX_ROWS:
+        return experts_gathered(x, ids, weights, gate_up, down)
+    return experts_looped(x, ids, weights, gate_up, down)
+
+
+def sparse_mlp(
+    x: torch.Tensor, gate: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, spec: MoeSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MLP output [T, H], expert ids [T, k]) of a sparse layer for the normalised input x: router
+    W_gate [E, H], experts gate_up [E, 2I, H] and down [E, H, I]."""
+    weights, ids = route(x, gate, spec.top_k, spec.norm_topk_prob)
+    return experts(x, ids, weights, gate_up, down), ids
+
+
+def per_expert(weights: dict[str, torch.Tensor], spec: MoeSpec) -> dict[str, torch.Tensor]:
+    """`weights` with stacked expert tensors (transformers' in-memory `mlp.experts.gate_up_proj`
+    [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]) replaced by their per-expert HF-named views."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        head, _, tail = name.rpartition(".experts.")
+        if tail not in ("gate_up_proj", "down_proj") or not head.startswith("model.layers."):
+            out[name] = t
+            continue
+        if t.dim() != 3 or t.shape[0] != spec.num_experts:
+            raise ValueError(f"{name}: expected [num_experts={spec.num_experts}, ...], got {tuple(t.shape)}")
+        for e in range(spec.num_experts):
+            if tail == "down_proj":
+                out[f"{head}.experts.{e}.down_proj.weight"] = t[e]
+            else:
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{head}.experts.{e}.gate_proj.weight"] = gate
+                out[f"{head}.experts.{e}.up_proj.weight"] = up
+    return out
