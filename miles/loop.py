@@ -96,6 +96,13 @@ def evaluate_weights(
     return metrics
 
 
+def log_evaluations(state: LoopState, evals: Any, step: int, drain: bool = False) -> None:
+    """Rank 0: finished dedicated/external evaluations into the records of their steps (`drain`:
+    wait for those still running first)."""
+    for at, result in (evals.drain(step) if drain else evals.collect(step)) if evals else []:
+        state.logger.amend(at, result)
+
+
 def run(run_dir: Path, resume: bool) -> int:
     import torch.distributed as dist
 
@@ -150,8 +157,7 @@ def run(run_dir: Path, resume: bool) -> int:
                 )
                 state.log(step, metrics)
                 log.info("step %d reward %.3f", step, metrics["rollout/reward_mean"])
-                for at, result in evals.collect(step) if evals else []:
-                    state.logger.amend(at, result)
+                log_evaluations(state, evals, step)
             preempt = barrier_flag(rank0 and state.preempt_requested())
             every = plan.train.checkpoint.every_steps
             if preempt or last or (every and step % every == 0):
@@ -159,8 +165,7 @@ def run(run_dir: Path, resume: bool) -> int:
             if preempt:
                 log.warning("preempted: checkpoint of step %d written, exiting", step)
                 return 0
-        for at, result in evals.drain(state.step) if evals else []:
-            state.logger.amend(at, result)
+        log_evaluations(state, evals, state.step, drain=True)
         return 0
     finally:
         if evals is not None:
