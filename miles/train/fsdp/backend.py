@@ -17,10 +17,17 @@ Before any update, one no-grad pass computes the old-policy log-probs (`train.lo
 recompute`) and the frozen reference policy's log-probs (`kl_coef > 0`). The train/rollout
 mismatch metric is measured on log-probs computed before the step's first update (that pass, or
 else the first mini-batch's forward).
+
+Mixture-of-experts models (transformers' Qwen3MoeForCausalLM) train as they are: the stacked expert
+tensors are parameters of their decoder layer's FSDP unit, sharded like any other. Their routers are
+patched once (miles/train/routing_replay.py): with `train.routing_replay = rollout` every forward
+(old-policy, reference and training passes) uses the rollout's expert choice, and each step reports
+router agreement, per-expert load, its imbalance and the load-balancing loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +48,7 @@ from miles.train.fsdp.weights import bucketize, iter_full_tensors
 from miles.train.losses import get_estimator, token_weights
 from miles.train.objective import TokenBatch, policy_objective
 from miles.train.optim import build_optimizer, build_scheduler
+from miles.train.routing_replay import RoutingReplay, packed_routing
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # metric sums all-reduced at the end of a step; *_loss are already weighted, the rest are token sums
@@ -90,9 +98,15 @@ class FSDPBackend:
     step: int
     _offloaded: bool
     _moved: list[tuple[dict[str, Any], str]]
+    routing: RoutingReplay | None
+    """The policy's patched routers (None: a dense model)."""
+    _ref_routing: RoutingReplay | None
+    _samples: list[Sample]
 
     def __init__(self) -> None:
         self.ref_model = None
+        self.routing = self._ref_routing = None
+        self._samples = []
         self.step = 0
         self._offloaded = False
         self._moved = []
@@ -113,6 +127,15 @@ class FSDPBackend:
         self.model = load_sharded(plan.model.path, self.device, dtype, trainable=True)
         if t.loss.kl_coef > 0:
             self.ref_model = load_sharded(plan.model.path, self.device, dtype, trainable=False)
+        replay = t.routing_replay == "rollout"
+        self.routing = RoutingReplay.install(self.model, replay)
+        if self.ref_model is not None:
+            self._ref_routing = RoutingReplay.install(self.ref_model, replay)
+        if replay and self.routing is None:
+            raise ConfigError(
+                f"train.routing_replay=rollout but model {plan.model.path} has no mixture-of-experts "
+                "router to replay; set train.routing_replay=off"
+            )
         self.optimizer = build_optimizer(self.model.parameters(), t, rank=self.rank)
         self.scheduler = build_scheduler(self.optimizer, t)
 
@@ -126,6 +149,9 @@ class FSDPBackend:
             raise ValueError("train() needs at least one sample")
         start = time.perf_counter()
         check_samples(samples)
+        self._samples = samples
+        if self.routing is not None:
+            self.routing.reset()
         t = self.plan.train
         counts = torch.tensor([float(sum(s.loss_mask)) for s in samples])
         rewards = torch.tensor([float(s.reward) for s in samples])
@@ -147,17 +173,30 @@ class FSDPBackend:
         self.step += 1
         stats = stats.to(self.device)
         dist.all_reduce(stats)
-        return self._metrics(stats.cpu(), plans, grad_norms, lr, start, rewards)
+        metrics = self._metrics(stats.cpu(), plans, grad_norms, lr, start, rewards)
+        if self.routing is not None:
+            router = self.routing.stats().to(self.device)
+            dist.all_reduce(router)
+            metrics.update(self.routing.metrics(router.cpu()))
+        self._samples = []
+        return metrics
 
     def _forward(
-        self, model: nn.Module, packed: Packed, with_entropy: bool = False
+        self, model: nn.Module, packed: Packed, with_entropy: bool = False, measure: bool = False
     ) -> tuple[Tensor, Tensor | None]:
-        """Response-token log-probs (and entropies) of `packed` under `model`."""
-        out = model(
-            input_ids=packed.input_ids.to(self.device),
-            position_ids=packed.position_ids.to(self.device),
-            use_cache=False,
-        )
+        """Response-token log-probs (and entropies) of `packed` under `model`; `measure` adds the
+        pass to the step's router metrics."""
+        rr = self.routing if model is self.model else self._ref_routing
+        ctx = contextlib.nullcontext()
+        if rr is not None:
+            routing = packed_routing(self._samples, packed.samples, rr.shape, required=rr.replay)
+            ctx = rr.batch(routing, measure)
+        with ctx:
+            out = model(
+                input_ids=packed.input_ids.to(self.device),
+                position_ids=packed.position_ids.to(self.device),
+                use_cache=False,
+            )
         dev = Packed(
             **{k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in vars(packed).items()}
         )
@@ -207,7 +246,7 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         for k, (real, packed) in enumerate(self._micro_batches(samples, rank_plan)):
             self.model.set_requires_gradient_sync(k == rank_plan.n_micro - 1)
-            logp, entropy = self._forward(self.model, packed, with_entropy=real)
+            logp, entropy = self._forward(self.model, packed, with_entropy=real, measure=real)
             if not real:
                 # a pass that only keeps this rank in step with the others' collectives
                 (logp.sum() * 0.0).backward()

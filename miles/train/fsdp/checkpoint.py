@@ -145,7 +145,7 @@ def export_hf(model: nn.Module, model_path: str | Path, out_dir: str | Path, dty
     tensors = {}
     for name, tensor in iter_full_tensors(model, dtype):
         if rank == 0:
-            tensors[name] = tensor.cpu().contiguous()
+            tensors[name] = tensor.cpu().clone()  # per-expert views of one stacked tensor share storage
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / "model.safetensors.tmp"
