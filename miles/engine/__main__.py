@@ -102,6 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--url-file", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="MoE: record each token's top-k experts so /generate can return routed_experts",
+    )
     _add_health_args(p)
     streaming.add_args(p)
     args = p.parse_args(argv)
@@ -138,6 +143,11 @@ def build_state(args: argparse.Namespace) -> EngineState:
     model_dir = Path(args.model)
     spec = ModelSpec.from_dir(model_dir)
     decoder = Decoder(spec, load_weights(model_dir), device, dtype)
+    if args.enable_return_routed_experts and spec.moe is None:
+        raise SystemExit(
+            f"--enable-return-routed-experts needs a mixture-of-experts model; {spec.arch} is dense"
+        )
+    decoder.record_routing = args.enable_return_routed_experts
     scheduler = Scheduler(
         decoder,
         args.max_running_requests,
@@ -166,6 +176,7 @@ def build_state(args: argparse.Namespace) -> EngineState:
         "page_size": 1,
         "disable_cuda_graph": not scheduler.use_cuda_graph,
         "cuda_graph_max_bs": scheduler.graph_max_bs,
+        "enable_return_routed_experts": args.enable_return_routed_experts,
     }
     state = EngineState(
         scheduler,

@@ -6,6 +6,9 @@ Logprob fields follow io_struct.py's GenerateReqInput: `logprob_start_len` and `
 are one value for every prompt or (batch form) one per prompt; `token_ids_logprob` is one list of
 ids for every prompt or (batch form) one list per prompt; they act only with `return_logprob`.
 
+`return_routed_experts` (engines started with `--enable-return-routed-experts`, MoE models) marks
+every request of the body; `routed_experts_start_len` is the first position with a row.
+
 `n > 1` (the same n for every prompt, as SGLang) gives each prompt n requests, in the reply list
 prompt by prompt (the samples of prompt 0, then of prompt 1, ...), with rids `<rid>_<j>`. As
 SGLang's tokenizer manager does, a prefill-only request (max_new_tokens 0) computes each prompt's
@@ -70,6 +73,7 @@ def attach_options(state: Any, body: GenerateReqInput, reqs: list[tuple[Request,
         raise BadRequest(
             f"sampling_params.n must be the same for every prompt of a batch, got {sorted(samples)}"
         )
+    _check_routed(state, body)
     out, warmups = [], []
     for i, (req, lp) in enumerate(reqs):
         at = f"[{i}]" if batch else ""
@@ -80,7 +84,25 @@ def attach_options(state: Any, body: GenerateReqInput, reqs: list[tuple[Request,
             continue
         warmups.append(_prefill_only(req, state))
         out += [(_sample(req, j, warmups[-1], state), lp) for j in range(req.params.n)]
+    for req, _ in out:
+        req.return_routed_experts = body.return_routed_experts
+        req.routed_experts_start_len = body.routed_experts_start_len
     return out, warmups
+
+
+def _check_routed(state: Any, body: GenerateReqInput) -> None:
+    """return_routed_experts needs an MoE model and the engine flag; the start is a position."""
+    if not body.return_routed_experts:
+        return
+    decoder = state.scheduler.decoder
+    if decoder.spec.moe is None:
+        raise BadRequest(
+            "return_routed_experts needs a mixture-of-experts model; this engine serves a dense one"
+        )
+    if not decoder.record_routing:
+        raise BadRequest("return_routed_experts needs the engine started with --enable-return-routed-experts")
+    if body.routed_experts_start_len < 0:
+        raise BadRequest(f"routed_experts_start_len={body.routed_experts_start_len} must be >= 0")
 
 
 def _logprob(req: Request, start: Any, top: Any, ids: Any, state: Any, at: str) -> tuple[int, int, Any]:

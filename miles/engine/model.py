@@ -195,6 +195,8 @@ class Decoder:
         """MoE: each forward leaves the top-k expert ids of its tokens in `routing`."""
         self.routing: torch.Tensor | None = None
         """[T, sparse layers, k] expert ids of the last forward's packed tokens (record_routing)."""
+        self.routing_table: torch.Tensor | None = None
+        """[pool slots, sparse layers, k] expert ids of the token whose K/V is in each slot (record_routing)."""
         self._routed: list[torch.Tensor] = []
         self.load(weights, strict=True)
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
@@ -478,7 +480,9 @@ class Decoder:
             x = x + F.linear(out, self.params[p + "self_attn.o_proj.weight"])
             x = x + self._mlp(i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]))
         last = d.last_index if prefill is None else torch.cat((prefill.last_index, n_pre + d.last_index))
-        self._take_routing()
+        self._take_routing(
+            d.write_slots if prefill is None else torch.cat((prefill.write_slots, d.write_slots))
+        )
         x = self._norm(x[last], self.params["model.norm.weight"])
         return F.linear(x, self.get("lm_head.weight")).float()
 
@@ -518,14 +522,36 @@ class Decoder:
             x = x + self._mlp(
                 i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]).to(self.dtype)
             )
-        self._take_routing()
+        self._take_routing(b.write_slots)
         return self._logits(self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype))
 
-    def _take_routing(self) -> None:
-        """`routing` from the ids the sparse layers of this forward recorded (module docstring)."""
+    def new_routing_table(self, num_slots: int) -> None:
+        """With `record_routing`, a zeroed `routing_table` beside a KV pool of `num_slots` slots."""
+        m = self.spec.moe
+        if not self.record_routing or m is None:
+            self.routing_table = None
+            return
+        shape = (num_slots, len(m.sparse_layers), m.top_k)
+        self.routing_table = torch.zeros(shape, dtype=m.record_dtype(), device=self.device)
+
+    def _take_routing(self, slots: torch.Tensor) -> None:
+        """`routing` from the ids the sparse layers of this forward recorded, also written to the
+        routing table at the tokens' pool slots (a device scatter: no host sync, graph-safe)."""
         if self.record_routing and self._routed:
             self.routing = torch.stack(self._routed, dim=1).to(self.spec.moe.record_dtype())
+            if self.routing_table is not None:
+                self.routing_table[slots] = self.routing
         self._routed = []
+
+    def read_routing(self, slots: list[int]) -> torch.Tensor:
+        """int32 [len(slots), num_layers, k] expert ids of the tokens in `slots`, on the host; dense
+        layers' rows are 0 (as SGLang's zero-initialised capture buffer). Waits for the device."""
+        m = self.spec.moe
+        out = torch.zeros(len(slots), self.spec.num_layers, m.top_k, dtype=torch.int32)
+        if slots and self.routing_table is not None:
+            index = torch.tensor(slots, device=self.routing_table.device)
+            out[:, list(m.sparse_layers)] = self.routing_table[index].cpu().to(torch.int32)
+        return out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         head = self.get("lm_head.weight")
@@ -562,6 +588,6 @@ class Decoder:
             else:  # a sparse (MoE) layer
                 mlp = self._mlp(i, h)
             h = add_rms_norm_(x, mlp, w[next_norm], eps, self.dtype)
-        self._take_routing()
+        self._take_routing(b.write_slots)
         # decode (one query per request) packs exactly the last tokens, in order; the norm is per row
         return self._logits(h if b.query_index.shape[1] == 1 else h[b.last_index])

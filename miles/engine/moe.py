@@ -105,7 +105,10 @@ def _sorted(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Te
     """(order, token of each sorted row, rows per expert) of the T*k (token, slot) pairs by expert."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # a scatter, not bincount: CUDA's bincount reads the largest id back to the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     return order, order // ids.shape[1], counts
 
 

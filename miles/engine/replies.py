@@ -1,6 +1,7 @@
 """The parts of SGLang's /generate reply that depend on a request's options: the text (stop trimming,
 as sglang/srt/managers/detokenizer_manager.py) and the logprob fields of `meta_info` (as
-tokenizer_manager.py `add_logprob_to_meta_info`).
+tokenizer_manager.py `add_logprob_to_meta_info`), and `routed_experts` (as the tokenizer manager
+encodes it: base64 of the int32 C-order bytes of [rows, num_hidden_layers, top_k], sent at finish).
 
 Rows are `[logprob, token_id, text]` with text null unless `return_text_in_logprobs`; the first row
 of `input_token_logprobs` has a null log-prob, and the first entry of `input_top_logprobs` /
@@ -12,6 +13,7 @@ consistent.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from miles.engine.options import Row, trim_text
@@ -53,6 +55,14 @@ def logprob_meta(tokenizer: Any, req: Request) -> dict[str, Any]:
         meta["input_token_ids_logprobs"] = [None if r is None else _rows(r, texts) for r in o.input_ids or []]
         meta["output_token_ids_logprobs"] = [_rows(r, texts) for r in o.output_ids[:n]]
     return meta
+
+
+def routed_meta(req: Request) -> dict[str, Any]:
+    """meta_info's `routed_experts` once the request has finished with return_routed_experts (rows of
+    positions routed_experts_start_len .. prompt + completion - 2; the last token was never forwarded)."""
+    if req.routed_experts is None:
+        return {}
+    return {"routed_experts": base64.b64encode(req.routed_experts.contiguous().numpy().tobytes()).decode()}
 
 
 def _texts(tokenizer: Any):

@@ -42,6 +42,11 @@ class Request:
     finish: dict[str, Any] | None = None
     abort_requested: bool = False
     opts: RequestOptions | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed_experts: torch.Tensor | None = None
+    """At finish, with return_routed_experts: int32 [rows, num_layers, top_k] expert ids of positions
+    routed_experts_start_len .. num_tokens - 2 (miles/engine/replies.py encodes them)."""
     """Logprob and sampling options beyond the plain path (miles/engine/options.py); None for most."""
     done: Future = field(default_factory=Future)
     created_s: float = field(default_factory=time.monotonic)

@@ -121,6 +121,7 @@ class Scheduler(EngineThread):
         self._needs_memory = False
         scratch = self.max_total_tokens
         self.pool = self.decoder.new_kv_pool(self.max_total_tokens + 1)
+        self.decoder.new_routing_table(self.max_total_tokens + 1)  # MoE with --enable-return-routed-experts
         self.slots = SlotAllocator(self.max_total_tokens)
         dev = self.decoder.device
         self.table = torch.zeros(self.max_running + 1, self.max_context, dtype=torch.int64, device=dev)
@@ -205,6 +206,7 @@ class Scheduler(EngineThread):
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs, self.pool, self.table, self.row_kv = None, [], torch.empty(0), None
+        self.decoder.routing_table = None
         self._staging = None
         self.decoder.offload()
         if self.decoder.device.type == "cuda":
@@ -596,6 +598,8 @@ class Scheduler(EngineThread):
             # with overlap a step in flight may hold one more slot (the last token's K/V): not cached
             if req.cache_epoch == self._cache_epoch and req.finish["type"] != "abort" and len(req.slots) >= n:
                 self.slots.insert(req.tokens[:n], req.slots[:n])
+            if req.return_routed_experts:  # rows of positions start..n-1 (cached ones included)
+                req.routed_experts = self.decoder.read_routing(req.slots[req.routed_experts_start_len : n])
             self._free(req)
             self.running.remove(req)
             self._finish(req, req.finish)

@@ -166,6 +166,7 @@ def reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict[
     }
     if return_logprob:
         meta |= replies.logprob_meta(state.tokenizer, req)
+    meta |= replies.routed_meta(req)
     return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
 
@@ -234,8 +235,6 @@ def _n(req: GenerateReqInput) -> int:
 
 def prepare(state: EngineState, req: GenerateReqInput) -> list[tuple[EngineRequest, bool]]:
     """Checked engine requests and their return_logprob flags, rids claimed; not yet submitted."""
-    if req.return_routed_experts:
-        raise BadRequest("return_routed_experts needs an MoE model; this engine serves dense models")
     items = _items(req, state)
     batch = len(items) > 1 or isinstance(req.text, list) or isinstance(req.sampling_params, list)
     reqs = [

@@ -55,6 +55,7 @@ class GenerateReqInput(BaseModel):
     rid: str | list[str] | None = None
     stream: bool = False
     return_routed_experts: bool = False
+    routed_experts_start_len: Int64 = 0
 
 
 def _too_large(size: int, limit: int, declared: bool) -> HTTPError:
