@@ -299,11 +299,12 @@ def test_sandboxes_die_with_a_killed_owner(tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout.readline().strip() == "created"
-        for _ in range(500):
-            if any("sleep" in open(f"/proc/{p}/cmdline").read() for p in _pids_running(marker)):
+        for _ in range(500):  # until the command itself runs (bwrap's own cmdline holds the marker too)
+            if any(open(f"/proc/{p}/cmdline").read().startswith("sleep\0") for p in _pids_running(marker)):
                 break
             time.sleep(0.02)
-        assert _pids_running(marker), "the sandboxed command never started"
+        else:
+            raise AssertionError("the sandboxed command never started")
     finally:
         owner.send_signal(signal.SIGKILL)  # no close(), no finalizer: only the kernel cleans up
         owner.wait()

@@ -17,10 +17,12 @@ Start-up is one `bwrap` exec (tens of ms); `bench/sandbox_start.py` measures it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,8 @@ from pathlib import Path
 from miles.agentic.sandbox import process
 from miles.agentic.sandbox.base import ExecResult, Limits, SandboxError, SandboxStartError
 
+CLOSE_WAIT_S = 5.0
+"""How long close() waits for killed processes to disappear before wiping anyway."""
 INSIDE = "/sandbox"
 """Where the sandbox's directory appears inside."""
 _SYSTEM_DIRS = ("/usr", "/etc")
@@ -77,7 +81,9 @@ def bwrap_argv(settings: BwrapSettings, workdir: str, cmd: list[str]) -> list[st
     """The full command line running `cmd` in the sandbox whose directory is `workdir` (reads only
     which of the host's /bin, /lib* are links)."""
     argv = [settings.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
-    argv += ["--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    # no --new-session: the runner already starts bwrap in a session of its own (no controlling
+    # terminal), and keeping the sandbox in bwrap's process group lets one killpg stop all of it
+    argv += ["--unshare-uts", "--unshare-cgroup-try", "--die-with-parent"]
     for d in settings.system_dirs:
         argv += ["--ro-bind", d, d]
     for link in _SYSTEM_LINKS:
@@ -128,6 +134,9 @@ class BwrapSandbox:
         self.path: Path | None = None
         self.closed = False
         self._pgids: set[int] = set()
+        """Process groups that may be signalled (from start until just before their leader is reaped)."""
+        self._groups: set[int] = set()
+        """Every process group this sandbox started; close() waits until they are empty."""
         self._runtime = ""
         self._finalizer: weakref.finalize | None = None
 
@@ -186,6 +195,7 @@ class BwrapSandbox:
     def _started(self, pid: int) -> None:
         """Called from the exec thread: register the process group, or stop it if the sandbox closed."""
         self._pgids.add(pid)
+        self._groups.add(pid)
         if self.closed:
             process.kill_group(pid)
 
@@ -219,7 +229,13 @@ class BwrapSandbox:
             return f.read(max_bytes)
 
     async def close(self) -> None:
+        """Kill every command, wait (up to CLOSE_WAIT_S) until their processes are gone, wipe."""
         self.closed = True
+        for pgid in list(self._pgids):
+            process.kill_group(pgid)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while any(process.group_alive(g) for g in self._groups) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         if self._finalizer is not None:
             self._finalizer()  # runs _wipe once; later calls are no-ops
 

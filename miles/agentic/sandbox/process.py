@@ -43,6 +43,17 @@ def kill_group(pgid: int) -> None:
         pass
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process is left in process group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def run(
     argv: list[str],
     stdin: bytes | None,
