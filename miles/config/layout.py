@@ -6,8 +6,14 @@ miles.launch.spec, with the ranks of the actor group) refuse the same layouts wi
 What a profile decides (GPUs per node, partitions, a CPU-only vendor) stays in miles.launch.spec.
 
 The model's shape rules (heads and vocabulary split over tensor-parallel ranks, layers over pipeline
-stages) are checked here when the model directory already holds its config.json; otherwise the
-Megatron backend checks them when it starts. Reads JSON only: no torch here.
+stages, experts over expert-parallel ranks; routing replay needs an MoE model) are checked here when
+the model directory already holds its config.json; otherwise the backend checks them when it
+starts. Reads JSON only: no torch here.
+
+Expert parallelism (megatron-core's expert grid, expert tensor-parallel size = train.tensor_parallel):
+train.expert_parallel divides the data-parallel ranks, ranks / (tensor_parallel x pipeline_parallel),
+and the model's routed experts. The Megatron backend builds dense models only so far, so it refuses
+MoE settings before these rules are reached; FSDP shards experts like any parameter (no EP).
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ log = logging.getLogger("miles.config")
 SIZES = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
 """The parallel sizes of train.*, each 1 when unused."""
 
-_MOE = "MoE training is not built yet"
+_MOE = "Megatron MoE training is not built yet"
 UNSUPPORTED: dict[tuple[str, str], str] = {
     ("fsdp", "tensor_parallel"): "FSDP shards every parameter over all train ranks instead; "
     "train.backend=megatron splits layers",
     ("fsdp", "pipeline_parallel"): "FSDP shards every parameter over all train ranks instead; "
     "train.backend=megatron splits layers",
-    ("fsdp", "expert_parallel"): _MOE,
+    ("fsdp", "expert_parallel"): "FSDP shards every parameter, experts included, over all train ranks "
+    "instead; train.backend=megatron splits experts",
     ("megatron", "expert_parallel"): f"the Megatron backend builds dense models only; {_MOE}",
 }
 """(train.backend, size) pairs the backend does not implement, and why; any other size may exceed 1."""
@@ -49,6 +56,11 @@ def _check_support(plan: Plan) -> None:
                 f"train.{key}={value} is not supported{yet} by train.backend={t.backend} ({why}); "
                 f"set train.{key}=1"
             )
+    if t.backend == "megatron" and t.routing_replay != "off":
+        raise ConfigError(
+            f"train.routing_replay={t.routing_replay} is not supported yet by train.backend=megatron "
+            f"({_MOE}): train MoE models with train.backend=fsdp, or set train.routing_replay=off"
+        )
     if t.backend == "megatron" and t.device == "cpu":
         raise ConfigError(
             "train.backend=megatron runs on CUDA GPUs only (megatron-core's forward is CUDA-only): set "
@@ -63,6 +75,13 @@ def _check_ranks(plan: Plan, ranks: int, ranks_key: str) -> None:
         raise ConfigError(
             f"{ranks} trainer ranks ({ranks_key}) are not a multiple of train.tensor_parallel x "
             f"train.pipeline_parallel = {model_parallel}: change {ranks_key} or those sizes"
+        )
+    data_parallel = ranks // model_parallel
+    if data_parallel % t.expert_parallel:
+        raise ConfigError(
+            f"train.expert_parallel={t.expert_parallel} does not divide the {data_parallel} data-parallel "
+            f"ranks ({ranks} trainer ranks ({ranks_key}) / train.tensor_parallel x train.pipeline_parallel "
+            f"= {model_parallel}): change train.expert_parallel or {ranks_key}"
         )
 
 
@@ -80,12 +99,36 @@ def _model_shape(path: str) -> dict[str, int] | None:
     shape = {k: cfg[k] for k in keys if isinstance(cfg.get(k), int)}
     if "num_key_value_heads" not in shape and "num_attention_heads" in shape:
         shape["num_key_value_heads"] = shape["num_attention_heads"]
+    # routed experts under the names of Qwen-MoE, DeepSeek and Mixtral configs (0 or absent: dense)
+    experts = [cfg.get(k) for k in ("num_experts", "n_routed_experts", "num_local_experts")]
+    shape["num_experts"] = next((e for e in experts if isinstance(e, int) and e > 0), 0)
     return shape
+
+
+def _check_experts(plan: Plan, shape: dict[str, int]) -> None:
+    t = plan.train
+    experts = shape["num_experts"]
+    if t.routing_replay == "rollout" and not experts:
+        raise ConfigError(
+            f"train.routing_replay=rollout needs a mixture-of-experts model, and model {plan.model.path} "
+            "is dense: set train.routing_replay=off"
+        )
+    if t.expert_parallel > 1 and not experts:
+        raise ConfigError(
+            f"train.expert_parallel={t.expert_parallel} needs a mixture-of-experts model, and model "
+            f"{plan.model.path} is dense: set train.expert_parallel=1"
+        )
+    if experts and experts % t.expert_parallel:
+        raise ConfigError(
+            f"model {plan.model.path} has {experts} routed experts, not divisible by "
+            f"train.expert_parallel={t.expert_parallel}; choose a train.expert_parallel that divides it"
+        )
 
 
 def _check_model(plan: Plan) -> None:
     t = plan.train
-    if t.backend != "megatron" or (t.tensor_parallel == 1 and t.pipeline_parallel == 1):
+    moe = t.expert_parallel > 1 or t.routing_replay != "off"
+    if not moe and (t.backend != "megatron" or (t.tensor_parallel == 1 and t.pipeline_parallel == 1)):
         return
     shape = _model_shape(plan.model.path)
     if shape is None:
@@ -93,7 +136,11 @@ def _check_model(plan: Plan) -> None:
             "model %s has no config.json yet; its split is checked when the trainer starts", plan.model.path
         )
         return
-    rules = [(k, "train.tensor_parallel", t.tensor_parallel) for k in shape if k != "num_hidden_layers"]
+    _check_experts(plan, shape)
+    if t.backend != "megatron":
+        return
+    skip = ("num_hidden_layers", "num_experts")
+    rules = [(k, "train.tensor_parallel", t.tensor_parallel) for k in shape if k not in skip]
     rules.append(("num_hidden_layers", "train.pipeline_parallel", t.pipeline_parallel))
     for what, key, size in rules:
         if what in shape and shape[what] % size:

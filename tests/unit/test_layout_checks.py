@@ -40,7 +40,7 @@ def _submit_error(overrides: list[str], profile: str = "h200") -> str:
         (["train.tensor_parallel=3"], "train.tensor_parallel=3 is not supported by train.backend=fsdp ("),
         (["train.tensor_parallel=2"], "train.backend=megatron splits layers); set train.tensor_parallel=1"),
         (["train.pipeline_parallel=2"], "train.pipeline_parallel=2 is not supported by train.backend=fsdp"),
-        (["train.expert_parallel=2"], "train.expert_parallel=2 is not supported yet by train.backend=fsdp"),
+        (["train.expert_parallel=2"], "train.expert_parallel=2 is not supported by train.backend=fsdp ("),
         (
             ["train.backend=megatron", "train.expert_parallel=8"],
             "train.expert_parallel=8 is not supported yet by train.backend=megatron",

@@ -4,12 +4,14 @@ and routed experts on samples through the buffer and the rank broadcast (pickle)
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 
 import numpy as np
 import pytest
 import torch
 
+from miles.config import ConfigError, layout, resolve
 from miles.rollout.buffer import RolloutBuffer
 from miles.rollout.client import GenerateResult, decode_routed_experts
 from miles.sample import Sample
@@ -255,3 +257,36 @@ def test_exported_names_are_the_checkpoint_names(tmp_path):
     assert set(exported) == set(on_disk)
     for name, tensor in exported.items():
         assert torch.equal(tensor, on_disk[name]), name
+
+
+def _moe_config(tmp_path, experts: int) -> str:
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 64, "num_experts": experts}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_layout_refuses_replay_on_a_dense_model_and_megatron(tmp_path):
+    path = _moe_config(tmp_path, 0)
+    with pytest.raises(ConfigError, match="train.routing_replay=rollout needs a mixture-of-experts model"):
+        resolve({}, [f"model.path={path}", "train.routing_replay=rollout"])
+    with pytest.raises(
+        ConfigError, match="train.routing_replay=rollout is not supported yet by train.backend"
+    ):
+        resolve({}, ["train.backend=megatron", "train.routing_replay=rollout"])
+    plan = resolve({}, [f"model.path={_moe_config(tmp_path, 8)}", "train.routing_replay=rollout"])
+    assert plan.train.routing_replay == "rollout"
+
+
+def test_expert_parallel_divides_experts_and_data_parallel_ranks(tmp_path):
+    plan = resolve({}, [f"model.path={_moe_config(tmp_path, 6)}"])
+    ep4 = plan.model_copy(update={"train": plan.train.model_copy(update={"expert_parallel": 4})})
+    with pytest.raises(ConfigError, match="6 routed experts, not divisible by train.expert_parallel=4"):
+        layout._check_experts(ep4, layout._model_shape(plan.model.path))
+    with pytest.raises(
+        ConfigError, match="train.expert_parallel=4 does not divide the 6 data-parallel ranks"
+    ):
+        layout._check_ranks(ep4, 6, "train.num_ranks")
+    layout._check_ranks(ep4, 8, "train.num_ranks")
+    dense = plan.model_copy(update={"train": ep4.train, "model": plan.model.model_copy(update={"path": "x"})})
+    with pytest.raises(ConfigError, match="is dense: set train.expert_parallel=1"):
+        layout._check_experts(dense, {"num_experts": 0})
