@@ -146,7 +146,8 @@ def start_engine_process(plan: Plan, run_dir: Path, i: int, gpu: str | None, inc
         log_path=run_dir / "logs" / f"engine-{i}.log",
         startup_timeout_s=e.startup_timeout_s,
         env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
-        extra_args=["--enable-fault-injection"] if e.fault_injection else None,
+        extra_args=(["--enable-fault-injection"] if e.fault_injection else [])
+        + (["--enable-return-routed-experts"] if plan.train.routing_replay == "rollout" else []),
     )
     publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", incarnation)
     return eng
