@@ -1,9 +1,14 @@
-"""Job-side entry of every role: `python -m miles.cluster.bootstrap {rollout,actor} --run-dir DIR`.
+"""Job-side entry of every role: `python -m miles.cluster.bootstrap {rollout,eval,actor} --run-dir DIR`.
 
 rollout (one task per rollout node): start this node's engines (embedded `miles.engine`, or SGLang
 servers rendered by miles.launch.sglang), publish each URL once it answers /health, put the
 sglang-router in front on the group's first node when there is more than one engine, then wait;
 SIGTERM stops exactly the children it started.
+
+eval (one task per node of the eval group, `eval.mode: dedicated`): the same for the eval engines,
+without a router, published in RUN_DIR/rendezvous/eval_engines/ (the trainer's eval runner reads
+them there and loads each snapshot into them). An engine that exits ends the step with 1; the batch
+script lets the job go on without it.
 
 actor (one task per trainer rank): wait until all engines of this incarnation are healthy, derive
 MASTER_ADDR (first node of the actor group) and MASTER_PORT (from the job id), find rank and world
@@ -24,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from miles.cluster.environment import JobEnvironment, intra_op_threads
-from miles.cluster.rendezvous import healthy, master_port, node_address, publish_engine, wait_for_engines
+from miles.cluster.rendezvous import (
+    ENGINES,
+    EVAL_ENGINES,
+    healthy,
+    master_port,
+    node_address,
+    publish_engine,
+    wait_for_engines,
+)
 from miles.config import Plan, read_plan
 from miles.processes import child_options, stop_processes
 
@@ -84,16 +97,24 @@ def _wait_url(proc: subprocess.Popen[bytes], url_file: Path, deadline: float, lo
     raise StartFailed("did not serve within engine.startup_timeout_s", proc, log)
 
 
-def _start_engine(plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvironment, i: int) -> tuple:
+def _start_engine(
+    plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvironment, i: int, role: str = "rollout"
+) -> tuple:
+    """Engine i of this node for `role` (rollout or eval), published once healthy; (process, log)."""
     from miles.launch.sglang import sglang_port, sglang_server_command
 
     node = env.node_name or "local"
     loopback = facts["engine_host"] == "loopback"
     bind, advertise = ("127.0.0.1", "127.0.0.1") if loopback else ("0.0.0.0", node_address(node))
-    log = run_dir / "logs" / f"engine-{node}-{i}.log"
+    prefix = "eval-" if role == "eval" else ""
+    log = run_dir / "logs" / f"{prefix}engine-{node}-{i}.log"
     deadline = time.monotonic() + plan.engine.startup_timeout_s
+    # eval engines sample with seeds of their own (as `miles train` starts them), and take the SGLang
+    # ports after the rollout engines' (a one-host cluster may put both groups on one machine)
+    seed = plan.run.seed + (1000 + i if role == "eval" else 0)
+    port_index = i + (facts["engines_per_node"] if role == "eval" else 0)
     if facts["engine_kind"] == "embedded":
-        url_file = run_dir / "rendezvous" / "tmp" / f"{node}-{i}.json"
+        url_file = run_dir / "rendezvous" / "tmp" / f"{prefix}{node}-{i}.json"
         url_file.parent.mkdir(parents=True, exist_ok=True)
         url_file.unlink(missing_ok=True)
         e = plan.engine
@@ -109,11 +130,11 @@ def _start_engine(plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvi
             "0",
         ]
         argv += ["--device", e.device, "--max-running-requests", str(e.max_running_requests)]
-        argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(plan.run.seed)]
+        argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(seed)]
         proc = _spawn([*argv, "--url-file", str(url_file)], log)
         port = _wait_url(proc, url_file, deadline, log).rsplit(":", 1)[1]
     else:
-        port = str(sglang_port(int(env.job_id or 0), i))
+        port = str(sglang_port(int(env.job_id or 0), port_index))
         argv = sglang_server_command(plan, host=bind, port=int(port), python=sys.executable)
         proc = _spawn(argv, log)
         while not healthy(f"http://{advertise}:{port}"):
@@ -123,13 +144,15 @@ def _start_engine(plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvi
                 raise StartFailed("did not serve within engine.startup_timeout_s", proc, log)
             time.sleep(1.0)
     url = f"http://{advertise}:{port}"
-    publish_engine(run_dir, f"{node}-{i}", url, proc.pid, node, incarnation(env))
+    folder = EVAL_ENGINES if role == "eval" else ENGINES
+    publish_engine(run_dir, f"{node}-{i}", url, proc.pid, node, incarnation(env), folder)
     return proc, log
 
 
-def run_rollout(run_dir: Path) -> int:
+def run_rollout(run_dir: Path, role: str = "rollout") -> int:
     """Start and watch this node's engines (and the router); a child that exits ends the step with 1,
-    which the batch script turns into the end of the job (the trainer is not left waiting)."""
+    which the batch script turns into the end of the job (the trainer is not left waiting).
+    `role="eval"`: the eval group's engines, no router; its step's end does not end the job."""
     env = JobEnvironment.from_env()
     plan, facts = _facts(run_dir)
     children: list[subprocess.Popen[bytes]] = []
@@ -140,19 +163,21 @@ def run_rollout(run_dir: Path) -> int:
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    share_cpus(env, facts["engines_per_node"])
-    for i in range(facts["engines_per_node"]):
+    per_node = facts["eval_engines_per_node"] if role == "eval" else facts["engines_per_node"]
+    share_cpus(env, per_node)
+    for i in range(per_node):
         try:
-            proc, logs[i] = _start_engine(plan, facts, run_dir, env, i)
+            proc, logs[i] = _start_engine(plan, facts, run_dir, env, i, role)
         except StartFailed as e:
             # one line naming the engine and its log (whose traceback `miles status` shows), no
             # traceback of this process to hide it
             node = env.node_name or "local"
-            print(f"miles bootstrap: engine {i} on {node} {e}; see {e.log}", file=sys.stderr, flush=True)
+            what = "eval engine" if role == "eval" else "engine"
+            print(f"miles bootstrap: {what} {i} on {node} {e}; see {e.log}", file=sys.stderr, flush=True)
             stop_processes([*children, e.proc])
             return 1
         children.append(proc)
-    if env.rank == 0 and facts["num_engines"] > 1:
+    if role == "rollout" and env.rank == 0 and facts["num_engines"] > 1:
         children.append(_start_router(plan, run_dir, env, facts))
         logs[len(children) - 1] = run_dir / "logs" / "router.log"
     while all(p.poll() is None for p in children):
@@ -160,7 +185,7 @@ def run_rollout(run_dir: Path) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for i, p in enumerate(children):
         if p.returncode is not None:
-            what = "router" if logs[i].name == "router.log" else f"engine {i}"
+            what = "router" if logs[i].name == "router.log" else f"{'eval ' if role == 'eval' else ''}engine {i}"
             print(
                 f"miles bootstrap: {what} (pid {p.pid}) exited with {p.returncode}; see {logs[i]}",
                 file=sys.stderr,
@@ -229,15 +254,15 @@ def run_actor(run_dir: Path, command: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m miles.cluster.bootstrap", description=__doc__.splitlines()[0])
-    p.add_argument("role", choices=["rollout", "actor"])
+    p.add_argument("role", choices=["rollout", "eval", "actor"])
     p.add_argument("--run-dir", required=True, type=Path)
     p.epilog = "actor: append -- COMMAND... (exec'd once every engine is healthy)"
     argv = sys.argv[1:] if argv is None else argv
     # everything after `--` is the actor's command, passed through untouched
     cut = argv.index("--") if "--" in argv else len(argv)
     args, command = p.parse_args(argv[:cut]), argv[cut + 1 :]
-    if args.role == "rollout":
-        return run_rollout(args.run_dir)
+    if args.role in ("rollout", "eval"):
+        return run_rollout(args.run_dir, args.role)
     if not command:
         p.error("actor needs the command to run after --")
     return run_actor(args.run_dir, command)

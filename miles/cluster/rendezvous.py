@@ -1,7 +1,8 @@
 """Rendezvous through the run directory on the shared filesystem, plus job-id-derived ports.
 
 Engines publish `{"url", "pid", "node", "incarnation"}` as RUN_DIR/rendezvous/engines/<name>.json
-(temporary file + rename, so a reader never sees half a record). `incarnation` is
+(temporary file + rename, so a reader never sees half a record); the eval group's engines
+(`eval.mode: dedicated` under Slurm) publish the same records in RUN_DIR/rendezvous/eval_engines/. `incarnation` is
 JobEnvironment.incarnation (`<job id>.<restart count>` under Slurm, a per-start id under `miles
 train`): records of any other start (a requeue on other nodes, an earlier job on the same run
 directory) are stale, reported and ignored. `read_engines`/`read_router` are the only readers.
@@ -28,8 +29,14 @@ MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 10000
 
 
-def engines_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "rendezvous" / "engines"
+ENGINES = "engines"
+"""Folder of the rollout engines' records."""
+EVAL_ENGINES = "eval_engines"
+"""Folder of the eval group's engines' records (read by miles.eval.runner)."""
+
+
+def engines_dir(run_dir: str | Path, folder: str = ENGINES) -> Path:
+    return Path(run_dir) / "rendezvous" / folder
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -47,9 +54,11 @@ def publish_router(run_dir: str | Path, url: str, pid: int, incarnation: str) ->
     return path
 
 
-def publish_engine(run_dir: str | Path, name: str, url: str, pid: int, node: str, incarnation: str) -> Path:
-    """Publish one engine's URL for this incarnation of the job."""
-    path = engines_dir(run_dir) / f"{name}.json"
+def publish_engine(
+    run_dir: str | Path, name: str, url: str, pid: int, node: str, incarnation: str, folder: str = ENGINES
+) -> Path:
+    """Publish one engine's URL for this incarnation of the job (in `folder`: ENGINES or EVAL_ENGINES)."""
+    path = engines_dir(run_dir, folder) / f"{name}.json"
     write_atomic(path, {"url": url, "pid": pid, "node": node, "incarnation": incarnation})
     return path
 
@@ -80,9 +89,9 @@ def _report_stale(path: Path, why: str) -> None:
         log.warning("ignoring stale rendezvous record %s: %s", path, why)
 
 
-def read_engines(run_dir: str | Path, incarnation: str) -> list[dict[str, Any]]:
-    """Engine records of this incarnation, sorted by file name (the one reader of engines/*.json)."""
-    return _read_records(sorted(engines_dir(run_dir).glob("*.json")), incarnation)
+def read_engines(run_dir: str | Path, incarnation: str, folder: str = ENGINES) -> list[dict[str, Any]]:
+    """Engine records of this incarnation in `folder`, sorted by file name (the one reader of them)."""
+    return _read_records(sorted(engines_dir(run_dir, folder).glob("*.json")), incarnation)
 
 
 def read_router(run_dir: str | Path, incarnation: str) -> str | None:

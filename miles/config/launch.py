@@ -38,6 +38,9 @@ class LaunchConfig(Section):
     cpus_per_task: int | None = None
     """CPUs of each trainer rank's Slurm task (--cpus-per-task; its intra-op threads follow); default:
     the profile's cpus_per_node / actor_tasks_per_node. A rollout node's task gets the node's cores."""
+    eval_nodes: int = 1
+    """Nodes of the eval group: with `eval.mode=dedicated` (and eval.every_steps > 0) a disaggregated
+    Slurm job gets a third het component running the `eval.num_engines` eval engines."""
     engines_per_node: int | None = None
     """Engine servers per rollout node (default: sglang GPUs per node / (tp*dp); embedded engine.num_engines)."""
     time_limit_min: int = 60

@@ -26,7 +26,7 @@ from pathlib import Path
 from miles.config import ConfigError, Plan, read_plan
 from miles.config.profile import Profile, load_profile
 from miles.launch.slurm import ComponentSpec, JobSpec, StepSpec, render_sbatch, sbatch_command
-from miles.launch.spec import _container_flags, container_image
+from miles.launch.spec import container_flags, container_image
 
 ENGINE_START_MIN = 15
 """Minutes allowed for the job's start-up (container, imports, an eval engine) besides eval.timeout_s."""
@@ -58,7 +58,7 @@ def build_eval_job(
     image = container_image(plan, profile)
     python = python or ("python" if image else sys.executable)
     env = {"PYTHONUNBUFFERED": "1", **profile.env}
-    flags = (*_container_flags(plan, profile, image, env), *profile.srun_flags)
+    flags = (*container_flags(plan, profile, image, env), *profile.srun_flags)
     component = ComponentSpec(
         "eval",
         1,
@@ -70,8 +70,8 @@ def build_eval_job(
         account=profile.account,
         flags=tuple(profile.sbatch_flags),
     )
-    # the one step is the job's last: render_sbatch names it `actor` (the step whose exit ends the job)
-    step_spec = StepSpec("actor", None, eval_argv(python, run_dir, step, mode, fn), flags)
+    # the one step is the job's last: its exit ends the job
+    step_spec = StepSpec("eval", None, eval_argv(python, run_dir, step, mode, fn), flags)
     return JobSpec(
         job_name=f"miles-eval-{plan.run.name}-step{step}",
         run_dirs=(str(job_dir(run_dir, step)),),

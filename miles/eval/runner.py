@@ -142,16 +142,11 @@ class ExternalRunner:
 
 
 def published_eval_engines(run_dir: Path, incarnation: str) -> list[str]:
-    """URLs the eval group of this incarnation published (RUN_DIR/rendezvous/eval_engines/*.json)."""
-    urls = []
-    for path in sorted((run_dir / "rendezvous" / "eval_engines").glob("*.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if rec.get("incarnation") == incarnation:
-            urls.append(rec["url"])
-    return urls
+    """URLs the eval group of this incarnation published (RUN_DIR/rendezvous/eval_engines/*.json,
+    written by `python -m miles.cluster.bootstrap eval`)."""
+    from miles.cluster.rendezvous import EVAL_ENGINES, read_engines
+
+    return [rec["url"] for rec in read_engines(run_dir, incarnation, EVAL_ENGINES)]
 
 
 class DedicatedRunner:
@@ -168,6 +163,8 @@ class DedicatedRunner:
         self.engines: list[Any] = []
         """EngineProcess of each engine we started (empty when they are published)."""
         self.generator: CountingGenerator | None = None
+        self.urls: list[str] = []
+        """URLs of the connected eval engines."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="eval", daemon=True)
         self._thread.start()
@@ -209,8 +206,7 @@ class DedicatedRunner:
             except TimeoutError:
                 raise EvalSkipped("timeout", f"over eval.timeout_s={self.plan.eval.timeout_s:.0f}s") from None
             except Exception as e:
-                lost = [x.url for x in self.engines if not x.alive()]
-                reason = "engine_lost" if lost else "error"
+                reason = "engine_lost" if self._lost() else "error"
                 raise EvalSkipped(reason, f"{type(e).__name__}: {e}") from None
             metrics["eval/duration_s"] = time.monotonic() - start
             return metrics
@@ -284,6 +280,14 @@ class DedicatedRunner:
             time.sleep(1.0)
         return engine
 
+    def _lost(self) -> bool:
+        """An engine we started has died, or a published one (the eval group's) no longer answers."""
+        if self.published:
+            from miles.cluster.rendezvous import healthy
+
+            return not all(healthy(u) for u in self.urls)
+        return any(not x.alive() for x in self.engines)
+
     def _wait_published(self) -> list[str]:
         from miles.cluster.rendezvous import healthy
 
@@ -310,6 +314,7 @@ class DedicatedRunner:
             self.suites = build_suites(self.plan, build_task(r.task, self.plan.run.seed))
             self.encoder = PromptEncoder(self.plan.model.path)
             self.reward = load_reward(r.reward)
+        self.urls = list(urls)
         clients = [SGLangClient(u, max_connections=r.max_concurrency_per_engine + 8) for u in urls]
         self.generator = CountingGenerator.from_config(clients, self.encoder, self.reward, r)
 

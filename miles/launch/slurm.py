@@ -6,8 +6,10 @@ colocated run is one homogeneous group running both roles (`srun --overlap`). Sw
 homogeneous layouts add `--array=0-N%k`; the array task picks its point's run directory.
 
 Job hygiene: every step runs with `--kill-on-bad-exit=1` (a task that fails ends its step), the
-batch shell ends the job as soon as either step ends (a dead rollout step fails the job instead of
-leaving the trainer waiting for engines), and the job's end takes every step with it.
+batch shell ends the job as soon as a fatal step ends (a dead rollout step fails the job instead of
+leaving the trainer waiting for engines), and the job's end takes every step with it. A step that is
+not fatal (the eval group of `eval.mode: dedicated`, component 2) may end first: the batch log says
+so and the job goes on without it (the loop counts its evaluations as skipped).
 
 Preemption: `--signal=B:USR2@S` reaches the batch shell S seconds before the time limit; its trap
 touches RUN_DIR/control/preempt (the loop checkpoints at the next step boundary and exits 0), waits
@@ -47,6 +49,9 @@ class StepSpec:
     het_group: int | None
     argv: tuple[str, ...]
     srun_flags: tuple[str, ...] = ()
+    fatal: bool = True
+    """Its end ends the job (stopping the last step first). A step that is not fatal (the eval group's
+    engines) may end on its own: the batch log says so, the job goes on, and its end stops it."""
 
 
 @dataclass(frozen=True)
@@ -117,15 +122,20 @@ def _run_dir_lines(spec: JobSpec) -> list[str]:
     return [f"RUN_DIRS=({quoted})", 'RUN_DIR="${RUN_DIRS[$SLURM_ARRAY_TASK_ID]}"']
 
 
+def _pid(step: StepSpec) -> str:
+    """The batch-shell variable holding the PID of the step's `srun` (ACTOR_PID, ROLLOUT_PID, ...)."""
+    return f"${step.role.upper()}_PID"
+
+
 TRAP = """\
-# USR2 before the time limit: ask the loop for a checkpoint, let the actor step finish it, requeue.
-on_usr2() {
+# USR2 before the time limit: ask the loop for a checkpoint, let the {role} step finish it, requeue.
+on_usr2() {{
   echo "miles: USR2 at $(date +%s): checkpoint requested, requeueing job $SLURM_JOB_ID"
   touch "$RUN_DIR/control/preempt"
-  wait "$ACTOR_PID"
+  wait "{pid}"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
-}
+}}
 trap on_usr2 USR2"""
 
 
@@ -151,38 +161,61 @@ def _tail(role: str, lines: int = 12) -> str:
 
 
 def _wait_lines(spec: JobSpec) -> list[str]:
-    """Wait for whichever step ends first: the actor step's status is the job's; another step ending
-    first (the engines are gone) stops the actor step and fails the job, which then never hangs.
-    The failed step's logs end the batch log (`miles: <role> step exited with N`, then their tails)."""
-    others = [f"${s.role.upper()}_PID" for s in spec.steps[:-1]]
-    alive = " && ".join(f'kill -0 "{pid}" 2>/dev/null' for pid in ["$ACTOR_PID", *others])
+    """Wait for whichever fatal step ends first: the last step's status is the job's; another fatal step
+    ending first (the engines are gone) stops the last step and fails the job, which then never hangs.
+    The failed step's logs end the batch log (`miles: <role> step exited with N`, then their tails).
+    A step that is not fatal ending is reported once and the wait goes on; the job's end stops it."""
+    last = spec.steps[-1]
+    others = [s for s in spec.steps[:-1] if s.fatal]
+    optional = [s for s in spec.steps[:-1] if not s.fatal]
+    alive = " && ".join(f'kill -0 "{_pid(s)}" 2>/dev/null' for s in [last, *others])
     lines = [
         "",
-        "# The first step to end decides: the actor step's status is the job's; any other step ending",
+        f"# The first step to end decides: the {last.role} step's status is the job's; any other step ending",
         "# first fails the job at once. `wait -n` returns early when a trapped signal arrives.",
-        f"while {alive}; do wait -n; done",
-        'if ! kill -0 "$ACTOR_PID" 2>/dev/null; then',
-        '  wait "$ACTOR_PID"; STATUS=$?',
-        '  echo "miles: actor step exited with $STATUS"',
-        f'  [ "$STATUS" -eq 0 ] || {_tail("actor")}',
     ]
-    for step, pid in zip(spec.steps[:-1], others, strict=True):
+    if not optional:
+        lines.append(f"while {alive}; do wait -n; done")
+    else:
         lines += [
-            f'elif ! kill -0 "{pid}" 2>/dev/null; then',
-            f'  wait "{pid}"; STATUS=$?',
-            f'  echo "miles: {step.role} step exited with $STATUS before the actor step; stopping the job"',
+            f"# Not watched: the {s.role} step (its end is reported, the job goes on)." for s in optional
+        ]
+        lines += [f"{s.role.upper()}_ENDED=0" for s in optional]
+        lines += [f"while {alive}; do", "  wait -n"]
+        for s in optional:
+            flag = f"{s.role.upper()}_ENDED"
+            lines += [
+                f'  if [ "${flag}" -eq 0 ] && ! kill -0 "{_pid(s)}" 2>/dev/null; then',
+                f"    {flag}=1",
+                f'    echo "miles: {s.role} step ended; the job goes on without it"',
+                f"    {_tail(s.role)}",
+                "  fi",
+            ]
+        lines.append("done")
+    lines += [
+        f'if ! kill -0 "{_pid(last)}" 2>/dev/null; then',
+        f'  wait "{_pid(last)}"; STATUS=$?',
+        f'  echo "miles: {last.role} step exited with $STATUS"',
+        f'  [ "$STATUS" -eq 0 ] || {_tail(last.role)}',
+    ]
+    for step in others:
+        lines += [
+            f'elif ! kill -0 "{_pid(step)}" 2>/dev/null; then',
+            f'  wait "{_pid(step)}"; STATUS=$?',
+            f'  echo "miles: {step.role} step exited with $STATUS before the {last.role} step; stopping the job"',
             '  [ "$STATUS" -ne 0 ] || STATUS=1',
             f"  {_tail(step.role)}",
-            '  kill -TERM "$ACTOR_PID" 2>/dev/null; wait "$ACTOR_PID" 2>/dev/null',
+            f'  kill -TERM "{_pid(last)}" 2>/dev/null; wait "{_pid(last)}" 2>/dev/null',
         ]
     lines.append("fi")
-    lines += [f'kill -TERM "{pid}" 2>/dev/null; wait "{pid}" 2>/dev/null' for pid in others]
+    lines += [f'kill -TERM "{_pid(s)}" 2>/dev/null; wait "{_pid(s)}" 2>/dev/null' for s in spec.steps[:-1]]
     return [*lines, 'exit "$STATUS"', ""]
 
 
 def render_sbatch(spec: JobSpec) -> str:
     """The batch script of `spec` (the exact text handed to sbatch)."""
-    assert spec.steps and spec.steps[-1].role == "actor", "the actor step is last: its exit ends the job"
+    assert spec.steps and spec.steps[-1].fatal, "the last step is the one whose exit ends the job"
+    last = spec.steps[-1]
     lines = _header(spec)
     lines += ["", "set -uo pipefail", *_run_dir_lines(spec)]
     lines += [f"export {k}={_word(v)}" for k, v in sorted(spec.env.items())]
@@ -190,11 +223,10 @@ def render_sbatch(spec: JobSpec) -> str:
     lines += ['mkdir -p "$RUN_DIR/logs" "$RUN_DIR/control"', 'rm -f "$RUN_DIR/control/preempt"']
     lines += ['echo "miles: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} run $RUN_DIR"']
     if spec.requeue_signal_s is not None:
-        lines += ["", TRAP]
+        lines += ["", TRAP.format(role=last.role, pid=_pid(last))]
     lines.append("")
-    for step in spec.steps[:-1]:
+    for step in spec.steps:
         lines += [_srun(step) + " &", f"{step.role.upper()}_PID=$!"]
-    lines += [_srun(spec.steps[-1]) + " &", "ACTOR_PID=$!"]
     return "\n".join(lines + _wait_lines(spec))
 
 

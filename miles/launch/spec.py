@@ -75,10 +75,35 @@ def actor_cpus_per_task(plan: Plan, profile: Profile, tasks_per_node: int) -> in
     return cpus
 
 
+def has_eval_group(plan: Plan) -> bool:
+    """The job has an eval group of its own: dedicated evaluation of a disaggregated layout."""
+    e = plan.eval
+    return e.mode == "dedicated" and e.every_steps > 0 and plan.launch.layout == "disaggregated"
+
+
+def eval_engines_per_node(plan: Plan, profile: Profile) -> int:
+    """Eval engines on one node of the eval group: eval.num_engines spread evenly over launch.eval_nodes."""
+    n, nodes, e = plan.eval.num_engines, plan.launch.eval_nodes, plan.engine
+    if n % nodes:
+        raise ConfigError(
+            f"eval.num_engines={n} must be a multiple of launch.eval_nodes={nodes} (the same engines on "
+            "every eval node); change either"
+        )
+    per_node = n // nodes
+    if e.kind == "sglang" and per_node * e.tp_size > profile.gpus_per_node:
+        raise ConfigError(
+            f"{per_node} eval engines per node of engine.tp_size={e.tp_size} need {per_node * e.tp_size} "
+            f"GPUs; profile {profile.name!r} has {profile.gpus_per_node} per node: raise launch.eval_nodes "
+            "or lower eval.num_engines"
+        )
+    return per_node
+
+
 def _check_partition(plan: Plan, profile: Profile) -> str | None:
     lc = plan.launch
     partition = lc.partition or profile.partition
     nodes = lc.actor_nodes + (lc.rollout_nodes if lc.layout == "disaggregated" else 0)
+    nodes += lc.eval_nodes if has_eval_group(plan) else 0
     limits = profile.partitions.get(partition) if partition else None
     if partition and profile.partitions and limits is None:
         raise ConfigError(
@@ -89,8 +114,9 @@ def _check_partition(plan: Plan, profile: Profile) -> str | None:
     if nodes > max_nodes:
         raise ConfigError(
             f"the job needs {nodes} nodes (launch.rollout_nodes={lc.rollout_nodes} + launch.actor_nodes="
-            f"{lc.actor_nodes}) but partition {partition!r} of profile {profile.name!r} allows {max_nodes}; "
-            "lower launch.rollout_nodes / launch.actor_nodes"
+            f"{lc.actor_nodes}{f' + launch.eval_nodes={lc.eval_nodes}' if has_eval_group(plan) else ''}) "
+            f"but partition {partition!r} of profile {profile.name!r} allows {max_nodes}; "
+            "lower launch.rollout_nodes / launch.actor_nodes / launch.eval_nodes"
         )
     if limits and limits.max_time_min and lc.time_limit_min > limits.max_time_min:
         raise ConfigError(
@@ -128,7 +154,7 @@ def check(plan: Plan, profile: Profile) -> dict[str, Any]:
             "engine.urls points `miles train` at SGLang servers already running; a Slurm job starts its own "
             "servers on its rollout nodes: remove engine.urls"
         )
-    for key in ("rollout_nodes", "actor_nodes", "time_limit_min", "array_parallelism"):
+    for key in ("rollout_nodes", "actor_nodes", "eval_nodes", "time_limit_min", "array_parallelism"):
         if getattr(lc, key) < 1:
             raise ConfigError(f"launch.{key} must be >= 1 (got {getattr(lc, key)})")
     partition = _check_partition(plan, profile)
@@ -145,6 +171,8 @@ def check(plan: Plan, profile: Profile) -> dict[str, Any]:
         "actor_tasks_per_node": tasks,
         "engines_per_node": per_node,
         "num_engines": rollout_nodes * per_node,
+        "eval_nodes": lc.eval_nodes if has_eval_group(plan) else 0,
+        "eval_engines_per_node": eval_engines_per_node(plan, profile) if has_eval_group(plan) else 0,
         "engine_kind": plan.engine.kind,
         "engine_host": profile.engine_host,
         "gpus_per_node": profile.gpus_per_node,
@@ -156,7 +184,7 @@ def check(plan: Plan, profile: Profile) -> dict[str, Any]:
     return facts
 
 
-def _container_flags(plan: Plan, profile: Profile, image: str | None, env: dict[str, str]) -> tuple[str, ...]:
+def container_flags(plan: Plan, profile: Profile, image: str | None, env: dict[str, str]) -> tuple[str, ...]:
     if image is None:
         return ()
     root = plan.run.runs_root
@@ -180,7 +208,7 @@ def build_job(
     python = python or ("python" if facts["container_image"] else sys.executable)
     lc = plan.launch
     env = {"PYTHONUNBUFFERED": "1", **profile.env, **collectives_env(profile, f"{RUN_DIR}/logs")}
-    flags = (*_container_flags(plan, profile, facts["container_image"], env), *profile.srun_flags)
+    flags = (*container_flags(plan, profile, facts["container_image"], env), *profile.srun_flags)
     common = {
         "partition": facts["partition"],
         "constraint": profile.constraint,
@@ -205,11 +233,17 @@ def build_job(
         rollout = ComponentSpec(
             "rollout", lc.rollout_nodes, 1, gpus, cpus_per_task=profile.cpus_per_node, **common
         )
-        components = (rollout, actor)
-        steps = (
-            StepSpec("rollout", 0, rollout_argv, (node_cpus, *flags)),
-            StepSpec("actor", 1, actor_argv, (rank_cpus, *mpi, *flags)),
-        )
+        components: tuple[ComponentSpec, ...] = (rollout, actor)
+        steps: tuple[StepSpec, ...] = (StepSpec("rollout", 0, rollout_argv, (node_cpus, *flags)),)
+        if has_eval_group(plan):
+            # group 2: the eval engines; its end (a lost engine) skips evaluations, never ends the job
+            eval_group = ComponentSpec(
+                "eval", lc.eval_nodes, 1, gpus, cpus_per_task=profile.cpus_per_node, **common
+            )
+            components += (eval_group,)
+            eval_argv = (*boot, "eval", "--run-dir", RUN_DIR)
+            steps += (StepSpec("eval", 2, eval_argv, (node_cpus, *flags), fatal=False),)
+        steps += (StepSpec("actor", 1, actor_argv, (rank_cpus, *mpi, *flags)),)
     else:
         components = (actor,)
         per_node = ("--overlap", f"--nodes={lc.actor_nodes}", "--ntasks-per-node=1", node_cpus)

@@ -252,8 +252,12 @@ def test_deepseek_launcher_renders(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     facts = (tmp_path / "deepseek-v4-flash" / "launch.json").read_text()
     assert '"actor_ranks": 16' in facts and '"num_engines": 2' in facts
+    # dedicated AIME evaluation: a third het group of one node runs the eval engine
+    assert '"eval_nodes": 1' in facts and '"eval_engines_per_node": 1' in facts
     text = (tmp_path / "deepseek-v4-flash" / "submission.sh").read_text()
-    assert text.count("#SBATCH --gpus-per-node=8") == 2 and "miles-rocm.sqsh" in text
+    assert text.count("#SBATCH --gpus-per-node=8") == 3 and "miles-rocm.sqsh" in text
+    assert text.count("#SBATCH hetjob") == 2 and "--het-group=2" in text
+    assert "miles.cluster.bootstrap eval --run-dir" in text
 
 
 def test_gpu_placement_of_local_runs() -> None:
