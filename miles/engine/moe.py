@@ -26,6 +26,7 @@ router's auxiliary loss (training only).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,8 @@ def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool) -> tuple[
 
 
 def _sorted(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, token of each sorted row, rows per expert) of the T*k (token, slot) pairs by expert."""
+    """(order, token of each sorted row, rows per expert) of the T*k (token, slot) pairs by expert
+    (a stable sort: within an expert, rows keep token order)."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # a scatter, not bincount: CUDA's bincount reads the largest id back to the host
@@ -112,10 +114,15 @@ def _sorted(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Te
     return order, order // ids.shape[1], counts
 
 
-def _combine(x: torch.Tensor, y: torch.Tensor, order, tokens, weights: torch.Tensor) -> torch.Tensor:
-    """sum over slots of weight * expert output, rows y in sorted order, back in token order."""
-    y = y * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+def _combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor | None = None):
+    """sum over slots of weight * expert output [T, H], y [T*k, H] in (token, slot) order or, given
+    `order`, in sorted order. Each product is rounded to x's dtype (as transformers' per-expert add),
+    the k products summed in fp32 and rounded once: deterministic, unlike an atomic index_add."""
+    T, k = weights.shape
+    if order is not None:
+        y = torch.empty_like(y).index_copy_(0, order, y)
+    y = y.view(T, k, -1) * weights[..., None].to(y.dtype)
+    return y.sum(dim=1, dtype=torch.float32).to(x.dtype) if k > 1 else y[:, 0].to(x.dtype)
 
 
 def experts_looped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -127,7 +134,7 @@ def experts_looped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -
             gate, up = F.linear(xs[start : start + n], gate_up[e]).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate) * up, down[e]))
         start += n
-    return _combine(x, torch.cat(outs), order, tokens, weights)
+    return _combine(x, torch.cat(outs), weights, order)
 
 
 def experts_grouped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -136,25 +143,29 @@ def experts_grouped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) 
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     gate, up = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
-    return _combine(x, y, order, tokens, weights)
+    return _combine(x, y, weights, order)
 
 
 def experts_gathered(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Each (token, slot) row multiplies its own expert's gathered weights (no host sync)."""
     T, k = ids.shape
     flat = ids.reshape(-1)
-    xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, H]
+    xs = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, 1, -1)  # (token, slot) order
     gate, up = torch.bmm(xs, gate_up[flat].transpose(1, 2)).chunk(2, dim=-1)
     y = torch.bmm(F.silu(gate) * up, down[flat].transpose(1, 2))[:, 0]  # [T*k, H]
-    y = (y * weights.reshape(-1, 1)).view(T, k, -1)
-    return y.sum(dim=1, dtype=torch.float32).to(x.dtype) if k > 1 else y[:, 0]
+    return _combine(x, y, weights)
+
+
+@functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def grouped_available(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` takes these shapes on this device (CUDA, bf16, 16-byte rows)."""
     if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):
         return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
+    if _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) < (9, 0):
         return False
     E, two_i, H = gate_up.shape
     return H % 8 == 0 and (two_i // 2) % 8 == 0
