@@ -6,6 +6,7 @@ hits, and the 400 of an engine started without `--enable-return-routed-experts`.
 from __future__ import annotations
 
 import base64
+import json
 
 import httpx
 import numpy as np
@@ -108,3 +109,37 @@ def test_request_without_the_engine_flag_is_a_400(moe_model, tmp_path):
 def test_negative_start_len_is_a_400(engine):
     r = _generate(engine.url, [1, 2, 3], 2, return_routed_experts=True, routed_experts_start_len=-1)
     assert r.status_code == 400 and "routed_experts_start_len" in r.json()["error"]["message"]
+
+
+def test_parallel_samples_each_return_their_routing(engine, hf_moe):
+    """n = 2: the prompt is prefilled once and both samples take it from the cache; each sample's
+    rows are its own tokens' routing."""
+    prompt = [40, 41, 42, 43, 44, 45]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True, "n": 2},
+        "return_routed_experts": True,
+    }
+    r = httpx.post(engine.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    for out in r.json():
+        routed = _decode(out["meta_info"]["routed_experts"])
+        assert np.array_equal(routed, _hf_routing(hf_moe, (prompt + out["output_ids"])[:-1]))
+
+
+def test_stream_sends_routing_in_the_last_chunk_only(engine):
+    prompt = [50, 51, 52, 53]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True},
+        "return_routed_experts": True,
+        "stream": True,
+    }
+    chunks = []
+    with httpx.stream("POST", engine.url + "/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: ") :]))
+    assert len(chunks) >= 2
+    assert all("routed_experts" not in c["meta_info"] for c in chunks[:-1])
+    assert _decode(chunks[-1]["meta_info"]["routed_experts"]).shape == (len(prompt) + 5 - 1, LAYERS, TOP_K)
