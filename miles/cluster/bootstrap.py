@@ -185,7 +185,9 @@ def run_rollout(run_dir: Path, role: str = "rollout") -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for i, p in enumerate(children):
         if p.returncode is not None:
-            what = "router" if logs[i].name == "router.log" else f"{'eval ' if role == 'eval' else ''}engine {i}"
+            what = (
+                "router" if logs[i].name == "router.log" else f"{'eval ' if role == 'eval' else ''}engine {i}"
+            )
             print(
                 f"miles bootstrap: {what} (pid {p.pid}) exited with {p.returncode}; see {logs[i]}",
                 file=sys.stderr,

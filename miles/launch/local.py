@@ -78,10 +78,11 @@ def share_cpu_threads(plan: Plan) -> int | None:
     """
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    processes = engines_started_here(plan) + plan.train.num_ranks
+    evals = plan.eval.num_engines if plan.eval.mode == "dedicated" and plan.eval.every_steps else 0
+    processes = engines_started_here(plan) + plan.train.num_ranks + evals
     threads = max(1, len(os.sched_getaffinity(0)) // processes)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the children started below
-    log.info("derived OMP_NUM_THREADS=%d for %d engine + trainer processes", threads, processes)
+    log.info("derived OMP_NUM_THREADS=%d for %d engine + trainer + eval engine processes", threads, processes)
     return threads
 
 

@@ -4,7 +4,8 @@
 before `sbatch`, so a job (every array task, every requeue) only ever reads a complete model:
 
 - the rollout task and the reward are built here, so a bad task option, dataset file or reward path
-  is a ConfigError now, not a traceback in a job's log;
+  is a ConfigError now, not a traceback in a job's log; so are the evaluation's datasets
+  (`eval.datasets`) and, in `external` mode, `eval.external_fn`;
 - `model.path` (weights, config and tokenizer) must exist; with `model.init_tiny_if_missing` a tiny
   random model is created there. It is written into a temporary sibling directory and renamed into
   place (a reader sees no model or a whole one), under a lock file beside it so that concurrent
@@ -30,13 +31,25 @@ log = logging.getLogger("miles.launch")
 
 
 def check_rollout_inputs(plan: Plan) -> None:
-    """Build the task and load the reward here, so that a bad option or reward path is a ConfigError
-    before any process starts (and not a traceback in the trainer's log)."""
+    """Build the task, load the reward and build what evaluation runs (the eval suites, or the
+    external function), so that a bad option, path or function is a ConfigError before any process
+    starts (and not a traceback in the trainer's log, or a skipped evaluation at its first step)."""
     from miles.rollout.rewards import load_reward
     from miles.rollout.tasks import build_task
 
-    build_task(plan.rollout.task, plan.run.seed)
+    task = build_task(plan.rollout.task, plan.run.seed)
     load_reward(plan.rollout.reward)
+    if not plan.eval.every_steps:
+        return
+    if plan.eval.mode == "external":
+        from miles.eval.runner import load_external
+
+        assert plan.eval.external_fn  # the schema requires it in external mode
+        load_external(plan.eval.external_fn)
+    else:
+        from miles.eval.datasets import build_suites
+
+        build_suites(plan, task)
 
 
 @contextmanager

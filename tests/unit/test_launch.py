@@ -62,6 +62,7 @@ STUB_SRUN = """#!/bin/bash
 # SIGTERM ends the step (as srun ends its tasks)
 case "$*" in
   *"bootstrap rollout"*) s=$ROLLOUT_S rc=$ROLLOUT_RC ;;
+  *"bootstrap eval"*) s=${EVAL_S:-60} rc=${EVAL_RC:-0} ;;
   *) s=$ACTOR_S rc=$ACTOR_RC ;;
 esac
 trap 'kill "$child"; exit 143' TERM
@@ -99,6 +100,70 @@ def test_batch_script_ends_with_the_first_step_to_end(rollout, actor, status, li
         ["bash", "-c", render_sbatch(spec)], env=env, capture_output=True, text=True, timeout=30
     )
     assert out.returncode == status and f"miles: {line}" in out.stdout, out
+
+
+DEDICATED = ["eval.mode=dedicated", "eval.every_steps=2", "launch.actor_nodes=1"]
+
+
+def _run_script(text: str, tmp_path: Path, **times: str) -> subprocess.CompletedProcess[str]:
+    """The batch script run by bash over the stand-in srun, with ROLLOUT_S=..., EVAL_RC=..., etc."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(STUB_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", **times}
+    return subprocess.run(["bash", "-c", text], env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_dedicated_eval_is_a_third_group(tmp_path: Path) -> None:
+    """eval.mode=dedicated: component 2 holds launch.eval_nodes nodes running the eval engines, its step
+    starts before the actor step; the node count and the engines per node are checked."""
+    text = _job("local", [*DEDICATED, "launch.eval_nodes=2", "eval.num_engines=4"], tmp_path)
+    components = text.split("set -uo")[0].split("#SBATCH hetjob")
+    assert len(components) == 3 and "--nodes=2" in components[2]
+    eval_line = next(line for line in text.splitlines() if "--het-group=2" in line)
+    assert (
+        "miles.cluster.bootstrap eval --run-dir" in eval_line and '"$RUN_DIR/logs/eval-%t.log"' in eval_line
+    )
+    assert text.index("EVAL_PID=$!") < text.index("ACTOR_PID=$!")
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    plan, prof = load_plan(TINY, "local", [f"run.runs_root={tmp_path}", *DEDICATED, "eval.num_engines=2"])
+    from miles.launch.spec import check
+
+    assert check(plan, prof)["eval_engines_per_node"] == 2
+    # no group of its own: shared evaluation, evaluation off, or one group for everything
+    for other in (["eval.mode=shared"], ["eval.every_steps=0"], ["launch.layout=colocated"]):
+        assert "--het-group=2" not in _job("local", [*DEDICATED, *other], tmp_path)
+    with pytest.raises(ConfigError, match="eval.num_engines=3 must be a multiple of launch.eval_nodes=2"):
+        _job("local", [*DEDICATED, "launch.eval_nodes=2", "eval.num_engines=3"], tmp_path)
+    with pytest.raises(ConfigError, match="launch.eval_nodes must be >= 1"):
+        _job("local", [*DEDICATED, "launch.eval_nodes=0"], tmp_path)
+    with pytest.raises(ConfigError, match="launch.eval_nodes=9"):
+        _job("h200", [*DEDICATED, "launch.eval_nodes=9"], tmp_path)  # 11 nodes: the partition's limit
+    with pytest.raises(ConfigError, match="2 eval engines per node of engine.tp_size=8 need 16 GPUs"):
+        _job("h200", [*DEDICATED, "engine.kind=sglang", "engine.tp_size=8", "eval.num_engines=2"], tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("times", "status", "lines"),
+    [
+        # the eval step ends first (a lost eval engine): said once, the job goes on and succeeds
+        ({"EVAL_S": "0.1", "EVAL_RC": "1", "ACTOR_S": "1", "ACTOR_RC": "0"}, 0,
+         ["eval step ended; the job goes on without it", "actor step exited with 0"]),
+        # the rollout step still fails the job, the eval step running or not
+        ({"ROLLOUT_S": "0.2", "ROLLOUT_RC": "3", "ACTOR_S": "60"}, 3,
+         ["rollout step exited with 3 before the actor step; stopping the job"]),
+        # the actor's end ends the job and stops the eval step
+        ({"ACTOR_S": "0.2", "ACTOR_RC": "0"}, 0, ["actor step exited with 0"]),
+    ],
+)  # fmt: skip
+def test_eval_step_that_ends_does_not_end_the_job(times, status, lines, tmp_path: Path) -> None:
+    plan, prof = load_plan(TINY, "local", [f"run.runs_root={tmp_path}", *DEDICATED])
+    text = render_sbatch(build_job(plan, prof, [plan.run_dir], log_dir=str(tmp_path / "logs")))
+    out = _run_script(text, tmp_path, **{"ROLLOUT_S": "60", "ROLLOUT_RC": "0", **times})
+    assert out.returncode == status, out
+    assert all(f"miles: {line}" in out.stdout for line in lines), out
+    assert out.stdout.count("eval step ended") == (1 if "EVAL_S" in times else 0), out
 
 
 def test_colocated_is_one_group_with_overlapping_steps(tmp_path: Path) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from miles.config import ConfigError, resolve
 from miles.launch.prepare import ensure_model, prepare_inputs
@@ -67,3 +70,46 @@ def test_bad_reward_is_caught_at_preparation(tmp_path: Path) -> None:
     plan = resolve({"model": {"path": str(tmp_path)}, "rollout": {"reward": "miles.rollout.rewards:nope"}})
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         prepare_inputs(plan)
+
+
+def _train(tmp_path: Path, eval_section: dict) -> subprocess.CompletedProcess[str]:
+    """`miles train` of a recipe with this eval section, in a process of its own (as a user runs it)."""
+    recipe = {
+        "run": {"runs_root": str(tmp_path / "runs")},
+        "model": {"path": str(tmp_path / "model"), "init_tiny_if_missing": True},
+        "eval": {"every_steps": 2, **eval_section},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    argv = [sys.executable, "-m", "miles.cli", "train", str(tmp_path / "recipe.yaml")]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+
+def test_missing_eval_dataset_is_caught_before_anything_starts(tmp_path: Path) -> None:
+    missing = tmp_path / "aime-2024.jsonl"
+    section = {"mode": "dedicated", "datasets": {"aime": {"source": "aime", "path": str(missing)}}}
+    out = _train(tmp_path, section)
+    assert out.returncode == 2, out.stderr
+    assert "eval.datasets.aime" in out.stderr and str(missing) in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "model").exists()  # nothing was started or written
+
+
+def test_bad_external_eval_function_is_caught_before_anything_starts(tmp_path: Path) -> None:
+    out = _train(tmp_path, {"mode": "external", "external_fn": "miles.eval.datasets:no_such_eval"})
+    assert out.returncode == 2, out.stderr
+    assert "eval.external_fn='miles.eval.datasets:no_such_eval'" in out.stderr, out.stderr
+    assert "has no function 'no_such_eval'" in out.stderr and "Traceback" not in out.stderr
+    out = _train(tmp_path, {"mode": "external", "external_fn": "no_such_module:fn"})
+    assert out.returncode == 2 and "cannot import 'no_such_module'" in out.stderr, out.stderr
+
+
+def test_eval_inputs_are_checked_only_when_evaluation_runs(tmp_path: Path) -> None:
+    from miles.launch.prepare import check_rollout_inputs
+
+    aime = {"aime": {"source": "aime", "path": str(tmp_path / "absent.jsonl")}}
+    with pytest.raises(ConfigError, match="eval.datasets.aime"):
+        check_rollout_inputs(resolve({"eval": {"mode": "shared", "datasets": aime}}))
+    check_rollout_inputs(resolve({"eval": {"every_steps": 0, "datasets": aime}}))
+    (tmp_path / "good.jsonl").write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
+    good = {"aime": {"source": "aime", "path": str(tmp_path / "good.jsonl")}}
+    check_rollout_inputs(resolve({"eval": {"mode": "dedicated", "datasets": good}}))
