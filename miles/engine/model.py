@@ -315,8 +315,10 @@ class Decoder:
         return self.params[name]
 
     def new_kv_pool(self, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys, values), each [kv_heads, num_slots, head_dim]."""
+        """Per layer (keys, values), each [kv_heads, num_slots, head_dim]; with `record_routing`, a
+        fresh routing table of as many slots beside it."""
         s = self.spec
+        self.new_routing_table(num_slots)
         shape = (s.num_kv_heads, num_slots, s.head_dim)
         mk = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
         return [(mk(), mk()) for _ in range(s.num_layers)]

@@ -121,7 +121,6 @@ class Scheduler(EngineThread):
         self._needs_memory = False
         scratch = self.max_total_tokens
         self.pool = self.decoder.new_kv_pool(self.max_total_tokens + 1)
-        self.decoder.new_routing_table(self.max_total_tokens + 1)  # MoE with --enable-return-routed-experts
         self.slots = SlotAllocator(self.max_total_tokens)
         dev = self.decoder.device
         self.table = torch.zeros(self.max_running + 1, self.max_context, dtype=torch.int64, device=dev)

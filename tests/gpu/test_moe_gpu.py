@@ -90,7 +90,6 @@ def test_decode_graph_replay_equals_eager_with_routing(model):
     dec = Decoder(ModelSpec.from_dir(model), load_weights(model), "cuda", torch.bfloat16)
     dec.record_routing = True
     pool = dec.new_kv_pool(1024)
-    dec.new_routing_table(1024)
     table = torch.arange(1, 1 + 9 * 64, device="cuda").view(9, 64)
     table[8] = 0
     graphs = DecodeGraphs(dec, pool, table, pad_row=8, max_batch=8, max_context=64)
