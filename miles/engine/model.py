@@ -32,7 +32,9 @@ q/k/v weights (and biases) are stored as one [q; k; v] tensor and its gate/up we
 pool write, and silu(gate) * up, with the roundings of the per-op path (`Decoder.fused = False`).
 Qwen3-MoE: sparse layers run the router + experts of miles/engine/moe.py in place of the MLP (its
 docstring has the maths and the expert storage); with `record_routing` set, a forward leaves each
-token's top-k expert ids per sparse layer in `routing` ([T, sparse layers, k], narrow ints).
+token's top-k expert ids per sparse layer in `routing` ([T, sparse layers, k], narrow ints) and
+scatters them into `routing_table` at the tokens' pool slots (made with the KV pool), so a prefix
+served from the cache still has its routing; `read_routing` reads a request's rows at its finish.
 Left out: rope scaling variants (llama3/yarn), sliding window, shared experts, tensor parallelism.
 """
 
