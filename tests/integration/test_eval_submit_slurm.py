@@ -71,17 +71,17 @@ def test_external_eval_as_its_own_job(tmp_path: Path, tiny_model: str, monkeypat
     run_dir = _run_with_snapshot(tmp_path, tiny_model, 4, mode="external", external_fn="e2e_eval_fns:quick")
     sub = submit_eval(run_dir, 4, profile="local")
     assert sub.job_id and Path(sub.script_path).read_text().startswith("#!/bin/bash")
-    assert _wait_done(sub.job_dir) == "COMPLETED", run_logs(sub.job_dir, "actor")
+    assert _wait_done(sub.job_dir) == "COMPLETED", run_logs(sub.job_dir, "eval")
     result = json.loads((run_dir / "eval" / "step_4" / "manual.json").read_text())
     assert result["step"] == 4 and result["metrics"]["eval/snapshot_step"] == 4.0
-    assert "actor step exited with 0" in run_logs(sub.job_dir)
+    assert "eval step exited with 0" in run_logs(sub.job_dir)
 
 
 def test_dedicated_eval_as_its_own_job(tmp_path: Path, tiny_model: str) -> None:
     """The job starts an eval engine on its node, loads the snapshot as version 6 and evaluates."""
     run_dir = _run_with_snapshot(tmp_path, tiny_model, 6, mode="dedicated")
     sub = submit_eval(run_dir, 6, profile="local")
-    assert _wait_done(sub.job_dir) == "COMPLETED", run_logs(sub.job_dir, "actor")
+    assert _wait_done(sub.job_dir) == "COMPLETED", run_logs(sub.job_dir, "eval")
     metrics = json.loads((run_dir / "eval" / "step_6" / "manual.json").read_text())["metrics"]
     assert metrics["eval/weight_version_min"] == metrics["eval/weight_version_max"] == 6.0
     assert metrics["eval/mixed_version_ratio"] == 0.0 and metrics["eval/held_out/prompts"] == 4
