@@ -141,3 +141,23 @@ def test_stacked_expert_tensors_load_as_per_expert_views(moe_model, hf_moe):
     assert torch.equal(dec.params["model.layers.1.mlp.experts.3.up_proj.weight"], want)
     with pytest.raises(ValueError, match="num_experts=4"):
         dec.load({"model.layers.1.mlp.experts.down_proj": torch.zeros(3, 64, 32)})
+
+
+def test_moe_spec_from_published_config_keys():
+    """`num_experts` (published checkpoints), `decoder_sparse_step` and `mlp_only_layers` pick the sparse
+    layers; a config without experts or with a shared expert is refused by key."""
+    cfg = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+    assert moe.MoeSpec.from_config({**cfg, "decoder_sparse_step": 2}, 6).sparse_layers == (1, 3, 5)
+    assert moe.MoeSpec.from_config({**cfg, "mlp_only_layers": [0, 2]}, 4).sparse_layers == (1, 3)
+    assert moe.MoeSpec.from_config({**cfg, "num_experts": 300}, 2).record_dtype() == torch.int16
+    with pytest.raises(ValueError, match="num_experts"):
+        moe.MoeSpec.from_config({**cfg, "num_experts": 0}, 2)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        moe.MoeSpec.from_config({**cfg, "shared_expert_intermediate_size": 512}, 2)
+
+
+def test_without_recording_nothing_is_kept(moe_model):
+    dec = Decoder(ModelSpec.from_dir(moe_model), load_weights(moe_model), "cpu", torch.float32)
+    pool = dec.new_kv_pool(64)
+    dec.forward(_prefill([5, 6, 7]), pool)
+    assert dec.routing is None and dec.routing_table is None
