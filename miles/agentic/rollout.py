@@ -14,7 +14,9 @@ template renders it after the assistant turn, tokenised once (mask 0, log-prob 0
 of the turn before it, so a group's staleness is that of its oldest generated token). The episode
 ends when the environment says done, at `rollout.env.max_turns` turns or at
 `rollout.env.max_episode_tokens` tokens (then truncated; so does a later turn the engine refuses, e.g.
-past its context length). The sample's reward is the episode's return.
+past its context length). The sample's reward is the episode's return. No observation is appended
+after the last allowed turn, so a sample ends on a model turn (but for the token cap) and the routed
+experts of its last request (`return_routed_experts`, MoE routing replay) cover all of its tokens.
 
 `agent_generate` (used when `rollout.agent_fn` is set) hands the task and a session `base_url` of the
 session server to the agent function, which may use any OpenAI client; the session server's token
@@ -179,7 +181,7 @@ async def _play(
     s = ep.s
     turns = min(t for t in (max_turns, getattr(env, "max_turns", None), 1 << 30) if t is not None)
     slot = hash((s.group_id, s.index))
-    for _ in range(turns):
+    for turn in range(turns):
         left = max_tokens - len(s.response_ids)
         if left <= 0:
             s.status = Status.TRUNCATED
@@ -199,6 +201,8 @@ async def _play(
         if r is None:  # the engine never finished the turn: the episode failed
             return
         ep.add_turn(r)
+        if r.routed_experts is not None:  # the last turn's request covers the whole sequence (R3)
+            s.routed_experts = r.routed_experts
         text = gen.encoder.decode(list(r.output_ids))
         t0 = time.monotonic()
         result = await env.step(text)
@@ -208,6 +212,8 @@ async def _play(
         if result.done:
             s.status = Status.COMPLETED
             return
+        if turn == turns - 1:  # no turn left to answer an observation: the sample ends on a model turn
+            break
         ended = bool(r.output_ids) and r.output_ids[-1] == renderer.eos_id
         ids = renderer.after_turn(history, result.messages, ended, tools)
         history.extend([{"role": "assistant", "content": text}, *result.messages])

@@ -35,7 +35,7 @@ class ScriptedEngine:
     def __init__(self, turns: list[tuple[list[int], list[float], int]]) -> None:
         self.turns, self.prompts = list(turns), []
 
-    async def generate(self, input_ids: list[int], params: dict) -> GenerateResult:
+    async def generate(self, input_ids: list[int], params: dict, **options: object) -> GenerateResult:
         self.prompts.append(list(input_ids))
         ids, logprobs, version = self.turns.pop(0)
         finish = "stop" if ids[-1] == 2 else "length"
