@@ -1,7 +1,7 @@
 """The unit of rollout data shared by rollout, buffer and trainer: one sampled trajectory.
 
-Plain dataclasses with lists (no torch), so they cross process boundaries as JSON or pickle and the
-config/launch side never needs torch.
+Plain dataclasses with lists (no torch; MoE routed experts are one compact numpy array), so they
+cross process boundaries as pickle and the config/launch side never needs torch.
 """
 
 from __future__ import annotations
