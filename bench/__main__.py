@@ -1,7 +1,10 @@
 """`make bench` / `python -m bench [--gpu]`: run the benchmark suite of this machine, one after the other.
 
-CPU (default): engine decode vs `generate`, fully async vs synchronous rollout, NVMe optimizer offload.
-GPU (`--gpu`, on a CUDA machine): decode attention kernel, engine vs `generate`, training MFU of both
+CPU (default): engine decode vs `generate`, fully async vs synchronous rollout, NVMe optimizer offload,
+the session server's per-turn overhead, sandbox start-up, multi-turn episodes async vs sync, and what
+a dedicated evaluation costs training.
+GPU (`--gpu`, on a CUDA machine): decode attention kernel, engine vs `generate`, SGLang request options
+on the decode hot path, training MFU of both
 backends, the bf16 log-prob mismatch, and the end-to-end GRPO step colocated (TRL's side is
 bench/trl_grpo.py, which needs the `trl` package). Each benchmark prints its own table; the numbers
 worth keeping go to bench/RESULTS.md with the date, machine and command.
@@ -17,10 +20,15 @@ CPU = [
     ["bench.engine_decode"],
     ["bench.async_vs_sync", "--steps", "12"],
     ["bench.offload", "--params-m", "50", "--steps", "6"],
+    ["bench.session_overhead"],
+    ["bench.sandbox_start"],
+    ["bench.agentic_async", "--steps", "10"],
+    ["bench.eval_overhead", "--steps", "48"],
 ]
 GPU = [
     ["bench.decode_attention_gpu"],
     ["bench.engine_gpu", "--skip-eager"],
+    ["bench.protocol_gpu", "--requests", "256", "--completion", "512"],
     ["bench.gpu_train", "--backend", "megatron", "--steps", "3"],
     ["bench.gpu_train", "--backend", "fsdp", "--steps", "3"],
     ["bench.logprob_mismatch_gpu", "--requests", "32"],
