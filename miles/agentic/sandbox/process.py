@@ -44,14 +44,25 @@ def kill_group(pgid: int) -> None:
 
 
 def group_alive(pgid: int) -> bool:
-    """Whether any process is left in process group `pgid`."""
+    """Whether a live (not zombie) process is left in process group `pgid`. bwrap's inner process
+    can outlive the outer one as a zombie until the host's init reaps it; that counts as gone."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def run(
