@@ -290,3 +290,59 @@ def test_expert_parallel_divides_experts_and_data_parallel_ranks(tmp_path):
     dense = plan.model_copy(update={"train": ep4.train, "model": plan.model.model_copy(update={"path": "x"})})
     with pytest.raises(ConfigError, match="is dense: set train.expert_parallel=1"):
         layout._check_experts(dense, {"num_experts": 0})
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    from miles.cluster.distributed import teardown_distributed
+
+    yield
+    teardown_distributed()
+
+
+def test_fsdp_backend_trains_checkpoints_and_exports_moe(tmp_path, process_group):
+    from safetensors import safe_open
+
+    from miles.models.tiny import init_tiny
+    from miles.train import get_backend
+
+    path = init_tiny(tmp_path / "tiny-moe", arch="qwen3_moe", seed=0)
+    run_dir = tmp_path / "runs" / "moe"
+    overrides = {"device": "cpu", "steps": 4, "routing_replay": "rollout", "lr": 1e-2}
+    plan = resolve(
+        {
+            "model": {"path": str(path)},
+            "run": {"runs_root": str(run_dir.parent), "name": run_dir.name},
+            "train": overrides,
+        }
+    )
+    backend = get_backend("fsdp")()
+    backend.setup(plan)
+    cfg = backend.model.config
+    rng = np.random.default_rng(12)
+    samples = []
+    for i, reward in enumerate((1.0, 0.0, 1.0, 0.0)):
+        prompt, response = rng.integers(3, 300, 6).tolist(), rng.integers(3, 300, 3).tolist()
+        s = Sample(0, i, prompt, response, [1] * 3, [-1.0] * 3, reward=reward)
+        rows = [
+            rng.permutation(cfg.num_experts)[: cfg.num_experts_per_tok]
+            for _ in range(8 * cfg.num_hidden_layers)
+        ]
+        s.routed_experts = np.stack(rows).reshape(8, -1).astype(np.uint8)
+        samples.append(s)
+    metrics = backend.train(samples)
+    assert metrics["router_agreement"] == 1.0 and metrics["moe_load_imbalance"] >= 1.0
+    backend.save(1)
+    saved = {n: t.clone() for bucket in backend.export_weights(1 << 20) for n, t in bucket}
+    backend.train(samples)
+    moved = {n: t for bucket in backend.export_weights(1 << 20) for n, t in bucket}
+    assert any(not torch.equal(saved[n], moved[n]) for n in saved if ".experts." in n)
+    backend.load(1)
+    restored = {n: t for bucket in backend.export_weights(1 << 20) for n, t in bucket}
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert set(restored) == set(f.keys())  # the per-expert names of the HF checkpoint
+    for name, tensor in restored.items():
+        assert torch.equal(tensor, saved[name]), name
+    samples[0].routed_experts = None
+    with pytest.raises(ValueError, match="train.routing_replay"):
+        backend.train(samples)
