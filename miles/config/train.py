@@ -97,8 +97,9 @@ class TrainConfig(Section):
     pipeline_parallel: int = 1
     """Megatron: pipeline-parallel size, layers split evenly over the stages (fsdp refuses > 1)."""
     expert_parallel: int = 1
-    """Megatron: expert-parallel size of MoE layers (divides the experts and the data-parallel ranks;
-    rules in miles/config/layout.py); FSDP shards experts like every other parameter and refuses > 1."""
+    """Expert-parallel size of MoE layers (divides the experts and the data-parallel ranks; rules in
+    miles/config/layout.py). FSDP shards experts like every other parameter and refuses > 1; the
+    Megatron backend refuses > 1 until its MoE path is built."""
     routing_replay: Literal["off", "rollout"] = "off"
     """MoE routing replay: `rollout` (R3) makes the trainer's forward use the rollout engine's expert
     choice per token and layer (router probabilities gathered there and renormalised, so the router
