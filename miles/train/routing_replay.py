@@ -211,27 +211,28 @@ class RoutingReplay:
         return self._routing[:, slot].to(probs.device), self._valid.to(probs.device)
 
     def _record(self, slot: int, probs: Tensor, natural: Tensor, used: Tensor) -> None:
-        n_exp = self.shape.num_experts
-        counts = torch.zeros(n_exp, dtype=torch.float64, device=used.device)
-        counts.scatter_add_(
-            0, used.reshape(-1), torch.ones(used.numel(), dtype=torch.float64, device=used.device)
-        )
-        self._load[slot] += counts.cpu()
-        tokens = max(probs.shape[0], 1)
-        aux = n_exp * float((counts / tokens * probs.double().mean(0)).sum())
-        sums = [0.0, 0.0, 0.0, aux, 1.0]
+        """Add one router's pass to the sums, on the router's device (no host synchronisation)."""
+        dev, f64 = used.device, torch.float64
+        if self._sums.device != dev:
+            self._sums, self._load = self._sums.to(dev), self._load.to(dev)
+        counts = torch.zeros(self.shape.num_experts, dtype=f64, device=dev)
+        counts.scatter_add_(0, used.reshape(-1), torch.ones(used.numel(), dtype=f64, device=dev))
+        self._load[slot] += counts
+        fraction = counts / max(probs.shape[0], 1)
+        aux = self.shape.num_experts * (fraction * probs.double().mean(0)).sum()
+        zero = aux.new_zeros(())
+        agree, natural_agree, pairs = zero, zero, zero
         if self._routing is not None and self._valid is not None:
-            given = self._routing[:, slot].to(used.device)
-            valid = self._valid.to(used.device)
-            ref = given.sort(-1).values
-            sums[0] = float((used.sort(-1).values == ref).all(-1)[valid].sum())
-            sums[1] = float((natural.sort(-1).values == ref).all(-1)[valid].sum())
-            sums[2] = float(valid.sum())
-        self._sums += torch.tensor(sums, dtype=torch.float64)
+            ref = self._routing[:, slot].to(dev).sort(-1).values
+            valid = self._valid.to(dev)
+            agree = ((used.sort(-1).values == ref).all(-1) & valid).sum().to(f64)
+            natural_agree = ((natural.sort(-1).values == ref).all(-1) & valid).sum().to(f64)
+            pairs = valid.sum().to(f64)
+        self._sums += torch.stack([agree, natural_agree, pairs, aux, zero + 1])
 
     def stats(self) -> Tensor:
         """The step's sums as one flat float64 tensor (all-reduce it over ranks, then `metrics`)."""
-        return torch.cat([self._sums, self._load.reshape(-1)])
+        return torch.cat([self._sums, self._load.reshape(-1)]).cpu()
 
     def metrics(self, stats: Tensor) -> dict[str, float]:
         """Router metrics from (all-reduced) `stats()`."""
