@@ -227,19 +227,23 @@ runs in a worker thread). A dict return holds `reward` and may add episode facts
 `tool_calls`, `tool_errors`, `success`, `env_s`, `sandbox_start_s`)."""
 
 
+def load_agent_fn(spec: str | None) -> AgentFn:
+    """The agent function named by `rollout.agent_fn` (`module:function`); errors name the key."""
+    import importlib
+
+    module_name, _, fn_name = (spec or "").partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name, None) if module_name else None
+    except ImportError as e:
+        raise ConfigError(f"rollout.agent_fn={spec!r}: cannot import {module_name!r} ({e})") from None
+    if not callable(fn):
+        raise ConfigError(f"rollout.agent_fn={spec!r} must name a function as `module:function`")
+    return fn
+
+
 def _load_agent(gen: Generator) -> AgentFn:
     if "agent_fn" not in gen.context:
-        import importlib
-
-        spec = gen.config.agent_fn if gen.config is not None else None
-        module_name, _, fn_name = (spec or "").partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), fn_name, None) if module_name else None
-        except ImportError as e:
-            raise ConfigError(f"rollout.agent_fn={spec!r}: cannot import {module_name!r} ({e})") from None
-        if not callable(fn):
-            raise ConfigError(f"rollout.agent_fn={spec!r} must name a function as `module:function`")
-        gen.context["agent_fn"] = fn
+        gen.context["agent_fn"] = load_agent_fn(gen.config.agent_fn if gen.config is not None else None)
     return gen.context["agent_fn"]
 
 

@@ -39,6 +39,7 @@ def check_rollout_inputs(plan: Plan) -> None:
 
     task = build_task(plan.rollout.task, plan.run.seed)
     load_reward(plan.rollout.reward)
+    _check_episode_plugins(plan)
     if not plan.eval.every_steps:
         return
     if plan.eval.mode == "external":
@@ -50,6 +51,25 @@ def check_rollout_inputs(plan: Plan) -> None:
         from miles.eval.datasets import build_suites
 
         build_suites(plan, task)
+
+
+def _check_episode_plugins(plan: Plan) -> None:
+    """The generate or agent function and the environment of multi-turn episodes load."""
+    from miles.rollout.generate import load_generate_fn
+
+    r = plan.rollout
+    load_generate_fn(r)
+    if r.agent_fn is not None:
+        from miles.agentic.rollout import load_agent_fn
+
+        load_agent_fn(r.agent_fn)
+    if r.env.name is not None:
+        from miles.agentic.envs.base import make_env
+
+        try:
+            make_env(r.env.name, **dict(r.env.options))
+        except ValueError as e:
+            raise ConfigError(f"rollout.env: {e}") from None
 
 
 @contextmanager
