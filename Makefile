@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	# torch pinned to the CPU build on disk here; GPU machines bring their own torch
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,wandb]'
+	# OpenEnv's client for the environment adapter's test, without its UI stack (gradio would pin pillow back)
+	$(PIP) install -q fastmcp websockets && $(PIP) install -q --no-deps 'openenv-core>=0.3,<0.4'
 	# bubblewrap runs agent sandboxes (a Debian package; installed here when run as root)
 	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -q bubblewrap; } || echo "miles: install bubblewrap for local sandboxes"
 	touch $(STAMP)
