@@ -112,6 +112,7 @@ def _builtin_envs() -> dict[str, str]:
     return {
         "calculator": "miles.agentic.envs.calculator:CalculatorEnv",
         "guess": "miles.agentic.envs.guess:GuessEnv",
+        "lookup": "miles.agentic.tasks:LookupEnv",
         "openenv": "miles.agentic.envs.adapters.openenv:OpenEnvEnv",
     }
 
