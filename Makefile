@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.miles-installed
 RECIPE ?= recipes/default.yaml
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: setup run test check lint fmt bench slurm-up slurm-down clean
+.PHONY: setup run test test-verifiers check lint fmt bench slurm-up slurm-down clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,19 @@ run: setup
 
 test: setup lint
 	$(PYTEST) tests
+	$(MAKE) test-verifiers
+
+# The Verifiers adapter's contract test runs in an environment of its own: verifiers 0.4 pins
+# openai 2.x and an older mcp than the rest of the dev environment (OpenEnv's client) uses.
+VF_VENV := .venv-verifiers
+test-verifiers: $(VF_VENV)/.installed
+	PATH="$(CURDIR)/$(VF_VENV)/bin:$$PATH" PYTHONPATH="$(CURDIR)" $(VF_VENV)/bin/python -m pytest -q \
+		-p no:cacheprovider tests/unit/test_env_adapters.py -k verifiers
+
+$(VF_VENV)/.installed:
+	test -x $(VF_VENV)/bin/python || $(PY_SYS) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/pip install -q 'verifiers>=0.4,<0.5' uv pytest pytest-timeout aiohttp
+	touch $@
 
 check: setup lint
 	$(PYTEST) -m "not slow and not slurm and not gpu" tests
