@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from miles.config.base import ConfigError
+
+_BOOL = "tag:yaml.org,2002:bool"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader with YAML 1.2 booleans: only true/false. YAML 1.1 (PyYAML's default) also
+    reads on/off/yes/no as booleans, which would turn `routing_replay: off` or `tis: off` into False."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text as recipes are read (YAML 1.2 booleans)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -19,7 +39,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"recipe file {str(p)!r} does not exist; pass the path of a YAML recipe (see recipes/)"
         )
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = load_yaml(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -34,7 +54,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} must look like section.key=value, e.g. rollout.temperature=0.7")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    value = load_yaml(raw) if raw.strip() else None
     return key.strip().split("."), value
 
 

@@ -103,3 +103,18 @@ def test_python_dash_m_miles_runs_the_cli() -> None:
     assert out.stdout.startswith("usage: miles") and "submit" in out.stdout and "train" in out.stdout
     out = subprocess.run([sys.executable, "-m", "miles", "nope"], capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice: 'nope'" in out.stderr
+
+
+def test_off_is_a_word_in_recipes(tmp_path) -> None:
+    """YAML 1.1 reads a bare `off` as False; recipes read it as the word (YAML 1.2 booleans), in the
+    file and in --set overrides, and plan.yaml keeps it through a write and read."""
+    from miles.config.loading import read_yaml
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  loss: {tis: off}\nrun: {tensorboard: false}\n")
+    data = read_yaml(recipe)
+    assert data["train"]["loss"]["tis"] == "off" and data["run"]["tensorboard"] is False
+    plan = resolve(data, ["train.loss.tis=off", "run.name=word"])
+    assert plan.train.loss.tis == "off"
+    write_plan(plan, tmp_path / "plan.yaml")
+    assert read_plan(tmp_path / "plan.yaml").train.loss.tis == "off"
