@@ -15,7 +15,8 @@ class SglangLaunchConfig(Section):
     context_length: int | None = None
     """--context-length: prompt + response tokens one request may hold (None: the model's)."""
     capture_routed_experts: bool = False
-    """R3: record the experts each token was routed to and return them (--enable-return-routed-experts)."""
+    """Record the experts each token was routed to and return them (--enable-return-routed-experts);
+    on by itself with train.routing_replay=rollout."""
     extra_args: list[str] = Field(default_factory=list)
     """Further launch_server flags, passed through verbatim."""
 

@@ -69,7 +69,7 @@ def sglang_server_command(
         cmd.append("--enable-dp-attention")
     if s.context_length is not None:
         cmd += ["--context-length", str(s.context_length)]
-    if s.capture_routed_experts:
+    if s.capture_routed_experts or plan.train.routing_replay == "rollout":  # R3 replays the engine's routing
         cmd.append("--enable-return-routed-experts")
     return cmd + list(s.extra_args)
 
