@@ -131,6 +131,8 @@ def _start_engine(
         ]
         argv += ["--device", e.device, "--max-running-requests", str(e.max_running_requests)]
         argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(seed)]
+        if plan.train.routing_replay == "rollout" and role == "rollout":  # R3: the rollout's routing
+            argv.append("--enable-return-routed-experts")
         proc = _spawn([*argv, "--url-file", str(url_file)], log)
         port = _wait_url(proc, url_file, deadline, log).rsplit(":", 1)[1]
     else:
