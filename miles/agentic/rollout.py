@@ -306,8 +306,9 @@ async def agent_generate(
     main = max(branches, key=lambda b: len(b.response_ids))
     main.metadata["agent"] = {
         "turns": float(_spans(main.loss_mask)),
-        "tool_calls": 0.0,
-        "tool_errors": 0.0,
+        # the session parsed each reply: its calls, and the malformed ones the agent got back as text
+        "tool_calls": float(main.metadata.get("tool_calls", 0)),
+        "tool_errors": float(main.metadata.get("malformed_tool_calls", 0)),
         "success": float(reward >= 1.0),
         "generate_s": elapsed - float(facts.get("env_s", 0.0)),
         **{k: float(v) for k, v in facts.items() if isinstance(v, (int, float))},
