@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from miles.config import ConfigError
+from miles.config.plugins import load_function
 from miles.rollout.client import EngineError
 from miles.rollout.generate import Generator, parse_version
 from miles.rollout.tasks import Prompt
@@ -229,16 +230,7 @@ runs in a worker thread). A dict return holds `reward` and may add episode facts
 
 def load_agent_fn(spec: str | None) -> AgentFn:
     """The agent function named by `rollout.agent_fn` (`module:function`); errors name the key."""
-    import importlib
-
-    module_name, _, fn_name = (spec or "").partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name, None) if module_name else None
-    except ImportError as e:
-        raise ConfigError(f"rollout.agent_fn={spec!r}: cannot import {module_name!r} ({e})") from None
-    if not callable(fn):
-        raise ConfigError(f"rollout.agent_fn={spec!r} must name a function as `module:function`")
-    return fn
+    return load_function(spec, "rollout.agent_fn")
 
 
 def _load_agent(gen: Generator) -> AgentFn:

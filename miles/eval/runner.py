@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import ConfigError, Plan, read_plan
+from miles.config.plugins import load_function
 from miles.eval.modes import CountingGenerator, EvalJob, EvalSkipped, evaluate_step
 from miles.eval.snapshot import eval_dir, find_snapshot
 from miles.processes import child_options, free_port, stop_processes
@@ -47,19 +48,9 @@ RESULT = "result.json"
 
 def load_external(spec: str) -> Callable[[str], dict[str, Any]]:
     """`module:function` or `module.function` -> the function; errors name eval.external_fn."""
-    module_name, sep, fn_name = spec.partition(":")
-    if not sep:
-        module_name, _, fn_name = spec.rpartition(".")
-    if not module_name or not fn_name:
-        raise ConfigError(f"eval.external_fn={spec!r} must be `module:function`")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"eval.external_fn={spec!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"eval.external_fn={spec!r}: {module_name} has no function {fn_name!r}")
-    return fn
+    if ":" not in spec and "." in spec:
+        spec = ":".join(spec.rsplit(".", 1))
+    return load_function(spec, "eval.external_fn")
 
 
 def _module_exists(name: str) -> bool:

@@ -21,11 +21,10 @@ built-in rewards). Built-ins of this module:
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 
-from miles.config import ConfigError
+from miles.config.plugins import load_function
 from miles.rollout import rewards
 from miles.sample import Sample
 
@@ -118,17 +117,4 @@ SCORERS: dict[str, Scorer] = {
 def load_scorer(spec: str, key: str) -> Scorer:
     """`module:function` or a built-in name (SCORERS, then the built-in rewards) -> the function;
     errors name the config `key` the spec came from."""
-    builtins = {**rewards.BUILTIN_REWARDS, **SCORERS}
-    if spec in builtins:
-        return builtins[spec]
-    module_name, sep, fn_name = spec.partition(":")
-    if not sep or not module_name or not fn_name:
-        raise ConfigError(f"{key}={spec!r} must be `module:function` or a built-in ({', '.join(builtins)})")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{key}={spec!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"{key}={spec!r}: {module_name} has no function {fn_name!r}")
-    return fn
+    return load_function(spec, key, {**rewards.BUILTIN_REWARDS, **SCORERS})

@@ -24,13 +24,12 @@ the engine through `generator.call_engine`, which keeps the retry and engine-los
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.config import ConfigError
+from miles.config.plugins import load_function
 from miles.config.rollout import RolloutConfig
 from miles.rollout.client import EngineError, GenerateResult, SGLangClient
 from miles.rollout.rewards import RewardFn
@@ -258,14 +257,4 @@ def load_generate_fn(cfg: RolloutConfig) -> GenerateFn | None:
         spec, key = AGENT_GENERATE, "rollout.agent_fn"
     if spec is None:
         return None
-    module_name, sep, fn_name = spec.partition(":")
-    if not sep or not module_name or not fn_name:
-        raise ConfigError(f"{key}={spec!r} must be `module:function`")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{key}={spec!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"{key}={spec!r}: {module_name} has no function {fn_name!r}")
-    return fn
+    return load_function(spec, key)

@@ -14,7 +14,6 @@ task metadata. Built-ins:
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import re
 import threading
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from multiprocessing.pool import Pool
 from typing import Any
 
-from miles.config import ConfigError
+from miles.config.plugins import load_function
 from miles.sample import Sample
 
 RewardFn = Callable[[Sample], float]
@@ -126,18 +125,4 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 def load_reward(spec: str) -> RewardFn:
     """`module:function` (or a built-in name) -> the function; errors name rollout.reward."""
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    module_name, sep, fn_name = spec.partition(":")
-    if not sep or not module_name or not fn_name:
-        raise ConfigError(
-            f"rollout.reward={spec!r} must be `module:function` or a built-in ({', '.join(BUILTIN_REWARDS)})"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"rollout.reward={spec!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"rollout.reward={spec!r}: {module_name} has no function {fn_name!r}")
-    return fn
+    return load_function(spec, "rollout.reward", BUILTIN_REWARDS)
