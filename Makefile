@@ -28,7 +28,7 @@ run: setup
 	$(VENV)/bin/miles plot runs/default
 
 test: setup lint
-	$(PYTEST) tests
+	$(PYTEST) --durations=30 tests
 	$(MAKE) test-verifiers
 
 # The Verifiers adapter's contract test runs in an environment of its own: verifiers 0.4 pins
