@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from miles.agentic.sandbox.base import SandboxStartError
 from miles.config import ConfigError
 from miles.config.plugins import load_function
 from miles.rollout.client import EngineError
@@ -149,7 +150,12 @@ async def env_generate(gen: Generator, prompt: Prompt, s: Sample, sampling: dict
     ep = Episode(s)
     try:
         t0 = time.monotonic()
-        obs = await env.reset(_episode_task(env, prompt))
+        try:
+            obs = await env.reset(_episode_task(env, prompt))
+        except SandboxStartError as e:  # retried by the environment: the episode is dropped, counted
+            s.status, s.metadata["error"] = Status.FAILED, str(e)
+            s.metadata["agent"] = {**ep.facts, "sandbox_failed": 1.0}
+            return s
         ep.facts["reset_s"] = time.monotonic() - t0
         ep.facts["env_s"] += ep.facts["reset_s"]
         ep.add_info(obs.info)

@@ -47,6 +47,7 @@ AGENT_KEYS = (
     "generate_s",
     "reset_s",
     "sandbox_start_s",
+    "sandbox_failed",
     "success",
 )
 """Per-episode facts of `sample.metadata["agent"]` reported as means (agent/<key>, times as *_time_s);

@@ -21,7 +21,7 @@ from miles.rollout.buffer import group_staleness
 from miles.rollout.client import GenerateResult
 from miles.rollout.generate import Generator, PromptEncoder
 from miles.rollout.tasks import Prompt
-from miles.sample import Sample
+from miles.sample import Sample, Status
 from miles.train.batching import pack, response_logprobs
 from miles.train.losses import token_weights
 from miles.train.objective import TokenBatch, policy_objective
@@ -209,3 +209,36 @@ def test_calculator_episode_with_standard_tool_call(encoder: PromptEncoder) -> N
     assert encoder.decode(observation) == f"\ntool\n{task['answer']}\nassistant\n"
     assert s.reward == 1.0 and s.metadata["agent"]["success"] == 1.0
     assert s.metadata["agent"]["tool_calls"] == 1 and s.metadata["agent"]["turns"] == 2
+
+
+def test_sandbox_that_never_starts_drops_the_episode_with_its_reason(
+    encoder: PromptEncoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bubblewrap sandbox whose start fails (injected: no space left): the environment retries the
+    start, then the episode is one FAILED sample whose reason is counted (agent/sandbox_failed); the
+    buffer drops its group and the run goes on."""
+    from miles.agentic.sandbox.bwrap import BwrapSandbox
+    from miles.rollout.buffer import RolloutBuffer, load_policy
+    from miles.rollout.producer import ProducerStats
+
+    attempts = []
+
+    async def no_space(self) -> None:
+        attempts.append(1)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(BwrapSandbox, "create", no_space)
+    cfg = RolloutConfig(
+        generate_fn="miles.agentic.rollout:env_generate",
+        env={"name": "calculator", "options": {"backend": "sandbox"}},
+    )
+    gen = Generator.from_config([ScriptedEngine([])], encoder, lambda s: 0.0, cfg)  # type: ignore[list-item]
+    prompt = Prompt(INDEX, "", None, {"episode": {"seed": SEED, "index": INDEX}})
+    s = asyncio.run(gen.sample(prompt, 0, 0))
+    assert len(attempts) == 3 and s.status is Status.FAILED
+    assert "OSError" in s.metadata["error"] and "gave up after 3 attempts" in s.metadata["error"]
+    stats = ProducerStats()
+    stats.add([s])
+    assert stats.take()["agent/sandbox_failed"] == 1.0
+    buffer = RolloutBuffer(4, load_policy("drop_stale"), 1)
+    assert buffer.put([s]) is False and len(buffer) == 0

@@ -149,14 +149,27 @@ class SandboxHolder:
         self.factory = factory
         self.sandbox: Any = None
 
-    async def open(self) -> None:
-        if callable(self.factory):
-            self.sandbox = self.factory()
-        else:
-            from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings
+    async def open(self, attempts: int = 3) -> None:
+        """Start the episode's sandbox, trying `attempts` times; then SandboxStartError (the episode
+        is dropped with the reason counted, miles/agentic/rollout.py)."""
+        from miles.agentic.sandbox.base import SandboxStartError
 
-            self.sandbox = BwrapSandbox(BwrapSettings(**(self.factory or {})))
-        await self.sandbox.create()
+        last: Exception | None = None
+        for _ in range(attempts):
+            if callable(self.factory):
+                self.sandbox = self.factory()
+            else:
+                from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings
+
+                self.sandbox = BwrapSandbox(BwrapSettings(**(self.factory or {})))
+            try:
+                await self.sandbox.create()
+                return
+            except Exception as e:  # noqa: BLE001 - any failure to start is retried, then reported
+                last = e
+                await self.close()
+        reason = last.reason if isinstance(last, SandboxStartError) else type(last).__name__
+        raise SandboxStartError(reason, f"gave up after {attempts} attempts: {last}")
 
     async def close(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
