@@ -74,12 +74,18 @@ def test_one_key_stays_on_one_worker_and_keys_spread(router, engines):
         client = SGLangClient(router.url)
         homes = {}
         try:
-            for key in ["session-a", "session-b", "session-c", "session-d"]:
+            # new keys until both workers hold some (at least four keys): the router can take a worker
+            # into its policy a moment after reporting it healthy, so the first keys may all go to one
+            for n in range(12):
+                if n >= 4 and set(homes.values()) == {0, 1}:
+                    break
+                key = f"session-{n}"
                 view = client.with_routing_key(key)
                 homes[key] = await _home(view, engines, key)
                 rest = [view.generate(prompt_of(key) + [9 + t], PARAMS) for t in range(6)]
                 rest += [client.generate(prompt_of(key), PARAMS, routing_key=key) for _ in range(3)]
                 _all_cached(await asyncio.gather(*rest), key)
+                await asyncio.sleep(0.5)
         finally:
             await client.aclose()
         return homes
@@ -92,11 +98,17 @@ def test_per_request_key_overrides_the_bound_one(router, engines):
     async def run() -> None:
         client = SGLangClient(router.url)
         try:
-            homes = {k: await _home(client, engines, k, routing_key=k) for k in ["over-0", "over-1"]}
+            homes: dict[str, int] = {}
+            for n in range(12):  # two keys that live on different workers
+                homes[f"over-{n}"] = await _home(client, engines, f"over-{n}", routing_key=f"over-{n}")
+                if set(homes.values()) == {0, 1}:
+                    break
             assert set(homes.values()) == {0, 1}, homes
-            view = client.with_routing_key("over-0")
-            replies = [view.generate(prompt_of("over-1"), PARAMS, routing_key="over-1") for _ in range(4)]
-            _all_cached(await asyncio.gather(*replies), "over-1")
+            bound = next(k for k, w in homes.items() if w != homes[f"over-{n}"])
+            view = client.with_routing_key(bound)
+            key = f"over-{n}"
+            replies = [view.generate(prompt_of(key), PARAMS, routing_key=key) for _ in range(4)]
+            _all_cached(await asyncio.gather(*replies), key)
         finally:
             await client.aclose()
 
