@@ -117,6 +117,7 @@ def serve(paths: list[str], host: str = "127.0.0.1", port: int = 0) -> int:
     )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(128)  # connections wait in the backlog from now on, before uvicorn starts accepting
     bound = sock.getsockname()[1]
     print(f"miles dashboard: http://{host}:{bound}/  (Ctrl-C to stop)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
