@@ -57,7 +57,7 @@ async def _home(client: SGLangClient, engines, key: str, **kw) -> int:
     index of the engine whose prefix cache took its prompt."""
     before = _cached(engines)
     first = await client.generate(prompt_of(key), PARAMS, **kw)
-    assert first.cached_tokens == 0, first.meta_info
+    assert first.cached_tokens < len(prompt_of(key)) - 1, first.meta_info  # not served before
     grew = [i for i, (a, b) in enumerate(zip(before, _cached(engines), strict=True)) if b > a]
     assert len(grew) == 1, f"the prefix caches of engines {grew} grew for key {key!r}, expected one"
     return grew[0]
