@@ -488,23 +488,21 @@ class Scheduler(EngineThread):
         ints[0].copy_(prev.tokens.index_select(0, ints[0]))
         self.table[ints[2], ints[1]] = ints[3]
         self._launch_decode(reqs, ints, floats, context)
-        self._record_landed(prev)
+        self._record_rows(prev.reqs, *prev.read(), prev.version, prev.rows)
         return True
 
     def _land(self) -> None:
         """Record the decode step in flight, if any (waits for the device)."""
         prev, self._inflight = self._inflight, None
         if prev is not None:
-            self._record_landed(prev)
+            self._record_rows(prev.reqs, *prev.read(), prev.version, prev.rows)
 
-    def _record_landed(self, prev: InFlight) -> None:
-        """Record a step that was in flight, with the log-prob rows read back beside its tokens."""
-        tokens, logps = prev.read()
-        if prev.rows is None:
-            return self._record(prev.reqs, tokens, logps, prev.version)
-        before = [len(r.output) for r in prev.reqs]
-        self._record(prev.reqs, tokens, logps, prev.version)
-        after_record(prev.reqs, before, prev.rows.read())
+    def _record_rows(self, reqs: list[Request], tokens, logps, version: str, rows: Any) -> None:
+        """`_record`, then the step's log-prob rows (StepRows or None) onto the requests that took a token."""
+        before = [len(r.output) for r in reqs] if rows is not None else []
+        self._record(reqs, tokens, logps, version)
+        if rows is not None:
+            after_record(reqs, before, rows.read())
 
     def _sync_rows(self, reqs: list[Request]) -> None:
         """CPU: order `reqs` by row (in place) and fill their RowKV rows up to the new token, which the
@@ -532,10 +530,7 @@ class Scheduler(EngineThread):
             return self._sample_with_options(reqs, logits, params)
         tokens, logps = self._sample_on_device(reqs, logits, params)
         rows = step_rows(reqs, logits) if self._rows else None
-        before = [len(r.output) for r in reqs] if rows is not None else []
-        self._record(reqs, tokens.tolist(), logps.tolist(), self.weight_version)
-        if rows is not None:
-            after_record(reqs, before, rows.read())
+        self._record_rows(reqs, tokens.tolist(), logps.tolist(), self.weight_version, rows)
 
     def _sample_with_options(self, reqs: list[Request], logits: torch.Tensor, params) -> None:
         for req in reqs:  # max_new_tokens 0: the prefill was all it asked for
