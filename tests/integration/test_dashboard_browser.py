@@ -155,9 +155,14 @@ def test_submitted_run_shows_its_job_and_components(tmp_path, tiny_model):
         while not read_engines(run_dir, f"{job}.0"):
             assert time.monotonic() < deadline, run_logs(run_dir, "rollout")
             time.sleep(0.5)
-        state = RunView("r", run_dir).state()
-        slurm = state["slurm"]
-        assert slurm["job_id"] == job and slurm["state"].startswith("RUNNING"), slurm
+        while True:  # sacct (slurmdbd) learns of the start a moment after the job runs
+            state = RunView("r", run_dir).state()
+            slurm = state["slurm"]
+            if slurm.get("state", "").startswith("RUNNING") and len(slurm["components"]) == 2:
+                break
+            assert time.monotonic() < deadline, slurm
+            time.sleep(1)
+        assert slurm["job_id"] == job, slurm
         assert [c["id"] for c in slurm["components"]] == [f"{job}+0", f"{job}+1"], slurm
         assert all(c["state"].startswith("RUNNING") for c in slurm["components"]), slurm
         assert [e["state"] for e in state["engines"]] == ["serving"]

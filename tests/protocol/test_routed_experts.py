@@ -140,8 +140,9 @@ def test_stream_sends_routing_in_the_last_chunk_only(engine):
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[len("data: ") :]))
-    assert len(chunks) >= 2
-    # routing only once the request has finished (never in a chunk of a running request)
-    assert all(c["meta_info"].get("finish_reason") for c in chunks if "routed_experts" in c["meta_info"])
-    assert "routed_experts" not in chunks[0]["meta_info"]
+    # a fast engine may finish before the first chunk leaves (one chunk); routing comes only with the
+    # finished request, never in a chunk of a running one
+    assert chunks and chunks[-1]["meta_info"].get("finish_reason"), chunks
+    running = [c for c in chunks if not c["meta_info"].get("finish_reason")]
+    assert not any("routed_experts" in c["meta_info"] for c in running), running
     assert _decode(chunks[-1]["meta_info"]["routed_experts"]).shape == (len(prompt) + 5 - 1, LAYERS, TOP_K)
