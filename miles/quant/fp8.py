@@ -60,9 +60,13 @@ def _check_weight(w: Tensor) -> None:
 
 
 def _scale_from_amax(amax: Tensor) -> tuple[Tensor, Tensor]:
-    """(s, inv) from an fp32 amax: s = max(amax, 1e-10) / 448, inv = 1 / s, both IEEE-rounded."""
-    s = torch.clamp_min(amax, AMAX_FLOOR) / FP8_MAX
-    return s, 1.0 / s
+    """(s, inv) from an fp32 amax: s = max(amax, 1e-10) / 448, inv = 1 / s, both IEEE-rounded.
+
+    Both divisions divide by a tensor: PyTorch's CUDA kernel turns `t / python_scalar` into a
+    multiply by the scalar's reciprocal, which is not the IEEE quotient.
+    """
+    s = torch.clamp_min(amax, AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
+    return s, torch.ones_like(s) / s
 
 
 def _to_fp8(scaled: Tensor) -> Tensor:
@@ -104,7 +108,7 @@ def quantize_weight(w: Tensor, layout: Layout) -> tuple[Tensor, Tensor]:
     if w.is_cuda and w.numel() > 0:
         from miles.quant import triton_fp8
 
-        if triton_fp8.available():
+        if triton_fp8.available(w.device):
             return triton_fp8.quantize_weight_triton(w.detach(), layout)
     return quantize_weight_torch(w, layout)
 
@@ -180,20 +184,22 @@ def quantize_activation(x: Tensor, group: int | None = None) -> tuple[Tensor, Te
     if x.is_cuda and x.numel() > 0:
         from miles.quant import triton_fp8
 
-        if triton_fp8.available():
+        if triton_fp8.available(x.device):
             return triton_fp8.quantize_activation_triton(x.detach(), group)
     return quantize_activation_torch(x, group)
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
-    """Whether this device runs FP8 GEMMs: CPU (torch's reference kernel), sm89+ NVIDIA, ROCm MI300+."""
+    """Whether this device runs e4m3fn GEMMs: CPU (torch's reference kernel), NVIDIA sm89+, AMD gfx950.
+
+    MI300 (gfx942) computes in the fnuz variant of FP8, whose bytes mean other values: not covered.
+    """
     if device.type == "cpu":
         return hasattr(torch, "_scaled_mm")
     if device.type != "cuda":
         return False
     if torch.version.hip is not None:
-        arch = torch.cuda.get_device_properties(device).gcnArchName
-        return arch.startswith(("gfx942", "gfx950"))
+        return torch.cuda.get_device_properties(device).gcnArchName.startswith("gfx950")
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -208,12 +214,14 @@ def fp8_linear(
 ) -> Tensor:
     """y = x @ W.T + bias with W = dequantize_weight(q, scale_inv, layout), in x.dtype.
 
-    With at least `min_tokens` rows (prefill, large batches) on a device with FP8 GEMMs and a
-    weight whose dims are multiples of 16, a real FP8 GEMM runs: activations quantised per token,
-    `torch._scaled_mm` with row-wise scales (scale_a [M, 1], scale_b [1, N]). Block-layout weights
-    use the blockwise scaled GEMM where torch offers it (see `miles.quant.triton_fp8.block_mm`);
-    otherwise the weight is dequantised and multiplied in x.dtype. Below `min_tokens` (decode),
-    the weight is dequantised and F.linear runs in x.dtype: FP8 GEMMs are slower there.
+    With at least `min_tokens` rows (prefill, large batches), bf16 activations, a weight whose dims
+    are multiples of 16 and a device with FP8 GEMMs, a real FP8 GEMM runs. fp8_row: activations
+    quantised per token, `torch._scaled_mm` with row-wise scales (scale_a [M, 1], scale_b [1, N]),
+    on CUDA and on CPU. fp8_block on CUDA: activations per 1x128 group and cuBLASLt's blockwise
+    GEMM where PyTorch offers it (sm90; see `miles.quant.triton_fp8.block_mm`); elsewhere, and on
+    CPU, the block-layout weight is dequantised and multiplied in x.dtype (correct, not faster).
+    Below `min_tokens` (decode) the weight is dequantised and F.linear runs in x.dtype: FP8 GEMMs
+    were measured slower than bf16 there at 0.5-1.5B. The bias is added in x.dtype after the GEMM.
     """
     _check_layout(layout)
     k = x.shape[-1]
@@ -221,7 +229,8 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: input has {k} features but the weight is {tuple(q.shape)}")
     tokens = x.numel() // max(k, 1)
     n = q.shape[0]
-    fast = tokens >= min_tokens and tokens > 0 and k % 16 == 0 and n % 16 == 0
+    shapes_ok = tokens > 0 and k % 16 == 0 and n % 16 == 0 and x.dtype == torch.bfloat16
+    fast = tokens >= min_tokens and shapes_ok
     if fast and scaled_mm_supported(x.device):
         x2 = x.reshape(-1, k)
         y = None
