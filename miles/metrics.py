@@ -169,7 +169,7 @@ _PANELS: dict[str, list[str]] = {
     "reward": ["rollout/reward_mean"],
     "eval": ["eval/pass@1", "eval/pass@k"],
     "response": ["rollout/response_len_mean", "rollout/truncated_frac"],
-    "mismatch": ["train/logprob_mismatch"],
+    "mismatch": ["train/logprob_mismatch", "train/tis_clip_frac", "train/tis_clip_seq_frac"],
     "staleness": ["staleness/mean", "staleness/max"],
     "throughput": ["rollout/tokens_per_s"],
     "time": ["time/rollout_s", "time/train_s", "time/sync_s", "time/eval_s"],

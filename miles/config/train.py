@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from miles.config.base import Section
+from miles.config.base import ConfigError, Section
+
+if TYPE_CHECKING:
+    from miles.config.plan import Plan
 
 
 class LossConfig(Section):
@@ -104,3 +107,35 @@ class TrainConfig(Section):
     """MoE routing replay: `rollout` (R3) makes the trainer's forward use the rollout engine's expert
     choice per token and layer (router probabilities gathered there and renormalised, so the router
     still learns); `off` lets the trainer's router choose (miles/train/routing_replay.py)."""
+    quantization: Literal["none", "fake_quant", "torchao_float8"] = "none"
+    """Low precision in the trainer's forward (miles/train/quant.py). `fake_quant`: the linear layers
+    the FP8 contract covers (miles/quant/fp8.py) compute with the contract's quantise -> dequantise of
+    their weight in model.dtype (straight-through gradient), so the trainer sees exactly the weights an
+    FP8 engine serves; the layout is engine.quantization's, which must then be fp8_block or fp8_row.
+    `torchao_float8` (CUDA only, the `torchao` extra): real FP8 training GEMMs for speed, with their
+    own dynamic scales; it does not make the trainer agree with the engine and is not combined with
+    fake_quant. `none`: the forward runs in model.dtype (with an FP8 engine: FP8 rollout whose
+    mismatch only TIS/MIS correct)."""
+
+
+def check_quantization(plan: Plan) -> None:
+    """Cross-section rules of train.quantization (ConfigError naming both keys)."""
+    mode = plan.train.quantization
+    engine = getattr(plan.engine, "quantization", "none")
+    if mode == "fake_quant" and engine == "none":
+        raise ConfigError(
+            "train.quantization=fake_quant reproduces the FP8 weights of the engine, but "
+            "engine.quantization=none serves bf16 ones: set engine.quantization=fp8_block (or fp8_row), "
+            "or train.quantization=none"
+        )
+    if mode == "torchao_float8":
+        if plan.train.device == "cpu":
+            raise ConfigError(
+                "train.quantization=torchao_float8 runs FP8 GEMMs on CUDA GPUs only, and train.device=cpu: "
+                "set train.quantization=none (or fake_quant with an FP8 engine.quantization)"
+            )
+        if plan.train.backend != "fsdp":
+            raise ConfigError(
+                f"train.quantization=torchao_float8 is built for train.backend=fsdp only (got "
+                f"{plan.train.backend}); set train.quantization=fake_quant or none"
+            )

@@ -31,6 +31,7 @@ from miles.rollout.producer import Producer
 from miles.rollout.rewards import load_reward
 from miles.rollout.tasks import build_task
 from miles.sample import Sample, Status
+from miles.train.quant import engine_layout
 
 log = logging.getLogger("miles.loop")
 
@@ -146,7 +147,11 @@ class RolloutSide:
         mode = None if w.pause_mode == "none" else w.pause_mode
         if w.transport == "disk":
             return cls(
-                self.admins, self.run_dir / "weights", template_dir=self.plan.model.path, pause_mode=mode
+                self.admins,
+                self.run_dir / "weights",
+                template_dir=self.plan.model.path,
+                pause_mode=mode,
+                quantization=engine_layout(self.plan),
             )
         if w.transport == "tensor":
             return cls(self.admins, pause_mode=mode)
@@ -277,14 +282,30 @@ class RolloutSide:
         self._loop.call_soon_threadsafe(self.generator.ready.set)
 
     def check(self, buckets: Iterable[Any]) -> float:
-        """Max |engine - trainer| over all tensors after a push (0.0: identical)."""
-        from miles.weights import check_weights
+        """After a push: max |engine - trainer| over all tensors (0.0: identical); with an FP8 engine
+        (engine.quantization), the number of (engine, tensor) pairs whose stored bytes differ from
+        the bytes sent, by /weights_checker checksums (0.0: byte-identical). Each differing tensor is
+        logged with its engine."""
+        return next(iter(self.check_metrics(buckets).values()))
 
-        worst = 0.0
+    def check_metrics(self, buckets: Iterable[Any]) -> dict[str, float]:
+        """The post-push check as a metric: `weights/check_max_diff` (bf16 engines, by values) or
+        `weights/checksum_mismatch` (FP8 engines: tensors whose bytes differ, by checksums)."""
+        from miles.weights import check_checksums, check_weights
+
+        if engine_layout(self.plan) is None:
+            worst = 0.0
+            for bucket in buckets:
+                bad = self.call(check_weights(self.admins, bucket))
+                worst = max([worst, *bad.values()])
+            return {"weights/check_max_diff": worst}
+        mismatched = 0
         for bucket in buckets:
-            bad = self.call(check_weights(self.admins, bucket))
-            worst = max([worst, *bad.values()])
-        return worst
+            bad = self.call(check_checksums(self.admins, bucket))
+            for where, what in bad.items():
+                log.error("weight check: %s differs after the push: %s", where, what)
+            mismatched += len(bad)
+        return {"weights/checksum_mismatch": float(mismatched)}
 
     def evaluate(self, step: int) -> dict[str, float]:
         """`shared` mode: evaluate on the rollout engines, which serve the weights of `step`. The fully

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from miles.config.train import LossConfig
-from miles.train.losses import kl_estimate, kl_penalty, ppo_clip_loss, tis_weights
+from miles.train.losses import clipped_sequences, kl_estimate, kl_penalty, ppo_clip_loss, tis_weights
 from miles.train.losses.policy import sequence_log_ratio
 
 
@@ -52,8 +52,11 @@ def policy_objective(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss to back-propagate and detached metric sums.
 
-    Metric sums come in two kinds: names ending in `_loss` are already weighted (sum over the whole
-    batch gives the value); the others are sums over trained tokens (divide by the token count).
+    Metric sums come in three kinds: names ending in `_loss` are already weighted (sum over the whole
+    batch gives the value); names ending in `_seq_frac` count sequences (divide by the number of
+    sequences with a trained token); the others are sums over trained tokens (divide by the token
+    count). tis_clip_frac is the share of trained tokens TIS truncated or masked, tis_clip_seq_frac
+    the share of sequences with at least one such token.
     """
     mask = tb.mask.to(tb.logp.dtype)
     advantages = tb.advantages
@@ -93,5 +96,6 @@ def policy_objective(
         "clip_frac": (mask * clipped).sum(),
         "tis_weight": (mask * w_tis).sum(),
         "tis_clip_frac": (mask * tis_hit).sum(),
+        "tis_clip_seq_frac": clipped_sequences(tis_hit, mask, tb.seq_index, tb.n_seqs),
     }
     return loss, sums

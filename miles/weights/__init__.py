@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from miles.weights.bucket import iter_buckets
-from miles.weights.check import check_weights
+from miles.weights.check import check_checksums, check_weights, engine_checksums
 from miles.weights.disk import DiskTransport
 from miles.weights.distributed import DistributedTransport
 from miles.weights.tensor import TensorTransport
@@ -34,7 +34,9 @@ __all__ = [
     "EngineAdmin",
     "TensorTransport",
     "WeightTransport",
+    "check_checksums",
     "check_weights",
+    "engine_checksums",
     "get_transport",
     "iter_buckets",
 ]

@@ -4,11 +4,18 @@ Layout: <root>/v<version>/model-00001.safetensors ... (one file per bucket), plu
 tokenizer files copied from `template_dir` when given (a real SGLang server reloads a full HF
 directory). A version directory is written under a temporary name and renamed when complete, so an
 engine never reads a half-written version; the previous version is deleted after a successful push.
+
+FP8 engines (`quantization` fp8_block / fp8_row) receive the FP8 contract's pairs as they are: the
+float8_e4m3fn weight (safetensors dtype F8_E4M3) and its float32 `weight_scale_inv`, and the copied
+config.json gets the `quantization_config` of an FP8 checkpoint in the SGLang/DeepSeek layout
+(`weight_block_size: [128, 128]` for fp8_block, none for row-wise), so the directory is a loadable
+FP8 checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,8 +37,12 @@ class DiskTransport:
         *,
         template_dir: str | Path | None = None,
         pause_mode: str | None = "in_place",
+        quantization: str | None = None,
     ):
         check_pause_mode(pause_mode)
+        if quantization not in (None, "fp8_block", "fp8_row"):
+            raise ValueError(f"unknown quantization {quantization!r}; known: fp8_block, fp8_row or None")
+        self.quantization = quantization
         self.engines = list(engines)
         self.root = Path(root)
         self.template_dir = Path(template_dir) if template_dir else None
@@ -55,6 +66,8 @@ class DiskTransport:
                     and f.name != "model.safetensors.index.json"
                 ):
                     shutil.copy2(f, tmp / f.name)
+            if self.quantization is not None and (tmp / "config.json").exists():
+                _mark_fp8(tmp / "config.json", self.quantization)
         for i, bucket in enumerate(buckets):
             tensors = {name: t.detach().to("cpu").contiguous() for name, t in bucket}
             save_file(tensors, str(tmp / f"model-{i + 1:05d}.safetensors"))
@@ -79,3 +92,17 @@ class DiskTransport:
 
     async def close(self) -> None:
         return None
+
+
+def fp8_quantization_config(layout: str) -> dict:
+    """config.json's `quantization_config` of an FP8 checkpoint (SGLang/DeepSeek layout)."""
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if layout == "fp8_block":
+        config["weight_block_size"] = [128, 128]
+    return config
+
+
+def _mark_fp8(path: Path, layout: str) -> None:
+    config = json.loads(path.read_text())
+    config["quantization_config"] = fp8_quantization_config(layout)
+    path.write_text(json.dumps(config, indent=2))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from miles.cluster.distributed import init_distributed
 from miles.config import ConfigError, Plan
 from miles.sample import Sample
+from miles.train import quant
 from miles.train.batching import Packed, RankPlan, check_samples, pack, plan_rank, response_logprobs
 from miles.train.fsdp import checkpoint
 from miles.train.fsdp.weights import bucketize, iter_full_tensors
@@ -54,6 +55,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # metric sums all-reduced at the end of a step; *_loss are already weighted, the rest are token sums
 _LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
 _TOKEN_KEYS = ("kl", "entropy", "clip_frac", "tis_weight", "tis_clip_frac")
+_SEQ_KEYS = ("tis_clip_seq_frac",)  # sequence counts (divided by the trained sequences)
 
 
 def pick_device_type(name: str) -> str:
@@ -65,12 +67,21 @@ def pick_device_type(name: str) -> str:
     return "cuda"
 
 
-def load_sharded(path: str, device: torch.device, compute_dtype: torch.dtype, trainable: bool) -> nn.Module:
-    """Load a HF causal LM in fp32 and wrap each decoder layer, then the root, with fully_shard."""
+def load_sharded(
+    path: str,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    trainable: bool,
+    prepare: Callable[[nn.Module], Any] | None = None,
+) -> nn.Module:
+    """Load a HF causal LM in fp32, apply `prepare` (e.g. the fake-quant forward of
+    miles/train/quant.py), and wrap each decoder layer, then the root, with fully_shard."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     model.to(device)
+    if prepare is not None:
+        prepare(model)
     model.requires_grad_(trainable)
     model.train(trainable)
     mp = MixedPrecisionPolicy(
@@ -124,9 +135,12 @@ class FSDPBackend:
         torch.manual_seed(plan.run.seed)
         self.estimator = get_estimator(t.loss.advantage)
         dtype = _DTYPES[plan.model.dtype]
-        self.model = load_sharded(plan.model.path, self.device, dtype, trainable=True)
+        prepare = self._quantization(plan)
+        self.model = load_sharded(plan.model.path, self.device, dtype, trainable=True, prepare=prepare)
         if t.loss.kl_coef > 0:
-            self.ref_model = load_sharded(plan.model.path, self.device, dtype, trainable=False)
+            self.ref_model = load_sharded(
+                plan.model.path, self.device, dtype, trainable=False, prepare=prepare
+            )
         replay = t.routing_replay == "rollout"
         self.routing = RoutingReplay.install(self.model, replay)
         if self.ref_model is not None:
@@ -138,6 +152,16 @@ class FSDPBackend:
             )
         self.optimizer = build_optimizer(self.model.parameters(), t, rank=self.rank)
         self.scheduler = build_scheduler(self.optimizer, t)
+
+    def _quantization(self, plan: Plan) -> Callable[[nn.Module], Any] | None:
+        """What train.quantization does to a freshly loaded model (None: nothing)."""
+        mode = plan.train.quantization
+        if mode == "fake_quant":
+            layout = quant.fake_quant_layout(plan)
+            return lambda model: quant.install_fake_quant(model, layout)
+        if mode == "torchao_float8":
+            return lambda model: quant.install_torchao_float8(model, self.device)
+        return None
 
     # ---- training -------------------------------------------------------------------------------
 
@@ -163,7 +187,7 @@ class FSDPBackend:
             plan_rank(samples, c, self.rank, self.world_size, t.max_tokens_per_microbatch) for c in chunks
         ]
         lr = float(self.optimizer.param_groups[0]["lr"])
-        stats = torch.zeros(len(_LOSS_KEYS) + len(_TOKEN_KEYS) + 2, dtype=torch.float64)
+        stats = torch.zeros(len(_LOSS_KEYS) + len(_TOKEN_KEYS) + len(_SEQ_KEYS) + 2, dtype=torch.float64)
         old, ref = self._pre_forward(samples, plans, stats)
         grad_norms = []
         for k, rank_plan in enumerate(plans):
@@ -255,7 +279,7 @@ class FSDPBackend:
             loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio)
             # FSDP averages gradients over ranks; the global weights already normalise the loss
             (loss * self.world_size).backward()
-            values = [sums[key] for key in _LOSS_KEYS + _TOKEN_KEYS]
+            values = [sums[key] for key in _LOSS_KEYS + _TOKEN_KEYS + _SEQ_KEYS]
             stats[: len(values)] += torch.stack(values).double().cpu()
             if measure_mismatch:
                 self._add_mismatch(stats, logp.detach(), packed)
@@ -318,6 +342,9 @@ class FSDPBackend:
         out = {key: float(stats[i]) / len(plans) for i, key in enumerate(_LOSS_KEYS)}
         for j, key in enumerate(_TOKEN_KEYS):
             out[key] = float(stats[n_loss + j]) / max(tokens, 1)
+        seqs = sum(p.total_seqs for p in plans)
+        for j, key in enumerate(_SEQ_KEYS):
+            out[key] = float(stats[n_loss + len(_TOKEN_KEYS) + j]) / max(seqs, 1)
         out["tis_weight_mean"] = out.pop("tis_weight")
         out["logprob_mismatch"] = float(stats[-2]) / max(float(stats[-1]), 1.0)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -330,9 +357,14 @@ class FSDPBackend:
     # ---- weights, checkpoints, memory -----------------------------------------------------------
 
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-        """Full HF-named tensors in `plan.model.dtype`, on the trainer device, in bounded buckets."""
+        """Full HF-named tensors in `plan.model.dtype`, on the trainer device, in bounded buckets.
+
+        With an FP8 engine (engine.quantization), each weight the FP8 contract covers leaves as the
+        contract's pair `X.weight` (float8_e4m3fn) and `X.weight_scale_inv`, quantised from the
+        model.dtype tensor (the values a fake-quant forward computes with)."""
         dtype = _DTYPES[self.plan.model.dtype]
-        return bucketize(iter_full_tensors(self.model, dtype), bucket_bytes, keep=self.rank == 0)
+        named = quant.export_pairs(iter_full_tensors(self.model, dtype), quant.engine_layout(self.plan))
+        return bucketize(named, bucket_bytes, keep=self.rank == 0)
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:
         """Checkpoint the full training state under <run_dir>/checkpoints/step_<step>/."""

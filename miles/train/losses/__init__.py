@@ -13,12 +13,13 @@ from miles.train.losses.entropy import entropy_from_logits
 from miles.train.losses.fused_logprob import token_logprobs_entropy
 from miles.train.losses.kl import kl_estimate, kl_penalty
 from miles.train.losses.policy import ppo_clip_loss, sequence_log_ratio
-from miles.train.losses.tis import tis_weights
+from miles.train.losses.tis import clipped_sequences, tis_weights
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
     "aggregate",
+    "clipped_sequences",
     "entropy_from_logits",
     "get_estimator",
     "kl_estimate",

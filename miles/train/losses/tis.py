@@ -10,7 +10,9 @@ pi_old for the same weights. The importance weight of a sampled token is
     off:       w_t = 1
 
 w_t multiplies the per-token policy loss and carries no gradient. `hit` marks truncated / masked
-tokens. When old log-probs are taken from the rollout, rho = 1 and the correction is a no-op.
+tokens (metric tis_clip_frac: their share of trained tokens); `clipped_sequences` counts the
+sequences with at least one such token (metric tis_clip_seq_frac: their share of trained sequences).
+When old log-probs are taken from the rollout, rho = 1 and the correction is a no-op.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from miles.train.losses.segments import segment_sum
 
 Mode = Literal["off", "truncate", "mask"]
 
@@ -36,3 +40,9 @@ def tis_weights(old_logp: Tensor, rollout_logp: Tensor, mode: Mode, clip: float)
         keep = (rho >= 1.0 / clip) & (rho <= clip)
         return keep.to(rho.dtype), (~keep).to(rho.dtype)
     raise ValueError(f"unknown TIS mode {mode!r}; known: off, truncate, mask (train.loss.tis)")
+
+
+def clipped_sequences(hit: Tensor, mask: Tensor, seq_index: Tensor, n_seqs: int) -> Tensor:
+    """Number of sequences with at least one trained token that TIS truncated or masked (detached)."""
+    per_seq = segment_sum((mask * hit).detach().float(), seq_index, n_seqs)
+    return (per_seq > 0).sum().to(hit.dtype)

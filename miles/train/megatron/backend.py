@@ -249,6 +249,8 @@ class MegatronBackend:
         loss, sums = policy_objective(tb, cfg, get_estimator(cfg.advantage).sequence_ratio)
         sums["logprob_mismatch"] = (mb.mask * (logp.detach() - mb.rollout_logp).abs()).sum()
         sums["tokens"] = mb.mask.sum()
+        trained = torch.zeros(n, device=mb.mask.device).index_add(0, mb.seq_index, mb.mask.float())
+        sums["seqs"] = (trained > 0).sum().float()
         return loss * scale, sums
 
     def _reduce_metrics(self, outputs: list[dict], total_tokens: int) -> dict[str, float]:
@@ -265,10 +267,12 @@ class MegatronBackend:
                 vec += torch.stack([o[k].double() for k in names])
         dist.all_reduce(vec)
         tokens = max(float(vec[names.index("tokens")]), 1.0)
+        seqs = max(float(vec[names.index("seqs")]), 1.0) if "seqs" in names else 1.0
         out = {}
         for k, v in zip(names, vec.tolist(), strict=True):
-            final = k == "loss" or k.endswith("_loss") or k == "tokens"
-            out["tis_weight_mean" if k == "tis_weight" else k] = v if final else v / tokens
+            final = k == "loss" or k.endswith("_loss") or k in ("tokens", "seqs")
+            per = seqs if k.endswith("_seq_frac") else tokens
+            out["tis_weight_mean" if k == "tis_weight" else k] = v if final else v / per
         return out
 
     @torch.no_grad()
