@@ -32,7 +32,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles.cluster.environment import set_intra_op_threads
 from miles.engine import streaming
-from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, QUANTIZATIONS, build_decoder
+from miles.engine.model import ModelSpec
 from miles.engine.scheduler import Scheduler
 from miles.engine.server import EngineState, build_app, model_path_of
 from miles.engine.tokenizer import load_codec
@@ -100,6 +101,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4096,
         help="longest (padded) context with a captured decode graph; longer contexts decode eagerly",
     )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="FP8 linear layers (miles/engine/fp8_weights.py): 128x128 block or row-wise weight scales",
+    )
+    p.add_argument(
+        "--fp8-min-tokens",
+        type=int,
+        default=DEFAULT_FP8_MIN_TOKENS,
+        help="GEMMs with fewer rows dequantise FP8 weights and run in the model dtype (decode)",
+    )
     p.add_argument("--url-file", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -115,10 +128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         or args.scheduler_stuck_timeout_s <= 0
         or args.health_generate_timeout_s <= 0
         or args.weight_update_timeout_s <= 0
+        or args.fp8_min_tokens < 1
     ):
         p.error(
             "--max-request-bytes, --scheduler-stuck-timeout-s, --health-generate-timeout-s and "
-            "--weight-update-timeout-s must be > 0"
+            "--weight-update-timeout-s and --fp8-min-tokens must be > 0"
         )
     return args
 
@@ -142,7 +156,10 @@ def build_state(args: argparse.Namespace) -> EngineState:
     torch.manual_seed(args.seed)
     model_dir = Path(args.model)
     spec = ModelSpec.from_dir(model_dir)
-    decoder = Decoder(spec, load_weights(model_dir), device, dtype)
+    try:
+        decoder = build_decoder(spec, model_dir, device, dtype, args.quantization, args.fp8_min_tokens)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if args.enable_return_routed_experts and spec.moe is None:
         raise SystemExit(
             f"--enable-return-routed-experts needs a mixture-of-experts model; {spec.arch} is dense"
@@ -177,6 +194,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
         "disable_cuda_graph": not scheduler.use_cuda_graph,
         "cuda_graph_max_bs": scheduler.graph_max_bs,
         "enable_return_routed_experts": args.enable_return_routed_experts,
+        "quantization": None if args.quantization == "none" else "fp8",
+        "fp8_layout": None if args.quantization == "none" else args.quantization,
     }
     state = EngineState(
         scheduler,

@@ -200,6 +200,7 @@ class Decoder:
         self.routing_table: torch.Tensor | None = None
         """[pool slots, sparse layers, k] expert ids of the token whose K/V is in each slot (record_routing)."""
         self._routed: list[torch.Tensor] = []
+        self._dtypes: dict[str, torch.dtype] = {}  # storage dtypes other than `dtype` (FP8 weights, scales)
         self.load(weights, strict=True)
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
         self.inv_freq = (1.0 / spec.rope_theta**half).float()
@@ -240,7 +241,7 @@ class Decoder:
 
     def _allocate(self, weights: dict[str, torch.Tensor]) -> None:
         """Empty storage shaped as a complete checkpoint, and the views of `params` into it."""
-        home = self.device if self.resident else torch.device("cpu")
+        home, dt = (self.device if self.resident else torch.device("cpu")), self._dtypes
         groups = self._fused_groups()
         self._fused = {f: [(m, weights[m].shape[0]) for m in ms] for f, ms in groups.items()}
         shapes = {n: weights[n].shape for n in self.expected_names()}
@@ -250,7 +251,9 @@ class Decoder:
             shapes[fused] = (sum(rows for _, rows in self._fused[fused]), *shapes[members[0]][1:])
             for m in members:
                 del shapes[m]
-        self.storage = {n: torch.empty(shape, dtype=self.dtype, device=home) for n, shape in shapes.items()}
+        self.storage = {
+            n: torch.empty(s, dtype=dt.get(n, self.dtype), device=home) for n, s in shapes.items()
+        }
         self._bind()
 
     def _bind(self) -> None:
@@ -358,15 +361,13 @@ class Decoder:
         """q [T, H, D], k and v [T, KVH, D] of layer i, RoPE applied (and Qwen3's q/k norms)."""
         s, p = self.spec, f"model.layers.{i}.self_attn."
         T, KVH, D = x.shape[0], s.num_kv_heads, s.head_dim
-        q = F.linear(x, self.params[p + "q_proj.weight"], self.params.get(p + "q_proj.bias"))
-        k = F.linear(x, self.params[p + "k_proj.weight"], self.params.get(p + "k_proj.bias"))
-        v = F.linear(x, self.params[p + "v_proj.weight"], self.params.get(p + "v_proj.bias"))
+        q = self._linear(x, p + "q_proj.weight", self.params.get(p + "q_proj.bias"))
+        k = self._linear(x, p + "k_proj.weight", self.params.get(p + "k_proj.bias"))
+        v = self._linear(x, p + "v_proj.weight", self.params.get(p + "v_proj.bias"))
         q, k, v = q.view(T, s.num_heads, D), k.view(T, KVH, D), v.view(T, KVH, D)
         if s.arch in QK_NORM_ARCHS:
-            q, k = (
-                self._norm(q, self.params[p + "q_norm.weight"]),
-                self._norm(k, self.params[p + "k_norm.weight"]),
-            )
+            w = self.params
+            q, k = self._norm(q, w[p + "q_norm.weight"]), self._norm(k, w[p + "k_norm.weight"])
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool, mask) -> torch.Tensor:
@@ -374,9 +375,7 @@ class Decoder:
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
-        return F.linear(
-            self._attend(q, b, pool[i], mask), self.params[f"model.layers.{i}.self_attn.o_proj.weight"]
-        )
+        return self._linear(self._attend(q, b, pool[i], mask), f"model.layers.{i}.self_attn.o_proj.weight")
 
     def _attend(self, q: torch.Tensor, b: Batch, kv: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
         """Attention [T, H*D] of the packed queries q [T, H, D] over the pool (the new K/V written)."""
@@ -481,7 +480,7 @@ class Decoder:
             if prefill is not None:
                 pre = self._attend_pool_cpu(i, q[:n_pre], k[:n_pre], v[:n_pre], prefill, pool, pre_mask)
                 out = torch.cat((pre, out))
-            x = x + F.linear(out, self.params[p + "self_attn.o_proj.weight"])
+            x = x + self._linear(out, p + "self_attn.o_proj.weight")
             x = x + self._mlp(i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]))
         last = d.last_index if prefill is None else torch.cat((prefill.last_index, n_pre + d.last_index))
         self._take_routing(
@@ -501,9 +500,12 @@ class Decoder:
             if self.record_routing:
                 self._routed.append(ids)
             return out
-        gate = F.linear(x, self.params[p + "gate_proj.weight"])
-        up = F.linear(x, self.params[p + "up_proj.weight"])
-        return F.linear(F.silu(gate) * up, self.params[p + "down_proj.weight"])
+        gate, up = self._linear(x, p + "gate_proj.weight"), self._linear(x, p + "up_proj.weight")
+        return self._linear(F.silu(gate) * up, p + "down_proj.weight")
+
+    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) for the weight stored as `name` (HF or fused); FP8 engines override it."""
+        return F.linear(x, self.storage[name] if name in self._fused else self.params[name], bias)
 
     @torch.inference_mode()
     def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -578,18 +580,18 @@ class Decoder:
         after = [p + "input_layernorm.weight" for p in layers[1:]] + ["model.norm.weight"]
         h = add_rms_norm_(x, None, w[layers[0] + "input_layernorm.weight"], eps, self.dtype)
         for i, (p, next_norm) in enumerate(zip(layers, after, strict=True)):
-            qkv = F.linear(h, st[p + "self_attn.qkv_proj.weight"], st.get(p + "self_attn.qkv_proj.bias"))
+            qkv = self._linear(h, p + "self_attn.qkv_proj.weight", st.get(p + "self_attn.qkv_proj.bias"))
             q_norm, k_norm = w.get(p + "self_attn.q_norm.weight"), w.get(p + "self_attn.k_norm.weight")
             q = rope_store_kv(
                 qkv, cos, sin, *pool[i], b.write_slots, self.spec.num_heads, q_norm, k_norm, eps
             )
-            out = F.linear(self._attend(q, b, pool[i], mask), w[p + "self_attn.o_proj.weight"])
+            out = self._linear(self._attend(q, b, pool[i], mask), p + "self_attn.o_proj.weight")
             h = add_rms_norm_(x, out, w[p + "post_attention_layernorm.weight"], eps, self.dtype)
             if p + "mlp.gate_up_proj.weight" in st:
-                mlp = F.linear(
-                    silu_mul(F.linear(h, st[p + "mlp.gate_up_proj.weight"])), w[p + "mlp.down_proj.weight"]
+                mlp = self._linear(
+                    silu_mul(self._linear(h, p + "mlp.gate_up_proj.weight")), p + "mlp.down_proj.weight"
                 )
-            else:  # a sparse (MoE) layer
+            else:  # a sparse (MoE) layer, or FP8 gate/up kept unfused (miles/engine/fp8_weights.py)
                 mlp = self._mlp(i, h)
             h = add_rms_norm_(x, mlp, w[next_norm], eps, self.dtype)
         self._take_routing(b.write_slots)

@@ -1,0 +1,242 @@
+"""FP8 linear layers of the embedded engine (`engine.quantization: fp8_block | fp8_row`).
+
+The weights the FP8 contract covers (miles.quant.fp8.is_quantized_name: a layer's q/k/v/o and dense
+gate/up/down projections) are stored as the contract's pair, `X.weight` (float8_e4m3fn) and
+`X.weight_scale_inv` (fp32; [ceil(out/128), ceil(in/128)] blocks or [out, 1] rows), and multiplied
+with `fp8_linear`: on CUDA a real FP8 GEMM once a GEMM has at least `min_tokens` rows (prefill, large
+batches), below that (decode) and on CPU the weight dequantised and multiplied in the model dtype.
+Embeddings, lm_head, norms, biases, MoE routers and experts stay in the model dtype.
+
+Where the bytes come from, the engine never re-quantises what it is sent:
+- a bf16/fp32 checkpoint is quantised once at load with the contract's `quantize_weight`;
+- an FP8 checkpoint in the SGLang/DeepSeek layout (config.json `quantization_config` with
+  `quant_method: fp8`, `weight_block_size: [128, 128]` for blocks, absent for rows) loads as it is;
+- a weight update carries either the pair (stored exactly as sent) or a plain `X.weight` in any float
+  dtype (quantised on receipt with the contract: what a trainer that does not use it gets).
+
+Fused storage (the CUDA forward's one GEMM for q/k/v and one for gate/up, miles/engine/model.py):
+with fp8_row the members' rows stack and so do their row scales (a fused scale is the [q; k; v]
+scales), which is exact. With fp8_block a group is fused only when every member's rows are a
+multiple of 128, so each 128-row block of the fused weight belongs to one member and the stacked
+block scales describe it exactly; otherwise the members stay separate tensors and the fused forward
+runs one `fp8_linear` per member and concatenates the outputs (the scale rows would straddle two
+members). An engine with `quantization: none` builds the plain Decoder and pays nothing for this.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.quant.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    LAYOUTS,
+    dequantize_weight,
+    fp8_linear,
+    is_quantized_name,
+    quantize_weight,
+    scale_name,
+)
+
+QUANTIZATIONS = ("none", *LAYOUTS)
+DEFAULT_FP8_MIN_TOKENS = 1024
+"""GEMM rows from which the FP8 GEMM runs. Measured on one H200 with plain PyTorch (the linears of
+0.5-1.5B models): at <= 256 rows (decode) FP8 linears ran at
+0.56-0.75x of bf16, activation quantisation included; from 1k rows (prefill) row-wise FP8 gained
+1.2-1.5x. 1024 is the smallest size measured to gain; the break-even between 256 and 1024 is unmeasured."""
+SCALE_SUFFIX = "_scale_inv"
+
+
+def checkpoint_layout(model_dir: str | Path) -> str | None:
+    """The FP8 layout of a checkpoint from its config.json `quantization_config`, None for a plain one.
+
+    ValueError, naming the key, for a quantisation this engine cannot load."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return None
+    if qc.get("quant_method") != "fp8":
+        raise ValueError(
+            f"{model_dir}: config.json quantization_config.quant_method is {qc.get('quant_method')!r}; "
+            "the embedded engine loads only 'fp8' checkpoints (or unquantised ones)"
+        )
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{model_dir}: quantization_config.fmt {qc['fmt']!r} is not supported (only 'e4m3')")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return "fp8_row"
+    if list(block) != [BLOCK, BLOCK]:
+        raise ValueError(
+            f"{model_dir}: quantization_config.weight_block_size is {block}; the engine's fp8_block layout "
+            f"is [{BLOCK}, {BLOCK}] blocks"
+        )
+    return "fp8_block"
+
+
+def load_checkpoint(model_dir: str | Path, quantization: str) -> dict[str, torch.Tensor]:
+    """The tensors of an HF directory, after checking its quantisation against `engine.quantization`."""
+    layout = checkpoint_layout(model_dir)
+    if layout is not None and layout != quantization:
+        raise ValueError(
+            f"{model_dir} is an FP8 checkpoint ({layout}: config.json quantization_config) but the engine "
+            f"runs engine.quantization={quantization} (--quantization): set it to {layout}"
+        )
+    return load_weights(model_dir)
+
+
+def build_decoder(
+    spec: ModelSpec,
+    model_dir: str | Path,
+    device: str,
+    dtype: torch.dtype,
+    quantization: str,
+    min_tokens: int,
+) -> Decoder:
+    """The engine's decoder for `engine.quantization`: the plain Decoder for none, else Fp8Decoder."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"engine.quantization {quantization!r} is unknown; known: {', '.join(QUANTIZATIONS)}"
+        )
+    weights = load_checkpoint(model_dir, quantization)
+    if quantization == "none":
+        return Decoder(spec, weights, device, dtype)
+    return Fp8Decoder(spec, weights, device, dtype, quantization, min_tokens)
+
+
+def check_scale(name: str, q: torch.Tensor, scale: torch.Tensor, layout: str) -> None:
+    """ValueError naming the tensor when `scale` is not the fp32 scale_inv of an FP8 weight `q`."""
+    sname = scale_name(name)
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{sname} must be float32, got {str(scale.dtype).removeprefix('torch.')}")
+    if q.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [out, in], got shape {list(q.shape)}")
+    out, inp = q.shape
+    want = [out, 1] if layout == "fp8_row" else [-(-out // BLOCK), -(-inp // BLOCK)]
+    if list(scale.shape) != want:
+        raise ValueError(
+            f"{sname} of a {out}x{inp} {layout} weight must have shape {want}, got {list(scale.shape)}"
+        )
+
+
+class Fp8Decoder(Decoder):
+    """A Decoder whose contract-covered weights are stored as FP8 + scale_inv (module docstring).
+
+    `params` holds the stored tensors (the FP8 bytes and the scales under their HF names); `get`
+    answers the dequantised value of an FP8 weight, as SGLang's /get_weights_by_name does."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        device: str,
+        dtype: torch.dtype,
+        layout: str,
+        min_tokens: int,
+    ):
+        if layout not in LAYOUTS:
+            raise ValueError(
+                f"engine.quantization {layout!r} is not an FP8 layout; known: {', '.join(LAYOUTS)}"
+            )
+        self.layout = layout
+        self.min_tokens = min_tokens
+        """GEMMs with fewer rows dequantise the weight instead of running an FP8 GEMM (engine.fp8_min_tokens)."""
+        self._rows: dict[str, int] = {}
+        self._split: dict[str, list[str]] = {}
+        """Fused weight name -> its FP8 members kept as separate tensors (fp8_block, rows not x128)."""
+        super().__init__(spec, weights, device, dtype)
+
+    def expected_names(self) -> list[str]:
+        names = super().expected_names()
+        return names + [scale_name(n) for n in names if is_quantized_name(n)]
+
+    def _fused_groups(self) -> dict[str, list[str]]:
+        groups = super()._fused_groups()
+        for fused, members in list(groups.items()):
+            if not all(is_quantized_name(m) for m in members):
+                continue
+            if self.layout == "fp8_block" and any(self._rows[m] % BLOCK for m in members):
+                del groups[fused]
+                self._split[fused] = members
+            else:
+                groups[scale_name(fused)] = [scale_name(m) for m in members]
+        return groups
+
+    def _allocate(self, weights: dict[str, torch.Tensor]) -> None:
+        self._rows = {n: t.shape[0] for n, t in weights.items() if t.dim() > 0}
+        self._split = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for n in super().expected_names():
+            if is_quantized_name(n):
+                dtypes[n], dtypes[scale_name(n)] = FP8_DTYPE, torch.float32
+        for fused, members in self._fused_groups().items():
+            if members[0] in dtypes:
+                dtypes[fused] = dtypes[members[0]]
+        self._dtypes = dtypes
+        self._split = {}  # filled again by the base class's own call of _fused_groups
+        super()._allocate(weights)
+
+    def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
+        """As Decoder.load, covered names taken as the FP8 pair or quantised on receipt (module docstring)."""
+        super().load(self.prepare(weights), strict)
+
+    def prepare(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`weights` with every covered `X.weight` as the contract's pair: an FP8 weight and its scale
+        as they came (checked), a float weight quantised here. ValueError naming a bad or lone tensor."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in weights.items():
+            base = name.removesuffix(SCALE_SUFFIX)
+            if base != name and is_quantized_name(base):
+                if base not in weights:
+                    raise ValueError(f"{name} came without {base}: send an FP8 weight and its scale together")
+                continue  # taken with its weight
+            if not is_quantized_name(name):
+                out[name] = t
+                continue
+            sname = scale_name(name)
+            if t.dtype == FP8_DTYPE:
+                if sname not in weights:
+                    raise ValueError(f"{name} is float8_e4m3fn but {sname} was not sent with it")
+                check_scale(name, t, weights[sname], self.layout)
+                out[name], out[sname] = t, weights[sname]
+            elif t.is_floating_point():
+                if sname in weights:
+                    raise ValueError(
+                        f"{sname} came with a {str(t.dtype).removeprefix('torch.')} {name}: a scale goes "
+                        "with a float8_e4m3fn weight only (or send the plain weight alone to have it quantised)"
+                    )
+                if t.dim() != 2:
+                    raise ValueError(f"{name} must be 2-D [out, in], got shape {list(t.shape)}")
+                home = self.device if self.resident else torch.device("cpu")
+                out[name], out[sname] = quantize_weight(t.to(home), self.layout)
+            else:
+                raise ValueError(f"{name}: {t.dtype} is neither float8_e4m3fn nor a float dtype")
+        return out
+
+    def _stored(self, name: str) -> torch.Tensor:
+        return self.storage[name] if name in self._fused else self.params[name]
+
+    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        members = self._split.get(name)
+        if members is not None:  # an unfused FP8 group: one GEMM per member, outputs side by side
+            biases = (
+                [None] * len(members) if bias is None else [self.params[m[:-6] + "bias"] for m in members]
+            )
+            return torch.cat([self._linear(x, m, b) for m, b in zip(members, biases, strict=True)], dim=-1)
+        w = self._stored(name)
+        if w.dtype != FP8_DTYPE:
+            return F.linear(x, w, bias)
+        scale = self._stored(scale_name(name))
+        if x.is_cuda:
+            return fp8_linear(x, w, scale, self.layout, bias, min_tokens=self.min_tokens)
+        return F.linear(x, dequantize_weight(w, scale, self.layout, x.dtype), bias)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = super().get(name)
+        if t.dtype == FP8_DTYPE:
+            return dequantize_weight(t, self.params[scale_name(name)], self.layout, self.dtype)
+        return t
