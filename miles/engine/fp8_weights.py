@@ -108,6 +108,11 @@ def build_decoder(
     return Fp8Decoder(spec, weights, device, dtype, quantization, min_tokens)
 
 
+def quantization_of(decoder: Decoder) -> str:
+    """The decoder's `engine.quantization`: its FP8 layout, or none."""
+    return decoder.layout if isinstance(decoder, Fp8Decoder) else "none"
+
+
 def check_scale(name: str, q: torch.Tensor, scale: torch.Tensor, layout: str) -> None:
     """ValueError naming the tensor when `scale` is not the fp32 scale_inv of an FP8 weight `q`."""
     sname = scale_name(name)

@@ -22,6 +22,19 @@ that still finds work unfinished at its deadline is answered 400 (the work finis
 background and the next weight call waits for it). A failed broadcast leaves the group's ranks out
 of step, so the group is then dropped and must be joined again. /generate is served throughout.
 
+FP8 engines (miles/engine/fp8_weights.py) take a covered `X.weight` either as the pair `X.weight`
+(float8_e4m3fn) + `X.weight_scale_inv` (fp32), stored as sent, or as a plain float weight, quantised
+on receipt with the contract; the distributed route receives a float8 tensor (named with its float8
+dtype) as the uint8 view its sender broadcasts. /get_weights_by_name answers an FP8 weight's
+dequantised values, as SGLang does.
+
+`/weights_checker` with `{"action": "checksum"}` answers SGLang's reply (utils/weight_checker.py):
+per HF name the hash of the bytes the engine stores (miles.quant.fp8.checksum: sha256 of the C-order
+bytes, first 8 bytes in hex), an FP8 weight as its two tensors, so a trainer compares them with the
+bytes it sent; `per_gpu_checksum` over the sorted (name, hash) pairs and `per_engine_checksum` over
+the ranks' (one here). SGLang hashes the dequantised value of a quantised weight instead; the bytes
+are the stricter check. Its other actions (snapshot, compare, reset_tensors) answer 400.
+
 Deliberate differences from SGLang: the begin/end session is optional (SGLang 0.5.23 requires it
 around tensor and distributed updates; older trainers never open one, and this engine has no packed
 weights to restore), and the prefix cache is flushed after every update whatever `flush_cache` says
@@ -32,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import hashlib
 import logging
 import pickle
 from collections.abc import Callable
@@ -43,9 +57,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from miles.engine.model import load_weights
+from miles.engine.fp8_weights import load_checkpoint, quantization_of
 from miles.engine.scheduler import Scheduler
 from miles.engine.validation import HTTPError
+from miles.quant.fp8 import checksum
 from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
 from miles.weights.tensor import deserialize
 
@@ -161,6 +176,37 @@ class GetWeightsByName(_Body):
     truncate_size: int = Field(100, ge=0)
 
 
+class CheckWeights(_Body):
+    """SGLang's CheckWeightsReqInput; only `action: "checksum"` is served."""
+
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] | None = None
+    """Substrings of names left out of the checksums."""
+    selector: Selector = "all"
+
+
+PARALLELISM_INFO = {
+    "role": "target",
+    **{k: 0 for k in ("tp_rank", "dp_rank", "pp_rank", "rank")},
+    **{k: 1 for k in ("tp_size", "dp_size", "pp_size", "size")},
+}
+"""SGLang's ParallelismInfo of the embedded engine's one rank."""
+
+
+def checksum_reply(params: dict[str, torch.Tensor], skip: list[str]) -> dict[str, Any]:
+    """SGLang's /weights_checker checksum reply over the stored tensors `params` (by HF name)."""
+    sums = {n: checksum(t) for n, t in sorted(params.items()) if not any(s in n for s in skip)}
+    overall = hashlib.sha256()
+    for name, digest in sums.items():
+        overall.update(name.encode())
+        overall.update(digest.encode())
+    per_gpu = overall.hexdigest()
+    rank = {"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": dict(PARALLELISM_INFO)}
+    per_engine = hashlib.sha256(per_gpu.encode()).hexdigest()
+    return {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": per_engine}
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16; ValueError for anything else."""
     dt = getattr(torch, name.removeprefix("torch."), None)
@@ -192,7 +238,7 @@ class WeightUpdater:
         path = Path(body.model_path)
         if not path.is_dir():
             raise ValueError(f"model_path {body.model_path!r} is not a directory")
-        weights = load_weights(path)
+        weights = load_checkpoint(path, quantization_of(self.scheduler.decoder))
         self.scheduler.update_weights(weights, body.weight_version, body.abort_all_requests)
         self.model_path = body.model_path
         return "Succeeded to update model weights."
@@ -251,9 +297,10 @@ class WeightUpdater:
         if body.load_format != "flattened_bucket":
             received = {}
             for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
-                t = torch.empty(shape, dtype=dtype, device=dev)
+                fp8 = dtype.is_floating_point and dtype.itemsize == 1  # sent as a uint8 view
+                t = torch.empty(shape, dtype=torch.uint8 if fp8 else dtype, device=dev)
                 broadcast_from_trainer(t, group)
-                received[name] = t
+                received[name] = t.view(dtype)
             return received
         spans, offset = [], 0
         for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
@@ -290,6 +337,13 @@ class WeightUpdater:
         except KeyError:
             raise ValueError(f"name: no weight named {body.name!r}") from None
         return t[: body.truncate_size].float().cpu().tolist()
+
+    def check_weights(self, body: CheckWeights) -> dict[str, Any]:
+        if body.action != "checksum":
+            raise ValueError(
+                f"Unsupported action={body.action!r}: the embedded engine serves action='checksum' only"
+            )
+        return checksum_reply(self.scheduler.decoder.params, body.skip_tensor_list or [])
 
     # ---- one at a time, bounded ----
     async def exclusive(self, fn: Callable[[Any], Any], body: Any) -> Any:
@@ -369,6 +423,16 @@ class WeightUpdater:
             ("/update_weight_version", UpdateVersion, self.set_version),
         ):
             _register(app, route, model, read_body, lambda body, fn=fn: _now(fn, body))
+
+        @app.api_route("/weights_checker", methods=["GET", "POST"])
+        async def _check(request: Request):
+            try:
+                body = await read_body(request, CheckWeights)
+                return await self.exclusive(self.check_weights, body)
+            except HTTPError as e:
+                return failure(str(e), e.status)
+            except Exception as e:
+                return failure(str(e))
 
         @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
         async def _get(request: Request):

@@ -148,7 +148,8 @@ def start_engine_process(plan: Plan, run_dir: Path, i: int, gpu: str | None, inc
         startup_timeout_s=e.startup_timeout_s,
         env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
         extra_args=(["--enable-fault-injection"] if e.fault_injection else [])
-        + (["--enable-return-routed-experts"] if plan.train.routing_replay == "rollout" else []),
+        + (["--enable-return-routed-experts"] if plan.train.routing_replay == "rollout" else [])
+        + ["--quantization", e.quantization, "--fp8-min-tokens", str(e.fp8_min_tokens)],
     )
     publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", incarnation)
     return eng

@@ -71,6 +71,8 @@ def sglang_server_command(
         cmd += ["--context-length", str(s.context_length)]
     if s.capture_routed_experts or plan.train.routing_replay == "rollout":  # R3 replays the engine's routing
         cmd.append("--enable-return-routed-experts")
+    if e.quantization != "none":  # FP8 linear layers; an FP8 checkpoint's own config gives its layout
+        cmd += ["--quantization", "fp8"]
     return cmd + list(s.extra_args)
 
 
