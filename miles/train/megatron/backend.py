@@ -121,6 +121,7 @@ class MegatronBackend:
         gpt.cuda(torch.cuda.current_device())
         M.load_hf_into(gpt, M.read_hf_state(self.plan.model.path), self.hf_cfg)
         wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
+        self._install_fake_quant(gpt)
         # bf16 logits stay bf16 (Float16Module would upcast them: twice the vocabulary-sized bytes
         # each way); the fused log-prob kernel reads them as they are and computes in fp32
         self._forward_kwargs = {"fp32_output": False} if dtype == torch.bfloat16 else {}
@@ -142,6 +143,27 @@ class MegatronBackend:
         tf.grad_scale_func = optimizer.scale_loss
         tf.no_sync_func = ddp.no_sync
         return ddp, optimizer
+
+    def _install_fake_quant(self, gpt: torch.nn.Module) -> None:
+        """train.quantization=fake_quant: covered linears forward with the FP8 contract's values
+        (miles/train/megatron/quant.py); nothing otherwise."""
+        from megatron.core import parallel_state as ps
+
+        from miles.train.megatron import quant as MQ
+        from miles.train.quant import fake_quant_layout
+
+        layout = fake_quant_layout(self.plan)
+        if layout is None:
+            return
+        MQ.install_fake_quant(
+            gpt,
+            layout,
+            M.shapes_of(self.hf_cfg),
+            M.layer_offset(gpt),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group(),
+        )
 
     @property
     def temperature(self) -> float:
@@ -313,10 +335,14 @@ class MegatronBackend:
     # ------------------------------------------------------- weights, state
     def export_weights(self, bucket_bytes: int):
         """HF-named full tensors in buckets of at most bucket_bytes; rank 0 gets them, others empty lists.
+        With an FP8 engine (engine.quantization), covered weights leave as the FP8 contract's pairs.
 
         Collective: every rank must iterate to the end.
         """
-        for bucket in weights.export_buckets(self.gpt, self.hf_cfg, bucket_bytes):
+        from miles.train.quant import engine_layout
+
+        layout = engine_layout(self.plan)
+        for bucket in weights.export_buckets(self.gpt, self.hf_cfg, bucket_bytes, layout):
             yield bucket if dist.get_rank() == 0 else []
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:

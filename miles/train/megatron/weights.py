@@ -89,7 +89,13 @@ def bucketize(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         yield bucket
 
 
-def export_buckets(gpt: torch.nn.Module, hf_cfg: Any, bucket_bytes: int) -> Iterator[Bucket]:
-    """HF-named full tensors of the whole model in buckets (collective over all trainer ranks)."""
+def export_buckets(
+    gpt: torch.nn.Module, hf_cfg: Any, bucket_bytes: int, fp8_layout: str | None = None
+) -> Iterator[Bucket]:
+    """HF-named full tensors of the whole model in buckets (collective over all trainer ranks); with
+    `fp8_layout` (an FP8 engine), covered weights as the FP8 contract's pairs (miles/train/quant.py)."""
+    from miles.train.quant import export_pairs
+
     s = M.shapes_of(hf_cfg)
-    return bucketize(convert.iter_megatron_to_hf(iter_megatron_full(gpt, s), s), bucket_bytes)
+    named = convert.iter_megatron_to_hf(iter_megatron_full(gpt, s), s)
+    return bucketize(export_pairs(named, fp8_layout), bucket_bytes)

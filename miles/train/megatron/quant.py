@@ -1,0 +1,131 @@
+"""The FP8 contract's fake-quant forward for Megatron's linear layers (`train.quantization=fake_quant`).
+
+The contract quantises Hugging Face tensors (q/k/v/o, gate/up/down, 128x128 blocks or rows of each),
+while Megatron fuses q/k/v into one group-interleaved `linear_qkv` and gate/up into `linear_fc1`, and
+splits every weight over tensor-parallel ranks. So each covered layer's forward computes its weight as:
+
+    full  = tensor-parallel all-gather of the local weight (convert.tp_unshard)
+    HF    = the HF tensors of `full` (convert.unpack_qkv, gate/up halves)
+    HF'   = dequantize_weight(*quantize_weight(t, layout), layout, t.dtype) for each HF tensor t
+    local = this rank's slice of the Megatron tensor packed back from HF' (convert.tp_shard)
+
+which are exactly the values the FP8 engine holds after `export_weights` shipped the contract's pairs
+of the same model.dtype tensors. The gradient is the identity (straight-through) to the local
+weight, so Megatron's DDP and distributed optimizer see an ordinary parameter. The weight is
+swapped in only for the duration of the module's forward; parameter names, the state dict and
+checkpoints are unchanged. Costs one all-gather of each covered weight per forward when
+tensor_parallel > 1 (none otherwise).
+
+Validated against megatron-core's local layer spec (ColumnParallelLinear / RowParallelLinear read
+`self.weight` in forward, with gradient_accumulation_fusion off, as miles/train/megatron/model.py
+configures it).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from miles.train.megatron import convert
+
+_COVERED = re.compile(
+    r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|"
+    r"mlp\.linear_fc2)$"
+)
+
+
+def _fq(t: Tensor, layout: str) -> Tensor:
+    from miles.quant.fp8 import dequantize_weight, quantize_weight
+
+    return dequantize_weight(*quantize_weight(t, layout), layout, t.dtype)
+
+
+def fake_quant_full(suffix: str, full: Tensor, layout: str, s: convert.Shapes) -> Tensor:
+    """A full (TP-unsharded) Megatron weight whose HF pieces are replaced by their contract values."""
+    if suffix == "self_attention.linear_qkv.weight":
+        q, k, v = (_fq(p, layout) for p in convert.unpack_qkv(full, s))
+        return convert.pack_qkv(q, k, v, s)
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([_fq(gate, layout), _fq(up, layout)], dim=0)
+    if suffix in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+        return _fq(full, layout)
+    raise KeyError(f"{suffix!r} is not a Megatron weight the FP8 contract covers")
+
+
+def fake_quant_local(
+    name: str, local: Tensor, layout: str, s: convert.Shapes, tp_rank: int, tp_size: int, group: Any = None
+) -> Tensor:
+    """This TP rank's slice of the fake-quantised weight `name` (global Megatron name), from its own
+    slice `local`; with tp_size > 1 an all-gather over `group` (collective of the TP group)."""
+    if tp_size == 1:
+        full = local
+    else:
+        shards = [torch.empty_like(local) for _ in range(tp_size)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        full = convert.tp_unshard(name, shards, s)
+    out = fake_quant_full(convert._suffix(name), full, layout, s)
+    return convert.tp_shard(name, out, tp_rank, tp_size, s).contiguous()
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: fn(w) without autograd; backward: the incoming gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, w: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        with torch.no_grad():
+            return fn(w.detach())
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def covered_modules(gpt: nn.Module, layer_offset: int) -> list[tuple[str, nn.Module]]:
+    """(global Megatron weight name, module) of every linear layer of this stage the contract covers."""
+    out = []
+    for name, module in gpt.named_modules():
+        m = _COVERED.match(name)
+        if m is not None and isinstance(getattr(module, "weight", None), Tensor):
+            out.append((convert.to_global(f"{name}.weight", layer_offset), module))
+    return out
+
+
+def install_fake_quant(
+    gpt: nn.Module, layout: str, s: convert.Shapes, layer_offset: int, tp_rank: int, tp_size: int, group: Any
+) -> int:
+    """Make every covered linear layer of this stage forward with its fake-quantised weight; returns
+    how many were converted."""
+    from miles.config import ConfigError
+
+    modules = covered_modules(gpt, layer_offset)
+    if not modules:
+        raise ConfigError(
+            "train.quantization=fake_quant found no Megatron linear layer the FP8 contract covers "
+            "(linear_qkv, linear_proj, linear_fc1, linear_fc2); set train.quantization=none"
+        )
+    for name, module in modules:
+
+        def quantised(w: Tensor, name: str = name) -> Tensor:
+            return fake_quant_local(name, w, layout, s, tp_rank, tp_size, group)
+
+        module.forward = types.MethodType(_swapped_forward(module.forward, quantised), module)
+    return len(modules)
+
+
+def _swapped_forward(forward: Callable[..., Any], quantised: Callable[[Tensor], Tensor]):
+    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        weight = self._parameters["weight"]
+        self._parameters["weight"] = _StraightThrough.apply(weight, quantised)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self._parameters["weight"] = weight
+
+    return run
