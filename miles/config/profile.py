@@ -18,6 +18,17 @@ from miles.config.loading import read_yaml
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 
+Fp8Format = Literal["e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz", "mxfp8", "nvfp4"]
+"""Low-precision formats a GPU computes in (docs/fp8.md): OCP FP8 e4m3fn / e5m2 (H100 and later,
+MI355X), the fnuz variants of MI300, Blackwell's microscaled MXFP8 (1x32 blocks, UE8M0 scales) and
+NVFP4 (1x16 blocks, E4M3 scales and a per-tensor fp32 scale)."""
+
+FP8_FORMAT_NEEDED: dict[str, dict[str, str]] = {
+    "engine.quantization": {"fp8_block": "e4m3fn", "fp8_row": "e4m3fn"},
+    "train.quantization": {"torchao_float8": "e4m3fn"},
+}
+"""The format each recipe value computes in (train.quantization=fake_quant needs none: it dequantises)."""
+
 
 class PartitionLimits(Section):
     """What one Slurm partition of the cluster allows."""
@@ -125,6 +136,8 @@ class Profile(Section):
     detect: DetectRule = DetectRule()
     recipe_defaults: dict[str, Any] = Field(default_factory=dict)
     """Recipe keys set by this profile unless the recipe or --set says otherwise."""
+    fp8_formats: list[Fp8Format] | None = None
+    """Low-precision formats the GPUs compute in (e4m3fn, e5m2, mxfp8, nvfp4, ...); None: not stated, unchecked."""
 
 
 def known_profiles(directory: Path = PROFILES_DIR) -> list[str]:
@@ -148,6 +161,20 @@ def load_profile(name_or_path: str, directory: Path = PROFILES_DIR) -> Profile:
         return Profile.model_validate(data)
     except ValidationError as e:
         raise explain(e, Profile, source=f"profile {path}") from None
+
+
+def check_fp8_formats(profile: Profile, values: dict[str, str]) -> None:
+    """Refuse recipe values (e.g. {"engine.quantization": "fp8_block"}) whose format the profile lacks."""
+    if profile.fp8_formats is None:
+        return
+    for key, value in values.items():
+        needed = FP8_FORMAT_NEEDED.get(key, {}).get(value)
+        if needed is not None and needed not in profile.fp8_formats:
+            have = ", ".join(profile.fp8_formats) or "none"
+            raise ConfigError(
+                f"{key}={value} computes in FP8 {needed}, which profile {profile.name!r} does not list in "
+                f"fp8_formats (it lists: {have}); set {key}=none or use a profile whose GPUs have {needed}"
+            )
 
 
 def profile_defaults(profile: Profile) -> dict[str, Any]:

@@ -322,3 +322,50 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch) -> None:
             assert kernel.asm["cubin"], "no cubin"
             assert ptx.count("div.rn.f32") == 2 and "div.full" not in ptx and "rcp.approx" not in ptx
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+@pytest.mark.parametrize(
+    ("name", "formats"),
+    [
+        ("h100", {"e4m3fn", "e5m2"}),
+        ("h200", {"e4m3fn", "e5m2"}),
+        ("b200", {"e4m3fn", "e5m2", "mxfp8", "nvfp4"}),
+        ("gb300", {"e4m3fn", "e5m2", "mxfp8", "nvfp4"}),
+        ("mi355x", {"e4m3fn", "e5m2", "mxfp8"}),  # CDNA4: OCP FP8, not MI300's fnuz
+    ],
+)
+def test_profiles_name_their_fp8_formats(name, formats) -> None:
+    from miles.config.profile import check_fp8_formats, load_profile
+
+    profile = load_profile(name)
+    assert set(profile.fp8_formats or []) == formats
+    check_fp8_formats(profile, {"engine.quantization": "fp8_block", "train.quantization": "torchao_float8"})
+
+
+def test_a_format_the_profile_lacks_is_refused_naming_the_key() -> None:
+    from miles.config.base import ConfigError
+    from miles.config.profile import check_fp8_formats, load_profile
+
+    mi300 = load_profile("mi355x").model_copy(
+        update={"name": "mi300x", "fp8_formats": ["e4m3fnuz", "e5m2fnuz"]}
+    )
+    with pytest.raises(ConfigError, match=r"engine\.quantization=fp8_row .* e4m3fn\b.* fp8_formats"):
+        check_fp8_formats(mi300, {"engine.quantization": "fp8_row", "train.quantization": "none"})
+    with pytest.raises(ConfigError, match=r"train\.quantization=torchao_float8"):
+        check_fp8_formats(mi300, {"engine.quantization": "none", "train.quantization": "torchao_float8"})
+    check_fp8_formats(mi300, {"engine.quantization": "none", "train.quantization": "fake_quant"})
+    unstated = load_profile("local")  # a profile that states nothing is not checked
+    assert unstated.fp8_formats is None
+    check_fp8_formats(unstated, {"engine.quantization": "fp8_block"})
+
+
+def test_unknown_fp8_format_in_a_profile_is_an_error(tmp_path) -> None:
+    from miles.config.base import ConfigError
+    from miles.config.profile import load_profile
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        open(fp8.__file__.replace("miles/quant/fp8.py", "profiles/h200.yaml")).read() + "fp8_formats: [fp8]\n"
+    )
+    with pytest.raises(ConfigError, match="fp8_formats"):
+        load_profile(str(bad))
