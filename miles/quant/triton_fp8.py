@@ -161,6 +161,8 @@ def block_mm(x2: Tensor, q: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -
         return None
     if torch.cuda.get_device_capability(x2.device)[0] != 9 or out_dtype != torch.bfloat16:
         return None
+    if x2.shape[1] % BLOCK or q.shape[0] % BLOCK:  # whole blocks only: what cuBLASLt's recipe is built for
+        return None
     qa, sa = quantize_activation_triton(x2, BLOCK)
     kb = scale_inv.shape[1]
     kb4 = -(-kb // 4) * 4
