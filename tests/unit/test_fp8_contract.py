@@ -10,11 +10,21 @@ Then the scale layouts, the dequantisation error, fake quant (value and straight
 activations per token and per group (and their independence from the batch), fp8_linear's CPU
 scaled-mm and dequantise paths against an fp32 reference, the checksum, the covered HF names of real
 Qwen2 / Qwen3 / Qwen3-MoE models, and a compile of the Triton kernels to an sm_90 cubin.
+
+The Triton kernels also run on CPU under Triton's interpreter, in a child process (TRITON_INTERPRET
+is read when a kernel is decorated and would leak into other kernels): their fp32 scales must equal
+the reference's bit for bit and every byte must land where the reference puts it (same sign bit).
+The interpreter's own float8 cast is not the GPU's (it truncates, and maps e.g. -124.4 to -64), so
+byte equality is left to tests/gpu/test_fp8_gpu.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -369,3 +379,48 @@ def test_unknown_fp8_format_in_a_profile_is_an_error(tmp_path) -> None:
     )
     with pytest.raises(ConfigError, match="fp8_formats"):
         load_profile(str(bad))
+
+
+INTERPRETER_CASES = [("weight", (127, 129), "fp8_block"), ("weight", (300, 1000), "fp8_block"),
+                     ("weight", (1, 1), "fp8_block"), ("weight", (127, 2100), "fp8_row"),
+                     ("act", (3, 5, 300), None), ("act", (7, 300), 128), ("act", (7, 300), 100)]  # fmt: skip
+
+
+def interpreter_cases() -> list[dict]:
+    """Run under TRITON_INTERPRET=1: the kernels on CPU tensors against the torch reference."""
+    from miles.quant import triton_fp8
+
+    rows = []
+    for i, (kind, shape, arg) in enumerate(INTERPRETER_CASES):
+        x = (torch.randn(shape, generator=torch.Generator().manual_seed(i)) * 3).to(torch.bfloat16)
+        if kind == "weight":
+            got, want = triton_fp8.quantize_weight_triton(x, arg), fp8.quantize_weight_torch(x, arg)
+        else:
+            got, want = triton_fp8.quantize_activation_triton(x, arg), fp8.quantize_activation_torch(x, arg)
+        signs = [(t.view(torch.uint8) & 0x80) for t in (got[0], want[0])]
+        row = dict(case=i, q_shape=list(got[0].shape) == list(want[0].shape))
+        row.update(s_shape=list(got[1].shape) == list(want[1].shape), scales=torch.equal(got[1], want[1]))
+        row.update(signs=torch.equal(*signs), nonzero=int(want[0].float().ne(0).sum()))
+        rows.append(row)
+    return rows
+
+
+def test_kernels_under_the_interpreter() -> None:
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(INTERPRETER_CASES)
+    for row in rows:
+        assert row["q_shape"] and row["s_shape"] and row["scales"] and row["signs"], row
+        assert row["nonzero"] > 0, row
+
+
+if __name__ == "__main__":
+    for case in interpreter_cases():
+        print(json.dumps(case))
