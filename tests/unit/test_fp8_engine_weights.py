@@ -174,3 +174,26 @@ def test_fp8_checkpoint_loads_as_it_is(tiny_model, checkpoint, tmp_path):
     save_file(pairs, str(out / "model.safetensors"))
     dec = build_decoder(spec, out, "cpu", torch.float32, "fp8_row", 1)
     assert all(torch.equal(dec.params[n].view(torch.uint8), t.view(torch.uint8)) for n, t in pairs.items())
+
+
+def test_checksums_of_a_plain_engine_cover_every_hf_name(tiny_model, checkpoint):
+    from miles.engine.updates import checksum_reply
+    from miles.quant.fp8 import checksum
+
+    spec, weights = checkpoint
+    reply = checksum_reply(Decoder(spec, weights, "cpu", torch.float32).params, [])
+    assert reply["ranks"][0]["checksums"] == {n: checksum(w) for n, w in weights.items()}
+
+
+def test_moe_experts_and_routers_stay_in_the_model_dtype(tmp_path):
+    from miles.models.tiny import init_tiny
+
+    moe_dir = init_tiny(tmp_path / "moe", arch="qwen3_moe", seed=0)
+    spec, weights = ModelSpec.from_dir(moe_dir), load_weights(moe_dir)
+    dec = Fp8Decoder(spec, weights, "cpu", torch.float32, "fp8_row", min_tokens=1)
+    fp8 = {n for n, t in dec.params.items() if t.dtype == FP8_DTYPE}
+    assert fp8 == {n for n in weights if is_quantized_name(n)} and fp8
+    assert not any(".experts." in n or n.endswith("mlp.gate.weight") for n in fp8)
+    fake = {n: fake_quant(w, "fp8_row") if is_quantized_name(n) else w for n, w in weights.items()}
+    want = _logits(Decoder(spec, fake, "cpu", torch.float32), PROMPT)
+    assert torch.allclose(_logits(dec, PROMPT), want, atol=1e-5, rtol=0)
