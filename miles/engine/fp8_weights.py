@@ -53,11 +53,12 @@ SCALE_SUFFIX = "_scale_inv"
 
 
 def checkpoint_layout(model_dir: str | Path) -> str | None:
-    """The FP8 layout of a checkpoint from its config.json `quantization_config`, None for a plain one.
+    """The FP8 layout of a checkpoint from its config.json `quantization_config`; None for a plain one
+    (or a directory of tensors without config.json, as a disk weight update may be).
 
     ValueError, naming the key, for a quantisation this engine cannot load."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    qc = cfg.get("quantization_config")
+    path = Path(model_dir) / "config.json"
+    qc = json.loads(path.read_text()).get("quantization_config") if path.exists() else None
     if not qc:
         return None
     if qc.get("quant_method") != "fp8":
