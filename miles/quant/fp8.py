@@ -135,6 +135,12 @@ def dequantize_weight(
 ) -> Tensor:
     """(q.float() * expanded scale_inv).to(dtype): the values the engine's FP8 weight stands for."""
     _check_layout(layout)
+    out_dim, in_dim = q.shape
+    whole = (out_dim // BLOCK, in_dim // BLOCK)
+    if layout == "fp8_block" and (out_dim % BLOCK, in_dim % BLOCK) == (0, 0) and scale_inv.shape == whole:
+        # whole blocks: broadcast the scales instead of expanding them (same products, less memory)
+        blocks = q.float().view(whole[0], BLOCK, whole[1], BLOCK) * scale_inv.float()[:, None, :, None]
+        return blocks.view(q.shape).to(dtype)
     return (q.float() * _expand_scale(scale_inv, q.shape, layout)).to(dtype)
 
 

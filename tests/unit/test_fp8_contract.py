@@ -137,6 +137,14 @@ def test_dequantisation_error_of_gaussian_weights(layout, shape) -> None:
     assert fp8.dequantize_weight(*fp8.quantize_weight(w, layout), layout).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("shape", [(256, 384), (127, 129)])
+def test_dequantisation_is_q_times_the_expanded_scale(shape) -> None:
+    q, s = fp8.quantize_weight(torch.randn(shape), "fp8_block")
+    expanded = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(fp8.dequantize_weight(q, s, "fp8_block", dtype), (q.float() * expanded).to(dtype))
+
+
 @pytest.mark.parametrize("layout", fp8.LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fake_quant_value_and_straight_through_gradient(layout, dtype) -> None:
