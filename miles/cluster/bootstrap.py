@@ -131,6 +131,7 @@ def _start_engine(
         ]
         argv += ["--device", e.device, "--max-running-requests", str(e.max_running_requests)]
         argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(seed)]
+        argv += ["--quantization", e.quantization, "--fp8-min-tokens", str(e.fp8_min_tokens)]
         if plan.train.routing_replay == "rollout" and role == "rollout":  # R3: the rollout's routing
             argv.append("--enable-return-routed-experts")
         proc = _spawn([*argv, "--url-file", str(url_file)], log)

@@ -16,7 +16,7 @@ from typing import Any
 from miles.cluster.collectives import collectives_env
 from miles.config import ConfigError, Plan
 from miles.config.layout import check_layout
-from miles.config.profile import Profile
+from miles.config.profile import Profile, check_fp8_formats
 from miles.launch.slurm import RUN_DIR, ComponentSpec, JobSpec, StepSpec
 
 log = logging.getLogger("miles.launch")
@@ -160,6 +160,10 @@ def check(plan: Plan, profile: Profile) -> dict[str, Any]:
     partition = _check_partition(plan, profile)
     tasks = actor_tasks_per_node(plan, profile)
     _check_parallelism(plan, profile, lc.actor_nodes * tasks)
+    check_fp8_formats(
+        profile,
+        {"engine.quantization": plan.engine.quantization, "train.quantization": plan.train.quantization},
+    )
     actor_cpus_per_task(plan, profile, tasks)
     per_node = engines_per_node(plan, profile)
     rollout_nodes = lc.rollout_nodes if lc.layout == "disaggregated" else lc.actor_nodes
