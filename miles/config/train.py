@@ -121,7 +121,7 @@ class TrainConfig(Section):
 def check_quantization(plan: Plan) -> None:
     """Cross-section rules of train.quantization (ConfigError naming both keys)."""
     mode = plan.train.quantization
-    engine = getattr(plan.engine, "quantization", "none")
+    engine = plan.engine.quantization
     if mode == "fake_quant" and engine == "none":
         raise ConfigError(
             "train.quantization=fake_quant reproduces the FP8 weights of the engine, but "

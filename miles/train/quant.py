@@ -35,7 +35,7 @@ LAYOUTS = ("fp8_block", "fp8_row")
 
 def engine_layout(plan: Any) -> str | None:
     """The FP8 layout of `engine.quantization` ("fp8_block" / "fp8_row"), or None for a bf16 engine."""
-    value = getattr(plan.engine, "quantization", "none")
+    value = plan.engine.quantization
     return value if value in LAYOUTS else None
 
 

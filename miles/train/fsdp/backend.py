@@ -23,6 +23,12 @@ tensors are parameters of their decoder layer's FSDP unit, sharded like any othe
 patched once (miles/train/routing_replay.py): with `train.routing_replay = rollout` every forward
 (old-policy, reference and training passes) uses the rollout's expert choice, and each step reports
 router agreement, per-expert load, its imbalance and the load-balancing loss.
+
+Low precision (miles/train/quant.py): `train.quantization = fake_quant` makes the linear layers the
+FP8 contract covers forward with the contract's fake-quantised weight (the full weight FSDP gathered,
+in model.dtype; straight-through gradient), applied before sharding and invisible to names, state
+dicts and checkpoints; `torchao_float8` converts linears to torchao float8 training (CUDA). With an
+FP8 engine `export_weights` ships covered weights as the contract's (float8, scale_inv) pairs.
 """
 
 from __future__ import annotations
