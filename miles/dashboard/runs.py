@@ -29,7 +29,12 @@ from miles.metrics import METRICS_FILE, read_metrics
 PANELS: dict[str, list[str]] = {
     "reward": ["rollout/reward_mean"],
     "eval": ["eval/pass@1", "eval/pass@k"],
-    "mismatch": ["train/logprob_mismatch", "rollout/multi_version_frac"],
+    "mismatch": [
+        "train/logprob_mismatch",
+        "rollout/multi_version_frac",
+        "train/tis_clip_frac",
+        "train/tis_clip_seq_frac",
+    ],
     "staleness": ["staleness/mean", "staleness/max"],
     "lengths": ["rollout/response_len_mean", "rollout/response_len_max", "rollout/truncated_frac"],
     "step time (s)": ["time/rollout_s", "time/train_s", "time/sync_s", "time/eval_s", "time/step_s"],

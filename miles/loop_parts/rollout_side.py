@@ -281,13 +281,6 @@ class RolloutSide:
             return
         self._loop.call_soon_threadsafe(self.generator.ready.set)
 
-    def check(self, buckets: Iterable[Any]) -> float:
-        """After a push: max |engine - trainer| over all tensors (0.0: identical); with an FP8 engine
-        (engine.quantization), the number of (engine, tensor) pairs whose stored bytes differ from
-        the bytes sent, by /weights_checker checksums (0.0: byte-identical). Each differing tensor is
-        logged with its engine."""
-        return next(iter(self.check_metrics(buckets).values()))
-
     def check_metrics(self, buckets: Iterable[Any]) -> dict[str, float]:
         """The post-push check as a metric: `weights/check_max_diff` (bf16 engines, by values) or
         `weights/checksum_mismatch` (FP8 engines: tensors whose bytes differ, by checksums)."""

@@ -137,7 +137,7 @@ class LoopState:
         if plan.weights.check:
             buckets = backend.export_weights(bucket_bytes)
             if side is not None:
-                out["weights/check_max_diff"] = side.check(buckets)
+                out.update(side.check_metrics(buckets))
             else:
                 for _ in buckets:
                     pass

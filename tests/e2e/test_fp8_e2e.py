@@ -41,7 +41,7 @@ def test_contract_lowers_the_fp8_mismatch(tmp_path, tiny_model):
     without = _run(tmp_path, tiny_model, "none")
     for records in (with_contract, without):
         for r in records:
-            assert r["weights/check_max_diff"] == 0.0  # engine bytes == trainer bytes after every push
+            assert r["weights/checksum_mismatch"] == 0.0  # engine bytes == trainer bytes after every push
             assert 0.0 <= r["train/tis_clip_frac"] <= 1.0 and 0.0 <= r["train/tis_clip_seq_frac"] <= 1.0
     mean = [sum(r["train/logprob_mismatch"] for r in rs) / STEPS for rs in (with_contract, without)]
     print(f"mean train/logprob_mismatch over {STEPS} steps: fake_quant {mean[0]:.3e}, none {mean[1]:.3e}")
