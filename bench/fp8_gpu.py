@@ -1,0 +1,596 @@
+"""FP8 against bf16 on one GPU, in one run: rollout tok/s, train step time, train-rollout log-prob mismatch.
+
+    python -m bench.fp8_gpu [--part rollout|train|mismatch ...] [--sizes 0.5b 7b] [--rounds 3] [--out F.json]
+    python -m bench.fp8_gpu --smoke      # CPU, tiny model, 2 rounds / 2 steps: the plumbing, not figures
+
+Parts (`--part`, repeatable; all three by default), run in the order mismatch, train, rollout, so that
+the `miles train` child processes of the first find the GPU empty:
+
+1. rollout: the embedded engine in this process (the Scheduler stepped in this thread, CUDA graphs,
+   temperature 1, ignore_eos) on random-init models of Qwen2.5-0.5B and Qwen2.5-7B shapes (bf16
+   safetensors written from the config here; nothing is downloaded). Arms: engine.quantization none
+   (bf16), fp8_block and fp8_row, each FP8 layout at engine.fp8_min_tokens' default and at 1 (every
+   GEMM in FP8, decode included; 1 is the lowest value the key takes). Workloads: decode-heavy (256
+   requests, prompt 128, 512 new tokens) and prefill-heavy (64 requests, prompt 2048, 8 new tokens).
+   Every arm runs each workload once untimed (graph captures, Triton compiles), then each round runs
+   each workload on every arm, the arms in an order rotated by one per round, with fresh random prompts
+   per round (the same for every arm of the round). The two arms of one FP8 layout share its weights.
+2. train: the FSDP backend on one GPU with bench/gpu_train.py's model shapes and batch (Qwen2.5-0.5B
+   shapes, 64 sequences x 1024 tokens, 8192-token micro-batches), train.quantization none /
+   fake_quant (layout --layout) / torchao_float8 (skipped, with the reason printed, when torchao is
+   not importable or there is no GPU). One untimed step per arm, then per round `--train-steps` steps
+   per arm, arms rotated per round.
+3. mismatch: `miles train` with bench/e2e_gpu.py's colocated synchronous GRPO recipe on the 0.5B shapes
+   (fixed seed, 16 prompts x 8 samples, prompt 128, 256 new tokens, old log-probs recomputed, TIS
+   truncate at 2), 20 steps each of: bf16 engine + bf16 trainer; FP8 engine (--layout) + trainer
+   without the contract (train.quantization=none: a bf16 forward, the mismatch is the whole weight
+   quantisation error); FP8 engine + trainer with it (fake_quant). FP8 runs check after every push
+   that the engine's bytes equal the trainer's (weights.check, by checksums). train/logprob_mismatch
+   is read from each run's metrics.jsonl.
+
+The table printed at the end is markdown for bench/RESULTS.md: the command, UTC times, torch / CUDA /
+GPU, the definitions of every figure and ratio, then one row per measured arm. `--out` keeps the raw
+numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from bench.e2e_gpu import recipe as e2e_recipe
+from bench.gpu_train import samples as train_samples
+from miles.models.tiny import QWEN25_05B_SHAPE, QWEN25_VOCAB, init_random
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN25_7B_SHAPE = dict(
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+)
+TINY_SHAPE = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+)
+# name -> (shape, vocab, tied embeddings); the tiny model keeps Qwen's vocabulary so that the helpers
+# of bench/gpu_train.py and bench/e2e_gpu.py (token ids up to 151k) serve it unchanged
+SIZES = {
+    "0.5b": (QWEN25_05B_SHAPE, QWEN25_VOCAB, True),
+    "7b": (QWEN25_7B_SHAPE, 152064, False),
+    "tiny": (TINY_SHAPE, QWEN25_VOCAB, True),
+}
+PARTS = ("mismatch", "train", "rollout")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: int
+    prompt: int
+    completion: int
+    count_prompt: bool
+    """tok/s counts prompt + generated tokens (prefill-heavy) or generated tokens only (decode-heavy)."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    quantization: str
+    min_tokens: int | None
+    """engine.fp8_min_tokens (None: bf16)."""
+
+    @property
+    def label(self) -> str:
+        return "bf16" if self.min_tokens is None else f"{self.quantization} @ {self.min_tokens}"
+
+
+def workloads(smoke: bool) -> list[Workload]:
+    if smoke:
+        return [Workload("decode", 4, 8, 4, False), Workload("prefill", 2, 32, 1, True)]
+    return [Workload("decode", 256, 128, 512, False), Workload("prefill", 64, 2048, 8, True)]
+
+
+def rollout_arms() -> list[Arm]:
+    from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS as D
+
+    return [Arm("none", None), Arm("fp8_block", D), Arm("fp8_block", 1), Arm("fp8_row", D), Arm("fp8_row", 1)]
+
+
+def rotated(items: list, r: int) -> list:
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_model(work: Path, size: str, dtype: str) -> Path:
+    """The random-init model of `size` under `work` (written once, reused by later runs)."""
+    shape, vocab, tied = SIZES[size]
+    out = work / f"model-{size}-{dtype}"
+    if not (out / "config.json").exists():
+        init_random(out, shape=shape, vocab_size=vocab, tie_word_embeddings=tied, dtype=dtype)
+        free_memory()
+    return out
+
+
+# ---- part 1: rollout tok/s -------------------------------------------------------------------------
+
+
+def build_engines(model: Path, arms: list[Arm], loads: list[Workload], device: str, dtype: torch.dtype):
+    """One Scheduler per arm; the arms of one FP8 layout share its decoder (min_tokens is set per run)."""
+    from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
+    from miles.engine.model import ModelSpec
+    from miles.engine.scheduler import Scheduler
+
+    spec = ModelSpec.from_dir(model)
+    decoders = {}
+    for q in dict.fromkeys(a.quantization for a in arms):
+        decoders[q] = build_decoder(spec, model, device, dtype, q, DEFAULT_FP8_MIN_TOKENS)
+    width = max(w.requests for w in loads)
+    slots = max(w.requests * (w.prompt + w.completion) for w in loads) + 4096
+    return {a: Scheduler(decoders[a.quantization], width, slots) for a in arms}
+
+
+def engine_run(sched, arm: Arm, prompts: list[list[int]], w: Workload, device: str) -> float:
+    """tok/s of one batch of `prompts` through `sched` (Workload.count_prompt says which tokens count)."""
+    from miles.engine.sampling import SamplingParams
+    from miles.engine.scheduler import Request
+
+    if arm.min_tokens is not None:
+        sched.decoder.min_tokens = arm.min_tokens
+    sched.flush_cache()
+    sp = SamplingParams(max_new_tokens=w.completion, temperature=1.0, ignore_eos=True)
+    reqs = [Request(str(i), p, sp, i, frozenset()) for i, p in enumerate(prompts)]
+    sync(device)
+    start = time.perf_counter()
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_idle()
+    sync(device)
+    wall = time.perf_counter() - start
+    if any(len(r.output) != w.completion for r in reqs):
+        raise RuntimeError(f"{arm.label} {w.name}: a request did not generate {w.completion} tokens")
+    return w.requests * (w.completion + (w.prompt if w.count_prompt else 0)) / wall
+
+
+def rollout_size(args, size: str, device: str) -> list[dict]:
+    """Every arm x workload of one model size, `args.rounds` rounds; one result row per arm x workload."""
+    dtype = "float32" if args.smoke else "bfloat16"
+    model = make_model(Path(args.workdir), size, dtype)
+    arms, loads = rollout_arms(), workloads(args.smoke)
+    vocab = SIZES[size][1]
+    engines = build_engines(model, arms, loads, device, getattr(torch, dtype))
+
+    def prompts(w: Workload, seed: int) -> list[list[int]]:
+        rng = random.Random(seed)
+        return [[rng.randrange(vocab) for _ in range(w.prompt)] for _ in range(w.requests)]
+
+    for w in loads:
+        for a in arms:  # untimed: graph captures, Triton compiles, allocator growth
+            engine_run(engines[a], a, prompts(w, 10_000), w, device)
+    tok_s: dict[tuple[str, Arm], list[float]] = {(w.name, a): [] for w in loads for a in arms}
+    for r in range(args.rounds):
+        for w in loads:
+            batch = prompts(w, r)
+            for a in rotated(arms, r):
+                tok_s[(w.name, a)].append(engine_run(engines[a], a, batch, w, device))
+                print(f"rollout {size} {w.name} round {r + 1} {a.label}: {tok_s[(w.name, a)][-1]:.0f} tok/s")
+    refused = block_gemm_refused()
+    del engines
+    free_memory()
+    rows = []
+    for w in loads:
+        ref = tok_s[(w.name, arms[0])]
+        for a in arms:
+            vals = tok_s[(w.name, a)]
+            speedup = [v / b for v, b in zip(vals, ref, strict=True)]
+            rows.append(dict(size=size, workload=w.name, workload_shape=vars(w), arm=a.label,
+                             quantization=a.quantization, min_tokens=a.min_tokens, tok_s=vals,
+                             speedup=speedup, block_gemm_refused=refused))  # fmt: skip
+    return rows
+
+
+def block_gemm_refused() -> bool:
+    """Whether this torch / cuBLASLt refused the blockwise FP8 GEMM (fp8_block then ran dequantised)."""
+    if not torch.cuda.is_available():
+        return False
+    from miles.quant import triton_fp8
+
+    return bool(triton_fp8._BLOCK_MM_REFUSED)
+
+
+# ---- part 2: train step time -----------------------------------------------------------------------
+
+
+def train_backend(args, model: Path, quantization: str, device: str, dtype: str):
+    from miles.config import Plan
+    from miles.train import get_backend
+
+    data = {
+        "model": {"path": str(model), "dtype": dtype},
+        "train": {
+            "backend": "fsdp",
+            "lr": 1e-6,
+            "max_tokens_per_microbatch": args.micro_tokens,
+            "device": device,
+            "quantization": quantization,
+        },
+        "run": {"runs_root": str(Path(args.workdir) / "runs"), "seed": args.seed},
+    }
+    if quantization == "fake_quant":
+        data["engine"] = {"quantization": args.layout}
+    backend = get_backend("fsdp")()
+    backend.setup(Plan.model_validate(data))
+    return backend
+
+
+def torchao_skip_reason(device: str) -> str | None:
+    if device != "cuda":
+        return "train.quantization=torchao_float8 runs on CUDA only (this run is on the CPU)"
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not importable (pip install 'miles[torchao]')"
+    return None
+
+
+def train_part(args, device: str) -> list[dict]:
+    """Step seconds per arm and round (mean of `args.train_steps` steps), speed-up vs bf16 per round."""
+    dtype = "float32" if args.smoke else "bfloat16"
+    model = make_model(Path(args.workdir), "tiny" if args.smoke else "0.5b", dtype)
+    arms = ["none", "fake_quant", "torchao_float8"]
+    skipped = {}
+    if (reason := torchao_skip_reason(device)) is not None:
+        skipped["torchao_float8"] = reason
+    backends = {}
+    for q in arms:
+        if q not in skipped:
+            backends[q] = train_backend(args, model, q, device, dtype)
+    batch = train_samples(args.train_batch, args.train_seq, args.train_prompt, seed=args.seed)
+    for b in backends.values():
+        b.train(batch)  # untimed: compiles, allocator growth
+    step_s: dict[str, list[float]] = {q: [] for q in backends}
+    for r in range(args.rounds):
+        for q in rotated(list(backends), r):
+            times = []
+            for _ in range(args.train_steps):
+                sync(device)
+                start = time.perf_counter()
+                backends[q].train(batch)
+                sync(device)
+                times.append(time.perf_counter() - start)
+            step_s[q].append(statistics.mean(times))
+            print(f"train round {r + 1} {q}: {step_s[q][-1]:.3f} s/step")
+    del backends
+    free_memory()
+    rows = []
+    for q in arms:
+        if q in skipped:
+            rows.append(dict(quantization=q, skipped=skipped[q]))
+            continue
+        speedup = [b / v for v, b in zip(step_s[q], step_s["none"], strict=True)]
+        rows.append(dict(quantization=q, step_s=step_s[q], speedup=speedup))
+    return rows
+
+
+# ---- part 3: log-prob mismatch over GRPO steps -----------------------------------------------------
+
+
+def mismatch_recipe(args, model: Path) -> Path:
+    """bench/e2e_gpu.py's colocated sync recipe, resized, old log-probs recomputed, TIS on."""
+    work = Path(args.workdir)
+    shape = Namespace(layout="colocated", schedule="sync", keep_engine_memory=False, tag="",
+                      prompt=args.mm_prompt, completion=args.mm_completion, backend=args.mm_backend,
+                      steps=args.mm_steps, micro_tokens=args.micro_tokens)  # fmt: skip
+    data = e2e_recipe(shape, model, work / "runs")
+    data["run"].update(name="fp8-mismatch", seed=args.seed)
+    data["rollout"].update(prompts_per_step=args.mm_prompts, n_samples_per_prompt=args.mm_samples)
+    data["train"]["loss"] = {"old_logprobs": "recompute", "kl_coef": 0.0, "tis": "truncate", "tis_clip": 2.0}
+    if args.smoke:
+        data["engine"]["max_total_tokens"] = 8192
+        data["model"]["dtype"] = "float32"
+    path = work / "recipe-fp8-mismatch.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def mismatch_arms(layout: str) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of the three runs."""
+    return [
+        ("bf16 engine, bf16 trainer", ["engine.quantization=none", "train.quantization=none"]),
+        (f"{layout} engine, trainer without the contract",
+         [f"engine.quantization={layout}", "train.quantization=none", "weights.check=true"]),
+        (f"{layout} engine, trainer with the contract",
+         [f"engine.quantization={layout}", "train.quantization=fake_quant", "weights.check=true"]),
+    ]  # fmt: skip
+
+
+def mismatch_part(args, device: str) -> list[dict]:
+    """Three `miles train` runs of the same recipe; per-step train/logprob_mismatch from metrics.jsonl."""
+    from miles.launch.local import train_main
+    from miles.metrics import read_metrics
+
+    dtype = "float32" if args.smoke else "bfloat16"
+    recipe = mismatch_recipe(args, make_model(Path(args.workdir), "tiny" if args.smoke else "0.5b", dtype))
+    rows = []
+    for k, (label, sets) in enumerate(mismatch_arms(args.layout)):
+        name = f"fp8-mismatch-{k}"
+        overrides = [f"run.name={name}", *sets]
+        command = f"miles train {recipe} --overwrite " + " ".join(f"--set {s}" for s in overrides)
+        print(f"mismatch: {command}", flush=True)
+        rc = train_main(str(recipe), overrides, progress=False, overwrite=True)
+        run_dir = Path(args.workdir) / "runs" / name
+        steps = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0 and "train/logprob_mismatch" in r]
+        row = dict(label=label, overrides=sets, command=command, rc=rc, run_dir=str(run_dir))
+        row["mismatch"] = [r["train/logprob_mismatch"] for r in steps]
+        row["tis_clip_frac"] = [r["train/tis_clip_frac"] for r in steps if "train/tis_clip_frac" in r]
+        row["checksum_mismatch"] = [r["weights/checksum_mismatch"] for r in steps
+                                    if "weights/checksum_mismatch" in r]  # fmt: skip
+        if rc != 0 or len(steps) != args.mm_steps:
+            row["failed"] = f"rc {rc}, {len(steps)} of {args.mm_steps} steps; logs in {run_dir / 'logs'}"
+        rows.append(row)
+        free_memory()
+    return rows
+
+
+# ---- the table -------------------------------------------------------------------------------------
+
+
+def versions(device: str) -> str:
+    import transformers
+
+    try:
+        import triton
+
+        tri = f", triton {triton.__version__}"
+    except ImportError:
+        tri = ""
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
+    cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""
+    return f"device: {where}; torch {torch.__version__}{cuda}, transformers {transformers.__version__}{tri}"
+
+
+def code_version() -> str:
+    def git(*a: str) -> str | None:
+        try:
+            p = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head is None:
+        return "code: not a git checkout"
+    return f"code: commit {head}" + (" + uncommitted changes" if git("status", "--porcelain") else "")
+
+
+def span(vals: list[float], fmt) -> str:
+    lo, hi = min(vals), max(vals)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}-{fmt(hi)}"
+
+
+def tok(v: float) -> str:
+    return f"{v / 1e3:.1f}k" if v >= 1e4 else f"{v:.0f}"
+
+
+def ratio(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def verdict(speedup: list[float]) -> str:
+    if max(speedup) < 1:
+        return "FP8 slower"
+    if min(speedup) > 1:
+        return "FP8 faster"
+    return "not resolved (range spans 1)"
+
+
+MODEL_NAMES = {"0.5b": "Qwen2.5-0.5B shapes", "7b": "Qwen2.5-7B shapes", "tiny": "tiny (smoke)"}
+
+
+def header(args, device: str, start: str, end: str) -> list[str]:
+    w = {x.name: x for x in workloads(args.smoke)}
+    d, p = w["decode"], w["prefill"]
+    return [
+        f"### FP8 vs bf16 on one GPU: rollout, training, train-rollout mismatch ({start} - {end} UTC)",
+        "",
+        f"    python -m bench.fp8_gpu {' '.join(sys.argv[1:])}".rstrip(),
+        "",
+        f"{versions(device)}; {code_version()}.",
+        "",
+        f"- rollout tok/s: decode-heavy ({d.requests} requests, prompt {d.prompt}, {d.completion} new tokens) "
+        "= generated tokens / wall seconds from submitting the batch to its last token (prefill included, "
+        f"graphs captured before); prefill-heavy ({p.requests} requests, prompt {p.prompt}, {p.completion} new "
+        "tokens) = (prompt + generated tokens) / the same wall seconds. Range = min-max over "
+        f"{args.rounds} rounds.",
+        "- rollout speed-up = FP8 arm tok/s / bf16 tok/s, same round, model and workload (> 1: FP8 faster). "
+        "`@ N` is engine.fp8_min_tokens: GEMMs with fewer than N rows dequantise the weight and multiply "
+        "in bf16; `@ 1` runs every GEMM in FP8 (decode included).",
+        f"- train step s = mean of {args.train_steps} steps of one round; train speed-up = bf16 step s / "
+        "arm step s, same round (> 1: arm faster).",
+        "- verdict: FP8 slower / faster when every round's speed-up is below / above 1.",
+        "- mismatch = train/logprob_mismatch: mean over the step's response tokens of |logp_train - "
+        "logp_rollout| (the trainer's recomputed log-prob before the step's update vs the engine's "
+        f"sampling log-prob); mean = over the {args.mm_steps} steps; ratio = run mean / bf16 run mean.",
+        "",
+    ]
+
+
+def rollout_table(rows: list[dict]) -> list[str]:
+    out = [
+        "| model | workload | engine @ fp8_min_tokens | tok/s (min-max) | speed-up vs bf16 (min-max) | verdict |",
+        "|---|---|---|---:|---:|---|",
+    ]
+    for r in rows:
+        ref = r["min_tokens"] is None
+        out.append(
+            f"| {MODEL_NAMES[r['size']]} | {r['workload']} | {r['arm']} | {span(r['tok_s'], tok)} | "
+            f"{'1' if ref else span(r['speedup'], ratio)} | {'reference' if ref else verdict(r['speedup'])} |"
+        )
+    if any(r["block_gemm_refused"] for r in rows):
+        out.append("")
+        out.append(
+            "fp8_block: this torch / cuBLASLt refused the blockwise FP8 GEMM; its GEMMs ran dequantised."
+        )
+    return out
+
+
+def train_table(rows: list[dict], args) -> list[str]:
+    model = "tiny (smoke)" if args.smoke else "Qwen2.5-0.5B shapes"
+    out = [
+        f"FSDP, one device, {model}, {args.train_batch} x {args.train_seq} tokens, micro-batch "
+        f"{args.micro_tokens} tokens; fake_quant with layout {args.layout}:",
+        "",
+        "| train.quantization | step s (min-max) | speed-up vs bf16 (min-max) | verdict |",
+        "|---|---:|---:|---|",
+    ]
+    for r in rows:
+        if "skipped" in r:
+            out.append(f"| {r['quantization']} | skipped: {r['skipped']} | | |")
+            continue
+        ref = r["quantization"] == "none"
+        fmt = lambda v: f"{v:.3f}"  # noqa: E731
+        out.append(
+            f"| {r['quantization']} | {span(r['step_s'], fmt)} | {'1' if ref else span(r['speedup'], ratio)} | "
+            f"{'reference' if ref else verdict(r['speedup'])} |"
+        )
+    return out
+
+
+def mismatch_table(rows: list[dict], args) -> list[str]:
+    model = "tiny (smoke)" if args.smoke else "Qwen2.5-0.5B shapes"
+    out = [
+        f"{args.mm_steps} GRPO steps, {model}, seed {args.seed}, train.backend={args.mm_backend}:",
+        "",
+        "| run | overrides | mismatch mean | per step (min-max) | ratio to bf16 | TIS clip frac mean | "
+        "tensors differing after pushes |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    ref = statistics.mean(rows[0]["mismatch"]) if rows[0]["mismatch"] else None
+    for r in rows:
+        sets = " ".join(f"`{s}`" for s in r["overrides"])
+        if "failed" in r or not r["mismatch"]:
+            out.append(f"| {r['label']} | {sets} | failed: {r.get('failed', 'no steps')} | | | | |")
+            continue
+        mean = statistics.mean(r["mismatch"])
+        rel = f"{mean / ref:.2f}x" if ref else "-"
+        clip = f"{statistics.mean(r['tis_clip_frac']):.4f}" if r["tis_clip_frac"] else "-"
+        checks = (
+            f"{sum(r['checksum_mismatch']):.0f} in {len(r['checksum_mismatch'])}"
+            if r["checksum_mismatch"]
+            else "-"
+        )
+        fmt = lambda v: f"{v:.5f}"  # noqa: E731
+        out.append(
+            f"| {r['label']} | {sets} | {mean:.5f} | {span(r['mismatch'], fmt)} | {rel} | {clip} | {checks} |"
+        )
+    out += ["", "| step | " + " | ".join(r["label"] for r in rows) + " |", "|---:" * (len(rows) + 1) + "|"]
+    for s in range(max(len(r["mismatch"]) for r in rows)):
+        vals = [f"{r['mismatch'][s]:.5f}" if s < len(r["mismatch"]) else "-" for r in rows]
+        out.append(f"| {s + 1} | " + " | ".join(vals) + " |")
+    means = [statistics.mean(r["mismatch"]) if r["mismatch"] and "failed" not in r else None for r in rows]
+    if means[1] is not None and means[2] is not None:
+        lower = "lower" if means[2] < means[1] else "NOT lower"
+        out += [
+            "",
+            f"With the contract the FP8 mismatch is {lower} than without it ({means[2]:.5f} vs {means[1]:.5f}).",
+        ]
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--part", action="append", choices=PARTS, help="run only this part (repeatable; default all)"
+    )
+    p.add_argument(
+        "--sizes", nargs="+", choices=["0.5b", "7b"], default=["0.5b", "7b"], help="rollout model sizes"
+    )
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the rollout and train parts (>= 1)")
+    p.add_argument("--layout", choices=["fp8_block", "fp8_row"], default="fp8_block",
+                   help="engine.quantization of the mismatch runs and the fake_quant trainer")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-steps", type=int, default=2, help="timed train steps per arm and round")
+    p.add_argument("--train-batch", type=int, default=64)
+    p.add_argument("--train-seq", type=int, default=1024)
+    p.add_argument("--train-prompt", type=int, default=128)
+    p.add_argument("--micro-tokens", type=int, default=8192)
+    p.add_argument("--mm-steps", type=int, default=20, help="GRPO steps of each mismatch run")
+    p.add_argument("--mm-prompts", type=int, default=16)
+    p.add_argument("--mm-samples", type=int, default=8)
+    p.add_argument("--mm-prompt", type=int, default=128)
+    p.add_argument("--mm-completion", type=int, default=256)
+    p.add_argument("--mm-backend", choices=["fsdp", "megatron"], default="fsdp")
+    p.add_argument("--workdir", default="runs/bench_fp8", help="models, recipes and run directories")
+    p.add_argument("--out", default=None, help="JSON file for the raw numbers")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, small sizes: checks the plumbing")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.rounds, args.train_steps = ["tiny"], 2, 1
+        args.train_batch, args.train_seq, args.train_prompt, args.micro_tokens = 4, 24, 8, 512
+        args.mm_steps, args.mm_prompts, args.mm_samples, args.mm_prompt, args.mm_completion = 2, 2, 2, 8, 4
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    args.workdir = str(Path(args.workdir).resolve())
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench.fp8_gpu needs a CUDA GPU (or --smoke for the CPU check of the script)")
+    parts = [p for p in PARTS if p in (args.part or PARTS)]
+    now = lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")  # noqa: E731
+    start = now()
+    results: dict = {"args": vars(args), "argv": sys.argv[1:]}
+    if "mismatch" in parts:
+        results["mismatch"] = mismatch_part(args, device)
+    if "train" in parts:
+        results["train"] = train_part(args, device)
+    if "rollout" in parts:
+        results["rollout"] = [row for size in args.sizes for row in rollout_size(args, size, device)]
+    lines = header(args, device, start, now())
+    if "rollout" in results:
+        lines += [
+            "#### Rollout: embedded engine in process, CUDA graphs",
+            "",
+            *rollout_table(results["rollout"]),
+            "",
+        ]
+    if "train" in results:
+        lines += ["#### Train step", "", *train_table(results["train"], args), ""]
+    if "mismatch" in results:
+        lines += ["#### Train-rollout log-prob mismatch", "", *mismatch_table(results["mismatch"], args), ""]
+    print("\n" + "\n".join(lines), flush=True)
+    if args.out:
+        results["table"] = lines
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        print(f"raw numbers in {args.out}")
+    failed = [r["label"] for r in results.get("mismatch", []) if "failed" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
