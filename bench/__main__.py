@@ -5,9 +5,10 @@ the session server's per-turn overhead, sandbox start-up, multi-turn episodes as
 a dedicated evaluation costs training.
 GPU (`--gpu`, on a CUDA machine): decode attention kernel, engine vs `generate`, SGLang request options
 on the decode hot path, training MFU of both
-backends, the bf16 log-prob mismatch, and the end-to-end GRPO step colocated (TRL's side is
-bench/trl_grpo.py, which needs the `trl` package). Each benchmark prints its own table; the numbers
-worth keeping go to bench/RESULTS.md with the date, machine and command.
+backends, the bf16 log-prob mismatch, the end-to-end GRPO step colocated (TRL's side is
+bench/trl_grpo.py, which needs the `trl` package), and FP8 against bf16 (engine tok/s at 0.5B and
+7B shapes, train step, log-prob mismatch over 20 GRPO steps). Each benchmark prints its own table;
+the numbers worth keeping go to bench/RESULTS.md with the date, machine and command.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ GPU = [
     ["bench.gpu_train", "--backend", "fsdp", "--steps", "3"],
     ["bench.logprob_mismatch_gpu", "--requests", "32"],
     ["bench.e2e_gpu", "--layout", "colocated", "--backend", "megatron", "--steps", "5"],
+    ["bench.fp8_gpu"],
 ]
 
 

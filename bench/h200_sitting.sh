@@ -5,7 +5,11 @@
 #   2. three rounds of: TRL GRPOTrainer (HF generate, gradient checkpointing on), Miles colocated
 #      sync GRPO (Megatron), TRL with gradient checkpointing off: the anchor in the same sitting,
 #      interleaved so that a drift of the machine shows on both sides;
-#   3. the engine's decode throughput, three runs.
+#   3. the engine's decode throughput, three runs;
+#   4. FP8 against bf16 (bench/fp8_gpu.py, one run, its own 3 interleaved rounds): engine tok/s at
+#      Qwen2.5-0.5B and 7B shapes (decode- and prefill-heavy, fp8_min_tokens at its default and at 1),
+#      the FSDP train step (none / fake_quant / torchao_float8 when torchao is importable), and the
+#      train-rollout log-prob mismatch over 20 GRPO steps (bf16; FP8 without / with the contract).
 # Usage, from the repository root, with megatron-core, TRL and the server packages importable:
 #   bash bench/h200_sitting.sh OUT_DIR
 # Every command's output goes to OUT_DIR/NAME.log (JSON summaries to OUT_DIR/NAME.json), the start
@@ -27,7 +31,7 @@ step() {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
     nproc
     $py -c 'import sys, torch, transformers, triton; print(sys.version); print(torch.__version__, transformers.__version__, triton.__version__)'
-    $py -m pip list 2>/dev/null | grep -i -E '^(megatron-core|trl|datasets|pydantic|fastapi|uvicorn|accelerate) '
+    $py -m pip list 2>/dev/null | grep -i -E '^(megatron-core|trl|datasets|pydantic|fastapi|uvicorn|accelerate|torchao) '
 } >"$out/env.txt" 2>&1
 
 pytest=($py -m pytest -q -p no:cacheprovider -rA -s)
@@ -48,4 +52,5 @@ done
 for r in 1 2 3; do
     step "engine_r$r" $py -m bench.engine_gpu --skip-eager --skip-hf --out "$out/engine_r$r.json"
 done
+step fp8 $py -m bench.fp8_gpu --out "$out/fp8.json"  # models and runs in runs/bench_fp8 (7B: 15 GB)
 date -u +%FT%TZ >"$out/DONE"
