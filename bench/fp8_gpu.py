@@ -10,27 +10,25 @@ the `miles train` child processes of the first find the GPU empty:
    temperature 1, ignore_eos) on random-init models of Qwen2.5-0.5B and Qwen2.5-7B shapes (bf16
    safetensors written from the config here; nothing is downloaded). Arms: engine.quantization none
    (bf16), fp8_block and fp8_row, each FP8 layout at engine.fp8_min_tokens' default and at 1 (every
-   GEMM in FP8, decode included; 1 is the lowest value the key takes). Workloads: decode-heavy (256
-   requests, prompt 128, 512 new tokens) and prefill-heavy (64 requests, prompt 2048, 8 new tokens).
-   Every arm runs each workload once untimed (graph captures, Triton compiles), then each round runs
-   each workload on every arm, the arms in an order rotated by one per round, with fresh random prompts
-   per round (the same for every arm of the round). The two arms of one FP8 layout share its weights.
-2. train: the FSDP backend on one GPU with bench/gpu_train.py's model shapes and batch (Qwen2.5-0.5B
-   shapes, 64 sequences x 1024 tokens, 8192-token micro-batches), train.quantization none /
-   fake_quant (layout --layout) / torchao_float8 (skipped, with the reason printed, when torchao is
-   not importable or there is no GPU). One untimed step per arm, then per round `--train-steps` steps
-   per arm, arms rotated per round.
+   GEMM in FP8, decode included; 1 is the lowest value the key takes; the two arms of a layout share
+   its weights). Workloads: decode-heavy (256 requests, prompt 128, 512 new tokens) and prefill-heavy
+   (64 requests, prompt 2048, 8 new tokens). Every arm runs each workload once untimed (graph
+   captures, Triton compiles); then each round runs each workload on every arm, the arms' order
+   rotated by one per round, with fresh random prompts per round (the same for every arm).
+2. train: the FSDP backend on one GPU with bench/gpu_train.py's shapes and batch (Qwen2.5-0.5B, 64 x
+   1024 tokens, 8192-token micro-batches), train.quantization none / fake_quant (layout --layout) /
+   torchao_float8 (skipped, the reason printed, without torchao or a GPU). One untimed step per arm,
+   then per round `--train-steps` steps per arm, arms rotated per round.
 3. mismatch: `miles train` with bench/e2e_gpu.py's colocated synchronous GRPO recipe on the 0.5B shapes
    (fixed seed, 16 prompts x 8 samples, prompt 128, 256 new tokens, old log-probs recomputed, TIS
    truncate at 2), 20 steps each of: bf16 engine + bf16 trainer; FP8 engine (--layout) + trainer
-   without the contract (train.quantization=none: a bf16 forward, the mismatch is the whole weight
-   quantisation error); FP8 engine + trainer with it (fake_quant). FP8 runs check after every push
-   that the engine's bytes equal the trainer's (weights.check, by checksums). train/logprob_mismatch
-   is read from each run's metrics.jsonl.
+   without the contract (train.quantization=none: a bf16 forward, so the mismatch holds the whole
+   weight quantisation error; the engine serves the contract's bytes of the trainer's weights either
+   way); FP8 engine + trainer with the contract (fake_quant). FP8 runs check after every push that
+   the engine's bytes equal the trainer's (weights.check). train/logprob_mismatch from metrics.jsonl.
 
-The table printed at the end is markdown for bench/RESULTS.md: the command, UTC times, torch / CUDA /
-GPU, the definitions of every figure and ratio, then one row per measured arm. `--out` keeps the raw
-numbers as JSON.
+The table printed at the end is markdown for bench/RESULTS.md: command, UTC times, torch / CUDA / GPU,
+the definition of every figure and ratio, one row per arm. `--out` keeps the raw numbers as JSON.
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
@@ -395,8 +394,7 @@ def tok(v: float) -> str:
     return f"{v / 1e3:.1f}k" if v >= 1e4 else f"{v:.0f}"
 
 
-def ratio(v: float) -> str:
-    return f"{v:.2f}x"
+RATIO, SCI = "{:.2f}x".format, "{:.3e}".format
 
 
 def verdict(speedup: list[float]) -> str:
@@ -447,7 +445,7 @@ def rollout_table(rows: list[dict]) -> list[str]:
         ref = r["min_tokens"] is None
         out.append(
             f"| {MODEL_NAMES[r['size']]} | {r['workload']} | {r['arm']} | {span(r['tok_s'], tok)} | "
-            f"{'1' if ref else span(r['speedup'], ratio)} | {'reference' if ref else verdict(r['speedup'])} |"
+            f"{'1' if ref else span(r['speedup'], RATIO)} | {'reference' if ref else verdict(r['speedup'])} |"
         )
     if any(r["block_gemm_refused"] for r in rows):
         out.append("")
@@ -473,14 +471,10 @@ def train_table(rows: list[dict], args) -> list[str]:
         ref = r["quantization"] == "none"
         fmt = lambda v: f"{v:.3f}"  # noqa: E731
         out.append(
-            f"| {r['quantization']} | {span(r['step_s'], fmt)} | {'1' if ref else span(r['speedup'], ratio)} | "
+            f"| {r['quantization']} | {span(r['step_s'], fmt)} | {'1' if ref else span(r['speedup'], RATIO)} | "
             f"{'reference' if ref else verdict(r['speedup'])} |"
         )
     return out
-
-
-def sci(v: float) -> str:
-    return f"{v:.3e}"
 
 
 def mismatch_table(rows: list[dict], args) -> list[str]:
@@ -503,17 +497,17 @@ def mismatch_table(rows: list[dict], args) -> list[str]:
         n = r["checksum_mismatch"]
         checks = f"{sum(n):.0f} ({len(n)})" if n else "-"
         out.append(
-            f"| {r['label']} | {sets} | {sci(mean)} | {span(r['mismatch'], sci)} | {rel} | {clip} | {checks} |"
+            f"| {r['label']} | {sets} | {SCI(mean)} | {span(r['mismatch'], SCI)} | {rel} | {clip} | {checks} |"
         )
     out += ["", "| step | " + " | ".join(r["label"] for r in rows) + " |", "|---:" * (len(rows) + 1) + "|"]
     for s in range(max(len(r["mismatch"]) for r in rows)):
-        vals = [sci(r["mismatch"][s]) if s < len(r["mismatch"]) else "-" for r in rows]
+        vals = [SCI(r["mismatch"][s]) if s < len(r["mismatch"]) else "-" for r in rows]
         out.append(f"| {s + 1} | " + " | ".join(vals) + " |")
     if means[1] is not None and means[2] is not None:
         lower = "lower" if means[2] < means[1] else "NOT lower"
         out += [
             "",
-            f"With the contract the FP8 mismatch is {lower} than without it: {sci(means[2])} vs {sci(means[1])}.",
+            f"With the contract the FP8 mismatch is {lower} than without it: {SCI(means[2])} vs {SCI(means[1])}.",
         ]
     return out
 
@@ -555,40 +549,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_parts(args, device: str, results: dict) -> dict[str, str]:
+    """Each selected part in turn, results[part] filled (and --out rewritten) as each ends; a part that
+    raises is reported by the table and the next one still runs. Returns part -> error."""
+    runners = {
+        "mismatch": lambda: mismatch_part(args, device),
+        "train": lambda: train_part(args, device),
+        "rollout": lambda: [row for size in args.sizes for row in rollout_size(args, size, device)],
+    }
+    errors = {}
+    for part in [p for p in PARTS if p in (args.part or PARTS)]:
+        try:
+            results[part] = runners[part]()
+        except Exception as exc:
+            traceback.print_exc()
+            errors[part] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+            free_memory()
+        if args.out:
+            Path(args.out).write_text(json.dumps(results | {"errors": errors}, indent=1))
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.fp8_gpu needs a CUDA GPU (or --smoke for the CPU check of the script)")
-    parts = [p for p in PARTS if p in (args.part or PARTS)]
     now = lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")  # noqa: E731
-    start = now()
-    results: dict = {"args": vars(args), "argv": sys.argv[1:]}
-    if "mismatch" in parts:
-        results["mismatch"] = mismatch_part(args, device)
-    if "train" in parts:
-        results["train"] = train_part(args, device)
-    if "rollout" in parts:
-        results["rollout"] = [row for size in args.sizes for row in rollout_size(args, size, device)]
+    start, results = now(), {"args": vars(args), "argv": sys.argv[1:]}
+    errors = run_parts(args, device, results)
     lines = header(args, device, start, now())
-    if "rollout" in results:
-        lines += [
-            "#### Rollout: embedded engine in process, CUDA graphs",
-            "",
-            *rollout_table(results["rollout"]),
-            "",
-        ]
-    if "train" in results:
-        lines += ["#### Train step", "", *train_table(results["train"], args), ""]
-    if "mismatch" in results:
-        lines += ["#### Train-rollout log-prob mismatch", "", *mismatch_table(results["mismatch"], args), ""]
+    titles = {"rollout": "Rollout: embedded engine in process, CUDA graphs", "train": "Train step",
+              "mismatch": "Train-rollout log-prob mismatch"}  # fmt: skip
+    tables = {"rollout": lambda r: rollout_table(r), "train": lambda r: train_table(r, args),
+              "mismatch": lambda r: mismatch_table(r, args)}  # fmt: skip
+    for part in ("rollout", "train", "mismatch"):
+        if part in results or part in errors:
+            body = tables[part](results[part]) if part in results else [f"failed: {errors[part]}"]
+            lines += [f"#### {titles[part]}", "", *body, ""]
     print("\n" + "\n".join(lines), flush=True)
     if args.out:
-        results["table"] = lines
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps(results | {"errors": errors, "table": lines}, indent=1))
         print(f"raw numbers in {args.out}")
-    failed = [r["label"] for r in results.get("mismatch", []) if "failed" in r]
-    return 1 if failed else 0
+    return 1 if errors or any("failed" in r for r in results.get("mismatch", [])) else 0
 
 
 if __name__ == "__main__":
