@@ -262,7 +262,7 @@ def train_arms(args, model: Path, batch, device: str, dtype: str) -> tuple[dict,
                 if q != "torchao_float8":
                     raise
                 backends.pop(q, None)
-                skipped[q] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                skipped[q] = f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     return backends, skipped
 
 
