@@ -14,7 +14,10 @@ engine's, which starts with the run and takes the cores' time while it loads).
 The eval engine is a process more on the same cores: on a host with fewer cores than the run's
 processes (rollout engine, trainer rank, eval engine, each with its share of intra-op threads),
 its compute comes out of training's, and the result measures the core budget as much as the
-design. The core count and thread split are printed with the numbers.
+design. `--eval-cpus 1` gives the eval engine core 1 of its own (eval.cpus) and runs training on
+the other cores in both variants, so the comparison is training on the same cores with and without
+an evaluation beside it. `--rounds N` repeats both variants N times, alternating which goes first.
+The core split and thread counts are printed with the numbers.
 """
 
 from __future__ import annotations
@@ -53,24 +56,26 @@ VARIANTS = {
 }
 
 
-def _run(name: str, steps: int, root: Path, model: Path, overrides: list[str]) -> dict[str, float]:
+def _run(
+    name: str, steps: int, root: Path, model: Path, overrides: list[str], tag: str = ""
+) -> dict[str, float]:
     from miles.config.loading import deep_merge
     from miles.launch.local import train_main
     from miles.metrics import read_metrics
 
     over = {
-        "run": {"runs_root": str(root), "name": name},
+        "run": {"runs_root": str(root), "name": name + tag},
         "model": {"path": str(model)},
         "train": {"steps": steps},
     }
-    recipe = root / f"{name}.yaml"
+    recipe = root / f"{name}{tag}.yaml"
     recipe.write_text(yaml.safe_dump(deep_merge(deep_merge(RECIPE, VARIANTS[name]), over)))
     start = time.monotonic()
     rc = train_main(str(recipe), overrides, progress=False)
     wall = time.monotonic() - start
     if rc != 0:
         raise SystemExit(f"{name} run failed (exit {rc}); see {root / name / 'logs'}")
-    recs = [r for r in read_metrics(root / name) if r["step"] > 0]
+    recs = [r for r in read_metrics(root / (name + tag)) if r["step"] > 0]
     timed = recs[len(recs) // 2 :]  # the second half: start-up (the eval engine's too) is over
     span = timed[-1]["time"] - timed[0]["time"]
     evals = [r for r in recs if "eval/pass@1" in r]
@@ -89,11 +94,32 @@ def _run(name: str, steps: int, root: Path, model: Path, overrides: list[str]) -
     return out
 
 
+def _pinned(cores: set[int] | None):
+    """A context that runs its body (and the processes it starts) on `cores` (None: as it is)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        before = os.sched_getaffinity(0)
+        if cores:
+            os.sched_setaffinity(0, cores)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
+
+    return ctx()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=1, help="repeat both variants, alternating the order")
     p.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    p.add_argument(
+        "--eval-cpus", default="", help="cores of the eval engine (e.g. 1 or 2,3); training runs on the rest"
+    )
     p.add_argument(
         "--with-shared", action="store_true", help="also evaluate every step on the rollout engines"
     )
@@ -101,16 +127,38 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-eval-"))
     root.mkdir(parents=True, exist_ok=True)
     model = root / "model"
+    host = os.sched_getaffinity(0)
+    eval_cpus = {int(c) for c in args.eval_cpus.split(",") if c.strip()}
+    training = host - eval_cpus if eval_cpus else None
     names = ["no_eval", "dedicated"] + (["shared"] if args.with_shared else [])
-    results = {n: _run(n, args.steps, root, model, args.set) for n in names}
-    cpus = len(os.sched_getaffinity(0))
-    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={cpus}  runs in {root}")
+    results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for n in names if r % 2 == 0 else names[::-1]:
+            extra = (
+                [f"eval.cpus=[{','.join(map(str, sorted(eval_cpus)))}]"]
+                if eval_cpus and n == "dedicated"
+                else []
+            )
+            with _pinned(training if n != "dedicated" else None):
+                results[n].append(_run(n, args.steps, root, model, args.set + extra, tag=f"_r{r + 1}"))
+    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={sorted(host)}  runs in {root}")
+    if eval_cpus:
+        print(
+            f"core split: training (rollout engine + trainer rank) on {sorted(training)}, eval engine on {sorted(eval_cpus)}"
+        )
     threads = os.environ.get("OMP_NUM_THREADS", "?")  # derived by `miles train` for its children
     print(f"processes: rollout engine, trainer rank (+ eval engine), OMP_NUM_THREADS={threads} each")
-    for n, r in results.items():
-        print(f"{n:9s} " + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
-    ratio = results["dedicated"]["steps_per_s"] / results["no_eval"]["steps_per_s"]
-    print(f"dedicated eval every step / no eval, training steps/s = {ratio:.3f}")
+    for n, runs in results.items():
+        for i, res in enumerate(runs):
+            print(f"{n:9s} r{i + 1} " + "  ".join(f"{k}={v:.3f}" for k, v in res.items()))
+    ratios = [
+        d["steps_per_s"] / b["steps_per_s"]
+        for b, d in zip(results["no_eval"], results["dedicated"], strict=True)
+    ]
+    print(
+        "dedicated eval every step / no eval, training steps/s, per round: "
+        + ", ".join(f"{x:.3f}" for x in ratios)
+    )
     return 0
 
 

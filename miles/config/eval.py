@@ -119,6 +119,10 @@ class EvalConfig(Section):
     once evaluated. Snapshots still queued or being evaluated are always kept."""
     timeout_s: float = 1800.0
     """An evaluation running longer is stopped and skipped (eval/skipped_timeout)."""
+    cpus: list[int] = []
+    """Local runs, `dedicated` mode: host cores (as `taskset -c` numbers them) kept for the eval
+    engines, which are pinned to them; the rollout engines and trainer ranks run on the others, so
+    evaluation takes no core time from training. Empty: every process shares the host's cores."""
 
     @field_validator("datasets")
     @classmethod
@@ -142,6 +146,8 @@ class EvalConfig(Section):
         for key in ("num_engines", "max_in_flight"):
             if getattr(self, key) < 1:
                 raise ValueError(f"eval.{key} must be >= 1 (got {getattr(self, key)})")
+        if len(set(self.cpus)) != len(self.cpus) or any(c < 0 for c in self.cpus):
+            raise ValueError(f"eval.cpus must list distinct core ids >= 0 (got {self.cpus})")
         if self.keep_snapshots < 0 or self.timeout_s <= 0:
             raise ValueError("eval.keep_snapshots must be >= 0 and eval.timeout_s > 0")
         return self

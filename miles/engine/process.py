@@ -66,10 +66,13 @@ def start_engine(
     startup_timeout_s: float = 120.0,
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> EngineProcess:
     """Launch `python -m miles.engine` on an OS-chosen port and wait until /health answers.
 
-    `env` adds to (or overrides) this process's environment in the child, e.g. CUDA_VISIBLE_DEVICES."""
+    `env` adds to (or overrides) this process's environment in the child, e.g. CUDA_VISIBLE_DEVICES.
+    `cpus` pins the engine to these host cores (set on the child's main thread as soon as it exists,
+    before the interpreter has started another thread, so every thread it starts inherits them)."""
     log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
     log_file.parent.mkdir(parents=True, exist_ok=True)
     url_file = log_file.with_name(log_file.name + ".url.json")
@@ -89,6 +92,8 @@ def start_engine(
             **child_options(),
         )
     engine = EngineProcess(url="", proc=proc, log_path=log_file)
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpus)
     deadline = time.monotonic() + startup_timeout_s
     try:
         while time.monotonic() < deadline:

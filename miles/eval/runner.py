@@ -232,6 +232,7 @@ class DedicatedRunner:
         e, m = self.plan.engine, self.plan.model
         if e.kind == "sglang":
             return self._start_sglang(i)
+        cpus = set(self.plan.eval.cpus)  # cores of their own: one intra-op thread per core
         return start_engine(
             m.path,
             device=e.device,
@@ -241,6 +242,9 @@ class DedicatedRunner:
             seed=self.plan.run.seed + 1000 + i,
             log_path=self.run_dir / "logs" / f"eval-engine-{i}.log",
             startup_timeout_s=e.startup_timeout_s,
+            extra_args=["--quantization", e.quantization, "--fp8-min-tokens", str(e.fp8_min_tokens)],
+            env={"OMP_NUM_THREADS": str(len(cpus))} if cpus else None,
+            cpus=cpus or None,
         )
 
     def _start_sglang(self, i: int) -> Any:

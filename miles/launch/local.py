@@ -69,16 +69,44 @@ def _prepare_run_dir(plan: Plan, resume: bool, overwrite: bool) -> Path:
     return run_dir
 
 
+def eval_cores(plan: Plan) -> set[int]:
+    """Cores kept for the dedicated eval engines (eval.cpus), checked against this process's cores."""
+    if not (plan.eval.cpus and plan.eval.mode == "dedicated" and plan.eval.every_steps):
+        return set()
+    mine, wanted = os.sched_getaffinity(0), set(plan.eval.cpus)
+    if not wanted <= mine:
+        raise ConfigError(
+            f"eval.cpus {sorted(wanted)}: cores {sorted(wanted - mine)} are not this process's "
+            f"(it may run on {sorted(mine)}); pick eval.cpus among those"
+        )
+    if not mine - wanted:
+        raise ConfigError(
+            f"eval.cpus {sorted(wanted)} takes every core this process has: leave one for training"
+        )
+    return wanted
+
+
+def reserve_eval_cores(plan: Plan) -> None:
+    """Keep this process (and so the rollout engines and trainer ranks it starts) off eval.cpus."""
+    if cores := eval_cores(plan):
+        training = os.sched_getaffinity(0) - cores
+        os.sched_setaffinity(0, training)
+        log.info("eval engines on cores %s, training on cores %s", sorted(cores), sorted(training))
+
+
 def share_cpu_threads(plan: Plan) -> int | None:
     """Give each child process an equal share of this host's cores for its intra-op threads.
 
     Engines and trainer ranks all run torch on the same cores; each one's OpenMP pool would otherwise
     take every core, and spinning pools that oversubscribe the host slow everyone down several times.
-    A value the user exported already is kept. Returns the per-process thread count set (or None).
+    A value the user exported already is kept. Eval engines on cores of their own (eval.cpus) are
+    not counted: they take one thread per core they have. Returns the per-process thread count set
+    (or None).
     """
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    evals = plan.eval.num_engines if plan.eval.mode == "dedicated" and plan.eval.every_steps else 0
+    shared = plan.eval.mode == "dedicated" and plan.eval.every_steps and not plan.eval.cpus
+    evals = plan.eval.num_engines if shared else 0
     processes = engines_started_here(plan) + plan.train.num_ranks + evals
     threads = max(1, len(os.sched_getaffinity(0)) // processes)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the children started below
@@ -242,6 +270,7 @@ def train_main(
         ensure_model(plan)
         if plan.engine.urls:
             check_external_servers(plan, bool(resume))
+        reserve_eval_cores(plan)
         share_cpu_threads(plan)
         return _run(plan, recipe, run_dir, bool(resume), progress)
 
