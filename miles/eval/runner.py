@@ -157,10 +157,17 @@ class DedicatedRunner:
         self.urls: list[str] = []
         """URLs of the connected eval engines."""
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="eval", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="eval", daemon=True)
         self._thread.start()
         self._lock = asyncio.run_coroutine_threadsafe(_make_lock(), self._loop).result()
         self._warm = asyncio.run_coroutine_threadsafe(self._start_early(), self._loop)
+
+    def _serve(self) -> None:
+        """The eval thread: with eval.cpus (engines started here), it runs on those cores too, so its
+        requests, scoring and JSONL writing take no time from the training cores either."""
+        if (cpus := set(self.plan.eval.cpus)) and not self.published:
+            os.sched_setaffinity(0, cpus)  # 0: the calling thread alone
+        self._loop.run_forever()
 
     async def _start_early(self) -> None:
         """Start (or find) the eval engines now, while training starts, not at the first evaluation."""

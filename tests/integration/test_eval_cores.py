@@ -72,3 +72,19 @@ def test_engine_started_on_given_cores_keeps_every_thread_there(tiny_model, tmp_
     with start_engine(tiny_model, device="cpu", log_path=tmp_path / "engine.log", cpus={CORES[-1]}) as e:
         assert _allowed(e.proc.pid) == {CORES[-1]}
         assert len(list(Path(f"/proc/{e.proc.pid}/task").iterdir())) > 1  # threads started after the pin
+
+
+@two_cores
+def test_eval_thread_and_its_engine_run_on_the_eval_cores(tiny_model, tmp_path):
+    """Trainer rank 0's eval thread (requests, scoring) and the engine it starts, on eval.cpus."""
+    from miles.eval.runner import DedicatedRunner
+
+    plan = _plan(f"model.path={tiny_model}", f"eval.cpus=[{CORES[-1]}]")
+    runner = DedicatedRunner(plan, tmp_path)
+    try:
+        runner._warm.result(timeout=120)
+        assert os.sched_getaffinity(runner._thread.native_id) == {CORES[-1]}
+        assert [_allowed(e.proc.pid) for e in runner.engines] == [{CORES[-1]}]
+        assert os.sched_getaffinity(0) == set(CORES)  # the training thread is left as it was
+    finally:
+        runner.stop()
