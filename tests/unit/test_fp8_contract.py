@@ -246,27 +246,11 @@ def _names(config) -> list[tuple[str, int]]:
 
 
 def _tiny_configs() -> dict[str, object]:
-    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from miles.models.tiny import model_config  # qwen3_moe: 4 experts, layer 0 dense (mlp_only_layers)
 
-    common = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
     return {
-        "qwen2": Qwen2Config(**common),
-        "qwen3": Qwen3Config(**common, head_dim=16),
-        "qwen3_moe": Qwen3MoeConfig(
-            **common,
-            head_dim=16,
-            moe_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            mlp_only_layers=[0],
-        ),
+        arch: model_config(arch, vocab_size=128, eos_id=1, pad_id=0)
+        for arch in ("qwen2", "qwen3", "qwen3_moe")
     }
 
 
