@@ -23,6 +23,7 @@ The core split and thread counts are printed with the numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import tempfile
@@ -94,21 +95,16 @@ def _run(
     return out
 
 
+@contextlib.contextmanager
 def _pinned(cores: set[int] | None):
-    """A context that runs its body (and the processes it starts) on `cores` (None: as it is)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        before = os.sched_getaffinity(0)
-        if cores:
-            os.sched_setaffinity(0, cores)
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, before)
-
-    return ctx()
+    """Run the body (and the processes it starts) on `cores` (None: as it is); restored after."""
+    before = os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from miles.quant.fp8 import (
     is_quantized_name,
     quantize_weight,
     scale_name,
+    scale_shape,
 )
 
 QUANTIZATIONS = ("none", *LAYOUTS)
@@ -122,7 +123,7 @@ def check_scale(name: str, q: torch.Tensor, scale: torch.Tensor, layout: str) ->
     if q.dim() != 2:
         raise ValueError(f"{name} must be 2-D [out, in], got shape {list(q.shape)}")
     out, inp = q.shape
-    want = [out, 1] if layout == "fp8_row" else [-(-out // BLOCK), -(-inp // BLOCK)]
+    want = list(scale_shape(out, inp, layout))  # type: ignore[arg-type]
     if list(scale.shape) != want:
         raise ValueError(
             f"{sname} of a {out}x{inp} {layout} weight must have shape {want}, got {list(scale.shape)}"
@@ -229,9 +230,9 @@ class Fp8Decoder(Decoder):
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         members = self._split.get(name)
         if members is not None:  # an unfused FP8 group: one GEMM per member, outputs side by side
-            biases = (
-                [None] * len(members) if bias is None else [self.params[m[:-6] + "bias"] for m in members]
-            )
+            biases = [
+                None if bias is None else self.params[m.removesuffix("weight") + "bias"] for m in members
+            ]
             return torch.cat([self._linear(x, m, b) for m, b in zip(members, biases, strict=True)], dim=-1)
         w = self._stored(name)
         if w.dtype != FP8_DTYPE:
@@ -239,6 +240,8 @@ class Fp8Decoder(Decoder):
         scale = self._stored(scale_name(name))
         if x.is_cuda:
             return fp8_linear(x, w, scale, self.layout, bias, min_tokens=self.min_tokens)
+        # CPU: the dequantised values (what the trainer's fake-quant forward multiplies), never the
+        # CPU reference FP8 kernel, which is slower than the model-dtype GEMM
         return F.linear(x, dequantize_weight(w, scale, self.layout, x.dtype), bias)
 
     def get(self, name: str) -> torch.Tensor:

@@ -25,8 +25,8 @@ of step, so the group is then dropped and must be joined again. /generate is ser
 FP8 engines (miles/engine/fp8_weights.py) take a covered `X.weight` either as the pair `X.weight`
 (float8_e4m3fn) + `X.weight_scale_inv` (fp32), stored as sent, or as a plain float weight, quantised
 on receipt with the contract; the distributed route receives a float8 tensor (named with its float8
-dtype) as the uint8 view its sender broadcasts. /get_weights_by_name answers an FP8 weight's
-dequantised values, as SGLang does.
+dtype) as uint8 bytes (miles.weights.group.broadcast_from_trainer). /get_weights_by_name answers an
+FP8 weight's dequantised values, as SGLang does.
 
 `/weights_checker` with `{"action": "checksum"}` answers SGLang's reply (utils/weight_checker.py):
 per HF name the hash of the bytes the engine stores (miles.quant.fp8.checksum: sha256 of the C-order
@@ -297,10 +297,9 @@ class WeightUpdater:
         if body.load_format != "flattened_bucket":
             received = {}
             for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
-                fp8 = dtype.is_floating_point and dtype.itemsize == 1  # sent as a uint8 view
-                t = torch.empty(shape, dtype=torch.uint8 if fp8 else dtype, device=dev)
+                t = torch.empty(shape, dtype=dtype, device=dev)
                 broadcast_from_trainer(t, group)
-                received[name] = t.view(dtype)
+                received[name] = t
             return received
         spans, offset = [], 0
         for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):

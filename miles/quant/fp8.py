@@ -113,19 +113,31 @@ def quantize_weight(w: Tensor, layout: Layout) -> tuple[Tensor, Tensor]:
     return quantize_weight_torch(w, layout)
 
 
+def scale_shape(out_dim: int, in_dim: int, layout: Layout) -> tuple[int, int]:
+    """Shape of the `weight_scale_inv` of an [out_dim, in_dim] weight."""
+    return (out_dim, 1) if layout == "fp8_row" else (-(-out_dim // BLOCK), -(-in_dim // BLOCK))
+
+
+def quantization_config(layout: Layout) -> dict[str, object]:
+    """config.json's `quantization_config` of an FP8 checkpoint in this layout (SGLang/DeepSeek)."""
+    _check_layout(layout)
+    config: dict[str, object] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if layout == "fp8_block":
+        config["weight_block_size"] = [BLOCK, BLOCK]
+    return config
+
+
 def _expand_scale(scale_inv: Tensor, shape: torch.Size, layout: Layout) -> Tensor:
     """The per-element scale of a weight of `shape` (fp32, same device as scale_inv)."""
     out_dim, in_dim = shape
-    if layout == "fp8_row":
-        if tuple(scale_inv.shape) != (out_dim, 1):
-            raise ValueError(f"fp8_row scale_inv must be [{out_dim}, 1], got {tuple(scale_inv.shape)}")
-        return scale_inv.float()
-    want = (-(-out_dim // BLOCK), -(-in_dim // BLOCK))
+    want = scale_shape(out_dim, in_dim, layout)
     if tuple(scale_inv.shape) != want:
         raise ValueError(
-            f"fp8_block scale_inv for a {out_dim}x{in_dim} weight must be {list(want)}, "
+            f"{layout} scale_inv for a {out_dim}x{in_dim} weight must be {list(want)}, "
             f"got {list(scale_inv.shape)}"
         )
+    if layout == "fp8_row":
+        return scale_inv.float()
     full = scale_inv.float().repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)
     return full[:out_dim, :in_dim]
 

@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.config import ConfigError
-
-LAYOUTS = ("fp8_block", "fp8_row")
+from miles.quant.fp8 import LAYOUTS, fake_quant, is_quantized_name, quantize_weight, scale_name
 
 
 def engine_layout(plan: Any) -> str | None:
@@ -40,22 +39,13 @@ def engine_layout(plan: Any) -> str | None:
 
 
 def fake_quant_layout(plan: Any) -> str | None:
-    """The layout the trainer's forward fake-quantises with (None unless train.quantization=fake_quant)."""
-    if plan.train.quantization != "fake_quant":
-        return None
-    layout = engine_layout(plan)
-    if layout is None:
-        raise ConfigError(
-            "train.quantization=fake_quant needs an FP8 engine: set engine.quantization=fp8_block "
-            "(or fp8_row), or train.quantization=none"
-        )
-    return layout
+    """The layout the trainer's forward fake-quantises with (None unless train.quantization=fake_quant;
+    miles.config.train.check_quantization has refused fake_quant without an FP8 engine)."""
+    return engine_layout(plan) if plan.train.quantization == "fake_quant" else None
 
 
 def covered_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """(module name, module) of every nn.Linear whose `<name>.weight` the contract quantises."""
-    from miles.quant.fp8 import is_quantized_name
-
     return [
         (name, m)
         for name, m in model.named_modules()
@@ -64,8 +54,6 @@ def covered_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def _fake_quant_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    from miles.quant.fp8 import fake_quant
-
     return F.linear(x, fake_quant(self.weight, self.fp8_layout), self.bias)
 
 
@@ -95,8 +83,6 @@ def export_pairs(named: Iterable[tuple[str, Tensor]], layout: str | None) -> Ite
     if layout is None:
         yield from named
         return
-    from miles.quant.fp8 import is_quantized_name, quantize_weight, scale_name
-
     for name, tensor in named:
         if is_quantized_name(name) and tensor.dim() == 2:
             q, scale_inv = quantize_weight(tensor, layout)

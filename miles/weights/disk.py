@@ -22,6 +22,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from miles.quant.fp8 import LAYOUTS, quantization_config
 from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode
 
 _TEMPLATE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
@@ -40,8 +41,8 @@ class DiskTransport:
         quantization: str | None = None,
     ):
         check_pause_mode(pause_mode)
-        if quantization not in (None, "fp8_block", "fp8_row"):
-            raise ValueError(f"unknown quantization {quantization!r}; known: fp8_block, fp8_row or None")
+        if quantization not in (None, *LAYOUTS):
+            raise ValueError(f"unknown quantization {quantization!r}; known: {', '.join(LAYOUTS)} or None")
         self.quantization = quantization
         self.engines = list(engines)
         self.root = Path(root)
@@ -94,15 +95,7 @@ class DiskTransport:
         return None
 
 
-def fp8_quantization_config(layout: str) -> dict:
-    """config.json's `quantization_config` of an FP8 checkpoint (SGLang/DeepSeek layout)."""
-    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-    if layout == "fp8_block":
-        config["weight_block_size"] = [128, 128]
-    return config
-
-
 def _mark_fp8(path: Path, layout: str) -> None:
     config = json.loads(path.read_text())
-    config["quantization_config"] = fp8_quantization_config(layout)
+    config["quantization_config"] = quantization_config(layout)  # type: ignore[arg-type]
     path.write_text(json.dumps(config, indent=2))

@@ -5,8 +5,8 @@ setup(): the trainer (rank 0) and every engine (rank 1 + i) join one update grou
 /update_weights_from_distributed (names, dtypes, shapes) to all engines concurrently while rank 0
 broadcasts the bucket's tensors in the same order; the engines receive them while they keep
 generating and load them between two steps. The last bucket carries the new weight version.
-Float8 tensors (an FP8 engine's weights) are announced with their own dtype (`float8_e4m3fn`) and
-broadcast as a uint8 view of their bytes on both sides (gloo has no float8 type).
+Float8 tensors (an FP8 engine's weights) are announced with their own dtype (`float8_e4m3fn`);
+`broadcast_from_trainer` moves their bytes as uint8 on both sides (gloo has no float8 type).
 """
 
 from __future__ import annotations
@@ -15,24 +15,10 @@ import asyncio
 import logging
 from collections.abc import Iterable, Sequence
 
-import torch
-
 from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
 from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode, dtype_name, push_paused
 
 log = logging.getLogger(__name__)
-
-
-FLOAT8_DTYPES = tuple(
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz")
-    if hasattr(torch, name)
-)
-
-
-def wire_view(t: torch.Tensor) -> torch.Tensor:
-    """What travels over the group: float8 tensors as a uint8 view of their bytes, others as they are."""
-    return t.view(torch.uint8) if t.dtype in FLOAT8_DTYPES else t
 
 
 class DistributedTransport:
@@ -85,7 +71,7 @@ class DistributedTransport:
             t = tensor.detach()
             if self.backend == "nccl" and t.device.type != "cuda":
                 t = t.cuda()
-            broadcast_from_trainer(wire_view(t.contiguous()), self.group)
+            broadcast_from_trainer(t.contiguous(), self.group)
 
     async def _send(self, bucket: Bucket, version: str | None) -> None:
         names = [n for n, _ in bucket]

@@ -74,7 +74,10 @@ def init_update_group(
 
 
 def broadcast_from_trainer(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Broadcast in place from group rank 0 (the trainer) to every engine rank."""
+    """Broadcast in place from group rank 0 (the trainer) to every engine rank. One-byte floats
+    (float8, an FP8 engine's weights) travel as a uint8 view of their bytes: gloo has no float8."""
+    if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1:
+        tensor = tensor.view(torch.uint8)
     dist.broadcast(tensor, group=group, group_src=0)
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from miles.quant.fp8 import fake_quant
 from miles.train.megatron import convert
 
 _COVERED = re.compile(
@@ -40,22 +41,16 @@ _COVERED = re.compile(
 )
 
 
-def _fq(t: Tensor, layout: str) -> Tensor:
-    from miles.quant.fp8 import dequantize_weight, quantize_weight
-
-    return dequantize_weight(*quantize_weight(t, layout), layout, t.dtype)
-
-
 def fake_quant_full(suffix: str, full: Tensor, layout: str, s: convert.Shapes) -> Tensor:
     """A full (TP-unsharded) Megatron weight whose HF pieces are replaced by their contract values."""
     if suffix == "self_attention.linear_qkv.weight":
-        q, k, v = (_fq(p, layout) for p in convert.unpack_qkv(full, s))
+        q, k, v = (fake_quant(p, layout) for p in convert.unpack_qkv(full, s))
         return convert.pack_qkv(q, k, v, s)
     if suffix == "mlp.linear_fc1.weight":
         gate, up = full.chunk(2, dim=0)
-        return torch.cat([_fq(gate, layout), _fq(up, layout)], dim=0)
+        return torch.cat([fake_quant(gate, layout), fake_quant(up, layout)], dim=0)
     if suffix in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
-        return _fq(full, layout)
+        return fake_quant(full, layout)
     raise KeyError(f"{suffix!r} is not a Megatron weight the FP8 contract covers")
 
 
