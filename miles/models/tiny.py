@@ -112,8 +112,7 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **sizes: 
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
-        **extra,
-        **dims,
+        **(extra | dims),  # an explicit head_dim in `sizes` wins
     )
 
 
@@ -149,8 +148,10 @@ def init_random(
     tie_word_embeddings: bool = True,
     dtype: str = "bfloat16",
     seed: int = 0,
+    arch: str = "qwen2",
 ) -> Path:
-    """A random-initialised Qwen2 model of real size (default: Qwen2.5-0.5B shapes) with the tiny tokenizer.
+    """A random-initialised model of real size (default: Qwen2 with Qwen2.5-0.5B shapes) with the tiny
+    tokenizer; `arch` is a key of ARCHS (qwen3_moe: `shape` may also set the MoE keys of MOE_DEFAULTS).
 
     For GPU benchmarks and tests: the tokenizer knows only its few hundred ids, the model all
     `vocab_size`; ids the tokenizer lacks decode to nothing. Built on the GPU when there is one.
@@ -158,7 +159,7 @@ def init_random(
     import torch
 
     tok = build_tokenizer(384, seed)
-    cfg = model_config("qwen2", vocab_size, tok.eos_token_id, tok.pad_token_id, **(shape or QWEN25_05B_SHAPE))
+    cfg = model_config(arch, vocab_size, tok.eos_token_id, tok.pad_token_id, **(shape or QWEN25_05B_SHAPE))
     cfg.tie_word_embeddings = tie_word_embeddings
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, 4096)
     return _write(Path(out_dir), cfg, tok, seed, dtype, "cuda" if torch.cuda.is_available() else "cpu")
