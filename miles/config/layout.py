@@ -27,7 +27,7 @@ from miles.config.plan import Plan
 
 log = logging.getLogger("miles.config")
 
-SIZES = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
+SIZES = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel")
 """The parallel sizes of train.*, each 1 when unused."""
 
 _MOE = "Megatron MoE training is not built yet"
@@ -68,6 +68,64 @@ def _check_support(plan: Plan) -> None:
         )
 
 
+def _check_features(plan: Plan) -> None:
+    """What each backend builds of train.recompute and train.optimizer_offload."""
+    t = plan.train
+    if t.backend == "fsdp" and t.recompute != "none":
+        raise ConfigError(
+            f"train.recompute={t.recompute} is built for train.backend=megatron only (the FSDP backend "
+            "keeps every activation): set train.recompute=none"
+        )
+    if t.backend != "megatron" or t.optimizer_offload == "none":
+        return
+    if t.optimizer_offload == "nvme":
+        raise ConfigError(
+            "train.optimizer_offload=nvme is not supported by train.backend=megatron (the NVMe streaming "
+            "optimizer of miles/train/offload/ steps plain torch parameters, and megatron-core's "
+            "distributed optimizer owns its shards and their state): set train.optimizer_offload=cpu "
+            "(megatron-core's CPU optimizer) or train.backend=fsdp"
+        )
+    if plan.model.dtype != "bfloat16":
+        raise ConfigError(
+            f"train.optimizer_offload=cpu with train.backend=megatron needs model.dtype=bfloat16 (got "
+            f"{plan.model.dtype}): megatron-core's CPU optimizer keeps fp32 master weights of 16-bit "
+            "parameters only; set model.dtype=bfloat16 or train.optimizer_offload=none"
+        )
+    if t.offload_moment_dtype != "fp32":
+        raise ConfigError(
+            f"train.offload_moment_dtype={t.offload_moment_dtype} is not supported by train.backend=megatron "
+            "(megatron-core's CPU optimizer keeps fp32 Adam moments): set train.offload_moment_dtype=fp32"
+        )
+
+
+NO_CONTEXT_PARALLEL: dict[str, str] = {
+    "fsdp": "every rank runs whole sequences",
+    "megatron": "its attention (miles' SDPAttention without Transformer Engine) sees whole sequences only",
+}
+"""Backends that do not split sequences over context-parallel ranks, and why."""
+
+
+def _check_context_parallel(plan: Plan) -> None:
+    """Megatron's context parallelism cuts each sequence into 2 x CP chunks (two per rank, for causal
+    load balance), so the micro-batch token budget must divide into them; then the backend must build it."""
+    t = plan.train
+    cp = t.context_parallel
+    if cp == 1:
+        return
+    if t.max_tokens_per_microbatch % (2 * cp):
+        raise ConfigError(
+            f"train.context_parallel={cp} cuts every sequence into 2 x {cp} chunks, so "
+            f"train.max_tokens_per_microbatch={t.max_tokens_per_microbatch} must be a multiple of {2 * cp}: "
+            "change one of them"
+        )
+    why = NO_CONTEXT_PARALLEL.get(t.backend)
+    if why:
+        raise ConfigError(
+            f"train.context_parallel={cp} is not supported yet by train.backend={t.backend} ({why}); "
+            "set train.context_parallel=1"
+        )
+
+
 def _check_ranks(plan: Plan, ranks: int, ranks_key: str) -> None:
     t = plan.train
     model_parallel = t.tensor_parallel * t.pipeline_parallel
@@ -75,6 +133,12 @@ def _check_ranks(plan: Plan, ranks: int, ranks_key: str) -> None:
         raise ConfigError(
             f"{ranks} trainer ranks ({ranks_key}) are not a multiple of train.tensor_parallel x "
             f"train.pipeline_parallel = {model_parallel}: change {ranks_key} or those sizes"
+        )
+    if ranks % (model_parallel * t.context_parallel):
+        raise ConfigError(
+            f"{ranks} trainer ranks ({ranks_key}) are not a multiple of train.tensor_parallel x "
+            f"train.pipeline_parallel x train.context_parallel = {model_parallel * t.context_parallel}: "
+            f"change {ranks_key} or those sizes"
         )
     data_parallel = ranks // model_parallel
     if data_parallel % t.expert_parallel:
@@ -157,6 +221,8 @@ def check_layout(plan: Plan, ranks: int | None = None, ranks_key: str = "train.n
     local runs, the actor group for Slurm); None checks only the rules that do not depend on it.
     """
     _check_support(plan)
+    _check_features(plan)
     if ranks is not None:
         _check_ranks(plan, ranks, ranks_key)
     _check_model(plan)
+    _check_context_parallel(plan)

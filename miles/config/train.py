@@ -83,6 +83,14 @@ class TrainConfig(Section):
     """Optimiser updates per step (PPO epochs over mini-batches)."""
     collective_timeout_s: int = Field(600, ge=1)
     """Timeout of every collective of the trainer's process group."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute in the backward pass (Megatron): `selective` recomputes each layer's core
+    attention, `full` every decoder layer from its input (least memory, about one more forward per
+    step). train.backend=fsdp refuses anything but none."""
+    context_parallel: int = 1
+    """Context-parallel size: each sequence split over this many ranks, which divide the trainer ranks
+    with tensor_parallel x pipeline_parallel (rules in miles/config/layout.py). Neither backend builds
+    it yet: both refuse > 1."""
     optimizer_offload: Literal["none", "cpu", "nvme"] = "none"
     """Where optimiser state lives (see miles/train/offload/)."""
     offload_dir: str | None = None

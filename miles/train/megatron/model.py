@@ -29,7 +29,9 @@ class SDPAttention(torch.nn.Module):
     """Core attention for Megatron's SelfAttention through torch's scaled_dot_product_attention.
 
     Causal self-attention on right-padded [s, b] batches (padding follows every real token, so the
-    causal mask alone keeps real tokens from seeing it). No packed sequences, no attention bias.
+    causal mask alone keeps real tokens from seeing it), or, given an `attention_mask` (Megatron's
+    convention: True where a query must not see a key), exactly that mask: the block-diagonal causal
+    mask of sequences packed into one row (miles/train/megatron/batch.py). No attention bias.
     """
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, **kwargs: Any) -> None:
@@ -47,19 +49,25 @@ class SDPAttention(torch.nn.Module):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        assert packed_seq_params is None and attention_bias is None, "SDPAttention: padded batches only"
+        assert packed_seq_params is None and attention_bias is None, "SDPAttention: no THD, no bias"
         # [s, b, heads, d] -> [b, heads, s, d]; kv heads repeated so any SDPA kernel applies.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.heads_per_group > 1:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        allowed = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.scale
+        )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def transformer_config(hf_cfg: Any, dtype: torch.dtype, tp: int, pp: int, use_cpu: bool = False):
-    """Megatron TransformerConfig equivalent to a Qwen2/Qwen3/Llama HF config."""
+def transformer_config(
+    hf_cfg: Any, dtype: torch.dtype, tp: int, pp: int, use_cpu: bool = False, extra: dict | None = None
+):
+    """Megatron TransformerConfig equivalent to a Qwen2/Qwen3/Llama HF config; `extra` more
+    TransformerConfig fields (e.g. activation recompute)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s = convert.Shapes.from_hf(hf_cfg)
@@ -97,6 +105,7 @@ def transformer_config(hf_cfg: Any, dtype: torch.dtype, tp: int, pp: int, use_cp
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # only to pass a validator that checks it with variable lengths
         use_cpu_initialization=use_cpu,
+        **(extra or {}),
     )
 
 
