@@ -420,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     start, results = now(), {"args": vars(args), "argv": sys.argv[1:]}
     errors = run_parts(args, device, results)
     lines = header(args, device, start, now())
-    titles = {"decode": "Decode: embedded engine in process, CUDA graphs, bf16",
+    engine = "CPU, float32 (smoke)" if args.smoke else "CUDA graphs, bf16"
+    titles = {"decode": f"Decode: embedded engine in process, {engine}",
               "mismatch": "Train-rollout log-prob mismatch, routing replay off vs rollout (R3)"}  # fmt: skip
     tables = {"decode": decode_table, "mismatch": lambda r: mismatch_table(r, args)}
     for part in ("decode", "mismatch"):
