@@ -12,8 +12,11 @@ starts. Reads JSON only: no torch here.
 
 Expert parallelism (megatron-core's expert grid, expert tensor-parallel size = train.tensor_parallel):
 train.expert_parallel divides the data-parallel ranks, ranks / (tensor_parallel x pipeline_parallel),
-and the model's routed experts. The Megatron backend builds dense models only so far, so it refuses
-MoE settings before these rules are reached; FSDP shards experts like any parameter (no EP).
+and the model's routed experts. Megatron trains MoE models without tensor parallelism (its MoE layers
+would need sequence parallelism); FSDP shards experts like any parameter (no EP).
+
+Pipeline stages: layers split evenly, or train.pipeline_first_stage_layers / _last_stage_layers fix
+the first / last stage and the rest is split evenly over the stages between (`stage_layers`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ log = logging.getLogger("miles.config")
 SIZES = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel")
 """The parallel sizes of train.*, each 1 when unused."""
 
-_MOE = "Megatron MoE training is not built yet"
 UNSUPPORTED: dict[tuple[str, str], str] = {
     ("fsdp", "tensor_parallel"): "FSDP shards every parameter over all train ranks instead; "
     "train.backend=megatron splits layers",
@@ -38,7 +40,6 @@ UNSUPPORTED: dict[tuple[str, str], str] = {
     "train.backend=megatron splits layers",
     ("fsdp", "expert_parallel"): "FSDP shards every parameter, experts included, over all train ranks "
     "instead; train.backend=megatron splits experts",
-    ("megatron", "expert_parallel"): f"the Megatron backend builds dense models only; {_MOE}",
 }
 """(train.backend, size) pairs the backend does not implement, and why; any other size may exceed 1."""
 
@@ -51,16 +52,16 @@ def _check_support(plan: Plan) -> None:
             raise ConfigError(f"train.{key} must be >= 1 (got {value})")
         why = UNSUPPORTED.get((t.backend, key))
         if value != 1 and why:
-            yet = " yet" if _MOE in why else ""
             raise ConfigError(
-                f"train.{key}={value} is not supported{yet} by train.backend={t.backend} ({why}); "
+                f"train.{key}={value} is not supported by train.backend={t.backend} ({why}); "
                 f"set train.{key}=1"
             )
-    if t.backend == "megatron" and t.routing_replay != "off":
-        raise ConfigError(
-            f"train.routing_replay={t.routing_replay} is not supported yet by train.backend=megatron "
-            f"({_MOE}): train MoE models with train.backend=fsdp, or set train.routing_replay=off"
-        )
+    for key in ("pipeline_first_stage_layers", "pipeline_last_stage_layers"):
+        if getattr(t, key) is not None and t.pipeline_parallel == 1:
+            raise ConfigError(
+                f"train.{key} sizes a pipeline stage, and train.pipeline_parallel=1 has one stage: unset "
+                f"train.{key}, or set train.pipeline_parallel > 1 (train.backend=megatron)"
+            )
     if t.backend == "megatron" and t.device == "cpu":
         raise ConfigError(
             "train.backend=megatron runs on CUDA GPUs only (megatron-core's forward is CUDA-only): set "
@@ -187,6 +188,39 @@ def _check_experts(plan: Plan, shape: dict[str, int]) -> None:
             f"model {plan.model.path} has {experts} routed experts, not divisible by "
             f"train.expert_parallel={t.expert_parallel}; choose a train.expert_parallel that divides it"
         )
+    if experts and t.backend == "megatron" and t.tensor_parallel > 1:
+        raise ConfigError(
+            f"train.tensor_parallel={t.tensor_parallel} with mixture-of-experts model {plan.model.path} needs "
+            "sequence parallelism, which the Megatron backend does not use: set train.tensor_parallel=1 "
+            "and split the experts with train.expert_parallel"
+        )
+
+
+def stage_layers(num_layers: int, stages: int, first: int | None, last: int | None) -> list[int]:
+    """Decoder layers per pipeline stage (megatron-core's rule): `first` / `last` fix the end stages
+    when given and the rest is split evenly over the other stages. ConfigError when it does not split."""
+    fixed = [n for n in (first, last) if n is not None]
+    middle_stages = stages - len(fixed)
+    rest = num_layers - sum(fixed)
+    if rest < 0 or bool(rest) != bool(middle_stages) or (middle_stages and rest % middle_stages):
+        if not fixed:
+            raise ConfigError(
+                f"num_hidden_layers={num_layers}, not divisible by train.pipeline_parallel={stages}: choose a "
+                "train.pipeline_parallel that divides it, or size the end stages with "
+                "train.pipeline_first_stage_layers / train.pipeline_last_stage_layers"
+            )
+        raise ConfigError(
+            f"num_hidden_layers={num_layers} minus the end stages' {sum(fixed)} (train.pipeline_first_stage_layers"
+            f" / train.pipeline_last_stage_layers) leaves {rest}, which does not split evenly over the "
+            f"{middle_stages} stage(s) between (train.pipeline_parallel={stages}): change those keys"
+        )
+    each = rest // middle_stages if middle_stages else 0
+    sizes = [each] * stages
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    return sizes
 
 
 def _check_model(plan: Plan) -> None:
@@ -205,7 +239,9 @@ def _check_model(plan: Plan) -> None:
         return
     skip = ("num_hidden_layers", "num_experts")
     rules = [(k, "train.tensor_parallel", t.tensor_parallel) for k in shape if k not in skip]
-    rules.append(("num_hidden_layers", "train.pipeline_parallel", t.pipeline_parallel))
+    if "num_hidden_layers" in shape:
+        first, last = t.pipeline_first_stage_layers, t.pipeline_last_stage_layers
+        stage_layers(shape["num_hidden_layers"], t.pipeline_parallel, first, last)
     for what, key, size in rules:
         if what in shape and shape[what] % size:
             raise ConfigError(

@@ -106,11 +106,18 @@ class TrainConfig(Section):
     tensor_parallel: int = 1
     """Megatron: tensor-parallel size (train.backend=fsdp refuses > 1; rules in miles/config/layout.py)."""
     pipeline_parallel: int = 1
-    """Megatron: pipeline-parallel size, layers split evenly over the stages (fsdp refuses > 1)."""
+    """Megatron: pipeline-parallel size, layers split evenly over the stages unless the first / last
+    stage sizes below are set (fsdp refuses > 1)."""
+    pipeline_first_stage_layers: int | None = Field(None, ge=1)
+    """Megatron, pipeline_parallel > 1: decoder layers of the first stage (it also holds the embedding);
+    the layers left are split evenly over the other stages. None: the even split."""
+    pipeline_last_stage_layers: int | None = Field(None, ge=1)
+    """Megatron, pipeline_parallel > 1: decoder layers of the last stage (it also holds the LM head and
+    the loss). None: the even split."""
     expert_parallel: int = 1
     """Expert-parallel size of MoE layers (divides the experts and the data-parallel ranks; rules in
-    miles/config/layout.py). FSDP shards experts like every other parameter and refuses > 1; the
-    Megatron backend refuses > 1 until its MoE path is built."""
+    miles/config/layout.py): Megatron gives each expert-parallel rank its share of the experts. FSDP
+    shards experts like every other parameter and refuses > 1."""
     routing_replay: Literal["off", "rollout"] = "off"
     """MoE routing replay: `rollout` (R3) makes the trainer's forward use the rollout engine's expert
     choice per token and layer (router probabilities gathered there and renormalised, so the router

@@ -195,11 +195,11 @@ class RoutingReplay:
         """(experts used [T, k], the trainer's own top-k [T, k]) for router `slot` given probs [T, E]."""
         natural = torch.topk(probs, self.shape.top_k, dim=-1).indices
         used = natural
-        if self._use:
-            given, valid = self._given(slot, probs)
-            used = torch.where(valid[:, None], given, natural)
+        given = self._given(slot, probs) if self._routing is not None else None
+        if self._use and given is not None:
+            used = torch.where(given[1][:, None], given[0], natural)
         if self._measure:
-            self._record(slot, probs.detach(), natural, used)
+            self.record(slot, probs.detach(), natural, used, given)
         return used, natural
 
     def _given(self, slot: int, probs: Tensor) -> tuple[Tensor, Tensor]:
@@ -210,8 +210,12 @@ class RoutingReplay:
             )
         return self._routing[:, slot].to(probs.device), self._valid.to(probs.device)
 
-    def _record(self, slot: int, probs: Tensor, natural: Tensor, used: Tensor) -> None:
-        """Add one router's pass to the sums, on the router's device (no host synchronisation)."""
+    def record(
+        self, slot: int, probs: Tensor, natural: Tensor, used: Tensor, given: tuple[Tensor, Tensor] | None
+    ) -> None:
+        """Add one router's pass to the sums, on the router's device (no host synchronisation): probs
+        [T, E], the router's own top-k and the experts used [T, k], the rollout's experts [T, k] and
+        which tokens have them [T] (None: no rollout routing)."""
         dev, f64 = used.device, torch.float64
         if self._sums.device != dev:
             self._sums, self._load = self._sums.to(dev), self._load.to(dev)
@@ -222,9 +226,9 @@ class RoutingReplay:
         aux = self.shape.num_experts * (fraction * probs.double().mean(0)).sum()
         zero = aux.new_zeros(())
         agree, natural_agree, pairs = zero, zero, zero
-        if self._routing is not None and self._valid is not None:
-            ref = self._routing[:, slot].to(dev).sort(-1).values
-            valid = self._valid.to(dev)
+        if given is not None:
+            ref = given[0].to(dev).sort(-1).values
+            valid = given[1].to(dev)
             agree = ((used.sort(-1).values == ref).all(-1) & valid).sum().to(f64)
             natural_agree = ((natural.sort(-1).values == ref).all(-1) & valid).sum().to(f64)
             pairs = valid.sum().to(f64)

@@ -209,8 +209,8 @@ def test_mpi_bootstrap_profile(tmp_path: Path) -> None:
         ),
         (
             "h200",
-            ["train.backend=megatron", "train.expert_parallel=8"],
-            "expert_parallel=8 is not supported yet by train.backend=megatron",
+            ["train.backend=megatron", "train.pipeline_first_stage_layers=2"],
+            "train.pipeline_first_stage_layers sizes a pipeline stage",
         ),
         ("h200", ["launch.actor_tasks_per_node=9"], "exceeds the 8 GPUs per node"),
         ("h200", ["launch.time_limit_min=9999"], "exceeds the 2880 min limit"),

@@ -42,8 +42,8 @@ def _submit_error(overrides: list[str], profile: str = "h200") -> str:
         (["train.pipeline_parallel=2"], "train.pipeline_parallel=2 is not supported by train.backend=fsdp"),
         (["train.expert_parallel=2"], "train.expert_parallel=2 is not supported by train.backend=fsdp ("),
         (
-            ["train.backend=megatron", "train.expert_parallel=8"],
-            "train.expert_parallel=8 is not supported yet by train.backend=megatron",
+            ["train.backend=megatron", "train.pipeline_last_stage_layers=2"],
+            "train.pipeline_last_stage_layers sizes a pipeline stage, and train.pipeline_parallel=1",
         ),
         (["train.backend=megatron", "train.pipeline_parallel=0"], "train.pipeline_parallel must be >= 1"),
         (["train.backend=megatron", "train.device=cpu"], "train.backend=megatron runs on CUDA GPUs only"),

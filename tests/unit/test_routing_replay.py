@@ -265,16 +265,17 @@ def _moe_config(tmp_path, experts: int) -> str:
     return str(tmp_path)
 
 
-def test_layout_refuses_replay_on_a_dense_model_and_megatron(tmp_path):
+def test_layout_refuses_replay_on_a_dense_model(tmp_path):
     path = _moe_config(tmp_path, 0)
-    with pytest.raises(ConfigError, match="train.routing_replay=rollout needs a mixture-of-experts model"):
-        resolve({}, [f"model.path={path}", "train.routing_replay=rollout"])
-    with pytest.raises(
-        ConfigError, match="train.routing_replay=rollout is not supported yet by train.backend"
-    ):
-        resolve({}, ["train.backend=megatron", "train.routing_replay=rollout"])
-    plan = resolve({}, [f"model.path={_moe_config(tmp_path, 8)}", "train.routing_replay=rollout"])
-    assert plan.train.routing_replay == "rollout"
+    for backend in ("fsdp", "megatron"):
+        with pytest.raises(
+            ConfigError, match="train.routing_replay=rollout needs a mixture-of-experts model"
+        ):
+            resolve({}, [f"model.path={path}", "train.routing_replay=rollout", f"train.backend={backend}"])
+    moe = _moe_config(tmp_path, 8)
+    for backend in ("fsdp", "megatron"):
+        plan = resolve({}, [f"model.path={moe}", "train.routing_replay=rollout", f"train.backend={backend}"])
+        assert plan.train.routing_replay == "rollout"
 
 
 def test_expert_parallel_divides_experts_and_data_parallel_ranks(tmp_path):

@@ -17,6 +17,7 @@ current CUDA device and uses the CUDA RNG tracker.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from functools import partial
 from typing import Any
@@ -26,10 +27,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles.config import ConfigError
+from miles.config.layout import stage_layers
 from miles.sample import Sample
 from miles.train.megatron import batch as B
 from miles.train.megatron import checkpoint, memory, weights
 from miles.train.megatron import model as M
+from miles.train.megatron.moe import MoERouting
 from miles.train.optim import lr_factor
 
 
@@ -64,12 +67,15 @@ class MegatronBackend:
     optimizer: Any
     step_count: int
     offloader: memory.StorageOffloader | None
+    moe: MoERouting | None
+    """Routing replay and router metrics of an MoE model (miles/train/megatron/moe.py); None: dense."""
     _forward_kwargs: dict[str, Any]
 
     def __init__(self) -> None:
         self.plan = self.hf_cfg = self.model = self.optimizer = None
         self.step_count = 0
         self.offloader = None
+        self.moe = None
         self._forward_kwargs = {}
 
     # ---------------------------------------------------------------- setup
@@ -91,17 +97,16 @@ class MegatronBackend:
                 f"train.pipeline_parallel = {t.tensor_parallel * t.pipeline_parallel}"
             )
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(t.tensor_parallel, t.pipeline_parallel)
+            ps.initialize_model_parallel(
+                t.tensor_parallel, t.pipeline_parallel, expert_model_parallel_size=t.expert_parallel
+            )
         model_parallel_cuda_manual_seed(plan.run.seed)
         self.plan, self.hf_cfg = plan, AutoConfig.from_pretrained(plan.model.path)
         problem = M.convert.check_tp(M.shapes_of(self.hf_cfg), t.tensor_parallel)
         if problem:
             raise ConfigError(problem)
-        if self.hf_cfg.num_hidden_layers % t.pipeline_parallel:
-            raise ConfigError(
-                f"num_hidden_layers={self.hf_cfg.num_hidden_layers} is not divisible by "
-                f"train.pipeline_parallel={t.pipeline_parallel}"
-            )
+        first, last = t.pipeline_first_stage_layers, t.pipeline_last_stage_layers
+        stage_layers(self.hf_cfg.num_hidden_layers, t.pipeline_parallel, first, last)
         self.model, self.optimizer = self._build()
 
     def _build(self):
@@ -116,10 +121,25 @@ class MegatronBackend:
 
         t = self.plan.train
         dtype = torch.bfloat16 if self.plan.model.dtype == "bfloat16" else torch.float32
-        tf = M.transformer_config(self.hf_cfg, dtype, t.tensor_parallel, t.pipeline_parallel)
+        split = (t.pipeline_first_stage_layers, t.pipeline_last_stage_layers)
+        tf = M.transformer_config(
+            self.hf_cfg,
+            dtype,
+            t.tensor_parallel,
+            t.pipeline_parallel,
+            ep=t.expert_parallel,
+            stage_layers=split,
+        )
         gpt = M.build_gpt(self.hf_cfg, tf, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
         gpt.cuda(torch.cuda.current_device())
         M.load_hf_into(gpt, M.read_hf_state(self.plan.model.path), self.hf_cfg)
+        replay = t.routing_replay == "rollout"
+        if replay and not tf.num_moe_experts:
+            raise ConfigError(
+                f"train.routing_replay=rollout but model {self.plan.model.path} has no mixture-of-experts "
+                "router to replay; set train.routing_replay=off"
+            )
+        self.moe = MoERouting(gpt, self.hf_cfg, M.layer_offset(gpt), replay) if tf.num_moe_experts else None
         wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
         self._install_fake_quant(gpt)
         # bf16 logits stay bf16 (Float16Module would upcast them: twice the vocabulary-sized bytes
@@ -199,16 +219,28 @@ class MegatronBackend:
                 f"{len(samples)} samples cannot feed train.mini_batches_per_step={n_mini} x {dp} "
                 "data-parallel ranks: lower mini_batches_per_step or raise the rollout batch"
             )
-        old = self._old_logprobs(samples, adv) if cfg.old_logprobs == "recompute" else None
+        recompute = cfg.old_logprobs == "recompute"
+        if self.moe is not None:  # router metrics: each sample's policy forward once
+            self.moe.reset()
+            self.moe.measure = recompute
+        old = self._old_logprobs(samples, adv) if recompute else None
         totals: dict[str, float] = {}
         for k in range(n_mini):
+            if self.moe is not None:
+                self.moe.measure = k == 0 and not recompute
             ids = list(range(k * len(samples) // n_mini, (k + 1) * len(samples) // n_mini))
             mine = ids[dp_rank::dp]
             metrics = self._update([samples[i] for i in ids], [samples[i] for i in mine], mine, adv, old)
             for name, v in metrics.items():
                 totals[name] = totals.get(name, 0.0) + (v if name == "tokens" else v / n_mini)
+        if self.moe is not None:
+            totals.update(self.moe.metrics())
         totals["step_time_s"] = time.perf_counter() - start
         return totals
+
+    def _routes(self, samples: list[Sample], mb: B.MicroBatch):
+        """Context of one micro-batch forward: the rollout's experts for an MoE model (routing replay)."""
+        return contextlib.nullcontext() if self.moe is None else self.moe.micro_batch(samples, mb)
 
     def _update(self, mini, mine, mine_ids, adv, old) -> dict[str, float]:
         """One optimiser update over a mini-batch (`mini`: all of it; `mine`: this DP rank's part)."""
@@ -228,7 +260,7 @@ class MegatronBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, norm=norm, scale=scale, old=old_mine),
+            forward_step_func=partial(self._forward_step, norm=norm, scale=scale, old=old_mine, samples=mine),
             data_iterator=iter(mbs),
             model=[self.model],
             num_microbatches=len(mbs),
@@ -242,15 +274,16 @@ class MegatronBackend:
         metrics.update(grad_norm=float(grad_norm or 0.0), lr=lr, update_skipped=float(not ok))
         return metrics
 
-    def _forward_step(self, data_iterator, model, norm, scale, old):
+    def _forward_step(self, data_iterator, model, norm, scale, old, samples):
         mb = next(data_iterator)
-        out = model(
-            mb.tokens,
-            mb.positions,
-            None,
-            **self._forward_kwargs,
-            output_processor=partial(B.response_head, mb=mb),
-        )
+        with self._routes(samples, mb):
+            out = model(
+                mb.tokens,
+                mb.positions,
+                None,
+                **self._forward_kwargs,
+                output_processor=partial(B.response_head, mb=mb),
+            )
         return out, partial(self._loss, mb, norm, scale, old)
 
     def _loss(self, mb: B.MicroBatch, norm, scale, old, logits):
@@ -317,9 +350,9 @@ class MegatronBackend:
         def step(it, model):
             mb = next(it)
             head = partial(B.response_head, mb=mb)
-            return model(
-                mb.tokens, mb.positions, None, **self._forward_kwargs, output_processor=head
-            ), partial(collect, mb)
+            with self._routes(samples, mb):
+                out = model(mb.tokens, mb.positions, None, **self._forward_kwargs, output_processor=head)
+            return out, partial(collect, mb)
 
         get_forward_backward_func()(
             forward_step_func=step,

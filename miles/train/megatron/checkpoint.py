@@ -4,6 +4,8 @@ Layout of <run_dir>/checkpoints/step_N/ (step directories, `.complete` markers a
 with the FSDP backend, miles/train/fsdp/checkpoint.py):
 
     megatron/model_tpT_ppP.pt        this stage's GPTModel state (its TP slice), by data-parallel rank 0
+                                     (with expert parallelism `_epE` is appended to these names
+                                     and each expert-parallel rank writes its own experts)
     megatron/optim_tpT_ppP.pt        optimizer param groups
     megatron/optim_state_tpT_ppP.pt  fp32 master weights and Adam moments, gathered from the
                                      data-parallel shards by Megatron's distributed optimizer
@@ -37,6 +39,8 @@ def _files(run_dir: str, step: int) -> tuple[Path, Path, Path]:
     from megatron.core import parallel_state as ps
 
     tag = f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+    if ps.get_expert_model_parallel_world_size() > 1:  # each expert-parallel rank holds its own experts
+        tag += f"_ep{ps.get_expert_model_parallel_rank()}"
     d = step_dir(run_dir, step) / "megatron"
     return d / f"model_{tag}.pt", d / f"optim_{tag}.pt", d / f"optim_state_{tag}.pt"
 
@@ -58,7 +62,8 @@ def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
     run_dir, rank = backend.plan.run_dir, dist.get_rank()
     model_f, optim_f, state_f = _files(run_dir, step)
     model_f.parent.mkdir(parents=True, exist_ok=True)
-    if ps.get_data_parallel_rank() == 0:
+    ep = ps.get_expert_model_parallel_world_size() > 1
+    if (ps.get_expert_data_parallel_rank() if ep else ps.get_data_parallel_rank()) == 0:
         state = {k: v for k, v in backend.gpt.state_dict().items() if not k.endswith("_extra_state")}
         torch.save(state, model_f)
         torch.save(backend.optimizer.state_dict(), optim_f)

@@ -22,6 +22,20 @@ columns; the fused tensors split per group / per half so that every rank holds w
 matching gate/up pair. With Transformer Engine's layer spec the two pre-norms live inside the
 following linear (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
 
+Mixture-of-experts layers (Qwen3-MoE) replace the MLP by a router and E experts. Megatron keeps the
+experts as a list (`SequentialMLP`, no grouped GEMM without Transformer Engine); expert parallelism
+gives each of the P expert-parallel ranks the E/P experts [r*E/P, (r+1)*E/P), numbered from 0 there:
+
+    HF (sparse layer i, expert e)                   Megatron (global expert e)
+    model.layers.i.mlp.gate.weight                  decoder.layers.i.mlp.router.weight
+    model.layers.i.mlp.experts.e.{gate,up}_proj     decoder.layers.i.mlp.experts.local_experts.e.linear_fc1
+    model.layers.i.mlp.experts.e.down_proj          decoder.layers.i.mlp.experts.local_experts.e.linear_fc2
+
+Each expert's fc1 is [gate; up] and splits over tensor-parallel ranks like the dense one; the router is
+replicated. The stacked in-memory names of transformers 5 (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]) are read too. A sparse layer keeps its own pre-MLP norm under
+Transformer Engine's spec (nothing to fuse it into).
+
 Pure tensor code: nothing here imports megatron, so the mapping is testable without it.
 """
 
@@ -34,6 +48,8 @@ from dataclasses import dataclass
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_EXPERT_NAME = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 
 # Per-layer names that map one to one (local layer spec).
 _LAYER_PLAIN = {
@@ -74,12 +90,17 @@ class Shapes:
     tied: bool
     te_names: bool = False
     """Use Transformer Engine's fused-norm names instead of the local spec's."""
+    moe_layers: tuple[int, ...] = ()
+    """Indices of the sparse (mixture-of-experts) decoder layers; empty for a dense model."""
+    num_experts: int = 0
+    """Routed experts per sparse layer (0: dense)."""
 
     @classmethod
     def from_hf(cls, cfg, te_names: bool = False) -> Shapes:
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
+        experts = num_experts(cfg)
         return cls(
             cfg.num_hidden_layers,
             heads,
@@ -89,11 +110,34 @@ class Shapes:
             cfg.vocab_size,
             bool(getattr(cfg, "tie_word_embeddings", False)),
             te_names,
+            tuple(sparse_layers(cfg)) if experts else (),
+            experts,
         )
 
 
-def _norm_name(suffix: str, shapes: Shapes) -> str:
-    return _TE_NORMS.get(suffix, suffix) if shapes.te_names else suffix
+def num_experts(cfg) -> int:
+    """Routed experts of an HF config: `num_experts` (published Qwen3-MoE checkpoints) or
+    `num_local_experts` (what transformers 5 writes); 0 for a dense model."""
+    for key in ("num_experts", "num_local_experts"):
+        n = getattr(cfg, key, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 0
+
+
+def sparse_layers(cfg) -> list[int]:
+    """Qwen3-MoE's rule: layer i is sparse unless it is in `mlp_only_layers` or
+    (i + 1) % decoder_sparse_step != 0."""
+    if not num_experts(cfg):
+        return []
+    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return [i for i in range(cfg.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def _norm_name(suffix: str, shapes: Shapes, layer: int | None = None) -> str:
+    sparse = layer is not None and layer in shapes.moe_layers and suffix == "pre_mlp_layernorm.weight"
+    return _TE_NORMS.get(suffix, suffix) if shapes.te_names and not sparse else suffix
 
 
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shapes) -> torch.Tensor:
@@ -124,14 +168,33 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Te
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         for hf_suffix, mg_suffix in _LAYER_PLAIN.items():
             if src + hf_suffix in hf:
-                out[dst + _norm_name(mg_suffix, s)] = hf[src + hf_suffix]
+                out[dst + _norm_name(mg_suffix, s, i)] = hf[src + hf_suffix]
         attn = src + "self_attn."
         for kind in ("weight", "bias"):
             if f"{attn}q_proj.{kind}" in hf:
                 q, k, v = (hf[f"{attn}{p}_proj.{kind}"] for p in "qkv")
                 out[f"{dst}self_attention.linear_qkv.{kind}"] = pack_qkv(q, k, v, s)
-        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        if i in s.moe_layers:
+            out.update(_experts_to_megatron(hf, src, dst, s.num_experts))
+        else:
+            gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+    return out
+
+
+def _experts_to_megatron(hf: dict[str, torch.Tensor], src: str, dst: str, n: int) -> dict[str, torch.Tensor]:
+    """One sparse layer's router and experts, from per-expert HF names or transformers 5's stacked ones."""
+    out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"]}
+    stacked = src + "mlp.experts.gate_up_proj"
+    for e in range(n):
+        mine = f"{dst}mlp.experts.local_experts.{e}."
+        if stacked in hf:  # [E, 2I, H] holds [gate; up] per expert, as linear_fc1 does
+            fc1, fc2 = hf[stacked][e], hf[src + "mlp.experts.down_proj"][e]
+        else:
+            theirs = f"{src}mlp.experts.{e}."
+            gate, up = hf[theirs + "gate_proj.weight"], hf[theirs + "up_proj.weight"]
+            fc1, fc2 = torch.cat([gate, up], dim=0), hf[theirs + "down_proj.weight"]
+        out[mine + "linear_fc1.weight"], out[mine + "linear_fc2.weight"] = fc1, fc2
     return out
 
 
@@ -145,6 +208,7 @@ def iter_megatron_to_hf(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (megatron name, full tensor) -> (HF name, tensor); fused tensors expand to several."""
     inverse = {_norm_name(v, s): k for k, v in _LAYER_PLAIN.items()}
+    inverse["pre_mlp_layernorm.weight"] = "post_attention_layernorm.weight"  # sparse layers under TE
     for name, t in items:
         if name.endswith("_extra_state"):
             continue
@@ -173,13 +237,46 @@ def _layer_to_hf(prefix: str, suffix: str, t: torch.Tensor, s: Shapes, inverse: 
         gate, up = t.chunk(2, dim=0)
         yield prefix + "mlp.gate_proj.weight", gate
         yield prefix + "mlp.up_proj.weight", up
+    elif suffix == "mlp.router.weight":
+        yield prefix + "mlp.gate.weight", t
+    elif (m := _EXPERT.match(suffix)) is not None:
+        expert = f"{prefix}mlp.experts.{m.group(1)}."
+        if m.group(2) == "linear_fc1.weight":
+            gate, up = t.chunk(2, dim=0)
+            yield expert + "gate_proj.weight", gate
+            yield expert + "up_proj.weight", up
+        else:
+            yield expert + "down_proj.weight", t
     else:
         raise KeyError(f"unmapped Megatron parameter {prefix}{suffix!r}")
 
 
 def _suffix(name: str) -> str:
+    """The per-layer part of a Megatron name; an expert's linear reads as the dense MLP's (same
+    tensor-parallel split)."""
     m = _LAYER.match(name)
-    return m.group(2) if m else name
+    suffix = m.group(2) if m else name
+    e = _EXPERT.match(suffix)
+    return f"mlp.{e.group(2)}" if e else suffix
+
+
+def expert_of(name: str) -> int | None:
+    """Expert index inside a Megatron expert weight's name (None for any other weight)."""
+    m = _EXPERT_NAME.match(name)
+    return int(m.group(2)) if m else None
+
+
+def with_expert(name: str, expert: int) -> str:
+    """The same expert weight's name with another expert index (local <-> global numbering)."""
+    m = _EXPERT_NAME.match(name)
+    assert m is not None, f"{name} is not an expert weight"
+    return f"{m.group(1)}{expert}{m.group(3)}"
+
+
+def ep_to_global(name: str, ep_rank: int, local_experts: int) -> str:
+    """Expert-parallel rank `ep_rank`'s local expert l is global expert ep_rank * local_experts + l."""
+    e = expert_of(name)
+    return name if e is None else with_expert(name, ep_rank * local_experts + e)
 
 
 def tp_shard(name: str, full: torch.Tensor, rank: int, size: int, s: Shapes) -> torch.Tensor:
@@ -215,6 +312,20 @@ def check_tp(s: Shapes, tp: int) -> str | None:
         if n % tp:
             return f"{what}={n} is not divisible by train.tensor_parallel={tp}"
     return None
+
+
+def ep_shard(full: dict[str, torch.Tensor], ep_rank: int, ep_size: int, s: Shapes) -> dict[str, torch.Tensor]:
+    """The part of a full Megatron state dict that expert-parallel rank `ep_rank` holds: every
+    non-expert weight, and its E/ep_size experts renumbered from 0."""
+    local = s.num_experts // ep_size if s.num_experts else 0
+    out = {}
+    for name, t in full.items():
+        e = expert_of(name)
+        if e is None:
+            out[name] = t
+        elif ep_rank * local <= e < (ep_rank + 1) * local:
+            out[with_expert(name, e - ep_rank * local)] = t
+    return out
 
 
 def to_local(name: str, layer_offset: int) -> str:

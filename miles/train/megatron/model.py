@@ -3,8 +3,9 @@
 Megatron's local layer spec is used (no Transformer Engine needed), with one change: its core
 attention materialises the [b, heads, s, s] score matrix, so it is swapped for `SDPAttention`,
 PyTorch's fused scaled-dot-product attention (same maths: softmax(q k^T / sqrt(d) + causal) v). Where
-Transformer Engine is installed its own spec is used unchanged. Imports megatron lazily (callers
-import this module only when `train.backend` is megatron).
+Transformer Engine is installed its own spec is used unchanged. Mixture-of-experts models (Qwen3-MoE)
+get per-layer specs and their MoE fields from miles/train/megatron/moe.py. Imports megatron lazily
+(callers import this module only when `train.backend` is megatron).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles.train.megatron import convert
+from miles.train.megatron import convert, moe
 
 
 def has_transformer_engine() -> bool:
@@ -64,16 +65,27 @@ class SDPAttention(torch.nn.Module):
 
 
 def transformer_config(
-    hf_cfg: Any, dtype: torch.dtype, tp: int, pp: int, use_cpu: bool = False, extra: dict | None = None
+    hf_cfg: Any,
+    dtype: torch.dtype,
+    tp: int,
+    pp: int,
+    use_cpu: bool = False,
+    ep: int = 1,
+    stage_layers: tuple[int | None, int | None] = (None, None),
+    extra: dict | None = None,
 ):
-    """Megatron TransformerConfig equivalent to a Qwen2/Qwen3/Llama HF config; `extra` more
-    TransformerConfig fields (e.g. activation recompute)."""
+    """Megatron TransformerConfig equivalent to a Qwen2/Qwen3/Llama/Qwen3-MoE HF config; `ep` experts
+    split over expert-parallel ranks, `stage_layers` the layers of the first / last pipeline stage
+    (None: Megatron's even split); `extra` more TransformerConfig fields (e.g. activation recompute)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s = convert.Shapes.from_hf(hf_cfg)
     arch = hf_cfg.model_type
-    if arch not in ("qwen2", "qwen3", "llama"):
-        raise ValueError(f"model type {arch!r} has no Megatron mapping; known: qwen2, qwen3, llama")
+    if arch not in ("qwen2", "qwen3", "llama", "qwen3_moe"):
+        raise ValueError(
+            f"model type {arch!r} has no Megatron mapping; known: qwen2, qwen3, llama, qwen3_moe"
+        )
+    moe.check(hf_cfg, tp)
     return TransformerConfig(
         num_layers=s.num_layers,
         hidden_size=s.hidden,
@@ -87,7 +99,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch == "qwen2" or bool(getattr(hf_cfg, "attention_bias", False)),
-        qk_layernorm=arch == "qwen3",
+        qk_layernorm=arch in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # SwiGLU as one compiled kernel each way (megatron's torch.compile fuser; needs no TE)
@@ -103,16 +115,22 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # only to pass a validator that checks it with variable lengths
+        moe_token_dispatcher_type="alltoall",  # the one dispatcher that takes variable sequence lengths
         use_cpu_initialization=use_cpu,
+        num_layers_in_first_pipeline_stage=stage_layers[0],
+        num_layers_in_last_pipeline_stage=stage_layers[1],
+        **moe.config_kwargs(hf_cfg, ep),
         **(extra or {}),
     )
 
 
 def layer_spec(tf_cfg: Any):
-    """Transformer Engine's layer spec where installed, else the local spec with SDPAttention."""
+    """Transformer Engine's layer spec where installed, else the local spec with SDPAttention; an MoE
+    model gets this stage's list of per-layer specs (dense or MoE)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if tf_cfg.num_moe_experts:
+        return moe.block_spec(tf_cfg, has_transformer_engine(), SDPAttention)
     if has_transformer_engine():
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tf_cfg.qk_layernorm)
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=tf_cfg.qk_layernorm, normalization="RMSNorm")
@@ -157,11 +175,14 @@ def layer_offset(model: torch.nn.Module) -> int:
 
 
 def load_hf_into(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], hf_cfg: Any) -> None:
-    """Copy a full HF state dict into this rank's GPTModel (its pipeline stage and TP slice)."""
+    """Copy a full HF state dict into this rank's GPTModel (its pipeline stage, TP slice and experts)."""
     from megatron.core import parallel_state as ps
 
     s = shapes_of(hf_cfg)
     full = convert.hf_to_megatron(hf_state, s)
+    if s.num_experts:
+        ep = ps.get_expert_model_parallel_world_size()
+        full = convert.ep_shard(full, ps.get_expert_model_parallel_rank(), ep, s)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     offset = layer_offset(model)
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}

@@ -2,8 +2,9 @@
 
 Each parameter is rebuilt where it lives: the tensor-parallel slices are all-gathered inside the TP
 group (convert.tp_unshard puts fused tensors back together), then the owning pipeline stage
-broadcasts the full tensor to the other stages. Every rank therefore yields the same stream and
-must consume it to the end (the loop is collective). Data-parallel replicas need no traffic: after
+broadcasts the full tensor to the other stages; an MoE layer's experts are all-gathered over the
+expert-parallel group and renamed by their global index. Every rank therefore yields the same stream
+and must consume it to the end (the loop is collective). Data-parallel replicas need no traffic: after
 an optimiser step Megatron's distributed optimizer has already all-gathered the parameters.
 """
 
@@ -33,7 +34,8 @@ def _tp_full(name: str, p: torch.Tensor, s: convert.Shapes) -> torch.Tensor:
 
 
 def iter_megatron_full(gpt: torch.nn.Module, s: convert.Shapes) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global Megatron name, full tensor) for every parameter of every stage, stage by stage."""
+    """(global Megatron name, full tensor) for every parameter of every stage, stage by stage; experts
+    by their global index, gathered from the expert-parallel ranks."""
     from megatron.core import parallel_state as ps
 
     offset = M.layer_offset(gpt)
@@ -42,25 +44,60 @@ def iter_megatron_full(gpt: torch.nn.Module, s: convert.Shapes) -> Iterator[tupl
         mine = [(n, p) for n, p in mine if n != "output_layer.weight"]
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp == 1:
-        for name, p in mine:
-            yield name, _tp_full(name, p, s)
+        yield from _stage_full(mine, s)
         return
     group = ps.get_pipeline_model_parallel_group()
-    meta = [(n, tuple(p.shape), p.dtype) for n, p in mine]
+    ep, local = _expert_split(s)
+    meta = [
+        (convert.ep_to_global(n, r, local), tuple(p.shape), p.dtype)
+        for n, p in mine
+        for r in range(ep if convert.expert_of(n) is not None else 1)
+    ]
     stages: list[Any] = [None] * pp
     dist.all_gather_object(stages, meta, group=group)
-    own = dict(mine)
     me = ps.get_pipeline_model_parallel_rank()
     for stage, entries in enumerate(stages):
         src = dist.get_global_rank(group, stage)
+        own = _stage_full(mine, s) if stage == me else None
         for name, shape, dtype in entries:
-            if stage == me:
-                full = _tp_full(name, own[name], s).contiguous()
+            if own is not None:
+                got, full = next(own)
+                assert got == name, f"stage order differs from its metadata: {got} vs {name}"
+                full = full.contiguous()
             else:
                 full_shape = _full_shape(name, shape, s)
                 full = torch.empty(full_shape, dtype=dtype, device=torch.cuda.current_device())
             dist.broadcast(full, src=src, group=group)
             yield name, full
+
+
+def _expert_split(s: convert.Shapes) -> tuple[int, int]:
+    """(expert-parallel size, experts per expert-parallel rank); (1, 0) for a dense model."""
+    from megatron.core import parallel_state as ps
+
+    if not s.num_experts:
+        return 1, 0
+    ep = ps.get_expert_model_parallel_world_size()
+    return ep, s.num_experts // ep
+
+
+def _stage_full(
+    mine: list[tuple[str, torch.Tensor]], s: convert.Shapes
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's parameters in full: TP slices joined; each expert weight all-gathered over the
+    expert-parallel group and yielded once per expert-parallel rank, by global expert index."""
+    from megatron.core import parallel_state as ps
+
+    ep, local = _expert_split(s)
+    for name, p in mine:
+        full = _tp_full(name, p, s)
+        if convert.expert_of(name) is None or ep == 1:
+            yield name, full
+            continue
+        parts = [torch.empty_like(full) for _ in range(ep)]
+        dist.all_gather(parts, full.contiguous(), group=ps.get_expert_model_parallel_group())
+        for r, part in enumerate(parts):
+            yield convert.ep_to_global(name, r, local), part
 
 
 def _full_shape(name: str, shard_shape: tuple[int, ...], s: convert.Shapes) -> tuple[int, ...]:

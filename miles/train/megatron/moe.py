@@ -1,0 +1,268 @@
+"""Mixture-of-experts (Qwen3-MoE) in the Megatron backend: config, layer specs and routing replay.
+
+Maths, as transformers' `Qwen3MoeSparseMoeBlock`: logits z = W_router h, the k experts of largest z,
+weights softmax(z)[idx] / sum(softmax(z)[idx]) when `norm_topk_prob` (else softmax(z)[idx]), output
+sum_j w_j down_j(silu(gate_j h) * up_j h). Megatron-core computes the renormalised weights as the
+softmax of the k chosen logits (`moe_router_pre_softmax=False`: softmax(z[idx]), the same numbers)
+and the plain ones as softmax-then-gather (`moe_router_pre_softmax=True`). Layers that the HF config
+keeps dense (`mlp_only_layers`, `decoder_sparse_step`) become `moe_layer_freq` zeros. The
+load-balancing loss is measured, never added (`moe_aux_loss_coeff=0`): RL trains the policy's
+objective only. Tokens move with the all-to-all dispatcher; experts are megatron's `SequentialMLP`
+(its grouped-GEMM experts need Transformer Engine).
+
+Routing replay (R3). Every router gets one of megatron-core's `RouterReplay` objects
+(`moe_enable_routing_replay`). Per micro-batch forward, `MoERouting.micro_batch` hands each of this
+stage's routers the rollout's experts for the forward's tokens in the router's own order (position-
+major: token t of row b of an [s, b] batch is s_index * b_size + b) and sets `REPLAY_FORWARD`;
+megatron then gathers the router's scores at those experts, so the weights stay differentiable in
+the router. Tokens without an engine row (each sequence's last one, padding) are -1 there; this
+module wraps each `RouterReplay.get_replay_topk` so that such tokens keep the router's own choice,
+and so that every pass can be measured: agreement with the rollout, the router's own agreement,
+per-expert load and the Switch load-balancing loss (miles/train/routing_replay.py's sums, shared
+with the FSDP backend).
+
+Not built: tensor parallelism for MoE models (megatron's MoE needs sequence parallelism then, which
+this backend does not use), shared experts (Qwen2-MoE), grouped / sigmoid routers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles.config import ConfigError
+from miles.sample import Sample
+from miles.train.megatron import convert
+from miles.train.routing_replay import MoEShape, RoutingReplay, packed_routing, per_layer_rows
+
+
+def check(hf_cfg: Any, tensor_parallel: int) -> None:
+    """Refuse MoE configs this backend does not build, naming what to change."""
+    if not convert.num_experts(hf_cfg):
+        return
+    if hf_cfg.model_type != "qwen3_moe":
+        raise ConfigError(
+            f"model type {hf_cfg.model_type!r} has no Megatron MoE mapping (Qwen3-MoE only; shared experts "
+            "are not built): use train.backend=fsdp"
+        )
+    if tensor_parallel > 1:
+        raise ConfigError(
+            f"train.tensor_parallel={tensor_parallel} with a mixture-of-experts model needs sequence "
+            "parallelism, which the Megatron backend does not use: set train.tensor_parallel=1 and split "
+            "the experts with train.expert_parallel instead"
+        )
+    if hf_cfg.num_experts_per_tok == 1 and getattr(hf_cfg, "norm_topk_prob", False):
+        raise ConfigError(
+            "num_experts_per_tok=1 with norm_topk_prob has no Megatron router equivalent here (weight 1.0 "
+            "per token); use train.backend=fsdp"
+        )
+
+
+def config_kwargs(hf_cfg: Any, expert_parallel: int) -> dict[str, Any]:
+    """TransformerConfig fields of a Qwen3-MoE model ({} for a dense one)."""
+    experts = convert.num_experts(hf_cfg)
+    if not experts:
+        return {}
+    sparse = set(convert.sparse_layers(hf_cfg))
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=hf_cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_cfg.moe_intermediate_size,
+        moe_layer_freq=[int(i in sparse) for i in range(hf_cfg.num_hidden_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not getattr(hf_cfg, "norm_topk_prob", False),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_enable_routing_replay=True,
+        expert_model_parallel_size=expert_parallel,
+    )
+
+
+def block_spec(tf_cfg: Any, use_te: bool, core_attention: Any):
+    """Megatron's per-layer spec list for this pipeline stage (dense or MoE by `moe_layer_freq`); on the
+    local spec every layer's core attention is `core_attention`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(tf_cfg, use_transformer_engine=use_te, normalization="RMSNorm")
+    if not use_te:
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
+
+
+def _routers(gpt: torch.nn.Module, layer_offset: int) -> list[tuple[int, Any]]:
+    """(global decoder layer, TopKRouter) of this stage, in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    found = []
+    for name, module in gpt.named_modules():
+        if isinstance(module, TopKRouter):
+            local = int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
+            found.append((local + layer_offset, module))
+    return sorted(found, key=lambda x: x[0])
+
+
+class MoERouting:
+    """This stage's routers: per micro-batch rollout routing (megatron-core's RouterReplay) and the
+    step's router metrics."""
+
+    stats: RoutingReplay
+    """Step sums over every MoE layer of the model (slots: index in `Shapes.moe_layers`)."""
+    stage: MoEShape
+    """The MoE layers of this pipeline stage (what a micro-batch's routing is cut to)."""
+    replay: bool
+    measure: bool
+    """Whether forwards add to the step's metrics now (set by the backend per phase)."""
+    _replays: list[Any]
+    _pre_softmax: bool
+    _real: Tensor | None
+    """[s * b] bool, the current micro-batch's real (non-padding) tokens in router order."""
+
+    def __init__(self, gpt: torch.nn.Module, hf_cfg: Any, layer_offset: int, replay: bool) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        s = convert.Shapes.from_hf(hf_cfg)
+        k = int(hf_cfg.num_experts_per_tok)
+        routers = _routers(gpt, layer_offset)
+        self.stats = RoutingReplay(MoEShape(list(s.moe_layers), s.num_layers, s.num_experts, k), replay)
+        self.stage = MoEShape([layer for layer, _ in routers], s.num_layers, s.num_experts, k)
+        self.replay, self.measure = replay, False
+        self._pre_softmax = not getattr(hf_cfg, "norm_topk_prob", False)
+        self._real = None
+        self._replays = []
+        for layer, router in routers:
+            rr = router.router_replay
+            assert isinstance(rr, RouterReplay), "moe_enable_routing_replay must be on (config_kwargs)"
+            rr.get_replay_topk = self._topk(s.moe_layers.index(layer), rr)
+            self._replays.append(rr)
+
+    def reset(self) -> None:
+        """Zero the step's sums."""
+        self.stats.reset()
+
+    @contextlib.contextmanager
+    def micro_batch(self, samples: Sequence[Sample], mb: Any) -> Iterator[None]:
+        """Within: this stage's routers see the rollout's experts of micro-batch `mb` (its `sample_ids`
+        index `samples`), replaying them when replay is on."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        rows = None
+        if self._replays:
+            batch = tuple(mb.tokens.shape)
+            rows = router_rows(samples, mb.sample_ids, batch, self.stage, self.replay)
+            lengths = [len(samples[i].tokens) for i in mb.sample_ids]
+            self._real = real_tokens(lengths, batch).to(mb.tokens.device, non_blocking=True)
+        try:
+            if rows is not None:
+                for rr, target in zip(self._replays, rows, strict=True):
+                    rr.clear_indices()
+                    rr.set_target_indices(target.to(mb.tokens.device, non_blocking=True))
+                    if self.replay:
+                        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            yield
+        finally:
+            for rr in self._replays:
+                rr.clear_indices()
+                rr.clear_router_replay_action()
+            self._real = None
+
+    def _topk(self, slot: int, rr: Any):
+        """`RouterReplay.get_replay_topk` for router `slot`: replayed experts where the rollout has a row,
+        the router's own top-k elsewhere; adds the pass to the step's sums when measuring."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            values, natural = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            action = rr.router_replay_action
+            given = rr.target_topk_idx
+            if action == A.REPLAY_BACKWARD:
+                given = rr.replay_backward_list.pop(0)
+            given = None if given is None else given.to(scores.device).long()
+            if given is not None and given.shape != natural.shape:
+                raise ValueError(
+                    f"routing replay: {tuple(given.shape)} expert ids given to a router pass over "
+                    f"{tuple(natural.shape)} (tokens, top_k)"
+                )
+            used = natural
+            if given is not None and action in (A.REPLAY_FORWARD, A.REPLAY_BACKWARD):
+                used = torch.where(given >= 0, given, natural)
+                values = scores.gather(1, used)
+            if self.measure:
+                self._record(slot, scores.detach(), natural.detach(), used.detach(), given)
+            return values, used
+
+        return get_replay_topk
+
+    def _record(self, slot: int, scores: Tensor, natural: Tensor, used: Tensor, given: Tensor | None) -> None:
+        """Add one router pass over the real tokens (padding left out) to the step's sums."""
+        probs = scores.float() if self._pre_softmax else torch.softmax(scores.float(), dim=-1)
+        ref = None if given is None else (given.clamp_min(0), (given >= 0).all(-1))
+        real = self._real
+        if real is not None and real.shape[0] == probs.shape[0]:
+            probs, natural, used = probs[real], natural[real], used[real]
+            ref = None if ref is None else (ref[0][real], ref[1][real])
+        self.stats.record(slot, probs, natural, used, ref)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's router metrics summed over all ranks (collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        stats = self.stats.stats().to(torch.cuda.current_device())
+        dist.all_reduce(stats)
+        return self.stats.metrics(stats.cpu())
+
+
+def router_rows(
+    samples: Sequence[Sample],
+    sample_ids: Sequence[int],
+    batch: tuple[int, int],
+    shape: MoEShape,
+    required: bool,
+) -> list[Tensor] | None:
+    """The rollout's experts of a [b, s] micro-batch holding `samples[sample_ids]`: one [s * b, k] int32
+    tensor per MoE layer of `shape`, in the router's token order (position-major), -1 where there is
+    no row. None when no sample has rows and `required` is False (routing_replay.packed_routing)."""
+    packed = packed_routing(samples, sample_ids, shape, required=required)
+    if packed is None:
+        return None
+    routing, valid = packed
+    b, width = batch
+    dims = routing.shape[1:]
+    grid = torch.zeros(width, b, *dims, dtype=routing.dtype)
+    grid_valid = torch.zeros(width, b, dtype=torch.bool)
+    lengths = [len(samples[i].tokens) for i in sample_ids]
+    offset = 0
+    for row, start, n in _placement(lengths, b, width):
+        grid[start : start + n, row] = routing[offset : offset + n]
+        grid_valid[start : start + n, row] = valid[offset : offset + n]
+        offset += n
+    return per_layer_rows(grid.reshape(width * b, *dims), grid_valid.reshape(-1))
+
+
+def real_tokens(lengths: list[int], batch: tuple[int, int]) -> Tensor:
+    """[s * b] bool in the router's token order: True at the positions of the sequences' tokens."""
+    b, width = batch
+    real = torch.zeros(width, b, dtype=torch.bool)
+    for row, start, n in _placement(lengths, b, width):
+        real[start : start + n, row] = True
+    return real.reshape(-1)
+
+
+def _placement(lengths: list[int], b: int, width: int) -> Iterator[tuple[int, int, int]]:
+    """(batch row, first position, length) of each sequence: one sequence per row from position 0
+    (right-padded rows), or all of them back to back in one row (packed)."""
+    if b == len(lengths) and max(lengths) <= width:
+        yield from ((row, 0, n) for row, n in enumerate(lengths))
+    elif b == 1 and sum(lengths) <= width:
+        starts = [sum(lengths[:j]) for j in range(len(lengths))]
+        yield from ((0, start, n) for start, n in zip(starts, lengths, strict=True))
+    else:
+        raise ValueError(
+            f"routing replay: cannot place sequences of lengths {lengths} in a [{b}, {width}] batch"
+        )
