@@ -13,6 +13,19 @@ handed to it is multiplied by both: the resulting gradient is exactly dL/dtheta.
 Precision: bf16 parameters inside Megatron's Float16Module, fp32 gradient reduction and fp32 master
 weights in the distributed optimizer (Adam). Needs CUDA: megatron-core's forward allocates on the
 current CUDA device and uses the CUDA RNG tracker.
+
+KL to a frozen reference (`train.loss.kl_coef > 0`), as in the FSDP backend: a second GPTModel of the
+same layout, loaded from model.path and never updated, stays on the GPU beside the policy (FSDP keeps
+its sharded reference on the device too; offload() moves both to host memory). Before the step's first
+update one no-grad pass gives every sample's reference log-probs; the shared objective
+(miles/train/objective.py) adds the KL estimator's term and reports `kl` and `kl_loss`.
+
+Optimizer offload (`train.optimizer_offload = cpu`): megatron-core's own HybridDeviceOptimizer holds
+the whole distributed-optimizer shard on the CPU (fp32 master weights and Adam moments in host memory,
+torch's fused CPU AdamW updates them, the bf16 parameters are copied back). NVMe streaming is refused
+(miles/config/layout.py says why). Activation recompute (`train.recompute`) maps to megatron-core's
+selective (core attention) or full (every layer) recompute. Micro-batches are packed rows without
+padding (miles/train/megatron/batch.py).
 """
 
 from __future__ import annotations
@@ -50,11 +63,33 @@ def require_megatron(plan: Any) -> None:
             "train.backend=megatron needs megatron-core: `pip install megatron-core` on the trainer "
             "nodes, or set train.backend=fsdp"
         ) from None
-    if plan.train.loss.kl_coef > 0:
-        raise ConfigError(
-            "train.loss.kl_coef > 0 needs a reference model, which the megatron backend does not keep "
-            "yet: set train.loss.kl_coef=0 or train.backend=fsdp"
-        )
+    from miles.config.layout import check_layout
+
+    check_layout(plan)  # context parallelism, optimizer offload, recompute: before any GPU work
+
+
+def recompute_config(mode: str) -> dict[str, Any]:
+    """TransformerConfig fields of train.recompute: megatron-core's selective recompute of core
+    attention, or its full recompute of every decoder layer (uniform method, one layer per unit)."""
+    if mode == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
+def offload_config(mode: str) -> dict[str, Any]:
+    """OptimizerConfig fields of train.optimizer_offload=cpu: megatron-core's HybridDeviceOptimizer with
+    the whole distributed-optimizer shard on the CPU. megatron-core runs it on its precision-aware path
+    (the hybrid optimizer makes and keeps the fp32 master copies of the bf16 shards; fp32 gradients
+    reach it as `decoupled_grad`), which needs no Transformer Engine when offloading."""
+    if mode != "cpu":
+        return {}
+    return {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 1.0,
+        "use_precision_aware_optimizer": True,
+    }
 
 
 class MegatronBackend:
@@ -65,6 +100,8 @@ class MegatronBackend:
     model: Any
     """Megatron DDP wrapper around (Float16Module around) this rank's GPTModel stage."""
     optimizer: Any
+    ref_model: Any
+    """Frozen reference policy (kl_coef > 0): this rank's GPTModel stage (inside Float16Module in bf16)."""
     step_count: int
     offloader: memory.StorageOffloader | None
     moe: MoERouting | None
@@ -75,6 +112,7 @@ class MegatronBackend:
         self.plan = self.hf_cfg = self.model = self.optimizer = None
         self.step_count = 0
         self.offloader = None
+        self.ref_model = None
         self.moe = None
         self._forward_kwargs = {}
 
@@ -129,10 +167,12 @@ class MegatronBackend:
             t.pipeline_parallel,
             ep=t.expert_parallel,
             stage_layers=split,
+            extra=recompute_config(t.recompute),
         )
         gpt = M.build_gpt(self.hf_cfg, tf, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
         gpt.cuda(torch.cuda.current_device())
-        M.load_hf_into(gpt, M.read_hf_state(self.plan.model.path), self.hf_cfg)
+        hf_state = M.read_hf_state(self.plan.model.path)
+        M.load_hf_into(gpt, hf_state, self.hf_cfg)
         replay = t.routing_replay == "rollout"
         if replay and not tf.num_moe_experts:
             raise ConfigError(
@@ -157,12 +197,29 @@ class MegatronBackend:
             bf16=dtype == torch.bfloat16,
             params_dtype=dtype,
             use_distributed_optimizer=True,
+            **offload_config(t.optimizer_offload),
         )
         optimizer = get_megatron_optimizer(opt_cfg, [ddp])
         tf.finalize_model_grads_func = finalize_model_grads
         tf.grad_scale_func = optimizer.scale_loss
         tf.no_sync_func = ddp.no_sync
+        if t.loss.kl_coef > 0:
+            self.ref_model = self._reference(tf, hf_state, dtype)
         return ddp, optimizer
+
+    def _reference(self, tf: Any, hf_state: dict[str, Tensor], dtype: torch.dtype) -> torch.nn.Module:
+        """The frozen reference policy: the policy's architecture, layout and fake-quant forward with the
+        weights of model.path, no gradients. It shares the policy's TransformerConfig: a forward-only
+        schedule reads nothing there that training changes."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.module import Float16Module
+
+        gpt = M.build_gpt(self.hf_cfg, tf, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        gpt.cuda(torch.cuda.current_device())
+        M.load_hf_into(gpt, hf_state, self.hf_cfg)
+        self._install_fake_quant(gpt)
+        gpt.requires_grad_(False)
+        return Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
 
     def _install_fake_quant(self, gpt: torch.nn.Module) -> None:
         """train.quantization=fake_quant: covered linears forward with the FP8 contract's values
@@ -224,13 +281,14 @@ class MegatronBackend:
             self.moe.reset()
             self.moe.measure = recompute
         old = self._old_logprobs(samples, adv) if recompute else None
+        ref = None if self.ref_model is None else self._old_logprobs(samples, adv, self.ref_model)
         totals: dict[str, float] = {}
         for k in range(n_mini):
             if self.moe is not None:
                 self.moe.measure = k == 0 and not recompute
             ids = list(range(k * len(samples) // n_mini, (k + 1) * len(samples) // n_mini))
             mine = ids[dp_rank::dp]
-            metrics = self._update([samples[i] for i in ids], [samples[i] for i in mine], mine, adv, old)
+            metrics = self._update([samples[i] for i in ids], [samples[i] for i in mine], mine, adv, old, ref)
             for name, v in metrics.items():
                 totals[name] = totals.get(name, 0.0) + (v if name == "tokens" else v / n_mini)
         if self.moe is not None:
@@ -242,7 +300,7 @@ class MegatronBackend:
         """Context of one micro-batch forward: the rollout's experts for an MoE model (routing replay)."""
         return contextlib.nullcontext() if self.moe is None else self.moe.micro_batch(samples, mb)
 
-    def _update(self, mini, mine, mine_ids, adv, old) -> dict[str, float]:
+    def _update(self, mini, mine, mine_ids, adv, old, ref) -> dict[str, float]:
         """One optimiser update over a mini-batch (`mini`: all of it; `mine`: this DP rank's part)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -256,11 +314,14 @@ class MegatronBackend:
         dev = torch.device("cuda", torch.cuda.current_device())
         mbs = B.pack(mine, [adv[i] for i in mine_ids], t.max_tokens_per_microbatch, dev)
         old_mine = None if old is None else [old[i] for i in mine_ids]
+        ref_mine = None if ref is None else [ref[i] for i in mine_ids]
         scale = len(mbs) * ps.get_data_parallel_world_size()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, norm=norm, scale=scale, old=old_mine, samples=mine),
+            forward_step_func=partial(
+                self._forward_step, norm=norm, scale=scale, old=old_mine, ref=ref_mine, samples=mine
+            ),
             data_iterator=iter(mbs),
             model=[self.model],
             num_microbatches=len(mbs),
@@ -274,19 +335,19 @@ class MegatronBackend:
         metrics.update(grad_norm=float(grad_norm or 0.0), lr=lr, update_skipped=float(not ok))
         return metrics
 
-    def _forward_step(self, data_iterator, model, norm, scale, old, samples):
+    def _forward_step(self, data_iterator, model, norm, scale, old, ref, samples):
         mb = next(data_iterator)
         with self._routes(samples, mb):
             out = model(
                 mb.tokens,
                 mb.positions,
-                None,
+                mb.attention_mask,
                 **self._forward_kwargs,
                 output_processor=partial(B.response_head, mb=mb),
             )
-        return out, partial(self._loss, mb, norm, scale, old)
+        return out, partial(self._loss, mb, norm, scale, old, ref)
 
-    def _loss(self, mb: B.MicroBatch, norm, scale, old, logits):
+    def _loss(self, mb: B.MicroBatch, norm, scale, old, ref, logits):
         from miles.train.losses import get_estimator, token_weights
         from miles.train.objective import TokenBatch, policy_objective
 
@@ -298,8 +359,18 @@ class MegatronBackend:
             old_logp = torch.cat([old[i] for i in mb.sample_ids]).to(logp.device)
         n = len(mb.sample_ids)
         w = token_weights(mb.mask, mb.seq_index, n, cfg.aggregation, norm[0], norm[1])
+        ref_logp = None if ref is None else torch.cat([ref[i] for i in mb.sample_ids]).to(logp.device)
         tb = TokenBatch(
-            logp, old_logp, mb.rollout_logp, mb.advantages, mb.mask, w, mb.seq_index, n, entropy=entropy
+            logp,
+            old_logp,
+            mb.rollout_logp,
+            mb.advantages,
+            mb.mask,
+            w,
+            mb.seq_index,
+            n,
+            ref_logp=ref_logp,
+            entropy=entropy,
         )
         loss, sums = policy_objective(tb, cfg, get_estimator(cfg.advantage).sequence_ratio)
         sums["logprob_mismatch"] = (mb.mask * (logp.detach() - mb.rollout_logp).abs()).sum()
@@ -331,8 +402,11 @@ class MegatronBackend:
         return out
 
     @torch.no_grad()
-    def _old_logprobs(self, samples: list[Sample], adv: list[float]) -> list[Tensor] | None:
-        """Log-probs of every sample's response under the current weights (last pipeline stage only)."""
+    def _old_logprobs(
+        self, samples: list[Sample], adv: list[float], model: Any = None
+    ) -> list[Tensor | None]:
+        """Log-probs of every sample's response under the current weights, or under `model` (the
+        reference policy); on the last pipeline stage only (None elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -351,13 +425,15 @@ class MegatronBackend:
             mb = next(it)
             head = partial(B.response_head, mb=mb)
             with self._routes(samples, mb):
-                out = model(mb.tokens, mb.positions, None, **self._forward_kwargs, output_processor=head)
+                out = model(
+                    mb.tokens, mb.positions, mb.attention_mask, **self._forward_kwargs, output_processor=head
+                )
             return out, partial(collect, mb)
 
         get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(mbs),
-            model=[self.model],
+            model=[self.model if model is None else model],
             num_microbatches=len(mbs),
             seq_length=max(m.tokens.shape[1] for m in mbs),
             micro_batch_size=max(m.tokens.shape[0] for m in mbs),
@@ -385,7 +461,8 @@ class MegatronBackend:
         return checkpoint.load(self, step)
 
     def offload(self) -> None:
-        """Move parameters, gradient buffers and optimiser state to pinned host memory."""
+        """Move parameters, gradient buffers, optimiser state on the GPU and the reference model's
+        parameters to pinned host memory."""
         # Rebuilt each time: Adam's state appears only at the first step.
         self.offloader = memory.StorageOffloader(memory.training_tensors(self))
         self.offloader.offload()

@@ -1,10 +1,23 @@
-"""Samples -> right-padded micro-batches for GPTModel, and logits -> per-response-token log-probs.
+"""Samples -> micro-batches for GPTModel, and logits -> per-response-token log-probs.
 
-A micro-batch holds whole sequences, right-padded to its longest one, as many as fit the token
-budget `max_tokens_per_microbatch` counted with padding (at least one). The logit at position p
-predicts token p+1, so response token j of a sample with prompt length P is scored by the logit at
-P+j-1. `rows`/`cols` address those logits; every per-token tensor is flat in that order, sequence
-after sequence (the layout miles/train/objective.py expects).
+Two layouts, chosen by `pack(..., packed=)`:
+
+- **packed** (the default without Transformer Engine): the sequences of a micro-batch lie back to
+  back in one row [1, T], T their total length, no padding; as many as fit the token budget
+  `max_tokens_per_microbatch` (at least one). Position ids restart at 0 for each sequence, and a
+  block-diagonal causal attention mask [1, 1, T, T] (Megatron's convention: True = may not attend)
+  keeps each sequence to its own earlier tokens; miles' SDPAttention (miles/train/megatron/model.py)
+  applies it. RoPE needs nothing more: GPTModel rotates by the row position, and attention scores
+  depend only on the distance between two positions of one sequence, which packing leaves unchanged.
+  The mask costs T^2 bytes per micro-batch (shared by all layers).
+- **padded**: one sequence per row, right-padded to the longest, as many as fit the budget counted
+  with padding; no mask (the causal one suffices). Used where Transformer Engine's attention is
+  installed, since its causal kernels ignore an arbitrary mask.
+
+The logit at position p predicts token p+1, so response token j of a sequence with prompt length P
+starting at row offset o is scored by the logit at o+P+j-1. `rows`/`cols` address those logits; every
+per-token tensor is flat in that order, sequence after sequence (the layout miles/train/objective.py
+expects), so log-probs come out per sample the same way in both layouts.
 """
 
 from __future__ import annotations
@@ -23,9 +36,12 @@ class MicroBatch:
     """One forward pass worth of sequences, on the training device."""
 
     tokens: Tensor
-    """[b, s] token ids, right-padded with 0."""
+    """[b, s] token ids: one packed row (b = 1), or right-padded rows (padding 0)."""
     positions: Tensor
-    """[b, s] position ids."""
+    """[b, s] position ids, restarting at 0 for each sequence."""
+    attention_mask: Tensor | None
+    """[1, 1, s, s] bool, True where a query may not see a key (packed rows of several sequences);
+    None: the causal mask alone."""
     rows: Tensor
     cols: Tensor
     """Flat response-token coordinates of the logits that score them."""
@@ -40,44 +56,80 @@ class MicroBatch:
     """Index of each sequence in the list given to `pack`."""
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy, order-preserving split of sequence indices so that b * max_len <= max_tokens."""
+def plan_micro_batches(lengths: list[int], max_tokens: int, packed: bool = True) -> list[list[int]]:
+    """Greedy, order-preserving split of sequence indices so that each micro-batch holds at most
+    `max_tokens` tokens: their sum (packed) or rows x longest (padded); a longer sequence goes alone."""
     groups: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for i, n in enumerate(lengths):
-        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+        size = total + n if packed else (len(current) + 1) * max(longest, n)
+        if current and size > max_tokens:
             groups.append(current)
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(i)
-        longest = max(longest, n)
+        longest, total = max(longest, n), total + n
     if current:
         groups.append(current)
     return groups
 
 
-def pack(samples: list[Sample], advantages: list[float], max_tokens: int, device: torch.device):
-    """Micro-batches of `samples` (advantages: one per sample, same order)."""
-    groups = plan_micro_batches([len(s.tokens) for s in samples], max_tokens)
-    return [_one(samples, advantages, idx, device) for idx in groups]
+def default_packed() -> bool:
+    """Packed rows unless Transformer Engine's attention (which ignores an arbitrary mask) is used."""
+    from miles.train.megatron.model import has_transformer_engine
+
+    return not has_transformer_engine()
 
 
-def _one(samples: list[Sample], advantages: list[float], idx: list[int], device: torch.device) -> MicroBatch:
+def pack(
+    samples: list[Sample],
+    advantages: list[float],
+    max_tokens: int,
+    device: torch.device,
+    packed: bool | None = None,
+) -> list[MicroBatch]:
+    """Micro-batches of `samples` (advantages: one per sample, same order); `packed` None: the
+    default layout (`default_packed`)."""
+    packed = default_packed() if packed is None else packed
+    groups = plan_micro_batches([len(s.tokens) for s in samples], max_tokens, packed)
+    return [_one(samples, advantages, idx, device, packed) for idx in groups]
+
+
+def block_causal_mask(lengths: list[int]) -> Tensor:
+    """[1, 1, T, T] bool, True where query i may NOT attend key j: j after i, or another sequence."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    total = int(seq.numel())
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    allowed = causal & (seq[:, None] == seq[None, :])
+    return (~allowed)[None, None]
+
+
+def _one(
+    samples: list[Sample], advantages: list[float], idx: list[int], device: torch.device, packed: bool
+) -> MicroBatch:
     seqs = [samples[i] for i in idx]
-    width = max(len(s.tokens) for s in seqs)
-    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    lengths = [len(s.tokens) for s in seqs]
+    b, width = (1, sum(lengths)) if packed else (len(seqs), max(lengths))
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    positions = torch.zeros(b, width, dtype=torch.long)
     rows, cols, targets, mask, rollout, adv, seq = [], [], [], [], [], [], []
-    for b, s in enumerate(seqs):
-        tokens[b, : len(s.tokens)] = torch.tensor(s.tokens)
-        n, p = s.response_length, len(s.prompt_ids)
-        rows += [b] * n
-        cols += range(p - 1, p + n - 1)
+    offset = 0
+    for k, s in enumerate(seqs):
+        row = 0 if packed else k
+        n, p, length = s.response_length, len(s.prompt_ids), len(s.tokens)
+        tokens[row, offset : offset + length] = torch.tensor(s.tokens)
+        positions[row, offset : offset + length] = torch.arange(length)
+        rows += [row] * n
+        cols += range(offset + p - 1, offset + p + n - 1)
         targets += s.response_ids
         mask += s.loss_mask or [1] * n
         rollout += s.rollout_logprobs or [0.0] * n
-        adv += [advantages[idx[b]]] * n
-        seq += [b] * n
-    positions = torch.arange(width).expand(len(seqs), width)
+        adv += [advantages[idx[k]]] * n
+        seq += [k] * n
+        offset += length if packed else 0
+    if not packed:
+        positions = torch.arange(width).expand(b, width)
+    attention = block_causal_mask(lengths).to(device) if packed and len(seqs) > 1 else None
 
     def t(x, dtype):
         return torch.tensor(x, dtype=dtype, device=device)
@@ -85,6 +137,7 @@ def _one(samples: list[Sample], advantages: list[float], idx: list[int], device:
     return MicroBatch(
         tokens=tokens.to(device),
         positions=positions.to(device),
+        attention_mask=attention,
         rows=t(rows, torch.long),
         cols=t(cols, torch.long),
         targets=t(targets, torch.long),

@@ -59,8 +59,12 @@ class StorageOffloader:
 
 
 def training_tensors(backend: Any) -> list[torch.Tensor]:
-    """Parameters, main grads, DDP buffers and optimiser state/master weights of a MegatronBackend."""
+    """Parameters, main grads, DDP buffers and optimiser state/master weights of a MegatronBackend, and
+    its reference model's parameters (state the CPU-offloading optimiser keeps on the host is skipped
+    by StorageOffloader, which takes CUDA tensors only)."""
     out: list[torch.Tensor] = []
+    if getattr(backend, "ref_model", None) is not None:
+        out += [p.data for p in backend.ref_model.parameters()]
     for p in backend.model.parameters():
         out.append(p.data)
         if getattr(p, "main_grad", None) is not None:
