@@ -1,29 +1,39 @@
 """Save / load the full training state of the Megatron backend under the run's checkpoint directory.
 
 Layout of <run_dir>/checkpoints/step_N/ (step directories, `.complete` markers and pruning are shared
-with the FSDP backend, miles/train/fsdp/checkpoint.py):
+with the FSDP backend, miles/train/checkpoint.py):
 
-    megatron/model_tpT_ppP.pt        this stage's GPTModel state (its TP slice), by data-parallel rank 0
-                                     (with expert parallelism `_epE` is appended to these names
-                                     and each expert-parallel rank writes its own experts)
-    megatron/optim_tpT_ppP.pt        optimizer param groups
-    megatron/optim_state_tpT_ppP.pt  fp32 master weights and Adam moments, gathered from the
-                                     data-parallel shards by Megatron's distributed optimizer
+    megatron/dist/                   megatron-core distributed checkpoint (dist_checkpointing,
+                                     torch_dist): every weight, and its fp32 master copy and Adam
+                                     moments (the distributed optimizer's `fully_reshardable` form),
+                                     stored as one global tensor whatever the layout that wrote it;
+                                     the ranks holding a piece write it in parallel; param groups and
+                                     Adam's step in its common state
+    megatron/model_tpT_ppP.pt        this stage's weights (its TP slice) as plain tensors, by
+                                     data-parallel rank 0, for `miles export` (miles/export.py), which
+                                     needs no megatron-core (with expert parallelism `_epE` is
+                                     appended and each expert-parallel rank writes its own experts)
     megatron/rng_rankR.pt            RNG states
-    trainer.pt                       step counter and the caller's `extra`, by rank 0
+    trainer.pt                       step counter, the caller's `extra` and the layout that saved it
     .complete                        written last, by rank 0, after every rank has finished: the
                                      size and SHA-256 of every file above
 
-Loading verifies the files against the marker first (with no step named, a damaged newest checkpoint
-is skipped for the previous one that verifies) and reports a failure of torch's readers with the step
-and the path (miles/train/checkpoint.py).
+Another layout resumes it: a global tensor carries no trace of the tensor / pipeline / data-parallel
+split that wrote it, so each rank reads the slices its own layout needs. RNG states are restored
+only under the layout that saved them (otherwise the fresh seeding stays).
 
-Resuming needs the same tensor / pipeline sizes; the data-parallel size may change.
+Loading verifies the files against the marker first (with no step named, a damaged newest checkpoint
+is skipped for the previous one that verifies) and is strict: a key the model asks for that the
+checkpoint lacks, or one the checkpoint holds that no rank asks for, is a CheckpointError listing a
+few of each with their counts. Checkpoints of the earlier per-rank format (megatron/optim_state_*.pt
+without megatron/dist/) are refused with a message saying so.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +44,35 @@ from miles.train.checkpoint import CheckpointError, choose, load_error, seal, st
 
 log = logging.getLogger("miles.train.checkpoint")
 
+_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+"""How the distributed optimizer shapes its state for dist_checkpointing: per parameter, in the
+parameter's global shape, so that any layout can read it back."""
+_SHOWN = 5
 
-def _files(run_dir: str, step: int) -> tuple[Path, Path, Path]:
+
+def _megatron_dir(run_dir: str, step: int) -> Path:
+    return step_dir(run_dir, step) / "megatron"
+
+
+def _model_file(run_dir: str, step: int) -> Path:
+    """This rank's plain per-stage weights file (for `miles export`)."""
     from megatron.core import parallel_state as ps
 
     tag = f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
     if ps.get_expert_model_parallel_world_size() > 1:  # each expert-parallel rank holds its own experts
         tag += f"_ep{ps.get_expert_model_parallel_rank()}"
-    d = step_dir(run_dir, step) / "megatron"
-    return d / f"model_{tag}.pt", d / f"optim_{tag}.pt", d / f"optim_state_{tag}.pt"
+    return _megatron_dir(run_dir, step) / f"model_{tag}.pt"
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+    }
 
 
 def _rng() -> dict[str, Any]:
@@ -55,39 +85,45 @@ def _rng() -> dict[str, Any]:
     }
 
 
+def _chain(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _sharded(backend: Any, loading: bool) -> dict[str, Any]:
+    """The sharded state dict of the model and its distributed optimizer (collective)."""
+    model = backend.gpt.sharded_state_dict()
+    optimizer = backend.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_META)
+    return {"model": model, "optimizer": optimizer}
+
+
 def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
     """Collective over all trainer ranks; returns the step directory."""
+    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
+    if not all(o.optimizer is None or o.optimizer.state for o in _chain(backend.optimizer)):
+        raise CheckpointError(
+            "the Megatron backend checkpoints after its first training step (megatron-core's optimizer "
+            "has no state before it); save after train()"
+        )
     run_dir, rank = backend.plan.run_dir, dist.get_rank()
-    model_f, optim_f, state_f = _files(run_dir, step)
-    model_f.parent.mkdir(parents=True, exist_ok=True)
+    mg = _megatron_dir(run_dir, step)
+    (mg / "dist").mkdir(parents=True, exist_ok=True)
     ep = ps.get_expert_model_parallel_world_size() > 1
     if (ps.get_expert_data_parallel_rank() if ep else ps.get_data_parallel_rank()) == 0:
         state = {k: v for k, v in backend.gpt.state_dict().items() if not k.endswith("_extra_state")}
-        torch.save(state, model_f)
-        torch.save(backend.optimizer.state_dict(), optim_f)
-    backend.optimizer.save_parameter_state(str(state_f))
-    torch.save(_rng(), model_f.parent / f"rng_rank{rank}.pt")
+        torch.save(state, _model_file(run_dir, step))
+    dist.barrier()  # megatron-core's writer expects its directory to exist on every rank
+    dist_checkpointing.save(_sharded(backend, loading=False), str(mg / "dist"))
+    torch.save(_rng(), mg / f"rng_rank{rank}.pt")
     out = step_dir(run_dir, step)
     if rank == 0:
-        torch.save({"step": step, "step_count": backend.step_count, "extra": extra or {}}, out / "trainer.pt")
+        trainer = {"step": step, "step_count": backend.step_count, "extra": extra or {}, "layout": _layout()}
+        torch.save(trainer, out / "trainer.pt")
     dist.barrier()
     seal(run_dir, step, backend.plan.train.checkpoint.keep_last, dist)
     dist.barrier()
     return str(out)
-
-
-def _load_parameter_state(optimizer: Any, path: str) -> None:
-    """Megatron's loader expects no per-parameter `step` tensor, which torch's Adam keeps: set it aside."""
-    inners = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-    kept = [{p: st.pop("step") for p, st in inner.state.items() if "step" in st} for inner in inners]
-    try:
-        optimizer.load_parameter_state(path)
-    finally:
-        for inner, steps in zip(inners, kept, strict=True):
-            for p, step in steps.items():
-                inner.state[p]["step"] = step
 
 
 def load(backend: Any, step: int | None) -> dict[str, Any]:
@@ -98,14 +134,13 @@ def load(backend: Any, step: int | None) -> dict[str, Any]:
     for note in choice.notes if dist.get_rank() == 0 else []:
         log.warning("%s", note)
     step = choice.check()
-    model_f, _, _ = _files(run_dir, step)
-    if not model_f.exists():
-        raise CheckpointError(
-            f"no Megatron checkpoint {model_f}: was it saved by the megatron backend with the same "
-            "train.tensor_parallel and train.pipeline_parallel?"
-        )
+    mg = _megatron_dir(run_dir, step)
+    if not (mg / "dist").is_dir():
+        raise CheckpointError(_format_problem(mg))
     try:
         trainer = _load_files(backend, run_dir, step)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise load_error(step, run_dir, exc) from exc
     backend.step_count = int(trainer["step_count"])
@@ -113,15 +148,132 @@ def load(backend: Any, step: int | None) -> dict[str, Any]:
     return trainer["extra"]
 
 
+def _format_problem(mg: Path) -> str:
+    if mg.is_dir() and any(mg.glob("optim_state_*.pt")):
+        return (
+            f"{mg} holds a Megatron checkpoint of the earlier per-rank format (optim_state_*.pt files, one "
+            "per tensor/pipeline rank, no dist/), which this version does not read: resume it with the "
+            "Miles version that wrote it, or start a new run directory from model.path"
+        )
+    return f"no Megatron checkpoint under {mg} (no dist/): was it saved by train.backend=megatron?"
+
+
+def key_mismatch(in_model: set[str], in_checkpoint: set[str], where: str) -> str | None:
+    """The error text for a checkpoint whose keys differ from the model's (None: they agree)."""
+    missing = sorted(in_model - in_checkpoint)
+    unexpected = sorted(in_checkpoint - in_model)
+    if not missing and not unexpected:
+        return None
+
+    def few(keys: list[str]) -> str:
+        more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+        return ", ".join(keys[:_SHOWN]) + more
+
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing (the model has them, the checkpoint does not): {few(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected (in the checkpoint, not in the model): {few(unexpected)}")
+    return (
+        f"checkpoint {where} does not fit this model: {'; '.join(parts)}. Was it saved from the same "
+        "model.path (architecture, tied embeddings, biases, qk-norm)? Resume with that model, or start "
+        "a new run directory"
+    )
+
+
+def _gathered_union(keys: set[str]) -> set[str]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, sorted(keys))
+    return {k for part in out for k in part}
+
+
 def _load_files(backend: Any, run_dir: str, step: int) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    path = str(_megatron_dir(run_dir, step) / "dist")
+    _ensure_optimizer_state(backend.optimizer)
+    request = _sharded(backend, loading=True)
+    loaded, saved_only, asked_only = dist_checkpointing.load(request, path, strict=StrictHandling.RETURN_ALL)
+    # megatron-core's "missing" are keys only the checkpoint has (equal on all ranks), its
+    # "unexpected" this rank's keys the checkpoint lacks; every rank decides on the same union
+    problem = key_mismatch(_gathered_union(asked_only), set(saved_only), path)
+    if problem:
+        raise CheckpointError(problem)
+    backend.gpt.load_state_dict(loaded["model"], strict=True)
+    _load_optimizer(backend.optimizer, loaded["optimizer"])
+    trainer = torch.load(step_dir(run_dir, step) / "trainer.pt", weights_only=False)
+    _restore_rng(_megatron_dir(run_dir, step), trainer.get("layout"))
+    return trainer
+
+
+def _restore_rng(mg: Path, saved_layout: dict[str, int] | None) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    model_f, optim_f, state_f = _files(run_dir, step)
-    backend.gpt.load_state_dict(torch.load(model_f, map_location="cpu"), strict=False)
-    backend.optimizer.load_state_dict(torch.load(optim_f, map_location="cpu", weights_only=False))
-    _load_parameter_state(backend.optimizer, str(state_f))
-    rng = torch.load(model_f.parent / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    if saved_layout != _layout():
+        if dist.get_rank() == 0:
+            log.info(
+                "checkpoint layout %s differs from this run's %s: RNG states stay freshly seeded",
+                saved_layout,
+                _layout(),
+            )
+        return
+    rng = torch.load(mg / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     torch.cuda.set_rng_state(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
-    return torch.load(step_dir(run_dir, step) / "trainer.pt", weights_only=False)
+
+
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Adam's state exists only after a step, and megatron-core's loader fills existing state: a fresh
+    optimizer takes one step of zero gradients at learning rate 0 first (no parameter changes; the
+    step count it leaves is replaced by the checkpoint's)."""
+    for opt in _chain(optimizer):
+        inner = opt.optimizer
+        if inner is None or inner.state:
+            continue
+        decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        lrs = [g["lr"] for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"] = 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+                if decoupled:  # the hybrid CPU optimizer reads fp32 gradients from here
+                    p.decoupled_grad = torch.zeros_like(p, dtype=torch.float32)
+        inner.step()
+        for g, lr in zip(inner.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        inner.zero_grad(set_to_none=True)
+        for g in inner.param_groups:
+            for p in g["params"]:
+                if decoupled:
+                    p.decoupled_grad = None
+
+
+def _load_optimizer(optimizer: Any, state: Any) -> None:
+    """Param groups and Adam's step, then master weights and moments of this rank's shards."""
+    chain = _chain(optimizer)
+    parts = [state[i] for i in range(len(chain))] if len(chain) > 1 else [state]
+    for opt, part in zip(chain, parts, strict=True):
+        part = dict(part)
+        param_state = part.pop("param_state")
+        kind = part.pop("param_state_sharding_type")
+        if kind != _META["distrib_optim_sharding_type"]:
+            raise CheckpointError(
+                f"optimizer state of sharding type {kind!r}; this version reads fully_reshardable"
+            )
+        opt.load_state_dict(part)
+        with _steps_aside(opt.optimizer):
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+
+
+@contextmanager
+def _steps_aside(inner: Any) -> Iterator[None]:
+    """megatron-core copies every tensor of a parameter's torch-Adam state from the checkpoint and has
+    no `step` tensor there (the step comes with the param groups): set it aside meanwhile."""
+    kept = {p: st.pop("step") for p, st in inner.state.items() if "step" in st}
+    try:
+        yield
+    finally:
+        for p, step in kept.items():
+            inner.state[p]["step"] = step
