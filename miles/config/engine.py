@@ -60,7 +60,8 @@ class EngineConfig(Section):
     model.dtype. The trainer ships its weights in this layout. SGLang servers get `--quantization fp8`."""
     fp8_min_tokens: int = Field(1024, ge=1)
     """Embedded engine: GEMMs with at least this many rows (prefill, large batches) run in FP8, smaller
-    ones (decode) dequantise the weight and run in model.dtype. The default is the smallest GEMM size at
+    ones (decode) on CUDA multiply a model.dtype copy of the weight kept beside the FP8 one (2 bytes per
+    covered parameter; 1 runs every GEMM in FP8 and keeps no copy). The default is the smallest GEMM size at
     which FP8 was measured to gain on one H200 (1.2-1.5x from 1k rows; 0.56-0.75x of bf16 at <= 256
     rows, activation quantisation included); the engine's --fp8-min-tokens has the same default."""
     fault_injection: bool = False

@@ -4,7 +4,11 @@ The weights the FP8 contract covers (miles.quant.fp8.is_quantized_name: a layer'
 gate/up/down projections) are stored as the contract's pair, `X.weight` (float8_e4m3fn) and
 `X.weight_scale_inv` (fp32; [ceil(out/128), ceil(in/128)] blocks or [out, 1] rows), and multiplied
 with `fp8_linear`: on CUDA a real FP8 GEMM once a GEMM has at least `min_tokens` rows (prefill, large
-batches), below that (decode) and on CPU the weight dequantised and multiplied in the model dtype.
+batches). Below that (decode) a CUDA engine multiplies a model-dtype copy of the weight, dequantised
+from the stored pair whenever the pair changes (load, update, onload): dequantising on every decode
+step reads and writes the weight twice more and ran at 0.4x of bf16 on an H200 (bench/RESULTS.md).
+The copy costs 2 bytes per covered parameter; `min_tokens: 1` runs every GEMM in FP8 and keeps none.
+On CPU the weight is dequantised and multiplied in the model dtype.
 Embeddings, lm_head, norms, biases, MoE routers and experts stay in the model dtype.
 
 Where the bytes come from, the engine never re-quantises what it is sent:
@@ -47,9 +51,10 @@ from miles.quant.fp8 import (
 QUANTIZATIONS = ("none", *LAYOUTS)
 DEFAULT_FP8_MIN_TOKENS = 1024
 """GEMM rows from which the FP8 GEMM runs. Measured on one H200 with plain PyTorch (the linears of
-0.5-1.5B models): at <= 256 rows (decode) FP8 linears ran at
-0.56-0.75x of bf16, activation quantisation included; from 1k rows (prefill) row-wise FP8 gained
-1.2-1.5x. 1024 is the smallest size measured to gain; the break-even between 256 and 1024 is unmeasured."""
+0.5-1.5B models): at <= 256 rows (decode) FP8 linears ran at 0.56-0.75x of bf16, activation
+quantisation included; from 1k rows (prefill) row-wise FP8 gained 1.2-1.5x. 1024 is the smallest size
+measured to gain; the break-even between 256 and 1024 is unmeasured. Whole-engine figures, where FP8
+did not gain at 0.5B, are in bench/RESULTS.md."""
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -152,6 +157,8 @@ class Fp8Decoder(Decoder):
         self.layout = layout
         self.min_tokens = min_tokens
         """GEMMs with fewer rows dequantise the weight instead of running an FP8 GEMM (engine.fp8_min_tokens)."""
+        self._shadow: dict[str, torch.Tensor] = {}
+        """Stored FP8 name -> its dequantised model-dtype copy (CUDA, min_tokens > 1; module docstring)."""
         self._rows: dict[str, int] = {}
         self._split: dict[str, list[str]] = {}
         """Fused weight name -> its FP8 members kept as separate tensors (fp8_block, rows not x128)."""
@@ -190,6 +197,31 @@ class Fp8Decoder(Decoder):
     def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
         """As Decoder.load, covered names taken as the FP8 pair or quantised on receipt (module docstring)."""
         super().load(self.prepare(weights), strict)
+        self._refresh_shadow()
+
+    def offload(self) -> None:
+        self._shadow = {}
+        super().offload()
+
+    def onload(self) -> None:
+        super().onload()
+        self._refresh_shadow()
+
+    def _refresh_shadow(self) -> None:
+        """Dequantise every stored FP8 weight into its model-dtype copy, in place where one exists (the
+        CUDA graphs captured over the copies stay valid). Nothing on CPU, off the device, or when every
+        GEMM runs in FP8 (min_tokens 1)."""
+        if self.device.type != "cuda" or not self.resident or self.min_tokens <= 1:
+            self._shadow = {}
+            return
+        for name, t in self.storage.items():
+            if t.dtype != FP8_DTYPE:
+                continue
+            w = dequantize_weight(t, self.storage[scale_name(name)], self.layout, self.dtype)
+            if name in self._shadow:
+                self._shadow[name].copy_(w)
+            else:
+                self._shadow[name] = w
 
     def prepare(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`weights` with every covered `X.weight` as the contract's pair: an FP8 weight and its scale
@@ -238,6 +270,9 @@ class Fp8Decoder(Decoder):
         if w.dtype != FP8_DTYPE:
             return F.linear(x, w, bias)
         scale = self._stored(scale_name(name))
+        shadow = self._shadow.get(name)
+        if shadow is not None and x.numel() // x.shape[-1] < self.min_tokens:
+            return F.linear(x, shadow, bias)
         if x.is_cuda:
             return fp8_linear(x, w, scale, self.layout, bias, min_tokens=self.min_tokens)
         # CPU: the dequantised values (what the trainer's fake-quant forward multiplies), never the

@@ -122,3 +122,36 @@ def test_graph_decode_equals_eager_decode(model, layout, tmp_path):
             assert resp.status_code == 200, resp.text
             outputs.append(resp.json()["output_ids"])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_copy_follows_every_weight_change(model, layout):
+    """Below min_tokens a CUDA engine multiplies a model-dtype copy of each FP8 weight: equal to the
+    dequantised pair at load, after a pair update (in place: graphs stay valid), and after offload/onload;
+    no copy when every GEMM runs in FP8."""
+    from miles.quant.fp8 import dequantize_weight
+
+    assert _fp8(model, layout, 1)._shadow == {}
+    dec = _fp8(model, layout, BIG)
+
+    def check() -> None:
+        fp8 = [n for n, t in dec.storage.items() if t.dtype == torch.float8_e4m3fn]
+        assert sorted(dec._shadow) == sorted(fp8), "one copy per stored FP8 weight"
+        for n in fp8:
+            want = dequantize_weight(dec.storage[n], dec.storage[scale_name(n)], layout, torch.bfloat16)
+            assert torch.equal(dec._shadow[n], want), f"{n}: copy differs from the stored pair"
+
+    check()
+    name = "model.layers.1.mlp.up_proj.weight"
+    key = "model.layers.1.mlp.gate_up_proj.weight"
+    address = dec._shadow[key].data_ptr()
+    q, s = quantize_weight(torch.randn(dec.params[name].shape, device="cuda") * 0.05, layout)
+    dec.load({name: q, scale_name(name): s})
+    assert dec._shadow[key].data_ptr() == address, "an update must write the copy in place"
+    check()
+    dec.offload()
+    assert dec._shadow == {}, "offload frees the copies with the weights"
+    dec.onload()
+    check()
+    x = torch.randn(3, SIZES["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(dec._linear(x, key), torch.nn.functional.linear(x, dec._shadow[key]))
