@@ -217,6 +217,8 @@ class MegatronBackend:
         gpt = M.build_gpt(self.hf_cfg, tf, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
         gpt.cuda(torch.cuda.current_device())
         M.load_hf_into(gpt, hf_state, self.hf_cfg)
+        if self.moe is not None:  # the reference forward replays the rollout's experts too
+            self.moe.attach(gpt, M.layer_offset(gpt), measured=False)
         self._install_fake_quant(gpt)
         gpt.requires_grad_(False)
         return Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
@@ -313,6 +315,8 @@ class MegatronBackend:
         norm = (sum(map(sum, masks)), sum(1 for m in masks if sum(m) > 0))
         dev = torch.device("cuda", torch.cuda.current_device())
         mbs = B.pack(mine, [adv[i] for i in mine_ids], t.max_tokens_per_microbatch, dev)
+        if self.moe is not None:
+            mbs = self.moe.pad_micro_batches(mbs)
         old_mine = None if old is None else [old[i] for i in mine_ids]
         ref_mine = None if ref is None else [ref[i] for i in mine_ids]
         scale = len(mbs) * ps.get_data_parallel_world_size()

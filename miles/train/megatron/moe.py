@@ -28,6 +28,7 @@ this backend does not use), shared experts (Qwen2-MoE), grouped / sigmoid router
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -109,8 +110,8 @@ def _routers(gpt: torch.nn.Module, layer_offset: int) -> list[tuple[int, Any]]:
 
 
 class MoERouting:
-    """This stage's routers: per micro-batch rollout routing (megatron-core's RouterReplay) and the
-    step's router metrics."""
+    """The routers of this stage (the policy's, and the reference's when there is one): per micro-batch
+    rollout routing through megatron-core's RouterReplay, and the step's router metrics."""
 
     stats: RoutingReplay
     """Step sums over every MoE layer of the model (slots: index in `Shapes.moe_layers`)."""
@@ -118,38 +119,81 @@ class MoERouting:
     """The MoE layers of this pipeline stage (what a micro-batch's routing is cut to)."""
     replay: bool
     measure: bool
-    """Whether forwards add to the step's metrics now (set by the backend per phase)."""
+    """Whether the policy's forwards add to the step's metrics now (set by the backend per phase)."""
+    _moe_layers: tuple[int, ...]
     _replays: list[Any]
+    """One RouterReplay per router of this stage, of every attached model, in layer order per model."""
     _pre_softmax: bool
+    _recompute: bool
+    """Full activation recompute: the routers run again in the backward pass (REPLAY_BACKWARD)."""
+    _inside: bool
+    """A micro-batch forward is running (recomputes in the backward pass are not measured)."""
     _real: Tensor | None
     """[s * b] bool, the current micro-batch's real (non-padding) tokens in router order."""
+    _fillers: set[int]
+    """ids of throw-away micro-batches (equal counts over expert-parallel ranks): never measured."""
 
     def __init__(self, gpt: torch.nn.Module, hf_cfg: Any, layer_offset: int, replay: bool) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
         s = convert.Shapes.from_hf(hf_cfg)
         k = int(hf_cfg.num_experts_per_tok)
-        routers = _routers(gpt, layer_offset)
+        self._moe_layers = s.moe_layers
         self.stats = RoutingReplay(MoEShape(list(s.moe_layers), s.num_layers, s.num_experts, k), replay)
-        self.stage = MoEShape([layer for layer, _ in routers], s.num_layers, s.num_experts, k)
+        stage = [layer for layer, _ in _routers(gpt, layer_offset)]
+        self.stage = MoEShape(stage, s.num_layers, s.num_experts, k)
         self.replay, self.measure = replay, False
         self._pre_softmax = not getattr(hf_cfg, "norm_topk_prob", False)
-        self._real = None
+        self._recompute = getattr(gpt.config, "recompute_granularity", None) == "full"
+        self._inside, self._real, self._fillers = False, None, set()
         self._replays = []
+        self.attach(gpt, layer_offset, measured=True)
+
+    def attach(self, gpt: torch.nn.Module, layer_offset: int, measured: bool) -> None:
+        """Route `gpt`'s routers too (the frozen reference: same layers, `measured` False)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        routers = _routers(gpt, layer_offset)
+        assert [layer for layer, _ in routers] == self.stage.layers, "attached model has other MoE layers"
         for layer, router in routers:
             rr = router.router_replay
             assert isinstance(rr, RouterReplay), "moe_enable_routing_replay must be on (config_kwargs)"
-            rr.get_replay_topk = self._topk(s.moe_layers.index(layer), rr)
+            rr.get_replay_topk = self._topk(self._moe_layers.index(layer), rr, measured)
             self._replays.append(rr)
 
     def reset(self) -> None:
-        """Zero the step's sums."""
+        """Zero the step's sums and forget any micro-batch routing left from an earlier step."""
         self.stats.reset()
+        self.reset_routing()
+
+    def reset_routing(self) -> None:
+        """No replayed experts, no queued ones: the routers choose by themselves."""
+        self._fillers.clear()
+        for rr in self._replays:
+            rr.clear_indices()
+            rr.clear_router_replay_action()
+
+    def pad_micro_batches(self, mbs: list[Any]) -> list[Any]:
+        """With expert parallelism every rank must run as many forwards as the others (each MoE layer is
+        an all-to-all): `mbs` plus copies of its last micro-batch with no trained token, up to the most
+        any data-parallel rank has. Collective over the data-parallel group."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_model_parallel_world_size() == 1:
+            return mbs
+        most = torch.tensor([len(mbs)], device=mbs[-1].mask.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        extra = [
+            dataclasses.replace(mbs[-1], mask=torch.zeros_like(mbs[-1].mask))
+            for _ in range(int(most) - len(mbs))
+        ]
+        self._fillers.update(id(mb) for mb in extra)
+        return mbs + extra
 
     @contextlib.contextmanager
     def micro_batch(self, samples: Sequence[Sample], mb: Any) -> Iterator[None]:
-        """Within: this stage's routers see the rollout's experts of micro-batch `mb` (its `sample_ids`
-        index `samples`), replaying them when replay is on."""
+        """Within: the routers see the rollout's experts of micro-batch `mb` (its `sample_ids` index
+        `samples`), replaying them when replay is on. Under full recompute a training forward's experts
+        stay queued for the backward pass's recompute (REPLAY_BACKWARD pops them in forward order)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         rows = None
@@ -158,31 +202,36 @@ class MoERouting:
             rows = router_rows(samples, mb.sample_ids, batch, self.stage, self.replay)
             lengths = [len(samples[i].tokens) for i in mb.sample_ids]
             self._real = real_tokens(lengths, batch).to(mb.tokens.device, non_blocking=True)
+        queued = self._recompute and torch.is_grad_enabled() and self.replay and rows is not None
+        n = len(self.stage.layers)
         try:
             if rows is not None:
-                for rr, target in zip(self._replays, rows, strict=True):
-                    rr.clear_indices()
-                    rr.set_target_indices(target.to(mb.tokens.device, non_blocking=True))
+                for j, rr in enumerate(self._replays):
+                    if not queued:
+                        rr.clear_indices()
+                    rr.set_target_indices(rows[j % n].to(mb.tokens.device, non_blocking=True))
                     if self.replay:
                         rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._inside = id(mb) not in self._fillers
             yield
         finally:
+            self._inside, self._real = False, None
             for rr in self._replays:
-                rr.clear_indices()
-                rr.clear_router_replay_action()
-            self._real = None
+                if queued:
+                    rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+                else:
+                    rr.clear_indices()
+                    rr.clear_router_replay_action()
 
-    def _topk(self, slot: int, rr: Any):
+    def _topk(self, slot: int, rr: Any, measured: bool):
         """`RouterReplay.get_replay_topk` for router `slot`: replayed experts where the rollout has a row,
-        the router's own top-k elsewhere; adds the pass to the step's sums when measuring."""
+        the router's own top-k elsewhere; a measured router adds the pass to the step's sums."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             values, natural = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             action = rr.router_replay_action
-            given = rr.target_topk_idx
-            if action == A.REPLAY_BACKWARD:
-                given = rr.replay_backward_list.pop(0)
+            given = rr.replay_backward_list.pop(0) if action == A.REPLAY_BACKWARD else rr.target_topk_idx
             given = None if given is None else given.to(scores.device).long()
             if given is not None and given.shape != natural.shape:
                 raise ValueError(
@@ -193,7 +242,7 @@ class MoERouting:
             if given is not None and action in (A.REPLAY_FORWARD, A.REPLAY_BACKWARD):
                 used = torch.where(given >= 0, given, natural)
                 values = scores.gather(1, used)
-            if self.measure:
+            if measured and self.measure and self._inside:
                 self._record(slot, scores.detach(), natural.detach(), used.detach(), given)
             return values, used
 
@@ -210,9 +259,11 @@ class MoERouting:
         self.stats.record(slot, probs, natural, used, ref)
 
     def metrics(self) -> dict[str, float]:
-        """The step's router metrics summed over all ranks (collective: every rank calls it)."""
+        """The step's router metrics summed over all ranks (collective: every rank calls it, after the
+        step's last backward); the step's queued routing is dropped."""
         import torch.distributed as dist
 
+        self.reset_routing()
         stats = self.stats.stats().to(torch.cuda.current_device())
         dist.all_reduce(stats)
         return self.stats.metrics(stats.cpu())
