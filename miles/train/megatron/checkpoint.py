@@ -192,6 +192,7 @@ def _load_files(backend: Any, run_dir: str, step: int) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     path = str(_megatron_dir(run_dir, step) / "dist")
+    _allow_group_classes(backend.optimizer)
     _ensure_optimizer_state(backend.optimizer)
     request = _sharded(backend, loading=True)
     loaded, saved_only, asked_only = dist_checkpointing.load(request, path, strict=StrictHandling.RETURN_ALL)
@@ -222,6 +223,20 @@ def _restore_rng(mg: Path, saved_layout: dict[str, int] | None) -> None:
     torch.set_rng_state(rng["torch"])
     torch.cuda.set_rng_state(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def _allow_group_classes(optimizer: Any) -> None:
+    """megatron-core reads the common state (param groups included) with torch.load(weights_only=True);
+    the hybrid CPU optimizer keeps its sub-optimizer classes in its param groups: allow those."""
+    classes = {
+        v
+        for o in _chain(optimizer)
+        if o.optimizer is not None
+        for g in o.optimizer.param_groups
+        for v in g.values()
+        if isinstance(v, type)
+    }
+    torch.serialization.add_safe_globals(sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}"))
 
 
 def _ensure_optimizer_state(optimizer: Any) -> None:
