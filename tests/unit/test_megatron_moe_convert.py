@@ -132,6 +132,7 @@ def test_config_fields(tiny):
     assert kw["moe_layer_freq"] == [0, 1, 1] and kw["expert_model_parallel_size"] == 2
     assert kw["moe_router_pre_softmax"] is False, "norm_topk_prob: softmax over the top-k logits"
     assert kw["moe_aux_loss_coeff"] == 0.0 and kw["moe_enable_routing_replay"] is True
+    assert "moe_token_dispatcher_type" not in kw, "model.transformer_config sets the all-to-all dispatcher"
     cfg.norm_topk_prob = False
     assert moe.config_kwargs(cfg, 1)["moe_router_pre_softmax"] is True
     assert moe.config_kwargs(types.SimpleNamespace(num_hidden_layers=2), 1) == {}

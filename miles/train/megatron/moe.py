@@ -78,7 +78,6 @@ def config_kwargs(hf_cfg: Any, expert_parallel: int) -> dict[str, Any]:
         moe_router_pre_softmax=not getattr(hf_cfg, "norm_topk_prob", False),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         moe_enable_routing_replay=True,
         expert_model_parallel_size=expert_parallel,
