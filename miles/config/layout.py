@@ -15,6 +15,13 @@ train.expert_parallel divides the data-parallel ranks, ranks / (tensor_parallel 
 and the model's routed experts. Megatron trains MoE models without tensor parallelism (its MoE layers
 would need sequence parallelism); FSDP shards experts like any parameter (no EP).
 
+Context parallelism: train.context_parallel divides the ranks together with tensor_parallel x
+pipeline_parallel, and megatron-core's causal load balancing cuts each sequence into 2 x CP chunks, so
+the micro-batch token budget must split into them; no backend builds it yet, so both refuse it after
+those rules. Per-backend features: train.recompute is Megatron's only; Megatron offloads optimizer
+state to the CPU through megatron-core's hybrid optimizer (bf16 parameters, fp32 moments) and refuses
+NVMe streaming.
+
 Pipeline stages: layers split evenly, or train.pipeline_first_stage_layers / _last_stage_layers fix
 the first / last stage and the rest is split evenly over the stages between (`stage_layers`).
 """
