@@ -50,7 +50,8 @@ from miles.train.optim import lr_factor
 
 
 def require_megatron(plan: Any) -> None:
-    """Raise ConfigError (naming train.backend) when this machine cannot run the backend."""
+    """Raise ConfigError (naming the key to change) when this machine cannot run the backend, or the
+    plan's layout or features are ones it does not build (miles/config/layout.py)."""
     if not torch.cuda.is_available():
         raise ConfigError(
             "train.backend=megatron needs CUDA GPUs (megatron-core's forward is CUDA-only) and none is "
