@@ -201,11 +201,11 @@ class MegatronBackend:
             **offload_config(t.optimizer_offload),
         )
         optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+        if t.loss.kl_coef > 0:  # before the hooks below: an MoE layer deep-copies the config it is built with
+            self.ref_model = self._reference(tf, hf_state, dtype)
         tf.finalize_model_grads_func = finalize_model_grads
         tf.grad_scale_func = optimizer.scale_loss
         tf.no_sync_func = ddp.no_sync
-        if t.loss.kl_coef > 0:
-            self.ref_model = self._reference(tf, hf_state, dtype)
         return ddp, optimizer
 
     def _reference(self, tf: Any, hf_state: dict[str, Tensor], dtype: torch.dtype) -> torch.nn.Module:
