@@ -149,14 +149,10 @@ def test_requeue_resumes_the_rl_loop_from_checkpoint(tmp_path: Path, tiny_model:
         time.sleep(0.5)
     # what Slurm does --signal seconds before the time limit: USR2 to the batch shell only
     subprocess.run(["scancel", "--batch", "--signal=USR2", sub.job_ids[0]], check=True)
-    # Slurm holds a requeued job ~120 s before it is eligible again; make it eligible now
+    # Slurm holds a requeued job ~120 s before it is eligible again; make it eligible now, once every
+    # het component is requeued (each requeue sets that hold anew, so an earlier update is undone)
     deadline = time.monotonic() + 90
-    while (
-        "Restarts=1"
-        not in subprocess.run(
-            ["scontrol", "show", "job", sub.job_ids[0]], capture_output=True, text=True
-        ).stdout
-    ):
+    while not _requeued_and_pending(sub.job_ids[0]):
         assert time.monotonic() < deadline, run_logs(run_dir, "actor")
         time.sleep(0.5)
     preempted_at = max(
@@ -171,6 +167,13 @@ def test_requeue_resumes_the_rl_loop_from_checkpoint(tmp_path: Path, tiny_model:
     assert (run_dir / "checkpoints" / f"step_{steps}" / ".complete").exists()
     log = run_logs(run_dir)
     assert "USR2" in log and "start 1" in log
+
+
+def _requeued_and_pending(job_id: str) -> bool:
+    """Every component of the job has been requeued once and waits to start again."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+    lines = out.splitlines()
+    return bool(lines) and all("Restarts=1" in x and "JobState=PENDING" in x for x in lines)
 
 
 def test_mpi_bootstrap_under_pmix(tmp_path: Path, tiny_model: str) -> None:
