@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -281,7 +282,7 @@ def _rank_main() -> None:
 
     model, runs, ep, pp, first = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     torch.backends.cuda.matmul.allow_tf32 = False
-    world = int(__import__("os").environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     layout = dict(expert_parallel=ep, pipeline_parallel=pp, num_ranks=world, routing_replay="rollout")
     if first:
         layout["pipeline_first_stage_layers"] = first
