@@ -194,7 +194,7 @@ def test_stuck_engine_thread_is_unhealthy_until_it_moves_and_stops_on_sigterm(ti
 
     try:
         _serves(engine)
-        _inject(engine, "step_hang", seconds=15)
+        _inject(engine, "step_hang", seconds=8)  # outlasts the 1 s stuck timeout and the checks below
         waiting = threading.Thread(target=send, daemon=True)
         waiting.start()  # its step hangs
         assert "stuck" in _wait_unhealthy(engine)
