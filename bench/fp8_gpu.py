@@ -424,8 +424,8 @@ def header(args, device: str, start: str, end: str) -> list[str]:
         "tokens) = (prompt + generated tokens) / the same wall seconds. Range = min-max over "
         f"{args.rounds} rounds.",
         "- rollout speed-up = FP8 arm tok/s / bf16 tok/s, same round, model and workload (> 1: FP8 faster). "
-        "`@ N` is engine.fp8_min_tokens: GEMMs with fewer than N rows dequantise the weight and multiply "
-        "in bf16; `@ 1` runs every GEMM in FP8 (decode included).",
+        "`@ N` is engine.fp8_min_tokens: GEMMs with fewer than N rows multiply the engine's bf16 copy of "
+        "the weight; `@ 1` runs every GEMM in FP8 (decode included) and keeps no copy.",
         f"- train step s = mean of {args.train_steps} steps of one round; train speed-up = bf16 step s / "
         "arm step s, same round (> 1: arm faster).",
         "- verdict: slower / faster than bf16 when every round's speed-up is below / above 1.",
