@@ -19,7 +19,9 @@ the router. Tokens without an engine row (each sequence's last one, padding) are
 module wraps each `RouterReplay.get_replay_topk` so that such tokens keep the router's own choice,
 and so that every pass can be measured: agreement with the rollout, the router's own agreement,
 per-expert load and the Switch load-balancing loss (miles/train/routing_replay.py's sums, shared
-with the FSDP backend).
+with the FSDP backend). The frozen KL reference replays the same experts. Under full activation
+recompute the routers run again in the backward pass: a training forward's experts stay queued and
+are replayed there with `REPLAY_BACKWARD`, in forward order.
 
 Not built: tensor parallelism for MoE models (megatron's MoE needs sequence parallelism then, which
 this backend does not use), shared experts (Qwen2-MoE), grouped / sigmoid routers.
