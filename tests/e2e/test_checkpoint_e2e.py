@@ -1,10 +1,13 @@
-"""`miles train --resume` over a damaged newest checkpoint, end to end on CPU: the run continues from
-the previous checkpoint, says so naming both steps and the path, and records every step once."""
+"""`miles train --resume` after a SIGKILL and a damaged newest checkpoint, end to end on CPU: the run
+continues from the previous complete checkpoint, says so naming both steps and the path, and records
+every step (and every evaluation) once."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from conftest import finish, miles_train
+from conftest import finish, miles_train, stop, wait_for_step
 
 from miles.metrics import read_metrics
 from miles.train.checkpoint import complete_steps, step_dir
@@ -12,22 +15,33 @@ from miles.train.checkpoint import complete_steps, step_dir
 pytestmark = pytest.mark.slow
 
 
-def test_resume_skips_a_truncated_newest_checkpoint(recipe) -> None:
+def test_resume_after_kill_skips_a_truncated_newest_checkpoint(recipe) -> None:
     path, run_dir = recipe(
-        train={"steps": 6, "checkpoint": {"every_steps": 2, "keep_last": 2}},
+        train={"steps": 8, "checkpoint": {"every_steps": 2, "keep_last": 2}},
+        rollout={"schedule": "async"},
         eval={"every_steps": 3, "samples_per_prompt": 1},
     )
-    finish(miles_train(str(path)))
-    assert complete_steps(run_dir) == [4, 6]
-    newest = step_dir(run_dir, 6)
-    shard = max((p for p in (newest / "state").iterdir()), key=lambda p: p.stat().st_size)
+    proc = miles_train(str(path))
+    try:
+        wait_for_step(run_dir, 5, proc)
+        proc.kill()  # SIGKILL: no final checkpoint; every child dies with the launcher
+        proc.wait()
+    finally:
+        stop(proc)
+    before = [r["step"] for r in read_metrics(run_dir)]
+    assert before[:6] == [0, 1, 2, 3, 4, 5] and max(before) < 8, before
+    *_, previous, newest = complete_steps(run_dir)  # [2, 4] or [4, 6] (keep_last=2)
+    assert previous == newest - 2 and newest <= max(before), (complete_steps(run_dir), before)
+    damaged = step_dir(run_dir, newest)
+    shard = max((p for p in (damaged / "state").iterdir()), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:1000])
+    time.sleep(2)  # the trainer rank's parent-death signal has landed
 
-    finish(miles_train(str(path), "--resume", str(run_dir), "--set", "train.steps=8"))
+    finish(miles_train(str(path), "--resume", str(run_dir)))
     log = (run_dir / "logs" / "trainer-0.log").read_text()
-    assert f"checkpoint step 6 at {newest} is damaged (state/{shard.name} has 1000 bytes" in log
-    assert "resuming from step 4" in log and "resumed from checkpoint step 4" in log
+    assert f"checkpoint step {newest} at {damaged} is damaged (state/{shard.name} has 1000 bytes" in log
+    assert f"resuming from step {previous}" in log and f"resumed from checkpoint step {previous}" in log
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(9))
+    assert [r["step"] for r in records] == list(range(9))  # nothing lost, nothing twice
     assert [r["step"] for r in records if "eval/pass@1" in r] == [0, 3, 6, 8]
-    assert complete_steps(run_dir) == [6, 8]  # step 6 written again after the resume from 4
+    assert complete_steps(run_dir) == [6, 8]  # written again after the resume
