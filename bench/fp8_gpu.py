@@ -37,13 +37,11 @@ import argparse
 import datetime
 import gc
 import importlib.util
-import json
 import random
 import statistics
 import subprocess
 import sys
 import time
-import traceback
 from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
@@ -549,27 +547,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_parts(args, device: str, results: dict) -> dict[str, str]:
-    """Each selected part in turn, results[part] filled (and --out rewritten) as each ends; a part that
-    raises is reported by the table and the next one still runs. Returns part -> error."""
-    runners = {
-        "mismatch": lambda: mismatch_part(args, device),
-        "train": lambda: train_part(args, device),
-        "rollout": lambda: [row for size in args.sizes for row in rollout_size(args, size, device)],
-    }
-    errors = {}
-    for part in [p for p in PARTS if p in (args.part or PARTS)]:
-        try:
-            results[part] = runners[part]()
-        except Exception as exc:
-            traceback.print_exc()
-            errors[part] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
-            free_memory()
-        if args.out:
-            Path(args.out).write_text(json.dumps(results | {"errors": errors}, indent=1))
-    return errors
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -577,21 +554,20 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.fp8_gpu needs a CUDA GPU (or --smoke for the CPU check of the script)")
     now = lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")  # noqa: E731
     start, results = now(), {"args": vars(args), "argv": sys.argv[1:]}
-    errors = run_parts(args, device, results)
-    lines = header(args, device, start, now())
-    titles = {"rollout": "Rollout: embedded engine in process, CUDA graphs", "train": "Train step",
-              "mismatch": "Train-rollout log-prob mismatch"}  # fmt: skip
-    tables = {"rollout": lambda r: rollout_table(r), "train": lambda r: train_table(r, args),
-              "mismatch": lambda r: mismatch_table(r, args)}  # fmt: skip
-    for part in ("rollout", "train", "mismatch"):
-        if part in results or part in errors:
-            body = tables[part](results[part]) if part in results else [f"failed: {errors[part]}"]
-            lines += [f"#### {titles[part]}", "", *body, ""]
-    print("\n" + "\n".join(lines), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results | {"errors": errors, "table": lines}, indent=1))
-        print(f"raw numbers in {args.out}")
-    return 1 if errors or any("failed" in r for r in results.get("mismatch", [])) else 0
+    runners = {
+        "mismatch": lambda: mismatch_part(args, device),
+        "train": lambda: train_part(args, device),
+        "rollout": lambda: [row for size in args.sizes for row in rollout_size(args, size, device)],
+    }
+    from bench.parts import report, run_parts
+
+    errors = run_parts(args, PARTS, runners, results)
+    sections = [
+        ("rollout", "Rollout: embedded engine in process, CUDA graphs", rollout_table),
+        ("train", "Train step", lambda r: train_table(r, args)),
+        ("mismatch", "Train-rollout log-prob mismatch", lambda r: mismatch_table(r, args)),
+    ]
+    return report(args, header(args, device, start, now()), sections, results, errors)
 
 
 if __name__ == "__main__":

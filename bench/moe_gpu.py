@@ -43,7 +43,6 @@ import random
 import shutil
 import statistics
 import sys
-import traceback
 from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +63,7 @@ from bench.fp8_gpu import (
     tok,
     versions,
 )
+from bench.parts import report, run_parts
 from miles.models.tiny import QWEN25_VOCAB, init_random
 
 # Qwen3-30B-A3B's layer shapes (its vocabulary is Qwen2.5's 151,936 ids); the layer count is --layers
@@ -394,23 +394,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_parts(args, device: str, results: dict) -> dict[str, str]:
-    """Each selected part in turn, results[part] filled (and --out rewritten) as each ends; a part that
-    raises is reported by the table and the next one still runs. Returns part -> error."""
-    runners = {"mismatch": lambda: mismatch_part(args, device), "decode": lambda: decode_part(args, device)}
-    errors = {}
-    for part in [p for p in PARTS if p in (args.part or PARTS)]:
-        try:
-            results[part] = runners[part]()
-        except Exception as exc:
-            traceback.print_exc()
-            errors[part] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
-            free_memory()
-        if args.out:
-            Path(args.out).write_text(json.dumps(results | {"errors": errors}, indent=1))
-    return errors
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -418,21 +401,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.moe_gpu needs a CUDA GPU (or --smoke for the CPU check of the script)")
     now = lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")  # noqa: E731
     start, results = now(), {"args": vars(args), "argv": sys.argv[1:]}
-    errors = run_parts(args, device, results)
-    lines = header(args, device, start, now())
+    runners = {"mismatch": lambda: mismatch_part(args, device), "decode": lambda: decode_part(args, device)}
+    errors = run_parts(args, PARTS, runners, results)
     engine = "CPU, float32 (smoke)" if args.smoke else "CUDA graphs, bf16"
-    titles = {"decode": f"Decode: embedded engine in process, {engine}",
-              "mismatch": "Train-rollout log-prob mismatch, routing replay off vs rollout (R3)"}  # fmt: skip
-    tables = {"decode": decode_table, "mismatch": lambda r: mismatch_table(r, args)}
-    for part in ("decode", "mismatch"):
-        if part in results or part in errors:
-            body = tables[part](results[part]) if part in results else [f"failed: {errors[part]}"]
-            lines += [f"#### {titles[part]}", "", *body, ""]
-    print("\n" + "\n".join(lines), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results | {"errors": errors, "table": lines}, indent=1))
-        print(f"raw numbers in {args.out}")
-    return 1 if errors or any("failed" in r for r in results.get("mismatch", [])) else 0
+    sections = [
+        ("decode", f"Decode: embedded engine in process, {engine}", decode_table),
+        ("mismatch", "Train-rollout log-prob mismatch, routing replay off vs rollout (R3)",
+         lambda r: mismatch_table(r, args)),
+    ]  # fmt: skip
+    return report(args, header(args, device, start, now()), sections, results, errors)
 
 
 if __name__ == "__main__":
