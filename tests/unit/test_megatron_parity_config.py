@@ -127,6 +127,63 @@ def test_key_mismatch_lists_a_few_keys_then_counts() -> None:
     assert key_mismatch(ckpt, ckpt, "x") is None
 
 
+def _adam(params: list[torch.nn.Parameter], **kw) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        [{"params": params[:3]}, {"params": params[3:]}], lr=1e-3, weight_decay=0.0, **kw
+    )
+
+
+def _grads(params: list[torch.nn.Parameter], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+@pytest.mark.parametrize("kw", [{"foreach": True}, {"foreach": False}, {"fused": True}])
+def test_resumed_adam_steps_like_the_uninterrupted_one(kw: dict) -> None:
+    """The load path of miles/train/megatron/checkpoint.py on a plain torch AdamW: megatron-core's
+    load_state_dict (no Transformer Engine / apex) gives every parameter's state one shared `step`
+    tensor, then its fully_reshardable loader copies moments in with the steps set aside. The next
+    update must equal the uninterrupted optimizer's (a shared step would advance once per parameter)."""
+    from types import SimpleNamespace
+
+    from miles.train.megatron.checkpoint import _ensure_optimizer_state, _steps_aside
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 4), (4,), (4, 4), (16, 4), (4,)]
+    a = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt_a = _adam(a, **kw)
+    _grads(a, 1)
+    opt_a.step()
+    saved = [p.detach().clone() for p in a]
+    moments = [{k: v.clone() for k, v in opt_a.state[p].items() if k != "step"} for p in a]
+    _grads(a, 2)
+    opt_a.step()
+
+    b = [torch.nn.Parameter(w.clone()) for w in saved]
+    opt_b = _adam(b, **kw)
+    config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    _ensure_optimizer_state(SimpleNamespace(optimizer=opt_b, config=config))
+    assert all(torch.equal(pb, w) for pb, w in zip(b, saved, strict=True)), "the state-creating step moved"
+    packed = opt_b.state_dict()
+    shared = torch.tensor(1.0)
+    for st in packed["state"].values():
+        st["step"] = shared
+    opt_b.load_state_dict(packed)
+    with _steps_aside(opt_b):
+        for p, m in zip(b, moments, strict=True):
+            for k, v in m.items():
+                opt_b.state[p][k].copy_(v)
+    steps = [opt_b.state[p]["step"] for p in b]
+    assert len({id(t) for t in steps}) == len(b), "parameters share one step tensor after loading"
+    assert all(float(t) == 1.0 for t in steps), [float(t) for t in steps]
+    _grads(b, 2)
+    opt_b.step()
+    assert all(float(opt_b.state[p]["step"]) == 2.0 for p in b), [float(opt_b.state[p]["step"]) for p in b]
+    for i, (pa, pb) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(pa, pb), f"parameter {i} differs after the resumed step"
+
+
 # ---------------------------------------------------------------------- packed micro-batches
 
 

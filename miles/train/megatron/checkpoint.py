@@ -285,10 +285,15 @@ def _load_optimizer(optimizer: Any, state: Any) -> None:
 @contextmanager
 def _steps_aside(inner: Any) -> Iterator[None]:
     """megatron-core copies every tensor of a parameter's torch-Adam state from the checkpoint and has
-    no `step` tensor there (the step comes with the param groups): set it aside meanwhile."""
+    no `step` tensor there (the step comes with the param groups): set it aside meanwhile.
+
+    Each parameter gets its step back as its own tensor: megatron-core's load_state_dict (without
+    Transformer Engine or apex) puts one tensor in every parameter's state, and torch's Adam adds 1 to
+    each parameter's step in place, so a shared one would advance once per parameter per update and
+    skew Adam's bias correction from the first resumed step on."""
     kept = {p: st.pop("step") for p, st in inner.state.items() if "step" in st}
     try:
         yield
     finally:
         for p, step in kept.items():
-            inner.state[p]["step"] = step
+            inner.state[p]["step"] = step.clone()
