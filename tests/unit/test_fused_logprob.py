@@ -84,10 +84,12 @@ def test_cpu_tensors_take_the_reference_path() -> None:
     assert token_logprobs_entropy(logits, rows, targets, 0.7)[1] is None
 
 
-def test_megatron_response_head_scores_the_response_positions() -> None:
-    """GPTModel's hidden states are [s, b, h]; response token j of a sample with prompt length P is
-    scored at position P + j - 1 of its row (rows right-padded to the longest sequence). The head
-    picks exactly those positions, in the flat token order, and only they get gradients."""
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_megatron_response_head_scores_the_response_positions(packed: bool) -> None:
+    """GPTModel's hidden states are [s, b, h]; response token j of a sample with prompt length P that
+    starts at column o of its row is scored at position o + P + j - 1 (packed: the samples back to
+    back in one row; padded: one right-padded row each, o = 0). The head picks exactly those
+    positions, in the flat token order, and only they get gradients."""
     from miles.sample import Sample
     from miles.train.megatron.batch import pack, response_head, response_logprobs
 
@@ -95,8 +97,9 @@ def test_megatron_response_head_scores_the_response_positions() -> None:
         Sample(0, 0, [5, 6, 7], [8, 9], [1, 1], [0.0, 0.0]),
         Sample(0, 1, [5], [3, 4, 2], [1, 0, 1], [0.0] * 3),
     ]
-    (mb,) = pack(samples, [1.0, -1.0], max_tokens=64, device=torch.device("cpu"))
+    (mb,) = pack(samples, [1.0, -1.0], max_tokens=64, device=torch.device("cpu"), packed=packed)
     b, s = mb.tokens.shape
+    assert (b, s) == ((1, 9) if packed else (2, 5))
     hidden = torch.randn(s, b, 8, requires_grad=True)
     weight = torch.randn(16, 8)
 
@@ -106,15 +109,16 @@ def test_megatron_response_head_scores_the_response_positions() -> None:
     logits = response_head(hidden, output_layer, weight, None, mb)
     logp, entropy = response_logprobs(logits, mb, temperature=0.5, with_entropy=True)
     full = hidden.detach() @ weight.t()  # [s, b, V], every position
-    expected = []
-    for row, sample in enumerate(samples):
-        p = len(sample.prompt_ids)
+    expected, scored, offset = [], set(), 0
+    for k, sample in enumerate(samples):
+        row, p = (0 if packed else k), len(sample.prompt_ids)
         for j, tok in enumerate(sample.response_ids):
-            expected.append(torch.log_softmax(full[p + j - 1, row] / 0.5, -1)[tok])
+            expected.append(torch.log_softmax(full[offset + p + j - 1, row] / 0.5, -1)[tok])
+            scored.add((offset + p + j - 1, row))
+        offset += len(sample.tokens) if packed else 0
     torch.testing.assert_close(logp.detach(), torch.stack(expected))
     assert entropy.shape == logp.shape
     logp.sum().backward()
-    scored = {(2, 0), (3, 0), (0, 1), (1, 1), (2, 1)}  # (position, row)
     for c in range(s):
         for row in range(b):
             assert hidden.grad[c, row].any() == ((c, row) in scored), (c, row)

@@ -30,8 +30,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "miles"
 
 # Fields read by nothing outside the schema, each on purpose.
 ALLOWED_UNREAD = {
-    # refused above 1 by miles/config/layout.py until MoE training is built (so no recipe sets it silently)
-    "plan:train.expert_parallel",
+    # refused above 1 by miles/config/layout.py for both backends until context parallelism is built
+    "plan:train.context_parallel",
     # a hardware fact of a profile, shown by `miles profiles show`; nothing is derived from it yet
     "profile:host_mem_gb",
 }
