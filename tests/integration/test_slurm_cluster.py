@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -82,9 +83,24 @@ def test_het_job_engine_and_gloo_ranks(tmp_path: Path, tiny_model: str) -> None:
     assert "derived OMP_NUM_THREADS=1" in run_logs(run_dir, "actor") + run_logs(run_dir, "rollout")
 
 
-def test_het_job_runs_the_rl_loop(tmp_path: Path, tiny_model: str) -> None:
+THREADS = re.compile(r"threads: torch intra-op (\d+) \(from ([^)]*)\)")
+"""The line every torch process logs at start (the bootstrap's own line says `intra-op N for each`)."""
+
+
+def test_het_job_runs_the_rl_loop_with_the_threads_of_its_allocation(tmp_path: Path, tiny_model: str) -> None:
+    """The real RL loop as a het job: it finds this job's engine (not the stale records of an earlier
+    job) and trains on two actor nodes. Its profile reserves `cpus` CPUs per task and exports no
+    OMP_NUM_THREADS: the bootstraps derive the thread count from SLURM_CPUS_PER_TASK, and the engine
+    and both trainer ranks report that torch runs exactly that many intra-op threads (fewer than this
+    host's cores, so a process that kept torch's default would show)."""
+    cpus = 1 if len(os.sched_getaffinity(0)) > 1 else 2
+    local = (REPO / "profiles" / "local.yaml").read_text()
+    text = re.sub(r"(?m)^cpus_per_node: \d+$", f"cpus_per_node: {cpus}", local)
+    assert "OMP_NUM_THREADS" not in text and f"cpus_per_node: {cpus}" in text
+    prof = tmp_path / "local-cpus.yaml"
+    prof.write_text(text)
     _plant_stale_records(tmp_path / "slurm-tiny")  # the loop must find this job's engine, not these
-    sub = submit(TINY, "local", [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", "train.steps=2"])
+    sub = submit(TINY, str(prof), [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", "train.steps=2"])
     run_dir = Path(sub.run_dirs[0])
     assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 180) == "COMPLETED", run_logs(
         run_dir, "actor"
@@ -96,6 +112,22 @@ def test_het_job_runs_the_rl_loop(tmp_path: Path, tiny_model: str) -> None:
         len({json.loads(p.read_text())["node"] for p in (run_dir / "rendezvous" / "ranks").glob("*.json")})
         == 2
     )
+    boot = re.findall(r"miles bootstrap: threads: torch intra-op (\d+) for each of 1 process\(es\) \(from (.*)\)",
+                      run_logs(run_dir, "rollout") + run_logs(run_dir, "actor"))  # fmt: skip
+    assert boot == [(str(cpus), f"SLURM_CPUS_PER_TASK={cpus}")] * 3, boot  # one rollout, two actor tasks
+    engine = THREADS.findall("".join(p.read_text() for p in (run_dir / "logs").glob("engine-*.log")))
+    expected = (str(cpus), f"OMP_NUM_THREADS={cpus}; the task has SLURM_CPUS_PER_TASK={cpus}")
+    assert engine == [expected], f"the engine reports {engine} (set_intra_op_threads logs it at start)"
+    for rank in (0, 1):  # the step's output of the rank's task and the rank's own log, whichever has it
+        text = "".join(
+            p.read_text()
+            for name in ("actor", "trainer")
+            for p in (run_dir / "logs").glob(f"{name}-{rank}.log")
+        )
+        reports = set(THREADS.findall(text))
+        assert reports == {expected}, (
+            f"trainer rank {rank} reports {reports} (set_intra_op_threads logs it at start)"
+        )
 
 
 def test_sweep_as_job_array(tmp_path: Path, tiny_model: str) -> None:

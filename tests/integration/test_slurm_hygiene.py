@@ -1,6 +1,7 @@
 """Job hygiene on the one-host Slurm dev cluster (`make slurm-up`): a submission from a fresh clone
-prepares what it needs and completes, a rollout component that fails at start ends the job at once
-with the component named, and every process runs the intra-op threads its allocation gives it.
+prepares what it needs and completes, and a rollout component that fails at start ends the job at
+once with the component named. (That every process runs the intra-op threads its allocation gives it
+is checked on the RL-loop job of test_slurm_cluster.py.)
 """
 
 from __future__ import annotations
@@ -78,39 +79,3 @@ def test_rollout_failing_at_start_fails_the_job_within_a_minute(tmp_path: Path, 
     assert re.search(r"\| miles bootstrap: engine 0 on n\d+ exited with 1 before serving; see ", logs), logs
     assert "the rollout step failed" in logs and "JSONDecodeError" in logs
     assert not (Path(run_dir) / "selftest.json").exists()  # the actor never got past the engines
-
-
-THREADS = re.compile(r"threads: torch intra-op (\d+) \(from ([^)]*)\)")
-"""The line every torch process logs at start (the bootstrap's own line says `intra-op N for each`)."""
-
-
-def test_every_process_runs_the_threads_of_its_allocation(tmp_path: Path, tiny_model: str) -> None:
-    """A profile that reserves `cpus` CPUs per task and exports no OMP_NUM_THREADS: the bootstraps
-    derive the thread count from SLURM_CPUS_PER_TASK, and the engine and both trainer ranks report
-    that torch runs exactly that many intra-op threads (fewer than this host's cores, so a process
-    that kept torch's default would show)."""
-    cpus = 1 if len(os.sched_getaffinity(0)) > 1 else 2
-    local = (REPO / "profiles" / "local.yaml").read_text()
-    text = re.sub(r"(?m)^cpus_per_node: \d+$", f"cpus_per_node: {cpus}", local)
-    assert "OMP_NUM_THREADS" not in text and f"cpus_per_node: {cpus}" in text
-    prof = tmp_path / "local-cpus.yaml"
-    prof.write_text(text)
-    sets = [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", "train.steps=1"]
-    run_dir = Path(submit(TINY, str(prof), sets).run_dirs[0])
-    assert _wait(str(run_dir), DONE, 240) == "COMPLETED", run_logs(run_dir, "actor")
-    boot = re.findall(r"miles bootstrap: threads: torch intra-op (\d+) for each of 1 process\(es\) \(from (.*)\)",
-                      run_logs(run_dir, "rollout") + run_logs(run_dir, "actor"))  # fmt: skip
-    assert boot == [(str(cpus), f"SLURM_CPUS_PER_TASK={cpus}")] * 3, boot  # one rollout, two actor tasks
-    engine = THREADS.findall("".join(p.read_text() for p in (run_dir / "logs").glob("engine-*.log")))
-    expected = (str(cpus), f"OMP_NUM_THREADS={cpus}; the task has SLURM_CPUS_PER_TASK={cpus}")
-    assert engine == [expected], f"the engine reports {engine} (set_intra_op_threads logs it at start)"
-    for rank in (0, 1):  # the step's output of the rank's task and the rank's own log, whichever has it
-        text = "".join(
-            p.read_text()
-            for name in ("actor", "trainer")
-            for p in (run_dir / "logs").glob(f"{name}-{rank}.log")
-        )
-        reports = set(THREADS.findall(text))
-        assert reports == {expected}, (
-            f"trainer rank {rank} reports {reports} (set_intra_op_threads logs it at start)"
-        )
