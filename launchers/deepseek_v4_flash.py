@@ -1,31 +1,61 @@
-"""DeepSeek-V4 Flash RL on 4 MI355X nodes, in the layout of AMD's report.
+"""DeepSeek-V4 Flash RL on 4 MI355X nodes, in the layout of AMD's report, and the same job in miniature.
 
-2 rollout nodes (one SGLang server of TP8/EP8 per node: 48 running requests, 524288 total tokens)
-and 2 actor nodes (Megatron TP1 PP4, 8192 tokens per GPU, optimizer state offloaded to host memory;
-the report's EP4 and its 10-layer last pipeline stage wait until MoE training and uneven pipeline
-stages exist); rollout batch 32 prompts x 8 samples, context 16384,
-response 4096; TIS on. AIME-2024 evaluation every 10 steps, 8 samples per problem (mean@8,
-pass@k), in `dedicated` mode: the trainer exports a snapshot of step 10, 20, ... and an eval engine
-group of its own evaluates it while training goes on; each result lands in metrics.jsonl at the step
-whose weights produced it (miles/eval/modes.py). A snapshot can also be evaluated by hand or as a
-Slurm job of its own: `miles eval RUN_DIR --step 20 --submit`.
+Full scale (`--scale full`, the default): 2 rollout nodes (one SGLang server of TP8/EP8 per node: 48
+running requests, 524288 total tokens) and 2 actor nodes of Megatron TP1 PP4 EP4, 8192 tokens per
+GPU. The 43 decoder layers are split unevenly over the 4 pipeline stages as in the report, 11 / 11 /
+11 / 10 (the last stage, which also holds the LM head and the loss, is one layer short). Rollout
+batch 32 prompts x 8 samples, context 16384, response 4096; rollout routing replay (R3: the trainer
+routes every token through the experts SGLang chose) and TIS on: truncated importance weights
+between the trainer's recomputed old-policy log-probs and SGLang's (`old_logprobs: recompute`; with
+the rollout's own log-probs the weights would all be 1).
+Optimizer state lives in host memory: the MI355X profile offloads to its local NVMe by default, which
+the Megatron backend refuses (megatron-core's distributed optimizer owns its shards and their
+state), so the recipe sets `train.optimizer_offload: cpu`, megatron-core's CPU optimizer.
+AIME-2024 evaluation every 10 steps, 8 samples per problem (mean@8, pass@k), in `dedicated` mode: the
+trainer exports a snapshot of step 10, 20, ... and an eval engine group of its own evaluates it while
+training goes on; each result lands in metrics.jsonl at the step whose weights produced it
+(miles/eval/modes.py). A snapshot can also be evaluated by hand or as a Slurm job of its own:
+`miles eval RUN_DIR --step 20 --submit`.
+
+Miniature (`--scale tiny`): the same job shape on one host with a tiny random model written by
+miles.models.tiny. Miles has no multi-head latent attention (MLA, DeepSeek's attention), so the
+miniature is a Qwen3-MoE model (grouped-query attention; top-k softmax router, renormalised; 8
+experts, top-2; layer 0 dense) of 5 layers. `--backend fsdp` (the default) runs on this host's CPU
+with the embedded engine, R3 and TIS, in a few minutes; `--backend megatron` is the full recipe's
+trainer in small for a CUDA host of 5 GPUs (one engine, 4 trainer ranks): PP2 with the layers split
+3 / 2 (the last stage one short, as at full scale), EP2, R3, TIS, CPU optimizer offload. Files live
+under `--tiny-dir` (default runs/deepseek-v4-flash-tiny): model/, train.jsonl, aime.jsonl, the
+recipe it writes (recipe-<backend>.yaml) and runs/.
 
     python launchers/deepseek_v4_flash.py prepare-checkpoint --src HF_DIR --dst /shared/models/dsv4-flash
-    python launchers/deepseek_v4_flash.py prepare-data --dst /shared/data/dapo.jsonl
+    python launchers/deepseek_v4_flash.py prepare-data [--src DAPO.parquet --answer-key reward_model.ground_truth]
     python launchers/deepseek_v4_flash.py prepare-eval --src aime_2024.jsonl
     python launchers/deepseek_v4_flash.py train [--dry-run] [--set KEY=VALUE ...]
+    python launchers/deepseek_v4_flash.py train --scale tiny [--backend megatron --dry-run]
+
+prepare-data writes the training JSONL the recipe's `jsonl` task reads: rows {"prompt", "answer"},
+the prompt asking for a `\\boxed{}` answer, which the default reward (exact_match) extracts. From
+`--src` (a JSONL or Parquet file; nested columns with dots, a chat-message list takes its last user
+message), or, without it, `--size` generated competition-style integer problems (nothing is
+downloaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 MODEL_DIR = "/shared/models/deepseek-v4-flash"
 DATA_FILE = "/shared/data/deepseek-v4-flash/train.jsonl"
 AIME_FILE = "/shared/data/deepseek-v4-flash/aime-2024.jsonl"
+TINY_DIR = "runs/deepseek-v4-flash-tiny"
+GENERATED_SEED = 1
+"""Seed of generated training problems (the tiny evaluation's generated AIME-style set uses seed 0)."""
 
 RECIPE = {
     "run": {"name": "deepseek-v4-flash", "runs_root": "/shared/runs"},
@@ -59,9 +89,13 @@ RECIPE = {
         "steps": 100,
         "tensor_parallel": 1,
         "pipeline_parallel": 4,
+        "pipeline_first_stage_layers": 11,
+        "pipeline_last_stage_layers": 10,
+        "expert_parallel": 4,
+        "routing_replay": "rollout",
         "max_tokens_per_microbatch": 8192,
         "optimizer_offload": "cpu",
-        "loss": {"tis": "truncate"},
+        "loss": {"tis": "truncate", "old_logprobs": "recompute"},
     },
     "launch": {
         "profile": "mi355x",
@@ -72,27 +106,237 @@ RECIPE = {
     },
 }
 
+TINY_SHAPE: dict[str, Any] = dict(
+    num_hidden_layers=5,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    mlp_only_layers=[0],
+)
+"""The miniature's Qwen3-MoE shape (miles.models.tiny sizes the rest: hidden 64, 4 heads)."""
 
-def prepare_checkpoint(src: str, dst: str) -> None:
-    """Stage the Hugging Face checkpoint on the shared filesystem (engines and trainer read it there)."""
-    if not (Path(src) / "config.json").is_file():
-        raise SystemExit(f"{src} holds no config.json: pass the Hugging Face checkpoint directory")
+TINY_MEGATRON = {
+    "backend": "megatron",
+    "num_ranks": 4,
+    "pipeline_parallel": 2,
+    "pipeline_first_stage_layers": 3,
+    "pipeline_last_stage_layers": 2,
+    "expert_parallel": 2,
+    "optimizer_offload": "cpu",
+}
+"""The full recipe's Megatron layout in small: 4 ranks = PP2 x DP2, EP2 over the data-parallel pair."""
+
+
+def tiny_paths(tiny_dir: str) -> dict[str, Path]:
+    """Where the miniature keeps its model, data, recipes and runs (absolute, so recipes work anywhere)."""
+    root = Path(tiny_dir).resolve()
+    return {
+        "root": root,
+        "model": root / "model",
+        "data": root / "train.jsonl",
+        "aime": root / "aime.jsonl",
+        "runs": root / "runs",
+    }
+
+
+def tiny_recipe(tiny_dir: str, backend: str) -> dict[str, Any]:
+    """The miniature: the full recipe's task, R3, TIS and AIME-style evaluation with tiny sizes."""
+    p = tiny_paths(tiny_dir)
+    train: dict[str, Any] = {
+        "backend": "fsdp",
+        "device": "cpu",
+        "steps": 3,
+        "lr": 1.0e-3,
+        "max_tokens_per_microbatch": 2048,
+        "routing_replay": "rollout",
+        "loss": {"tis": "truncate", "old_logprobs": "recompute", "entropy_coef": 0.01},
+        "checkpoint": {"every_steps": 3},
+    }
+    if backend == "megatron":
+        train.update(TINY_MEGATRON, device="auto")
+    return {
+        "run": {"name": f"deepseek-v4-flash-tiny-{backend}", "runs_root": str(p["runs"]), "seed": 0},
+        "model": {
+            "path": str(p["model"]),
+            "dtype": "bfloat16" if backend == "megatron" else "float32",
+            "init_tiny_if_missing": False,
+        },
+        "engine": {"num_engines": 1, "max_running_requests": 64},
+        "rollout": {
+            "task": {"name": "jsonl", "path": str(p["data"]), "eval_size": 4},
+            "prompts_per_step": 4,
+            "n_samples_per_prompt": 4,
+            "max_new_tokens": 8,
+            "temperature": 1.0,
+        },
+        "eval": {
+            "every_steps": 3,
+            "datasets": {"aime": {"source": "aime", "path": str(p["aime"]), "size": 4, "samples": 2}},
+        },
+        "train": train,
+    }
+
+
+# ---- prepare-* -------------------------------------------------------------------------------------
+
+
+def _destination(dst: str) -> Path:
+    """The file to write, its directory created; SystemExit naming --dst when it cannot be a file."""
+    path = Path(dst)
+    if path.is_dir():
+        raise SystemExit(f"--dst {dst} is a directory: give a file path such as {path / 'train.jsonl'}")
+    if path.suffix != ".jsonl":
+        raise SystemExit(f"--dst {dst}: the recipe's task reads JSONL; give a path ending in .jsonl")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--dst {dst}: cannot create its directory {path.parent} ({e.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"--dst {dst}: directory {path.parent} is not writable; choose another --dst")
+    return path
+
+
+def _write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """JSONL written beside its destination and renamed into place (a reader sees all rows or none)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def _column(row: dict[str, Any], key: str, src: str) -> Any:
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            columns = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise SystemExit(
+                f"{src}: rows have no column {key!r} (columns: {columns}); set --prompt-key/--answer-key"
+            )
+        value = value[part]
+    return value
+
+
+def _prompt_text(value: Any) -> str:
+    """A prompt column as text: a string as it is, a chat-message list as its last user message."""
+    if isinstance(value, list):
+        users = [m.get("content", "") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        if users:
+            return str(users[-1])
+    return str(value)
+
+
+def source_rows(src: str, prompt_key: str, answer_key: str) -> list[dict[str, str]]:
+    """Rows {prompt, answer} of a local JSONL or Parquet file."""
+    from miles.config import ConfigError
+    from miles.rollout.tasks import read_rows
+
+    if not Path(src).is_file():
+        raise SystemExit(f"--src {src} is not a file: give a local JSONL or Parquet dataset")
+    try:
+        rows = read_rows(src)
+    except ConfigError as e:
+        raise SystemExit(f"--src {src}: {e}") from None
+    if not rows:
+        raise SystemExit(f"--src {src} holds no rows")
+    return [
+        {
+            "prompt": _prompt_text(_column(r, prompt_key, src)),
+            "answer": str(_column(r, answer_key, src)).strip(),
+        }
+        for r in rows
+    ]
+
+
+def generated_rows(size: int, seed: int = GENERATED_SEED) -> list[dict[str, str]]:
+    """`size` procedural integer problems (miles.eval.datasets' AIME-style generators) asking for a
+    boxed answer; answers as plain integers, which is what exact_match compares the box with."""
+    from miles.eval.datasets import BOXED_INSTRUCTION, aime_synthetic_rows
+
+    return [
+        {"prompt": BOXED_INSTRUCTION.replace("{prompt}", r["problem"]), "answer": str(int(r["answer"]))}
+        for r in aime_synthetic_rows(size, seed=seed)
+    ]
+
+
+def prepare_data(
+    dst: str, src: str | None, size: int, prompt_key: str = "prompt", answer_key: str = "answer"
+) -> Path:
+    """Write the training JSONL of the recipe's `jsonl` task: rows {prompt, answer}."""
+    if size < 1:
+        raise SystemExit(f"--size {size}: give at least 1 row")
+    path = _destination(dst)
+    rows = source_rows(src, prompt_key, answer_key) if src else generated_rows(size)
+    _write_rows(rows, path)
+    print(
+        f"wrote {len(rows)} rows {{prompt, answer}} to {path}" + (f" from {src}" if src else " (generated)")
+    )
+    return path
+
+
+def prepare_checkpoint(src: str | None, dst: str, scale: str) -> None:
+    """Full scale: stage the Hugging Face checkpoint on the shared filesystem (engines and trainer read
+    it there). Tiny: write the random Qwen3-MoE miniature."""
+    if scale == "tiny":
+        from miles.models.tiny import init_tiny
+
+        print(f"wrote tiny qwen3_moe model to {init_tiny(dst, arch='qwen3_moe', **TINY_SHAPE)}")
+        return
+    if not src or not (Path(src) / "config.json").is_file():
+        raise SystemExit(f"--src {src} holds no config.json: pass the Hugging Face checkpoint directory")
     shutil.copytree(src, dst, dirs_exist_ok=True)
     print(f"staged {src} -> {dst}")
 
 
-def prepare_data(dst: str) -> None:
-    """Write the training prompts as JSONL rows {prompt, answer} (from a local file given with --src)."""
-    raise SystemExit(f"copy a JSONL of {{prompt, answer}} rows to {dst}; no dataset is downloaded by Miles")
+def prepare_eval(src: str | None, dst: str, scale: str) -> None:
+    """Stage an AIME 2024 JSONL file (problem/answer columns, as published) for the evaluation; tiny
+    scale writes generated problems in the same layout."""
+    if scale == "tiny" and not src:
+        from miles.eval.datasets import aime_synthetic_rows
 
-
-def prepare_eval(src: str, dst: str) -> None:
-    """Stage an AIME 2024 JSONL file (problem/answer columns, as published) for the evaluation."""
-    if not Path(src).is_file():
-        raise SystemExit(f"{src} is not a file: pass the AIME 2024 JSONL (rows with problem and answer)")
+        path = _destination(dst)
+        _write_rows(aime_synthetic_rows(8), path)
+        print(f"wrote 8 generated AIME-style problems to {path}")
+        return
+    if not src or not Path(src).is_file():
+        raise SystemExit(
+            f"--src {src} is not a file: pass the AIME 2024 JSONL (rows with problem and answer)"
+        )
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dst)
     print(f"staged {src} -> {dst}")
+
+
+# ---- train ----------------------------------------------------------------------------------------
+
+
+def train_tiny(
+    tiny_dir: str, backend: str, overrides: list[str], dry_run: bool, overwrite: bool = False
+) -> int:
+    """Prepare what is missing (model, data, eval set), write the recipe and run `miles train` on this
+    host (or, with dry_run, resolve and check the plan, write it beside the recipe and stop)."""
+    import yaml
+
+    p = tiny_paths(tiny_dir)
+    if not (p["model"] / "config.json").is_file():
+        prepare_checkpoint(None, str(p["model"]), "tiny")
+    if not p["data"].is_file():
+        prepare_data(str(p["data"]), None, 64)
+    if not p["aime"].is_file():
+        prepare_eval(None, str(p["aime"]), "tiny")
+    recipe = p["root"] / f"recipe-{backend}.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_dir, backend), sort_keys=False))
+    flags = [*(f"--set {o}" for o in overrides), *(["--overwrite"] if overwrite else [])]
+    command = " ".join(["miles train", str(recipe), *flags])
+    if dry_run:
+        from miles.config import resolve, write_plan
+
+        plan = resolve(str(recipe), overrides)
+        write_plan(plan, p["root"] / f"plan-{backend}.yaml")
+        print(f"rendered: {recipe} (plan {p['root'] / f'plan-{backend}.yaml'}); run it with: {command}")
+        return 0
+    from miles.launch.local import train_main
+
+    print(f"running: {command}")
+    return train_main(str(recipe), overrides, overwrite=overwrite)
 
 
 def train(overrides: list[str], dry_run: bool) -> int:
@@ -103,27 +347,69 @@ def train(overrides: list[str], dry_run: bool) -> int:
     return 0
 
 
+def _scale_args(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--scale", choices=["full", "tiny"], default="full", help="the full job or its miniature")
+    q.add_argument("--tiny-dir", default=TINY_DIR, help="where the miniature's files live (--scale tiny)")
+
+
+def _tiny_default(args: argparse.Namespace, key: str) -> str:
+    return str(tiny_paths(args.tiny_dir)[key])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("prepare-checkpoint")
-    q.add_argument("--src", required=True)
-    q.add_argument("--dst", default=MODEL_DIR)
+    q.add_argument("--src", help="Hugging Face checkpoint directory (full scale)")
+    q.add_argument("--dst")
+    _scale_args(q)
     q = sub.add_parser("prepare-data")
-    q.add_argument("--dst", default=DATA_FILE)
+    q.add_argument("--src", help="JSONL or Parquet dataset to convert; without it problems are generated")
+    q.add_argument("--dst")
+    q.add_argument("--size", type=int, help="generated rows (default 20000, tiny 64)")
+    q.add_argument("--prompt-key", default="prompt", help="prompt column of --src (dots for nested columns)")
+    q.add_argument("--answer-key", default="answer", help="answer column of --src (dots for nested columns)")
+    _scale_args(q)
     q = sub.add_parser("prepare-eval")
-    q.add_argument("--src", required=True)
-    q.add_argument("--dst", default=AIME_FILE)
+    q.add_argument("--src", help="AIME 2024 JSONL (tiny scale: optional, generated without it)")
+    q.add_argument("--dst")
+    _scale_args(q)
     q = sub.add_parser("train")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     q.add_argument("--dry-run", action="store_true")
+    q.add_argument("--backend", choices=["fsdp", "megatron"], help="trainer of --scale tiny (default fsdp)")
+    q.add_argument(
+        "--overwrite", action="store_true", help="--scale tiny: replace an earlier run of the recipe"
+    )
+    _scale_args(q)
     args = p.parse_args(argv)
+    from miles.config import ConfigError
+
+    try:
+        return _run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    tiny = args.scale == "tiny"
     if args.cmd == "prepare-checkpoint":
-        prepare_checkpoint(args.src, args.dst)
+        prepare_checkpoint(
+            args.src, args.dst or (_tiny_default(args, "model") if tiny else MODEL_DIR), args.scale
+        )
     elif args.cmd == "prepare-data":
-        prepare_data(args.dst)
+        dst = args.dst or (_tiny_default(args, "data") if tiny else DATA_FILE)
+        size = args.size or (64 if tiny else 20000)
+        prepare_data(dst, args.src, size, args.prompt_key, args.answer_key)
     elif args.cmd == "prepare-eval":
-        prepare_eval(args.src, args.dst)
+        prepare_eval(args.src, args.dst or (_tiny_default(args, "aime") if tiny else AIME_FILE), args.scale)
+    elif tiny:
+        return train_tiny(args.tiny_dir, args.backend or "fsdp", args.set, args.dry_run, args.overwrite)
+    elif args.backend == "fsdp" or args.overwrite:
+        raise SystemExit(
+            "--backend fsdp and --overwrite are for --scale tiny; the full scale trains with megatron"
+        )
     else:
         return train(args.set, args.dry_run)
     return 0
