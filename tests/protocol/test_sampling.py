@@ -62,11 +62,18 @@ PENALTIES = [{"repetition_penalty": 1.05}, {"frequency_penalty": 0.02}, {"presen
 """Small enough that the three formulas give three different decodes of this prompt (checked below)."""
 
 
-@pytest.mark.parametrize("params", PENALTIES, ids=["repetition", "frequency", "presence"])
-def test_penalties_follow_sglang_formulas(engine, model, params):
+@pytest.fixture(scope="module")
+def penalty_decodes(model) -> list[list[int]]:
+    """The reference decode under each of PENALTIES, then without any (computed once for the module)."""
     names = {"repetition_penalty": "rep", "frequency_penalty": "freq", "presence_penalty": "pres"}
     decodes = [_reference(model, 24, **{names[k]: v for k, v in p.items()}) for p in PENALTIES]
-    assert len({tuple(d) for d in decodes + [_reference(model, 24)]}) == 4, "each penalty must tell apart"
+    return [*decodes, _reference(model, 24)]
+
+
+@pytest.mark.parametrize("params", PENALTIES, ids=["repetition", "frequency", "presence"])
+def test_penalties_follow_sglang_formulas(engine, penalty_decodes, params):
+    decodes = penalty_decodes[: len(PENALTIES)]
+    assert len({tuple(d) for d in penalty_decodes}) == 4, "each penalty must tell apart"
     assert _greedy(engine, 24, ignore_eos=True, **params)["output_ids"] == decodes[PENALTIES.index(params)]
 
 
