@@ -47,7 +47,7 @@ def _wait(run_dir: str, states: tuple[str, ...], timeout_s: float = 120) -> str:
         state = run_status(run_dir)["state"]
         if state.startswith(states):
             return state
-        time.sleep(1.0)
+        time.sleep(0.5)
     raise AssertionError(f"{run_dir}: still {state} after {timeout_s}s\n{run_logs(run_dir)}")
 
 
