@@ -13,7 +13,10 @@ boundary the loop asks it for finished ones and adds them to the record of the s
 they measured (MetricsLogger.amend), in step order, with
 
     eval/lag_steps          training steps completed between the snapshot and the result
-    eval/export_s           seconds the trainer spent writing the snapshot
+    eval/export_s           seconds the trainer spent on the snapshot: the step's exported weights
+                            copied to host memory (the only part on the training path)
+    eval/snapshot_write_s   seconds a background thread took to write that copy as a complete
+                            snapshot on disk; the evaluation starts once it is complete
     eval/duration_s         seconds the evaluation itself took (weights load included)
     eval/mixed_version_ratio  evaluated tokens whose engine weight version was not the step's
                             (shared, dedicated; must be 0)
@@ -32,13 +35,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from miles.config import Plan
 from miles.eval.shared import evaluate_suites
-from miles.eval.snapshot import eval_dir, export_snapshot, prune
+from miles.eval.snapshot import eval_dir, export_snapshot, prune, read_marker, snapshot_dir
 from miles.rollout.client import GenerateResult
 from miles.rollout.generate import Generator
 from miles.sample import Sample
@@ -132,6 +136,9 @@ class EvalJob:
     snapshot: Path
     export_s: float
     started: float = field(default_factory=time.monotonic)
+    writing: Future | None = None
+    """The background write of the snapshot; None once it is complete and the evaluation started."""
+    write_s: float = 0.0
     handle: Any = None
     """The runner's handle (a Future, a process)."""
     result: dict[str, float] | None = None
@@ -164,6 +171,8 @@ class Evaluations:
         self.skipped: Counter[str] = Counter()
         self.reported: list[int] = []
         """Steps whose evaluation was reported (their snapshots may be pruned)."""
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-snapshot")
+        """Writes snapshots to disk off the training path, one at a time, in step order."""
 
     @classmethod
     def create(cls, plan: Plan, run_dir: Path) -> Evaluations | None:
@@ -195,20 +204,43 @@ class Evaluations:
         return True, {}
 
     def submit(self, step: int, buckets: Iterable[Any]) -> None:
-        """Write the snapshot of `step` from the exported buckets and start its evaluation."""
+        """Copy the exported buckets of `step` to host memory (consuming them: the export is collective)
+        and write its snapshot from that copy in a background thread; the evaluation starts in `_poll`
+        once the snapshot is complete. Host memory holds one copy of the weights per snapshot being
+        written (at most eval.max_in_flight)."""
         start = time.monotonic()
-        path = export_snapshot(buckets, self.run_dir, step, self.plan.model.path)
-        job = EvalJob(step, path, time.monotonic() - start)
+        host = [[(name, t.detach().to("cpu", copy=True)) for name, t in bucket] for bucket in buckets]
+        job = EvalJob(step, snapshot_dir(self.run_dir, step), time.monotonic() - start)
+        job.writing = self._writer.submit(export_snapshot, host, self.run_dir, step, self.plan.model.path)
+        self.jobs.append(job)
+        self._poll()
+
+    def _start(self, job: EvalJob) -> None:
+        """The snapshot of `job` is written (or its write failed): start its evaluation."""
+        writing, job.writing = job.writing, None
+        try:
+            writing.result()
+        except Exception as e:
+            log.warning("evaluation of step %d skipped: its snapshot was not written: %s", job.step, e)
+            job.skipped = EvalSkipped("error", f"snapshot not written: {e}")
+            return
+        job.write_s = float((read_marker(job.snapshot) or {}).get("export_s", 0.0))
+        job.started = time.monotonic()
         job.out_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.runner.start(job)
         except Exception as e:
-            log.warning("evaluation of step %d could not start: %s", step, e)
+            log.warning("evaluation of step %d could not start: %s", job.step, e)
             job.skipped = EvalSkipped("error", str(e))
-        self.jobs.append(job)
 
     def _poll(self) -> None:
         for job in self.running:
+            if job.writing is not None:
+                if not job.writing.done():
+                    continue
+                self._start(job)
+                if job.skipped is not None:
+                    continue
             try:
                 job.result = self.runner.poll(job)
             except EvalSkipped as e:
@@ -237,6 +269,7 @@ class Evaluations:
         metrics = dict(job.result)
         metrics.setdefault("eval/duration_s", time.monotonic() - job.started)
         metrics.update({"eval/lag_steps": float(current_step - job.step), "eval/export_s": job.export_s})
+        metrics["eval/snapshot_write_s"] = job.write_s
         return metrics
 
     def drain(self, current_step: int) -> list[tuple[int, dict[str, float]]]:
@@ -247,4 +280,5 @@ class Evaluations:
         return self.collect(current_step)
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True)  # a snapshot being written is finished (its marker last)
         self.runner.stop()

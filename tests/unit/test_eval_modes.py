@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from miles.config import ConfigError, resolve
@@ -311,3 +312,50 @@ def test_deepseek_launcher_wires_its_aime_eval(tmp_path: Path) -> None:
     # its snapshots' evaluation as a job of its own: the profile's container, one node of 8 GPUs
     text = render("deepseek-v4-flash__mi355x__step20")
     assert "--container-image=/shared/containers/miles-rocm.sqsh" in text and "--gpus-per-node=8" in text
+
+
+def test_snapshot_is_written_off_the_training_thread_from_a_copy(
+    tmp_path: Path, tiny_model: str, fns_on_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`submit` returns while the snapshot is still being written (by another thread), the write
+    counts as an evaluation in flight, and it writes the weights as they were at submit: training
+    changing the tensors in place afterwards does not reach the snapshot."""
+    import threading
+
+    import miles.eval.modes as modes
+
+    release, writers = threading.Event(), []
+
+    def slow_export(*args, **kwargs):
+        writers.append(threading.current_thread().name)
+        assert release.wait(60), "the test never released the write"
+        return export_snapshot(*args, **kwargs)
+
+    monkeypatch.setattr(modes, "export_snapshot", slow_export)
+    evals = _evals(
+        tmp_path,
+        tiny_model,
+        mode="external",
+        external_fn="e2e_eval_fns:quick",
+        max_in_flight=1,
+        overflow="skip",
+    )
+    buckets = _buckets(tiny_model)
+    name, live = buckets[0][0]
+    before = live.clone()
+    try:
+        evals.submit(3, buckets)
+        live.add_(1.0)  # the next training step updates the weights in place
+        assert [j.step for j in evals.running] == [3] and not release.is_set()
+        assert evals.admit(4) == (False, {"eval/skipped_overflow": 1.0}), "the write is in flight"
+        release.set()
+        (step, metrics), *_ = evals.drain(current_step=5)
+    finally:
+        release.set()
+        evals.close()
+    assert writers and writers[0] != threading.current_thread().name
+    assert step == 3 and metrics["eval/snapshot_write_s"] > 0 and metrics["eval/lag_steps"] == 2
+    written = {}
+    for f in sorted(snapshot_dir(evals.run_dir, 3).glob("*.safetensors")):
+        written.update(load_file(str(f)))
+    assert torch.equal(written[name], before), "the snapshot must hold the weights of its step"
