@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"miles.loop: {run_dir / 'plan.yaml'} does not exist; run `miles train` first", file=sys.stderr)
         return 2
     try:
-        return run(run_dir, args.resume)
+        rc = run(run_dir, args.resume)
     except BaseException:
         # A failed rank must end even when a helper thread is stuck (e.g. in a collective with an
         # engine that died): print the error, flush, and leave without joining threads.
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         logging.shutdown()
         os._exit(1)
+    # Everything is written and closed: the interpreter's final collection would walk every object
+    # torch and transformers made (about a second on a small CPU) before the launcher sees the end.
+    gc.freeze()
+    return rc
 
 
 if __name__ == "__main__":
