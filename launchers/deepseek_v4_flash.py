@@ -8,9 +8,9 @@ batch 32 prompts x 8 samples, context 16384, response 4096; rollout routing repl
 routes every token through the experts SGLang chose) and TIS on: truncated importance weights
 between the trainer's recomputed old-policy log-probs and SGLang's (`old_logprobs: recompute`; with
 the rollout's own log-probs the weights would all be 1).
-Optimizer state lives in host memory: the MI355X profile offloads to its local NVMe by default, which
-the Megatron backend refuses (megatron-core's distributed optimizer owns its shards and their
-state), so the recipe sets `train.optimizer_offload: cpu`, megatron-core's CPU optimizer.
+Optimizer state lives in host memory: the recipe sets `train.optimizer_offload: cpu`, megatron-core's
+CPU optimizer, over the MI355X profile's NVMe default (`--set train.optimizer_offload=nvme` streams
+that optimizer's state through the local NVMe instead, docs/megatron.md).
 AIME-2024 evaluation every 10 steps, 8 samples per problem (mean@8, pass@k), in `dedicated` mode: the
 trainer exports a snapshot of step 10, 20, ... and an eval engine group of its own evaluates it while
 training goes on; each result lands in metrics.jsonl at the step whose weights produced it

@@ -19,8 +19,8 @@ Context parallelism: train.context_parallel divides the ranks together with tens
 pipeline_parallel, and megatron-core's causal load balancing cuts each sequence into 2 x CP chunks, so
 the micro-batch token budget must split into them; no backend builds it yet, so both refuse it after
 those rules. Per-backend features: train.recompute is Megatron's only; Megatron offloads optimizer
-state to the CPU through megatron-core's hybrid optimizer (bf16 parameters, fp32 moments) and refuses
-NVMe streaming.
+state to the CPU through megatron-core's hybrid optimizer (bf16 parameters, fp32 moments), and with
+`nvme` streams that optimizer's state through train.offload_dir (same rules).
 
 Pipeline stages: layers split evenly, or train.pipeline_first_stage_layers / _last_stage_layers fix
 the first / last stage and the rest is split evenly over the stages between (`stage_layers`).
@@ -86,18 +86,12 @@ def _check_features(plan: Plan) -> None:
         )
     if t.backend != "megatron" or t.optimizer_offload == "none":
         return
-    if t.optimizer_offload == "nvme":
-        raise ConfigError(
-            "train.optimizer_offload=nvme is not supported by train.backend=megatron (the NVMe streaming "
-            "optimizer of miles/train/offload/ steps plain torch parameters, and megatron-core's "
-            "distributed optimizer owns its shards and their state): set train.optimizer_offload=cpu "
-            "(megatron-core's CPU optimizer) or train.backend=fsdp"
-        )
     if plan.model.dtype != "bfloat16":
         raise ConfigError(
-            f"train.optimizer_offload=cpu with train.backend=megatron needs model.dtype=bfloat16 (got "
-            f"{plan.model.dtype}): megatron-core's CPU optimizer keeps fp32 master weights of 16-bit "
-            "parameters only; set model.dtype=bfloat16 or train.optimizer_offload=none"
+            f"train.optimizer_offload={t.optimizer_offload} with train.backend=megatron needs "
+            f"model.dtype=bfloat16 (got {plan.model.dtype}): megatron-core's CPU optimizer keeps fp32 "
+            "master weights of 16-bit parameters only; set model.dtype=bfloat16 or "
+            "train.optimizer_offload=none"
         )
     if t.offload_moment_dtype != "fp32":
         raise ConfigError(

@@ -78,29 +78,27 @@ def test_recompute_maps_to_megatron_core_fields() -> None:
 # ------------------------------------------------------------------------- optimizer offload
 
 
-def test_megatron_refuses_nvme_offload_naming_the_key() -> None:
-    msg = _error(_plan({"dtype": "bfloat16"}, backend="megatron", optimizer_offload="nvme"))
-    assert "train.optimizer_offload=nvme is not supported by train.backend=megatron" in msg
-    assert "set train.optimizer_offload=cpu" in msg
-
-
-def test_megatron_cpu_offload_needs_bf16_and_fp32_moments() -> None:
-    check_layout(_plan({"dtype": "bfloat16"}, backend="megatron", optimizer_offload="cpu"), 1)
-    msg = _error(_plan({"dtype": "float32"}, backend="megatron", optimizer_offload="cpu"))
-    assert "needs model.dtype=bfloat16" in msg
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_megatron_offload_needs_bf16_and_fp32_moments(mode: str) -> None:
+    check_layout(_plan({"dtype": "bfloat16"}, backend="megatron", optimizer_offload=mode), 1)
+    msg = _error(_plan({"dtype": "float32"}, backend="megatron", optimizer_offload=mode))
+    assert f"train.optimizer_offload={mode} with train.backend=megatron needs model.dtype=bfloat16" in msg
     plan = _plan(
-        {"dtype": "bfloat16"}, backend="megatron", optimizer_offload="cpu", offload_moment_dtype="bf16"
+        {"dtype": "bfloat16"}, backend="megatron", optimizer_offload=mode, offload_moment_dtype="bf16"
     )
     assert "set train.offload_moment_dtype=fp32" in _error(plan)
 
 
-def test_offload_maps_to_megatron_core_hybrid_optimizer_fields() -> None:
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_offload_maps_to_megatron_core_hybrid_optimizer_fields(mode: str) -> None:
     from miles.train.megatron.backend import offload_config
 
     assert offload_config("none") == {}
-    fields = offload_config("cpu")
+    fields = offload_config(mode)
     assert fields["optimizer_cpu_offload"] is True and fields["optimizer_offload_fraction"] == 1.0
     assert fields["use_precision_aware_optimizer"] is True
+    # nvme streams one CPU AdamW (one shard) at a time: megatron-core builds one per shard with this flag
+    assert fields.get("overlap_cpu_optimizer_d2h_h2d", False) is (mode == "nvme")
 
 
 def test_kl_is_no_longer_refused_by_the_megatron_layout() -> None:

@@ -22,8 +22,10 @@ update one no-grad pass gives every sample's reference log-probs; the shared obj
 
 Optimizer offload (`train.optimizer_offload = cpu`): megatron-core's own HybridDeviceOptimizer holds
 the whole distributed-optimizer shard on the CPU (fp32 master weights and Adam moments in host memory,
-torch's fused CPU AdamW updates them, the bf16 parameters are copied back). NVMe streaming is refused
-(miles/config/layout.py says why). Activation recompute (`train.recompute`) maps to megatron-core's
+torch's fused CPU AdamW updates them, the bf16 parameters are copied back). With `nvme` the same
+optimizer (one CPU AdamW per shard) keeps that state in files under train.offload_dir between steps
+and streams it shard by shard (miles/train/megatron/nvme.py); checkpoints read it back whole while
+they run. Activation recompute (`train.recompute`) maps to megatron-core's
 selective (core attention) or full (every layer) recompute. Micro-batches are packed rows without
 padding (miles/train/megatron/batch.py).
 """
@@ -80,16 +82,18 @@ def recompute_config(mode: str) -> dict[str, Any]:
 
 
 def offload_config(mode: str) -> dict[str, Any]:
-    """OptimizerConfig fields of train.optimizer_offload=cpu: megatron-core's HybridDeviceOptimizer with
-    the whole distributed-optimizer shard on the CPU. megatron-core runs it on its precision-aware path
-    (the hybrid optimizer makes and keeps the fp32 master copies of the bf16 shards; fp32 gradients
-    reach it as `decoupled_grad`), which needs no Transformer Engine when offloading."""
-    if mode != "cpu":
+    """OptimizerConfig fields of train.optimizer_offload=cpu|nvme: megatron-core's HybridDeviceOptimizer
+    with the whole distributed-optimizer shard on the CPU. megatron-core runs it on its precision-aware
+    path (the hybrid optimizer makes and keeps the fp32 master copies of the bf16 shards; fp32 gradients
+    reach it as `decoupled_grad`), which needs no Transformer Engine when offloading. For nvme it builds
+    one CPU AdamW per shard (`overlap_cpu_optimizer_d2h_h2d`), the unit streamed through disk."""
+    if mode not in ("cpu", "nvme"):
         return {}
     return {
         "optimizer_cpu_offload": True,
         "optimizer_offload_fraction": 1.0,
         "use_precision_aware_optimizer": True,
+        **({"overlap_cpu_optimizer_d2h_h2d": True} if mode == "nvme" else {}),
     }
 
 
@@ -201,6 +205,10 @@ class MegatronBackend:
             **offload_config(t.optimizer_offload),
         )
         optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+        if t.optimizer_offload == "nvme":
+            from miles.train.megatron import nvme
+
+            nvme.stream_optimizer(optimizer, t.offload_dir, t.offload_require_local, dist.get_rank())
         if t.loss.kl_coef > 0:  # before the hooks below: an MoE layer deep-copies the config it is built with
             self.ref_model = self._reference(tf, hf_state, dtype)
         tf.finalize_model_grads_func = finalize_model_grads
@@ -460,10 +468,21 @@ class MegatronBackend:
             yield bucket if dist.get_rank() == 0 else []
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:
-        return checkpoint.save(self, step, extra)
+        with self._optimizer_resident(write_back=False):
+            return checkpoint.save(self, step, extra)
 
     def load(self, step: int | None = None) -> dict[str, Any]:
-        return checkpoint.load(self, step)
+        with self._optimizer_resident(write_back=True):
+            return checkpoint.load(self, step)
+
+    def _optimizer_resident(self, write_back: bool):
+        """train.optimizer_offload=nvme: the streamed optimizer state in host memory while a checkpoint
+        reads or fills it (miles/train/megatron/nvme.py); nothing otherwise."""
+        if self.plan.train.optimizer_offload != "nvme":
+            return contextlib.nullcontext()
+        from miles.train.megatron import nvme
+
+        return nvme.resident(self.optimizer, write_back)
 
     def offload(self) -> None:
         """Move parameters, gradient buffers, optimiser state on the GPU and the reference model's
