@@ -6,8 +6,10 @@ a dedicated evaluation costs training.
 GPU (`--gpu`, on a CUDA machine): decode attention kernel, engine vs `generate`, SGLang request options
 on the decode hot path, training MFU of both
 backends, the bf16 log-prob mismatch, the end-to-end GRPO step colocated (TRL's side is
-bench/trl_grpo.py, which needs the `trl` package), and FP8 against bf16 (engine tok/s at 0.5B and
-7B shapes, train step, log-prob mismatch over 20 GRPO steps). Each benchmark prints its own table;
+bench/trl_grpo.py, which needs the `trl` package), FP8 against bf16 (engine tok/s at 0.5B and
+7B shapes, train step, log-prob mismatch over 20 GRPO steps), and mixture of experts (engine decode
+against a dense model of the same active size, mismatch over 20 GRPO steps with and without routing
+replay). Each benchmark prints its own table;
 the numbers worth keeping go to bench/RESULTS.md with the date, machine and command.
 """
 
@@ -35,6 +37,7 @@ GPU = [
     ["bench.logprob_mismatch_gpu", "--requests", "32"],
     ["bench.e2e_gpu", "--layout", "colocated", "--backend", "megatron", "--steps", "5"],
     ["bench.fp8_gpu"],
+    ["bench.moe_gpu"],
 ]
 
 

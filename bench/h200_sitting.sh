@@ -9,7 +9,10 @@
 #   4. FP8 against bf16 (bench/fp8_gpu.py, one run, its own 3 interleaved rounds): engine tok/s at
 #      Qwen2.5-0.5B and 7B shapes (decode- and prefill-heavy, fp8_min_tokens at its default and at 1),
 #      the FSDP train step (none / fake_quant / torchao_float8 when torchao is importable), and the
-#      train-rollout log-prob mismatch over 20 GRPO steps (bf16; FP8 without / with the contract).
+#      train-rollout log-prob mismatch over 20 GRPO steps (bf16; FP8 without / with the contract);
+#   5. mixture of experts (bench/moe_gpu.py, one run, 3 interleaved rounds of decode): engine decode
+#      tok/s of a Qwen3-30B-A3B-shaped MoE against the dense model of its active size, and the
+#      mismatch over 20 GRPO steps with routing replay off and on.
 # Usage, from the repository root, with megatron-core, TRL and the server packages importable:
 #   bash bench/h200_sitting.sh OUT_DIR
 # Every command's output goes to OUT_DIR/NAME.log (JSON summaries to OUT_DIR/NAME.json), the start
@@ -53,4 +56,5 @@ for r in 1 2 3; do
     step "engine_r$r" $py -m bench.engine_gpu --skip-eager --skip-hf --out "$out/engine_r$r.json"
 done
 step fp8 $py -m bench.fp8_gpu --out "$out/fp8.json"  # models and runs in runs/bench_fp8 (7B: 15 GB)
+step moe $py -m bench.moe_gpu --out "$out/moe.json"  # models and runs in runs/bench_moe (MoE: 16 GB)
 date -u +%FT%TZ >"$out/DONE"
