@@ -30,6 +30,7 @@ members). An engine with `quantization: none` builds the plain Decoder and pays 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -196,8 +197,9 @@ class Fp8Decoder(Decoder):
 
     def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
         """As Decoder.load, covered names taken as the FP8 pair or quantised on receipt (module docstring)."""
-        super().load(self.prepare(weights), strict)
-        self._refresh_shadow()
+        prepared = self.prepare(weights)
+        super().load(prepared, strict)
+        self._refresh_shadow(self.fp8_storage_of(prepared))
 
     def offload(self) -> None:
         self._shadow = {}
@@ -207,17 +209,22 @@ class Fp8Decoder(Decoder):
         super().onload()
         self._refresh_shadow()
 
-    def _refresh_shadow(self) -> None:
-        """Dequantise every stored FP8 weight into its model-dtype copy, in place where one exists (the
-        CUDA graphs captured over the copies stay valid). Nothing on CPU, off the device, or when every
-        GEMM runs in FP8 (min_tokens 1)."""
+    def fp8_storage_of(self, names: Iterable[str]) -> set[str]:
+        """The stored FP8 tensors (storage keys: fused or plain weight names) that hold the HF tensors
+        `names` (weights or their scales)."""
+        home = {m: fused for fused, members in self._fused.items() for m, _ in members}
+        keys = {home.get(n, n).removesuffix(SCALE_SUFFIX) for n in names}
+        return {k for k in keys if k in self.storage and self.storage[k].dtype == FP8_DTYPE}
+
+    def _refresh_shadow(self, keys: Iterable[str] | None = None) -> None:
+        """Dequantise the stored FP8 weights `keys` (None: all) into their model-dtype copies, in place
+        where one exists (the CUDA graphs captured over the copies stay valid). Nothing on CPU, off the
+        device, or when every GEMM runs in FP8 (min_tokens 1)."""
         if self.device.type != "cuda" or not self.resident or self.min_tokens <= 1:
             self._shadow = {}
             return
-        for name, t in self.storage.items():
-            if t.dtype != FP8_DTYPE:
-                continue
-            w = dequantize_weight(t, self.storage[scale_name(name)], self.layout, self.dtype)
+        for name in self.fp8_storage_of(self.storage) if keys is None else keys:
+            w = dequantize_weight(self.storage[name], self.storage[scale_name(name)], self.layout, self.dtype)
             if name in self._shadow:
                 self._shadow[name].copy_(w)
             else:

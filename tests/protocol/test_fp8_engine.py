@@ -265,3 +265,29 @@ def test_distributed_update_receives_float8_as_uint8(update_engine):
     _ok(_post(update_engine, "/destroy_weights_update_group", {"group_name": name}))
     after = _checksums(update_engine)
     assert (after[Q0], after[scale_name(Q0)]) == (checksum(q), checksum(s))
+
+
+@pytest.mark.parametrize("layout", ["fp8_block", "fp8_row"])
+def test_an_update_refreshes_the_decode_copies_of_what_it_touched(tmp_path, layout):
+    """A weight update re-dequantises the decode copies (CUDA engines) of the stored FP8 tensors that
+    hold what it sent, fused or not, whether the weight or its scale came: those and no others."""
+    from miles.engine.fp8_weights import Fp8Decoder
+    from miles.engine.model import ModelSpec
+    from miles.models.tiny import init_tiny
+
+    sizes = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=2, num_attention_heads=8)
+    model = init_tiny(tmp_path / "m", arch="qwen2", num_key_value_heads=2, **sizes)  # k/v rows not x128
+    dec = Fp8Decoder(ModelSpec.from_dir(model), load_weights(model), "cpu", torch.float32, layout, 1024)
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    gate_up = {mlp + "gate_up_proj.weight"}
+    assert dec.fp8_storage_of([mlp + "up_proj.weight"]) == gate_up
+    assert dec.fp8_storage_of([mlp + "gate_proj.weight_scale_inv"]) == gate_up
+    qkv = {attn + "qkv_proj.weight"} if layout == "fp8_row" else {attn + "k_proj.weight"}  # block: unfused
+    assert dec.fp8_storage_of([attn + "k_proj.weight"]) == qkv
+    assert (
+        dec.fp8_storage_of(["model.norm.weight", "model.embed_tokens.weight", attn + "q_proj.bias"]) == set()
+    )
+    every = dec.fp8_storage_of(dec.storage)
+    assert every == {k for k, t in dec.storage.items() if t.dtype == torch.float8_e4m3fn}
+    per_layer = 4 if layout == "fp8_row" else 6  # qkv (row) or q, k, v (block); o; gate_up; down
+    assert len(every) == 2 * per_layer
