@@ -195,7 +195,9 @@ class RoutingReplay:
         """(experts used [T, k], the trainer's own top-k [T, k]) for router `slot` given probs [T, E]."""
         natural = torch.topk(probs, self.shape.top_k, dim=-1).indices
         used = natural
-        given = self._given(slot, probs) if self._routing is not None else None
+        given = (
+            self._given(slot, probs) if self._routing is not None and (self._use or self._measure) else None
+        )
         if self._use and given is not None:
             used = torch.where(given[1][:, None], given[0], natural)
         if self._measure:
