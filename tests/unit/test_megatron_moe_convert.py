@@ -185,6 +185,16 @@ def test_router_rows_of_a_packed_row():
         moe.router_rows([a, b], [0, 1], (1, 5), shape, required=True)
 
 
+def test_real_tokens_of_a_full_batch_is_none():
+    """No padding (a full packed row, or right-padded rows all of full width): None, so the routers'
+    pass is not filtered by a boolean mask; any padding gives the mask; a bad placement still fails."""
+    assert moe.real_tokens([4, 3], (1, 7)) is None
+    assert moe.real_tokens([5, 5], (2, 5)) is None
+    assert moe.real_tokens([4, 3], (1, 8)).tolist() == [True] * 7 + [False]
+    with pytest.raises(ValueError, match="cannot place"):
+        moe.real_tokens([3, 3, 3, 3], (2, 6))
+
+
 @pytest.mark.parametrize(
     ("layers", "stages", "first", "last", "sizes"),
     [(8, 2, None, None, [4, 4]), (8, 3, 2, None, [2, 3, 3]), (7, 3, 1, 2, [1, 4, 2]), (5, 2, 1, 4, [1, 4])],

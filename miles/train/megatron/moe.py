@@ -130,7 +130,8 @@ class MoERouting:
     _inside: bool
     """A micro-batch forward is running (recomputes in the backward pass are not measured)."""
     _real: Tensor | None
-    """[s * b] bool, the current micro-batch's real (non-padding) tokens in router order."""
+    """[s * b] bool, the current micro-batch's real (non-padding) tokens in router order; None when
+    every position is real (nothing to filter, which spares a host synchronisation per router)."""
     _fillers: set[int]
     """ids of throw-away micro-batches (equal counts over expert-parallel ranks): never measured."""
 
@@ -202,7 +203,8 @@ class MoERouting:
             batch = tuple(mb.tokens.shape)
             rows = router_rows(samples, mb.sample_ids, batch, self.stage, self.replay)
             lengths = [len(samples[i].tokens) for i in mb.sample_ids]
-            self._real = real_tokens(lengths, batch).to(mb.tokens.device, non_blocking=True)
+            real = real_tokens(lengths, batch)
+            self._real = None if real is None else real.to(mb.tokens.device, non_blocking=True)
         queued = self._recompute and torch.is_grad_enabled() and self.replay and rows is not None
         n = len(self.stage.layers)
         try:
@@ -297,11 +299,16 @@ def router_rows(
     return per_layer_rows(grid.reshape(width * b, *dims), grid_valid.reshape(-1))
 
 
-def real_tokens(lengths: list[int], batch: tuple[int, int]) -> Tensor:
-    """[s * b] bool in the router's token order: True at the positions of the sequences' tokens."""
+def real_tokens(lengths: list[int], batch: tuple[int, int]) -> Tensor | None:
+    """[s * b] bool in the router's token order: True at the positions of the sequences' tokens. None
+    when the sequences fill every position (a full packed row): filtering by a boolean mask costs a
+    host synchronisation per MoE layer, so callers skip it."""
     b, width = batch
+    placement = list(_placement(lengths, b, width))
+    if sum(lengths) == b * width:
+        return None
     real = torch.zeros(width, b, dtype=torch.bool)
-    for row, start, n in _placement(lengths, b, width):
+    for row, start, n in placement:
         real[start : start + n, row] = True
     return real.reshape(-1)
 
