@@ -105,3 +105,31 @@ def pids_alive(pids: list[int]) -> list[int]:
             continue
         alive.append(pid)
     return alive
+
+
+def steps_of(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir)]
+
+
+def run_pids(run_dir: Path) -> list[int]:
+    """PIDs of every live process whose command line names the run directory (engines, torchrun, ranks)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().split(") ")[-1][:1]
+        except OSError:
+            continue
+        if str(run_dir) in cmd and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def wait_gone(run_dir: Path, timeout_s: float = 15) -> list[int]:
+    """Wait until no process of the run is left (children die with their launcher); those still alive."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := run_pids(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive

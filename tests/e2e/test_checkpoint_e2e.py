@@ -4,10 +4,8 @@ every step (and every evaluation) once."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from conftest import finish, miles_train, stop, wait_for_step
+from conftest import finish, miles_train, stop, wait_for_step, wait_gone
 
 from miles.metrics import read_metrics
 from miles.train.checkpoint import complete_steps, step_dir
@@ -28,6 +26,8 @@ def test_resume_after_kill_skips_a_truncated_newest_checkpoint(recipe) -> None:
         proc.wait()
     finally:
         stop(proc)
+    # nothing may write a checkpoint any more before the newest one is read and damaged
+    assert wait_gone(run_dir) == [], "a process of the killed run is still alive"
     before = [r["step"] for r in read_metrics(run_dir)]
     assert before[:6] == [0, 1, 2, 3, 4, 5] and max(before) < 8, before
     *_, previous, newest = complete_steps(run_dir)  # [2, 4] or [4, 6] (keep_last=2)
@@ -35,7 +35,6 @@ def test_resume_after_kill_skips_a_truncated_newest_checkpoint(recipe) -> None:
     damaged = step_dir(run_dir, newest)
     shard = max((p for p in (damaged / "state").iterdir()), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:1000])
-    time.sleep(2)  # the trainer rank's parent-death signal has landed
 
     finish(miles_train(str(path), "--resume", str(run_dir)))
     log = (run_dir / "logs" / "trainer-0.log").read_text()

@@ -15,35 +15,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import finish, miles_train, pids_alive, stop, wait_for_step
+from conftest import finish, miles_train, pids_alive, run_pids, steps_of, stop, wait_for_step
 
 from miles.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
 
-def steps_of(run_dir: Path) -> list[int]:
-    return [r["step"] for r in read_metrics(run_dir)]
-
-
 def engine_record(run_dir: Path, name: str = "engine-0") -> dict:
     return json.loads((run_dir / "rendezvous" / "engines" / f"{name}.json").read_text())
-
-
-def run_pids(run_dir: Path) -> list[int]:
-    """PIDs of every live process whose command line names the run directory (engines, torchrun, ranks)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
-            state = (entry / "stat").read_text().split(") ")[-1][:1]
-        except OSError:
-            continue
-        if str(run_dir) in cmd and state != "Z":
-            out.append(int(entry.name))
-    return out
 
 
 def test_engine_killed_mid_run_is_replaced_and_the_run_finishes(recipe) -> None:

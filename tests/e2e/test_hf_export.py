@@ -3,7 +3,8 @@
 FSDP: two steps of `miles train` on the CPU, `miles export`, then the exported model (transformers)
 against the FSDP backend holding the same checkpoint. Megatron: a checkpoint in the backend's file
 layout (TP=2 x PP=2 slices of a known model, written with the backend's own converter) exports to the
-model it came from. Bad inputs are errors that say what to change."""
+model it came from; so does a Qwen3-MoE checkpoint written with expert parallelism (EP=2, the dense
+weights in the ep0 files only). Bad inputs are errors that say what to change."""
 
 from __future__ import annotations
 
@@ -74,8 +75,10 @@ def test_fsdp_export_matches_the_trainer(recipe, tiny_model, tmp_path):
     assert (hf_logits(older) - exported).abs().max() > 0  # --step picks the checkpoint
 
 
-def megatron_run(root: Path, model_path: str, tp: int = 2, pp: int = 2, step: int = 3) -> Path:
-    """A run directory holding a Megatron checkpoint of `model_path`'s weights (local layer spec)."""
+def megatron_run(root: Path, model_path: str, tp: int = 2, pp: int = 2, step: int = 3, ep: int = 1) -> Path:
+    """A run directory holding a Megatron checkpoint of `model_path`'s weights (local layer spec);
+    with ep > 1 the files are per expert-parallel rank as the backend's save writes them: ep0's the
+    whole stage, the others only their experts, every rank's numbered from 0."""
     from transformers import AutoConfig
 
     from miles.train.megatron import convert
@@ -104,8 +107,13 @@ def megatron_run(root: Path, model_path: str, tp: int = 2, pp: int = 2, step: in
                     state[convert.to_local(name, first)] = convert.tp_shard(
                         name, tensor, t, tp, shapes
                     ).clone()
-            state["decoder.layers.0.self_attention.core_attention._extra_state"] = None
-            torch.save(state, mg_dir / f"model_tp{t}_pp{stage}.pt")
+            for e in range(ep):
+                shard = convert.ep_shard(state, e, ep, shapes)
+                if e > 0:
+                    shard = {k: v for k, v in shard.items() if convert.expert_of(k) is not None}
+                shard["decoder.layers.0.self_attention.core_attention._extra_state"] = None
+                tag = f"_ep{e}" if ep > 1 else ""
+                torch.save(shard, mg_dir / f"model_tp{t}_pp{stage}{tag}.pt")
     torch.save({"step": step, "extra": {}}, step_dir(run, step) / "trainer.pt")
     mark_complete(run, step, keep_last=2)
     plan = {
@@ -131,6 +139,37 @@ def test_megatron_missing_slice_is_named(tiny_model, tmp_path):
     (step_dir(run, 3) / "megatron" / "model_tp1_pp1.pt").unlink()
     mark_complete(run, 3, keep_last=2)  # a consistent marker: the file is missing from the layout itself
     with pytest.raises(ConfigError, match="model_tp1_pp1.pt"):
+        export_run(run, tmp_path / "hf")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE: 4 layers (layer 0 dense), 4 routed experts."""
+    from miles.models.tiny import init_tiny
+
+    sizes = dict(hidden_size=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2)
+    return init_tiny(tmp_path_factory.mktemp("moe") / "m", arch="qwen3_moe", seed=5, **sizes)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_expert_parallel_export_rebuilds_the_model(tiny_moe, tmp_path, tp):
+    run = megatron_run(tmp_path, str(tiny_moe), tp=tp, pp=2, ep=2)
+    rank1 = torch.load(
+        step_dir(run, 3) / "megatron" / "model_tp0_pp1_ep1.pt", map_location="cpu", weights_only=True
+    )
+    assert rank1 and all("local_experts" in k for k in rank1 if not k.endswith("_extra_state")), (
+        "the synthetic ep1 file must hold only experts, as the backend's save writes it"
+    )
+    out = export_run(run, tmp_path / "hf")
+    diff = (hf_logits(out) - hf_logits(tiny_moe)).abs().max()
+    assert diff <= TOL, f"exported MoE logits differ from the source model's by {diff}"
+
+
+def test_megatron_missing_ep_slice_is_named(tiny_moe, tmp_path):
+    run = megatron_run(tmp_path, str(tiny_moe), tp=1, pp=2, ep=2)
+    (step_dir(run, 3) / "megatron" / "model_tp0_pp1_ep1.pt").unlink()
+    mark_complete(run, 3, keep_last=2)
+    with pytest.raises(ConfigError, match=r"model_tp0_pp1_ep1\.pt .*EP=2"):
         export_run(run, tmp_path / "hf")
 
 

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import finish, miles_train, stop, wait_for_step
+from conftest import finish, miles_train, steps_of, stop, wait_for_step
 
 from miles.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-
-
-def steps_of(run_dir) -> list[int]:
-    return [r["step"] for r in read_metrics(run_dir)]
 
 
 def test_reward_rises(recipe) -> None:
