@@ -211,6 +211,19 @@ def test_packed_micro_batch_is_one_row_with_restarting_positions() -> None:
     assert not allowed[4, 5] and allowed.diagonal().all()
 
 
+def test_block_causal_mask_matches_its_definition() -> None:
+    """Query i may attend key j exactly when j <= i and both lie in one sequence (True = masked)."""
+    from miles.train.megatron import batch as B
+
+    lengths = [3, 1, 4, 2]
+    seq = [k for k, n in enumerate(lengths) for _ in range(n)]
+    want = torch.tensor([[not (j <= i and seq[i] == seq[j]) for j in range(10)] for i in range(10)])
+    got = B.block_causal_mask(lengths, torch.device("cpu"))
+    assert got.shape == (1, 1, 10, 10) and got.dtype == torch.bool
+    assert torch.equal(got[0, 0], want), f"mask differs at {(got[0, 0] != want).nonzero().tolist()}"
+    assert torch.equal(B.block_causal_mask(lengths), got), "default device: CPU"
+
+
 def test_padded_micro_batches_keep_the_same_per_token_order() -> None:
     from miles.train.megatron import batch as B
 

@@ -95,13 +95,12 @@ def pack(
     return [_one(samples, advantages, idx, device, packed) for idx in groups]
 
 
-def block_causal_mask(lengths: list[int]) -> Tensor:
-    """[1, 1, T, T] bool, True where query i may NOT attend key j: j after i, or another sequence."""
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    total = int(seq.numel())
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    allowed = causal & (seq[:, None] == seq[None, :])
-    return (~allowed)[None, None]
+def block_causal_mask(lengths: list[int], device: torch.device | None = None) -> Tensor:
+    """[1, 1, T, T] bool, True where query i may NOT attend key j: j after i, or another sequence.
+    Built on `device` (only the T sequence ids are copied there, not the T^2 mask)."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+    allowed = (seq[:, None] == seq[None, :]).tril_()
+    return allowed.logical_not_()[None, None]
 
 
 def _one(
@@ -129,7 +128,7 @@ def _one(
         offset += length if packed else 0
     if not packed:
         positions = torch.arange(width).expand(b, width)
-    attention = block_causal_mask(lengths).to(device) if packed and len(seqs) > 1 else None
+    attention = block_causal_mask(lengths, device) if packed and len(seqs) > 1 else None
 
     def t(x, dtype):
         return torch.tensor(x, dtype=dtype, device=device)

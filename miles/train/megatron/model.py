@@ -10,6 +10,7 @@ get per-layer specs and their MoE fields from miles/train/megatron/moe.py. Impor
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from miles.train.megatron import convert, moe
 
 
+@functools.cache
 def has_transformer_engine() -> bool:
+    """Whether Transformer Engine is importable (asked once: the import attempt is not cheap)."""
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
