@@ -7,10 +7,12 @@ the trainer's weights at that step. One process, on the CPU, no process group an
 - FSDP (`checkpoints/step_N/state/`, torch.distributed.checkpoint): the model entries are read into
   a model of the run's architecture, whatever number of ranks wrote them (DCP stores global offsets).
   The optimiser state beside them is not read.
-- Megatron (`checkpoints/step_N/megatron/model_tpT_ppP.pt`): the tensor-parallel slices of each
-  pipeline stage are joined (miles/train/megatron/convert.py), each stage's layers renumbered from
-  the layer counts of the stages before it, and the names mapped to the HF ones. Needs no megatron
-  package: the files hold plain tensors.
+- Megatron (`checkpoints/step_N/megatron/model_tpT_ppP.pt`, `model_tpT_ppP_epE.pt` with expert
+  parallelism): the tensor-parallel slices of each pipeline stage are joined
+  (miles/train/megatron/convert.py), each stage's layers renumbered from the layer counts of the
+  stages before it, and the names mapped to the HF ones. With expert parallelism the dense weights
+  come from the ep0 files and each expert-parallel rank's experts are renumbered from its local
+  numbers to the global ones. Needs no megatron package: the files hold plain tensors.
 
 The checkpoint is verified against its `.complete` record first (without --step: the newest one
 that verifies). Every parameter of the model must come from the checkpoint: a missing or unexpected
@@ -30,7 +32,7 @@ from miles.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-_MEGATRON_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
+_MEGATRON_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)(?:_ep(\d+))?\.pt$")
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -82,7 +84,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
         state = fsdp_state(src / "state", model)
     else:
         raise ConfigError(f"{src} holds neither state/ (FSDP) nor megatron/ (Megatron) checkpoint files")
-    _load_strict(model, state, src)
+    _load_strict(model, _stack_experts(state, model.state_dict()), src)
     return _write(model, plan.model.path, plan.model.dtype, out, step)
 
 
@@ -118,42 +120,101 @@ def fsdp_state(state_dir: Path, model: Any) -> dict[str, Any]:
 
 
 def megatron_state(mg_dir: Path, hf_cfg: Any) -> dict[str, Any]:
-    """HF-named full tensors from the per-(TP, PP) model files of a Megatron checkpoint."""
+    """HF-named full tensors from the per-(TP, PP[, EP]) model files of a Megatron checkpoint."""
     import torch
 
     from miles.train.megatron import convert
 
-    files: dict[tuple[int, int], Path] = {}
-    for p in mg_dir.iterdir():
-        if m := _MEGATRON_FILE.match(p.name):
-            files[(int(m.group(1)), int(m.group(2)))] = p
-    if not files:
-        raise ConfigError(f"{mg_dir} holds no model_tp<T>_pp<P>.pt files")
-    tp = 1 + max(t for t, _ in files)
-    pp = 1 + max(p for _, p in files)
-    missing = [f"model_tp{t}_pp{p}.pt" for t in range(tp) for p in range(pp) if (t, p) not in files]
-    if missing:
-        raise ConfigError(f"{mg_dir} lacks {', '.join(missing)} (a checkpoint of TP={tp}, PP={pp})")
+    files, tp, pp, ep = _megatron_files(mg_dir)
     full: dict[str, torch.Tensor] = {}
     offset = 0
     shapes = None
     for stage in range(pp):
-        shards = [torch.load(files[(t, stage)], map_location="cpu", weights_only=True) for t in range(tp)]
-        names = [k for k in shards[0] if not k.endswith("_extra_state")]
-        if shapes is None:
-            te = any(k.endswith("layer_norm_weight") for k in names)
-            shapes = convert.Shapes.from_hf(hf_cfg, te_names=te)
-        for name in names:
-            full[convert.to_global(name, offset)] = convert.tp_unshard(
-                name, [s[name] for s in shards], shapes
-            )
-        offset += len({int(m.group(1)) for k in names if (m := _LOCAL_LAYER.match(k))})
+        stage_layers = 0
+        for e in range(ep):
+            shards = [
+                torch.load(files[(t, stage, e)], map_location="cpu", weights_only=True) for t in range(tp)
+            ]
+            names = [k for k in shards[0] if not k.endswith("_extra_state")]
+            if shapes is None:
+                te = any(k.endswith("layer_norm_weight") for k in names)
+                shapes = convert.Shapes.from_hf(hf_cfg, te_names=te)
+                local = _local_experts(shapes.num_experts, ep, mg_dir)
+            if e > 0:  # the dense weights are ep0's
+                names = [k for k in names if convert.expert_of(k) is not None]
+            for name in names:
+                full[convert.to_global(convert.ep_to_global(name, e, local), offset)] = convert.tp_unshard(
+                    name, [s[name] for s in shards], shapes
+                )
+            if e == 0:
+                stage_layers = len({int(m.group(1)) for k in names if (m := _LOCAL_LAYER.match(k))})
+        offset += stage_layers
     if shapes.tied:
         full.pop("output_layer.weight", None)  # the last stage's copy of the tied embedding
     try:
         return convert.megatron_to_hf(full, shapes)
     except KeyError as e:
         raise ConfigError(f"{mg_dir}: {e.args[0]}; is plan.model.path the model this run trained?") from e
+
+
+def _megatron_files(mg_dir: Path) -> tuple[dict[tuple[int, int, int], Path], int, int, int]:
+    """The model files by (TP, PP, EP) rank (EP 0 without the `_epE` suffix) and the three sizes;
+    an error naming every file the layout lacks."""
+    files: dict[tuple[int, int, int], Path] = {}
+    suffixed = set()
+    for p in mg_dir.iterdir():
+        if m := _MEGATRON_FILE.match(p.name):
+            suffixed.add(m.group(3) is not None)
+            files[(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))] = p
+    if not files:
+        raise ConfigError(f"{mg_dir} holds no model_tp<T>_pp<P>.pt or model_tp<T>_pp<P>_ep<E>.pt files")
+    if len(suffixed) > 1:
+        raise ConfigError(
+            f"{mg_dir} mixes model files with and without the expert-parallel `_ep<E>` suffix: "
+            "they come from different runs; keep one checkpoint per step directory"
+        )
+    tp, pp, ep = (1 + max(k[i] for k in files) for i in range(3))
+    tag = "_ep{}" if suffixed == {True} else ""
+    missing = [
+        f"model_tp{t}_pp{p}{tag.format(e)}.pt"
+        for t in range(tp)
+        for p in range(pp)
+        for e in range(ep)
+        if (t, p, e) not in files
+    ]
+    if missing:
+        layout = f"TP={tp}, PP={pp}" + (f", EP={ep}" if tag else "")
+        raise ConfigError(f"{mg_dir} lacks {', '.join(missing)} (a checkpoint of {layout})")
+    return files, tp, pp, ep
+
+
+def _local_experts(num_experts: int, ep: int, mg_dir: Path) -> int:
+    """Experts per expert-parallel rank; an error when the files' EP does not split the model's."""
+    if ep > 1 and (not num_experts or num_experts % ep):
+        raise ConfigError(
+            f"{mg_dir} holds {ep} expert-parallel slices, which do not split the {num_experts} routed "
+            "experts of plan.model.path: is it the model this run trained?"
+        )
+    return num_experts // ep if ep > 1 else 0
+
+
+def _stack_experts(state: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """`state` with per-expert HF names (`mlp.experts.<e>.{gate,up,down}_proj.weight`, as the
+    converter and the safetensors files name them) stacked into the tensors a transformers 5 model
+    holds in memory: `mlp.experts.gate_up_proj` [E, 2I, H] ([gate; up] per expert) and
+    `mlp.experts.down_proj` [E, H, I]. A layer lacking any expert is left for _load_strict to report."""
+    import torch
+
+    state = dict(state)
+    for name, param in own.items():
+        head, _, tail = name.rpartition(".experts.")
+        if tail not in ("gate_up_proj", "down_proj") or name in state:
+            continue
+        parts = ("down",) if tail == "down_proj" else ("gate", "up")
+        names = [[f"{head}.experts.{e}.{x}_proj.weight" for x in parts] for e in range(param.shape[0])]
+        if all(n in state for row in names for n in row):
+            state[name] = torch.stack([torch.cat([state.pop(n) for n in row]) for row in names])
+    return state
 
 
 def _load_strict(model: Any, state: dict[str, Any], src: Path) -> None:

@@ -12,7 +12,9 @@ with the FSDP backend, miles/train/checkpoint.py):
     megatron/model_tpT_ppP.pt        this stage's weights (its TP slice) as plain tensors, by
                                      data-parallel rank 0, for `miles export` (miles/export.py), which
                                      needs no megatron-core (with expert parallelism `_epE` is
-                                     appended and each expert-parallel rank writes its own experts)
+                                     appended: ep0's file holds the whole stage with its own experts,
+                                     each other expert-parallel rank's only its experts, numbered
+                                     from 0 on every rank)
     megatron/rng_rankR.pt            RNG states
     trainer.pt                       step counter, the caller's `extra` and the layout that saved it
     .complete                        written last, by rank 0, after every rank has finished: the
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from miles.train.checkpoint import CheckpointError, choose, load_error, seal, step_dir
+from miles.train.megatron.convert import expert_of
 
 log = logging.getLogger("miles.train.checkpoint")
 
@@ -111,7 +114,13 @@ def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
     (mg / "dist").mkdir(parents=True, exist_ok=True)
     ep = ps.get_expert_model_parallel_world_size() > 1
     if (ps.get_expert_data_parallel_rank() if ep else ps.get_data_parallel_rank()) == 0:
-        state = {k: v for k, v in backend.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        # expert-parallel ranks > 0 hold the same dense weights as ep0: only their experts are new
+        experts_only = ep and ps.get_expert_model_parallel_rank() > 0
+        state = {
+            k: v
+            for k, v in backend.gpt.state_dict().items()
+            if not k.endswith("_extra_state") and not (experts_only and expert_of(k) is None)
+        }
         torch.save(state, _model_file(run_dir, step))
     dist.barrier()  # megatron-core's writer expects its directory to exist on every rank
     dist_checkpointing.save(_sharded(backend, loading=False), str(mg / "dist"))
