@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import importlib.util
 import random
 import statistics
@@ -51,6 +50,7 @@ import yaml
 
 from bench.e2e_gpu import recipe as e2e_recipe
 from bench.gpu_train import samples as train_samples
+from bench.parts import free_memory, report, run_parts
 from miles.models.tiny import QWEN25_05B_SHAPE, QWEN25_VOCAB, init_random
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,12 +115,6 @@ def rotated(items: list, r: int) -> list:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def make_model(work: Path, size: str, dtype: str) -> Path:
@@ -559,8 +553,6 @@ def main(argv: list[str] | None = None) -> int:
         "train": lambda: train_part(args, device),
         "rollout": lambda: [row for size in args.sizes for row in rollout_size(args, size, device)],
     }
-    from bench.parts import report, run_parts
-
     errors = run_parts(args, PARTS, runners, results)
     sections = [
         ("rollout", "Rollout: embedded engine in process, CUDA graphs", rollout_table),

@@ -57,13 +57,12 @@ from bench.fp8_gpu import (
     build_engines,
     code_version,
     engine_run,
-    free_memory,
     rotated,
     span,
     tok,
     versions,
 )
-from bench.parts import report, run_parts
+from bench.parts import free_memory, report, run_parts
 from miles.models.tiny import QWEN25_VOCAB, init_random
 
 # Qwen3-30B-A3B's layer shapes (its vocabulary is Qwen2.5's 151,936 ids); the layer count is --layers
