@@ -144,10 +144,11 @@ def test_decode_copy_follows_every_weight_change(model, layout):
     check()
     name = "model.layers.1.mlp.up_proj.weight"
     key = "model.layers.1.mlp.gate_up_proj.weight"
-    address = dec._shadow[key].data_ptr()
+    address, before = dec._shadow[key].data_ptr(), dec._shadow[key].clone()
     q, s = quantize_weight(torch.randn(dec.params[name].shape, device="cuda") * 0.05, layout)
     dec.load({name: q, scale_name(name): s})
     assert dec._shadow[key].data_ptr() == address, "an update must write the copy in place"
+    assert not torch.equal(dec._shadow[key], before), "the update did not reach the copy"
     check()
     dec.offload()
     assert dec._shadow == {}, "offload frees the copies with the weights"

@@ -197,7 +197,7 @@ def test_without_replay_the_router_chooses(env):
     b = megatron_backend(env[0], env[1], "noreplay", "float32", **TRAIN)
     m = b.train(env[2])
     assert m["router_agreement"] == m["router_natural_agreement"] < 0.9
-    assert m["loss"] == m["loss"]
+    assert math.isfinite(m["loss"]), m
 
 
 def _stacked_to_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

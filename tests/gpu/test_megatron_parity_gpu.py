@@ -301,6 +301,7 @@ def _per_sample_logprobs(b, samples, packed: bool, use_mask: bool = True) -> dic
 
 def test_packed_rows_give_the_padded_logprobs(env, tmp_path):
     from miles.train.megatron import batch as B
+    from miles.train.megatron.model import has_transformer_engine
 
     samples = _samples(env[2], seed=17)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -308,7 +309,7 @@ def test_packed_rows_give_the_padded_logprobs(env, tmp_path):
     assert any(len(mb.sample_ids) > 1 for mb in packed_mbs) and all(
         mb.tokens.shape[0] == 1 for mb in packed_mbs
     )
-    assert B.default_packed(), "without Transformer Engine the backend packs"
+    assert B.default_packed() != has_transformer_engine(), "the backend packs unless TE attention is in"
     b = _make(env[0], str(tmp_path))
     packed = _per_sample_logprobs(b, samples, packed=True)
     padded = _per_sample_logprobs(b, samples, packed=False)

@@ -102,7 +102,7 @@ def test_het_job_runs_the_rl_loop_with_the_threads_of_its_allocation(tmp_path: P
     _plant_stale_records(tmp_path / "slurm-tiny")  # the loop must find this job's engine, not these
     sub = submit(TINY, str(prof), [f"run.runs_root={tmp_path}", f"model.path={tiny_model}", "train.steps=2"])
     run_dir = Path(sub.run_dirs[0])
-    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 180) == "COMPLETED", run_logs(
+    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 300) == "COMPLETED", run_logs(
         run_dir, "actor"
     )
     assert (run_dir / "checkpoints" / "step_2" / ".complete").exists()
