@@ -120,7 +120,7 @@ def split_work(files: list[tuple[str, int]], parts: int) -> list[list[str]]:
     return shares
 
 
-def _gather(dist: Any, obj: Any) -> list[Any]:
+def gather_objects(dist: Any, obj: Any) -> list[Any]:
     """Every rank's `obj` on every rank; `dist` is torch.distributed, or None for one process."""
     if dist is None or dist.get_world_size() == 1:
         return [obj]
@@ -156,14 +156,14 @@ def seal(run_dir: str | Path, step: int, keep_last: int, dist: Any = None) -> No
     all of them finished writing; each hashes a share of the files, rank 0 writes the marker)."""
     rank, world = _rank_world(dist)
     out = step_dir(run_dir, step)
-    listing = _gather(dist, checkpoint_files(out) if rank == 0 else None)[0]
+    listing = gather_objects(dist, checkpoint_files(out) if rank == 0 else None)[0]
     mine = describe_files(out, split_work(listing, world)[rank])
     if rank == 0:
-        files = {name: entry for part in _gather(dist, mine) for name, entry in part.items()}
+        files = {name: entry for part in gather_objects(dist, mine) for name, entry in part.items()}
         write_marker(out, step, files)
         prune(run_dir, step, keep_last)
     else:
-        _gather(dist, mine)
+        gather_objects(dist, mine)
 
 
 def mark_complete(run_dir: str | Path, step: int, keep_last: int) -> None:
@@ -254,7 +254,7 @@ def verify(run_dir: str | Path, step: int, dist: Any = None) -> tuple[bool, str 
             outcome = (None, str(exc))
     else:
         outcome = None
-    record, problem = _gather(dist, outcome)[0]
+    record, problem = gather_objects(dist, outcome)[0]
     if problem is not None:
         return False, problem
     if record is None:
@@ -264,7 +264,7 @@ def verify(run_dir: str | Path, step: int, dist: Any = None) -> tuple[bool, str 
         return True, note
     files = sorted((name, int(entry["size"])) for name, entry in record["files"].items())
     mine = verify_files(src, record, split_work(files, world)[rank])
-    problems = sorted(p for part in _gather(dist, mine) for p in part)
+    problems = sorted(p for part in gather_objects(dist, mine) for p in part)
     return (False, _summary(problems)) if problems else (True, None)
 
 
@@ -304,7 +304,7 @@ def choose(run_dir: str | Path, step: int | None = None, dist: Any = None) -> Ch
 
     Collective when `dist` (torch.distributed) is given: every rank verifies a share of the files
     and all get the same Choice. Never raises for a bad checkpoint: call `.check()` on the result."""
-    steps = _gather(dist, complete_steps(run_dir) if _rank_world(dist)[0] == 0 else None)[0]
+    steps = gather_objects(dist, complete_steps(run_dir) if _rank_world(dist)[0] == 0 else None)[0]
     if step is None:
         return _newest_usable(run_dir, steps, dist)
     src = step_dir(run_dir, step)

@@ -42,8 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles.train.checkpoint import CheckpointError, choose, load_error, seal, step_dir
+from miles.train.checkpoint import CheckpointError, choose, gather_objects, load_error, seal, step_dir
 from miles.train.megatron.convert import expert_of
+from miles.train.megatron.memory import chained_optimizers as _chain
 
 log = logging.getLogger("miles.train.checkpoint")
 
@@ -86,10 +87,6 @@ def _rng() -> dict[str, Any]:
         "cuda": torch.cuda.get_rng_state(),
         "tracker": get_cuda_rng_tracker().get_states(),
     }
-
-
-def _chain(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _sharded(backend: Any, loading: bool) -> dict[str, Any]:
@@ -190,12 +187,6 @@ def key_mismatch(in_model: set[str], in_checkpoint: set[str], where: str) -> str
     )
 
 
-def _gathered_union(keys: set[str]) -> set[str]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, sorted(keys))
-    return {k for part in out for k in part}
-
-
 def _load_files(backend: Any, run_dir: str, step: int) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -207,7 +198,8 @@ def _load_files(backend: Any, run_dir: str, step: int) -> dict[str, Any]:
     loaded, saved_only, asked_only = dist_checkpointing.load(request, path, strict=StrictHandling.RETURN_ALL)
     # megatron-core's "missing" are keys only the checkpoint has (equal on all ranks), its
     # "unexpected" this rank's keys the checkpoint lacks; every rank decides on the same union
-    problem = key_mismatch(_gathered_union(asked_only), set(saved_only), path)
+    asked_anywhere = {k for part in gather_objects(dist, sorted(asked_only)) for k in part}
+    problem = key_mismatch(asked_anywhere, set(saved_only), path)
     if problem:
         raise CheckpointError(problem)
     backend.gpt.load_state_dict(loaded["model"], strict=True)

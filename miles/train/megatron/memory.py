@@ -15,6 +15,12 @@ from typing import Any
 import torch
 
 
+def chained_optimizers(optimizer: Any) -> list[Any]:
+    """The megatron-core optimizers inside `optimizer`: those of a ChainedOptimizer (e.g. one for the
+    dense and one for the expert parameters), else `optimizer` alone."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 class StorageOffloader:
     """Offload / onload a fixed set of CUDA tensors by their storages (deduplicated)."""
 
@@ -75,8 +81,7 @@ def training_tensors(backend: Any) -> list[torch.Tensor]:
             for attr in ("param_data", "grad_data"):
                 if getattr(buf, attr, None) is not None:
                     out.append(getattr(buf, attr))
-    opts = getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])
-    for opt in opts:
+    for opt in chained_optimizers(backend.optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
+from miles.train.megatron.memory import chained_optimizers
 from miles.train.offload.checks import OffloadError, check_free_space, check_offload_dir
 from miles.train.offload.device import Download
 from miles.train.offload.fileio import probe_direct_io, read_image, write_image
@@ -215,8 +216,7 @@ class StreamedHybridOptimizer(HybridDeviceOptimizer):
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
-    chain = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [o.optimizer for o in chain if getattr(o, "optimizer", None) is not None]
+    return [o.optimizer for o in chained_optimizers(optimizer) if getattr(o, "optimizer", None) is not None]
 
 
 def stream_optimizer(optimizer: Any, offload_dir: str | None, require_local: bool, rank: int) -> None:
