@@ -28,23 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from miles.train.megatron.memory import chained_optimizers
-from miles.train.offload.checks import OffloadError, check_free_space, check_offload_dir
+from miles.train.offload.checks import OffloadError
 from miles.train.offload.device import Download
-from miles.train.offload.fileio import probe_direct_io, read_image, write_image
+from miles.train.offload.fileio import read_image, write_image
 from miles.train.offload.layout import Bucket, align_up, aligned_empty, plan_buckets
-from miles.train.offload.optimizer import STAGING_BUFFERS
+from miles.train.offload.optimizer import disk_store
 from miles.train.offload.store import DiskStore
-
-log = logging.getLogger("miles.train.offload")
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FIELDS = [("master", torch.float32), ("exp_avg", torch.float32), ("exp_avg_sq", torch.float32)]
@@ -91,26 +87,15 @@ class StreamedHybridOptimizer(HybridDeviceOptimizer):
             out.append((opt, params[0]))
         return out
 
-    def setup_stream(self, root: Path, require_local: bool) -> None:
-        """Open the bucket files under root, write the initial master copies there and free them."""
-        check_offload_dir(root.parent, require_local)
-        root.mkdir(exist_ok=True)
+    def setup_stream(self, directory: str, name: str, require_local: bool) -> None:
+        """Open the bucket files (one per shard) under <directory>/<name>/, write the initial master
+        copies there and free them."""
         slots = self._slots()
         self.buckets = [
             _shard_bucket(i, self.cpu_copys_map_gpu_param[p].numel()) for i, (_, p) in enumerate(slots)
         ]
-        pin = torch.cuda.is_available()
-        self.store = DiskStore(root, self.buckets, probe_direct_io(root), STAGING_BUFFERS, pin)
-        self.store.remove_stale()
-        check_free_space(root, 2 * self.state_bytes())
+        self.store = disk_store(directory, name, self.buckets, require_local, torch.cuda.is_available())
         self.streaming = False
-        log.info(
-            "streaming %.1f MiB of Megatron optimizer state in %d shards through %s (%s I/O)",
-            self.state_bytes() / 2**20,
-            len(self.buckets),
-            root,
-            "O_DIRECT" if self.store.direct else "buffered",
-        )
         self.spill()
 
     def state_bytes(self) -> int:
@@ -232,7 +217,7 @@ def stream_optimizer(optimizer: Any, offload_dir: str | None, require_local: boo
                 f"train.optimizer_offload=nvme expected megatron-core's HybridDeviceOptimizer, got {type(inner)}"
             )
         inner.__class__ = StreamedHybridOptimizer
-        inner.setup_stream(Path(offload_dir) / f"megatron_rank{rank:05d}_opt{i}", require_local)
+        inner.setup_stream(offload_dir, f"megatron_rank{rank:05d}_opt{i}", require_local)
 
 
 @contextlib.contextmanager

@@ -42,20 +42,24 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _disk_store(directory: str | None, rank: int, buckets: list[Bucket], require_local: bool, pin: bool):
+def disk_store(
+    directory: str | None, name: str, buckets: list[Bucket], require_local: bool, pin: bool
+) -> DiskStore:
+    """The DiskStore of `buckets` in <directory>/<name>/ (one sub-directory per rank, so ranks sharing
+    a node never share files), after checking train.offload_dir (set, local storage when
+    `require_local`, room for two versions of the state); files a crashed run left there are removed."""
     if not directory:
         raise OffloadError(
             "train.optimizer_offload=nvme needs train.offload_dir (a directory on node-local NVMe)"
         )
     check_offload_dir(directory, require_local)
-    root = Path(directory) / f"rank_{rank:05d}"
+    root = Path(directory) / name
     root.mkdir(exist_ok=True)
     store = DiskStore(root, buckets, probe_direct_io(root), STAGING_BUFFERS, pin)
     store.remove_stale()
     check_free_space(root, 2 * sum(b.nbytes for b in buckets))
     log.info(
-        "rank %d: streaming %.1f MiB of optimiser state in %d buckets through %s (%s I/O)",
-        rank,
+        "streaming %.1f MiB of optimiser state in %d buckets through %s (%s I/O)",
         sum(b.nbytes for b in buckets) / 2**20,
         len(buckets),
         root,
@@ -104,7 +108,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if mode == "cpu":
             self.store: MemoryStore | DiskStore = MemoryStore(self.buckets, pin)
         elif mode == "nvme":
-            self.store = _disk_store(directory, rank, self.buckets, require_local, pin)
+            self.store = disk_store(directory, f"rank_{rank:05d}", self.buckets, require_local, pin)
         else:
             raise OffloadError(f"train.optimizer_offload={mode!r} is not one of: cpu, nvme")
         # a rank may hold no elements at all (FSDP2 shards of tiny models): zero buckets is valid
