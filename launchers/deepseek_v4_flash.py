@@ -43,7 +43,6 @@ downloaded).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -114,6 +113,8 @@ TINY_SHAPE: dict[str, Any] = dict(
     mlp_only_layers=[0],
 )
 """The miniature's Qwen3-MoE shape (miles.models.tiny sizes the rest: hidden 64, 4 heads)."""
+TINY_ROWS = 64
+"""Training rows the miniature generates."""
 
 TINY_MEGATRON = {
     "backend": "megatron",
@@ -196,13 +197,6 @@ def _destination(dst: str) -> Path:
     return path
 
 
-def _write_rows(rows: list[dict[str, Any]], path: Path) -> None:
-    """JSONL written beside its destination and renamed into place (a reader sees all rows or none)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-
-
 def _column(row: dict[str, Any], key: str, src: str) -> Any:
     value: Any = row
     for part in key.split("."):
@@ -219,24 +213,17 @@ def _prompt_text(value: Any) -> str:
     """A prompt column as text: a string as it is, a chat-message list as its last user message."""
     if isinstance(value, list):
         users = [m.get("content", "") for m in value if isinstance(m, dict) and m.get("role") == "user"]
-        if users:
-            return str(users[-1])
+        if not users:
+            raise SystemExit("a chat-message prompt has no user message; set --prompt-key to a text column")
+        return str(users[-1])
     return str(value)
 
 
 def source_rows(src: str, prompt_key: str, answer_key: str) -> list[dict[str, str]]:
     """Rows {prompt, answer} of a local JSONL or Parquet file."""
-    from miles.config import ConfigError
-    from miles.rollout.tasks import read_rows
+    from miles.eval.datasets import load_rows
 
-    if not Path(src).is_file():
-        raise SystemExit(f"--src {src} is not a file: give a local JSONL or Parquet dataset")
-    try:
-        rows = read_rows(src)
-    except ConfigError as e:
-        raise SystemExit(f"--src {src}: {e}") from None
-    if not rows:
-        raise SystemExit(f"--src {src} holds no rows")
+    rows = load_rows(src, "--src")  # ConfigError naming --src: main() prints it
     return [
         {
             "prompt": _prompt_text(_column(r, prompt_key, src)),
@@ -261,11 +248,13 @@ def prepare_data(
     dst: str, src: str | None, size: int, prompt_key: str = "prompt", answer_key: str = "answer"
 ) -> Path:
     """Write the training JSONL of the recipe's `jsonl` task: rows {prompt, answer}."""
+    from miles.eval.datasets import write_jsonl
+
     if size < 1:
         raise SystemExit(f"--size {size}: give at least 1 row")
     path = _destination(dst)
     rows = source_rows(src, prompt_key, answer_key) if src else generated_rows(size)
-    _write_rows(rows, path)
+    write_jsonl(rows, path)
     print(
         f"wrote {len(rows)} rows {{prompt, answer}} to {path}" + (f" from {src}" if src else " (generated)")
     )
@@ -290,10 +279,10 @@ def prepare_eval(src: str | None, dst: str, scale: str) -> None:
     """Stage an AIME 2024 JSONL file (problem/answer columns, as published) for the evaluation; tiny
     scale writes generated problems in the same layout."""
     if scale == "tiny" and not src:
-        from miles.eval.datasets import aime_synthetic_rows
+        from miles.eval.datasets import aime_synthetic_rows, write_jsonl
 
         path = _destination(dst)
-        _write_rows(aime_synthetic_rows(8), path)
+        write_jsonl(aime_synthetic_rows(8), path)
         print(f"wrote 8 generated AIME-style problems to {path}")
         return
     if not src or not Path(src).is_file():
@@ -319,7 +308,7 @@ def train_tiny(
     if not (p["model"] / "config.json").is_file():
         prepare_checkpoint(None, str(p["model"]), "tiny")
     if not p["data"].is_file():
-        prepare_data(str(p["data"]), None, 64)
+        prepare_data(str(p["data"]), None, TINY_ROWS)
     if not p["aime"].is_file():
         prepare_eval(None, str(p["aime"]), "tiny")
     recipe = p["root"] / f"recipe-{backend}.yaml"
@@ -366,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("prepare-data")
     q.add_argument("--src", help="JSONL or Parquet dataset to convert; without it problems are generated")
     q.add_argument("--dst")
-    q.add_argument("--size", type=int, help="generated rows (default 20000, tiny 64)")
+    q.add_argument("--size", type=int, help=f"generated rows (default 20000, tiny {TINY_ROWS})")
     q.add_argument("--prompt-key", default="prompt", help="prompt column of --src (dots for nested columns)")
     q.add_argument("--answer-key", default="answer", help="answer column of --src (dots for nested columns)")
     _scale_args(q)
@@ -400,7 +389,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     elif args.cmd == "prepare-data":
         dst = args.dst or (_tiny_default(args, "data") if tiny else DATA_FILE)
-        size = args.size or (64 if tiny else 20000)
+        if args.src and args.size is not None:
+            raise SystemExit("--size is for generated rows: leave it out with --src (every row is taken)")
+        size = args.size if args.size is not None else (TINY_ROWS if tiny else 20000)
         prepare_data(dst, args.src, size, args.prompt_key, args.answer_key)
     elif args.cmd == "prepare-eval":
         prepare_eval(args.src, args.dst or (_tiny_default(args, "aime") if tiny else AIME_FILE), args.scale)

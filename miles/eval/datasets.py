@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -179,10 +180,13 @@ def aime_synthetic_rows(n: int = 30, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Rows as a JSONL file (one object a line); returns the path."""
+    """Rows as a JSONL file (one object a line), written beside it and renamed into place (a reader
+    sees all rows or none); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
     return path
 
 

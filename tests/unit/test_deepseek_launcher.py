@@ -97,6 +97,13 @@ def test_prepare_data_converts_a_source_file(tmp_path: Path) -> None:
     assert _rows(dst) == [{"prompt": "What is 2+3?", "answer": "5"}]
     with pytest.raises(SystemExit, match="no column 'solution' .*columns: prompt, reward_model"):
         dsv4.main(["prepare-data", "--src", str(src), "--dst", str(dst), "--answer-key", "solution"])
+    with pytest.raises(SystemExit, match="--size is for generated rows"):
+        dsv4.main(argv + ["--size", "3"])
+    src.write_text(json.dumps({"prompt": [{"role": "system", "content": "s"}], "answer": "1"}) + "\n")
+    with pytest.raises(SystemExit, match="no user message; set --prompt-key"):
+        dsv4.main(["prepare-data", "--src", str(src), "--dst", str(dst)])
+    assert dsv4.main(["prepare-data", "--src", str(tmp_path / "none.jsonl"), "--dst", str(dst)]) == 2
+    assert _rows(dst) == [{"prompt": "What is 2+3?", "answer": "5"}], "refusals leave the file as it was"
 
 
 def test_prepare_data_refuses_a_bad_destination(tmp_path: Path) -> None:
