@@ -7,12 +7,13 @@ Regenerate after an intended change (then review the diff):
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launcher_render import REPO, launcher  # noqa: E402
+
 GOLDEN = Path(__file__).resolve().parent / "eval"
 
 CASES = {
@@ -28,16 +29,6 @@ CASES = {
 """name -> (recipe, or `deepseek` for the launcher's recipe; profile; step; --mode; --fn)."""
 
 
-def _deepseek_recipe() -> dict:
-    spec = importlib.util.spec_from_file_location(
-        "deepseek_v4_flash", REPO / "launchers" / "deepseek_v4_flash.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.RECIPE
-
-
 def render(name: str) -> str:
     """The sbatch text of one case, with the repo path replaced by <repo>."""
     from miles.eval.cli import build_eval_job
@@ -48,7 +39,7 @@ def render(name: str) -> str:
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
-        source = _deepseek_recipe() if recipe == "deepseek" else str(REPO / recipe)
+        source = launcher("deepseek_v4_flash").RECIPE if recipe == "deepseek" else str(REPO / recipe)
         plan, prof = load_plan(source, profile, ["run.runs_root=/shared/runs"])
         spec = build_eval_job(plan, prof, plan.run_dir, step, mode=mode, fn=fn, python="python")
         text = render_sbatch(spec)

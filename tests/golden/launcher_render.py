@@ -1,4 +1,5 @@
-"""Render the golden sbatch text of the launchers' full-scale recipes (machine-independent).
+"""Render the golden sbatch text of the launchers' full-scale recipes (machine-independent), through
+render.py's renderer.
 
 Regenerate after an intended change (then review the diff):
 
@@ -8,12 +9,14 @@ Regenerate after an intended change (then review the diff):
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from render import REPO  # noqa: E402
+from render import render as render_recipe  # noqa: E402
+
 GOLDEN = Path(__file__).resolve().parent / "launchers"
 
 CASES = {"deepseek-v4-flash__mi355x": ("deepseek_v4_flash", "mi355x")}
@@ -30,21 +33,9 @@ def launcher(name: str) -> ModuleType:
 
 
 def render(name: str) -> str:
-    """The sbatch text of one case, with the repo path replaced by <repo>."""
-    from miles.launch.slurm import render_sbatch
-    from miles.launch.spec import build_job
-    from miles.launch.submit import load_plan
-
+    """The sbatch text of one case."""
     module, profile = CASES[name]
-    cwd = os.getcwd()
-    os.chdir(REPO)
-    try:
-        plan, prof = load_plan(launcher(module).RECIPE, profile, ["run.runs_root=/shared/runs"])
-        spec = build_job(plan, prof, [plan.run_dir], log_dir=f"{plan.run_dir}/logs/slurm", python="python")
-        text = render_sbatch(spec)
-    finally:
-        os.chdir(cwd)
-    return text.replace(str(REPO), "<repo>")
+    return render_recipe(launcher(module).RECIPE, profile)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ def golden_path(recipe: str, profile: str) -> Path:
     return GOLDEN / f"{Path(recipe).stem}__{profile}.sh"
 
 
-def render(recipe: str, profile: str) -> str:
-    """The sbatch text (or the ConfigError a user would see), with the repo path replaced by <repo>."""
+def render(recipe: str | dict, profile: str) -> str:
+    """The sbatch text of a recipe (a path relative to the repo, or a recipe dict such as a launcher's
+    RECIPE) on a profile, or the ConfigError a user would see; the repo path replaced by <repo>."""
     from miles.config import ConfigError
     from miles.launch.slurm import render_sbatch
     from miles.launch.spec import build_job
@@ -37,7 +38,7 @@ def render(recipe: str, profile: str) -> str:
     cwd = os.getcwd()
     os.chdir(REPO)  # relative paths in recipes resolve against the repo root
     try:
-        plan, prof = load_plan(str(REPO / recipe), profile, [])
+        plan, prof = load_plan(recipe if isinstance(recipe, dict) else str(REPO / recipe), profile, [])
         text = render_sbatch(
             build_job(plan, prof, [plan.run_dir], log_dir=f"{plan.run_dir}/logs/slurm", python="python")
         )
