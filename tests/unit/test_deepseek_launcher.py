@@ -49,6 +49,10 @@ def test_full_scale_plan_has_the_reports_layout(tmp_path: Path) -> None:
     assert " ".join(cmd).count("--ep-size 8") == 1
     facts = json.loads((tmp_path / "deepseek-v4-flash" / "launch.json").read_text())
     assert facts["actor_ranks"] == 16, "2 actor nodes x 8 GPUs = PP4 x DP4 (EP4 over the DP4)"
+    ev = plan.eval  # AIME every 10 steps on an eval group of its own, evaluating step snapshots
+    assert ev.mode == "dedicated" and ev.every_steps == 10
+    aime = ev.datasets["aime2024"]
+    assert aime.source == "aime" and aime.samples == 8 and str(aime.path).endswith("aime-2024.jsonl")
 
 
 @pytest.mark.parametrize(
