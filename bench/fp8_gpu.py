@@ -41,16 +41,13 @@ import statistics
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
-from bench.e2e_gpu import recipe as e2e_recipe
 from bench.gpu_train import samples as train_samples
-from bench.parts import free_memory, report, run_parts
+from bench.parts import free_memory, mismatch_recipe, mismatch_run, report, run_parts
 from miles.models.tiny import QWEN25_05B_SHAPE, QWEN25_VOCAB, init_random
 
 REPO = Path(__file__).resolve().parents[1]
@@ -289,24 +286,6 @@ def train_part(args, device: str) -> list[dict]:
 # ---- part 3: log-prob mismatch over GRPO steps -----------------------------------------------------
 
 
-def mismatch_recipe(args, model: Path) -> Path:
-    """bench/e2e_gpu.py's colocated sync recipe, resized, old log-probs recomputed, TIS on."""
-    work = Path(args.workdir)
-    shape = Namespace(layout="colocated", schedule="sync", keep_engine_memory=False, tag="",
-                      prompt=args.mm_prompt, completion=args.mm_completion, backend=args.mm_backend,
-                      steps=args.mm_steps, micro_tokens=args.micro_tokens)  # fmt: skip
-    data = e2e_recipe(shape, model, work / "runs")
-    data["run"].update(name="fp8-mismatch", seed=args.seed)
-    data["rollout"].update(prompts_per_step=args.mm_prompts, n_samples_per_prompt=args.mm_samples)
-    data["train"]["loss"] = {"old_logprobs": "recompute", "kl_coef": 0.0, "tis": "truncate", "tis_clip": 2.0}
-    if args.smoke:
-        data["engine"]["max_total_tokens"] = 8192
-        data["model"]["dtype"] = "float32"
-    path = work / "recipe-fp8-mismatch.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def mismatch_arms(layout: str) -> list[tuple[str, list[str]]]:
     """(label, overrides) of the three runs."""
     return [
@@ -320,30 +299,17 @@ def mismatch_arms(layout: str) -> list[tuple[str, list[str]]]:
 
 def mismatch_part(args, device: str) -> list[dict]:
     """Three `miles train` runs of the same recipe; per-step train/logprob_mismatch from metrics.jsonl."""
-    from miles.launch.local import train_main
-    from miles.metrics import read_metrics
-
     dtype = "float32" if args.smoke else "bfloat16"
-    recipe = mismatch_recipe(args, make_model(Path(args.workdir), "tiny" if args.smoke else "0.5b", dtype))
-    rows = []
-    for k, (label, sets) in enumerate(mismatch_arms(args.layout)):
-        name = f"fp8-mismatch-{k}"
-        overrides = [f"run.name={name}", *sets]
-        command = f"miles train {recipe} --overwrite " + " ".join(f"--set {s}" for s in overrides)
-        print(f"mismatch: {command}", flush=True)
-        rc = train_main(str(recipe), overrides, progress=False, overwrite=True)
-        run_dir = Path(args.workdir) / "runs" / name
-        steps = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0 and "train/logprob_mismatch" in r]
-        row = dict(label=label, overrides=sets, command=command, rc=rc, run_dir=str(run_dir))
-        row["mismatch"] = [r["train/logprob_mismatch"] for r in steps]
-        row["tis_clip_frac"] = [r["train/tis_clip_frac"] for r in steps if "train/tis_clip_frac" in r]
-        row["checksum_mismatch"] = [r["weights/checksum_mismatch"] for r in steps
-                                    if "weights/checksum_mismatch" in r]  # fmt: skip
-        if rc != 0 or len(steps) != args.mm_steps:
-            row["failed"] = f"rc {rc}, {len(steps)} of {args.mm_steps} steps; logs in {run_dir / 'logs'}"
-        rows.append(row)
-        free_memory()
-    return rows
+    model = make_model(Path(args.workdir), "tiny" if args.smoke else "0.5b", dtype)
+    loss = {"old_logprobs": "recompute", "kl_coef": 0.0, "tis": "truncate", "tis_clip": 2.0}
+    recipe = mismatch_recipe(args, model, "fp8-mismatch", args.mm_backend, args.mm_steps, loss)
+    keys = {"mismatch": "train/logprob_mismatch", "tis_clip_frac": "train/tis_clip_frac",
+            "checksum_mismatch": "weights/checksum_mismatch"}  # fmt: skip
+    return [
+        dict(label=label, overrides=sets)
+        | mismatch_run(recipe, args.workdir, f"fp8-mismatch-{k}", sets, args.mm_steps, keys)
+        for k, (label, sets) in enumerate(mismatch_arms(args.layout))
+    ]
 
 
 # ---- the table -------------------------------------------------------------------------------------

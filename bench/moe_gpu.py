@@ -40,17 +40,13 @@ import datetime
 import json
 import math
 import random
-import shutil
 import statistics
 import sys
-from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
-from bench.e2e_gpu import recipe as e2e_recipe
 from bench.fp8_gpu import (
     SCI,
     Workload,
@@ -62,7 +58,7 @@ from bench.fp8_gpu import (
     tok,
     versions,
 )
-from bench.parts import free_memory, report, run_parts
+from bench.parts import free_memory, mismatch_recipe, mismatch_run, report, run_parts
 from miles.models.tiny import QWEN25_VOCAB, init_random
 
 # Qwen3-30B-A3B's layer shapes (its vocabulary is Qwen2.5's 151,936 ids); the layer count is --layers
@@ -210,52 +206,26 @@ def decode_part(args, device: str) -> list[dict]:
 # ---- part 2: log-prob mismatch with and without routing replay -------------------------------------
 
 
-def mismatch_recipe(args, model: Path) -> Path:
-    """bench/e2e_gpu.py's colocated sync recipe on FSDP, resized, old log-probs recomputed."""
-    work = Path(args.workdir)
-    shape = Namespace(layout="colocated", schedule="sync", keep_engine_memory=False, tag="",
-                      prompt=args.mm_prompt, completion=args.mm_completion, backend="fsdp",
-                      steps=args.steps, micro_tokens=args.micro_tokens)  # fmt: skip
-    data = e2e_recipe(shape, model, work / "runs")
-    data["run"].update(name="moe-mismatch", seed=args.seed)
-    data["rollout"].update(prompts_per_step=args.mm_prompts, n_samples_per_prompt=args.mm_samples)
-    data["train"]["loss"] = {"old_logprobs": "recompute", "kl_coef": 0.0}
-    data["train"]["checkpoint"] = {"every_steps": 0}
-    if args.smoke:
-        data["engine"]["max_total_tokens"] = 8192
-        data["model"]["dtype"] = "float32"
-    path = work / "recipe-moe-mismatch.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def mismatch_part(args, device: str) -> list[dict]:
-    """Two `miles train` runs of one recipe, routing replay off / rollout; per-step metrics."""
-    from miles.launch.local import train_main
-    from miles.metrics import read_metrics
-
+    """Two `miles train` runs of one recipe on FSDP, routing replay off / rollout; per-step metrics."""
     m = Model("MoE", "qwen3_moe", args.mm_layers, "a3b-half")
     model = make_model(args, m)
-    recipe = mismatch_recipe(args, model)
-    rows = []
-    for replay in ("off", "rollout"):
-        name = f"moe-mismatch-{replay}"
-        overrides = [f"run.name={name}", f"train.routing_replay={replay}"]
-        command = f"miles train {recipe} --overwrite " + " ".join(f"--set {s}" for s in overrides)
-        print(f"mismatch: {command}", flush=True)
-        rc = train_main(str(recipe), overrides, progress=False, overwrite=True)
-        run_dir = Path(args.workdir) / "runs" / name
-        steps = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0 and "train/logprob_mismatch" in r]
-        row = dict(routing_replay=replay, command=command, rc=rc, run_dir=str(run_dir),
-                   params=param_counts(model), layers=args.mm_layers, shape=m.shape(args.smoke))  # fmt: skip
-        for key in ("logprob_mismatch", "router_agreement", "router_natural_agreement"):
-            row[key] = [r[f"train/{key}"] for r in steps if f"train/{key}" in r]
-        if rc != 0 or len(steps) != args.steps:
-            row["failed"] = f"rc {rc}, {len(steps)} of {args.steps} steps; logs in {run_dir / 'logs'}"
-        rows.append(row)
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the end-of-run one: unused, large
-        free_memory()
-    return rows
+    loss = {"old_logprobs": "recompute", "kl_coef": 0.0}
+    recipe = mismatch_recipe(args, model, "moe-mismatch", "fsdp", args.steps, loss)
+    keys = {k: f"train/{k}" for k in ("logprob_mismatch", "router_agreement", "router_natural_agreement")}
+    info = dict(params=param_counts(model), layers=args.mm_layers, shape=m.shape(args.smoke))
+    return [
+        dict(routing_replay=replay, **info)
+        | mismatch_run(
+            recipe,
+            args.workdir,
+            f"moe-mismatch-{replay}",
+            [f"train.routing_replay={replay}"],
+            args.steps,
+            keys,
+        )  # fmt: skip
+        for replay in ("off", "rollout")
+    ]
 
 
 # ---- the tables ------------------------------------------------------------------------------------
