@@ -17,7 +17,8 @@ current CUDA device and uses the CUDA RNG tracker.
 KL to a frozen reference (`train.loss.kl_coef > 0`), as in the FSDP backend: a second GPTModel of the
 same layout, loaded from model.path and never updated, stays on the GPU beside the policy (FSDP keeps
 its sharded reference on the device too; offload() moves both to host memory). Before the step's first
-update one no-grad pass gives every sample's reference log-probs; the shared objective
+update each rank runs no-grad passes over its own micro-batches, the ones its updates train on: the
+reference's log-probs, and the old policy's with `train.loss.old_logprobs = recompute`; the shared objective
 (miles/train/objective.py) adds the KL estimator's term and reports `kl` and `kl_loss`.
 
 Optimizer offload (`train.optimizer_offload = cpu`): megatron-core's own HybridDeviceOptimizer holds
@@ -290,16 +291,21 @@ class MegatronBackend:
         recompute = cfg.old_logprobs == "recompute"
         if self.moe is not None:  # router metrics: each sample's policy forward once
             self.moe.reset()
-            self.moe.measure = recompute
-        old = self._old_logprobs(samples, adv) if recompute else None
-        ref = None if self.ref_model is None else self._old_logprobs(samples, adv, self.ref_model)
-        totals: dict[str, float] = {}
+        parts = []
         for k in range(n_mini):
+            ids = list(range(k * len(samples) // n_mini, (k + 1) * len(samples) // n_mini))
+            mine_ids = ids[dp_rank::dp]
+            mine = [samples[i] for i in mine_ids]
+            parts.append(([samples[i] for i in ids], mine, self._pack(mine, [adv[i] for i in mine_ids])))
+        if self.moe is not None:
+            self.moe.measure = recompute
+        # every mini-batch's old and reference log-probs before the first update changes the policy
+        pre = [self._pre_forward(mine, mbs, recompute) for _, mine, mbs in parts]
+        totals: dict[str, float] = {}
+        for k, ((mini, mine, mbs), (old, ref)) in enumerate(zip(parts, pre, strict=True)):
             if self.moe is not None:
                 self.moe.measure = k == 0 and not recompute
-            ids = list(range(k * len(samples) // n_mini, (k + 1) * len(samples) // n_mini))
-            mine = ids[dp_rank::dp]
-            metrics = self._update([samples[i] for i in ids], [samples[i] for i in mine], mine, adv, old, ref)
+            metrics = self._update(mini, mine, mbs, old, ref)
             for name, v in metrics.items():
                 totals[name] = totals.get(name, 0.0) + (v if name == "tokens" else v / n_mini)
         if self.moe is not None:
@@ -311,8 +317,16 @@ class MegatronBackend:
         """Context of one micro-batch forward: the rollout's experts for an MoE model (routing replay)."""
         return contextlib.nullcontext() if self.moe is None else self.moe.micro_batch(samples, mb)
 
-    def _update(self, mini, mine, mine_ids, adv, old, ref) -> dict[str, float]:
-        """One optimiser update over a mini-batch (`mini`: all of it; `mine`: this DP rank's part)."""
+    def _pack(self, samples: list[Sample], adv: list[float]) -> list[B.MicroBatch]:
+        """This rank's micro-batches of `samples`; with expert parallelism padded to the count of the
+        data-parallel rank that has the most (collective over that group)."""
+        dev = torch.device("cuda", torch.cuda.current_device())
+        mbs = B.pack(samples, adv, self.plan.train.max_tokens_per_microbatch, dev)
+        return mbs if self.moe is None else self.moe.pad_micro_batches(mbs)
+
+    def _update(self, mini, mine, mbs, old, ref) -> dict[str, float]:
+        """One optimiser update over a mini-batch (`mini`: all of it; `mine`: this DP rank's part, packed
+        as `mbs`; `old` / `ref`: its old-policy and reference log-probs, indexed as `mine`, or None)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -322,18 +336,12 @@ class MegatronBackend:
             g["lr"] = lr
         masks = [s.loss_mask or [1] * s.response_length for s in mini]
         norm = (sum(map(sum, masks)), sum(1 for m in masks if sum(m) > 0))
-        dev = torch.device("cuda", torch.cuda.current_device())
-        mbs = B.pack(mine, [adv[i] for i in mine_ids], t.max_tokens_per_microbatch, dev)
-        if self.moe is not None:
-            mbs = self.moe.pad_micro_batches(mbs)
-        old_mine = None if old is None else [old[i] for i in mine_ids]
-        ref_mine = None if ref is None else [ref[i] for i in mine_ids]
         scale = len(mbs) * ps.get_data_parallel_world_size()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = get_forward_backward_func()(
             forward_step_func=partial(
-                self._forward_step, norm=norm, scale=scale, old=old_mine, ref=ref_mine, samples=mine
+                self._forward_step, norm=norm, scale=scale, old=old, ref=ref, samples=mine
             ),
             data_iterator=iter(mbs),
             model=[self.model],
@@ -414,16 +422,20 @@ class MegatronBackend:
             out["tis_weight_mean" if k == "tis_weight" else k] = v if final else v / per
         return out
 
+    def _pre_forward(self, samples: list[Sample], mbs: list[B.MicroBatch], recompute: bool):
+        """(old-policy, reference) log-probs of this rank's `samples`, packed as `mbs`: the policy's
+        when old_logprobs=recompute and the reference's when kl_coef > 0 (None otherwise), over the same
+        micro-batches as the update."""
+        old = self._logprobs(samples, mbs, self.model) if recompute else None
+        ref = None if self.ref_model is None else self._logprobs(samples, mbs, self.ref_model)
+        return old, ref
+
     @torch.no_grad()
-    def _old_logprobs(
-        self, samples: list[Sample], adv: list[float], model: Any = None
-    ) -> list[Tensor | None]:
-        """Log-probs of every sample's response under the current weights, or under `model` (the
-        reference policy); on the last pipeline stage only (None elsewhere)."""
+    def _logprobs(self, samples: list[Sample], mbs: list[B.MicroBatch], model: Any) -> list[Tensor | None]:
+        """Log-probs of each of `samples`' responses (packed as `mbs`) under `model`, in `samples`' order;
+        on the last pipeline stage only (None elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        dev = torch.device("cuda", torch.cuda.current_device())
-        mbs = B.pack(samples, adv, self.plan.train.max_tokens_per_microbatch, dev)
         found: list[Tensor | None] = [None] * len(samples)
 
         def collect(mb, logits):
@@ -446,7 +458,7 @@ class MegatronBackend:
         get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(mbs),
-            model=[self.model if model is None else model],
+            model=[model],
             num_microbatches=len(mbs),
             seq_length=max(m.tokens.shape[1] for m in mbs),
             micro_batch_size=max(m.tokens.shape[0] for m in mbs),
