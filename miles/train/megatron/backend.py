@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles.config import ConfigError
-from miles.config.layout import stage_layers
+from miles.config.layout import check_layout
 from miles.sample import Sample
 from miles.train.megatron import batch as B
 from miles.train.megatron import checkpoint, memory, weights
@@ -52,9 +52,8 @@ from miles.train.megatron.moe import MoERouting
 from miles.train.optim import lr_factor
 
 
-def require_megatron(plan: Any) -> None:
-    """Raise ConfigError (naming the key to change) when this machine cannot run the backend, or the
-    plan's layout or features are ones it does not build (miles/config/layout.py)."""
+def require_megatron() -> None:
+    """Raise ConfigError (naming the key to change) when this machine cannot run the backend."""
     if not torch.cuda.is_available():
         raise ConfigError(
             "train.backend=megatron needs CUDA GPUs (megatron-core's forward is CUDA-only) and none is "
@@ -67,9 +66,6 @@ def require_megatron(plan: Any) -> None:
             "train.backend=megatron needs megatron-core: `pip install megatron-core` on the trainer "
             "nodes, or set train.backend=fsdp"
         ) from None
-    from miles.config.layout import check_layout
-
-    check_layout(plan)  # context parallelism, optimizer offload, recompute: before any GPU work
 
 
 def recompute_config(mode: str) -> dict[str, Any]:
@@ -125,7 +121,7 @@ class MegatronBackend:
     # ---------------------------------------------------------------- setup
     def setup(self, plan: Any) -> None:
         """Process groups, model (from plan.model.path), DDP wrapper and distributed optimizer."""
-        require_megatron(plan)
+        require_megatron()
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from transformers import AutoConfig
@@ -134,23 +130,14 @@ class MegatronBackend:
 
         t = plan.train
         init_distributed("cuda", float(getattr(t, "collective_timeout_s", 600)))
-        world = dist.get_world_size()
-        if world % (t.tensor_parallel * t.pipeline_parallel):
-            raise ConfigError(
-                f"{world} trainer ranks are not divisible by train.tensor_parallel * "
-                f"train.pipeline_parallel = {t.tensor_parallel * t.pipeline_parallel}"
-            )
+        # every layout, feature and model-split rule (miles/config/layout.py), with this world size
+        check_layout(plan, dist.get_world_size(), "the trainer's world size")
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(
                 t.tensor_parallel, t.pipeline_parallel, expert_model_parallel_size=t.expert_parallel
             )
         model_parallel_cuda_manual_seed(plan.run.seed)
         self.plan, self.hf_cfg = plan, AutoConfig.from_pretrained(plan.model.path)
-        problem = M.convert.check_tp(M.shapes_of(self.hf_cfg), t.tensor_parallel)
-        if problem:
-            raise ConfigError(problem)
-        first, last = t.pipeline_first_stage_layers, t.pipeline_last_stage_layers
-        stage_layers(self.hf_cfg.num_hidden_layers, t.pipeline_parallel, first, last)
         self.model, self.optimizer = self._build()
 
     def _build(self):
@@ -180,11 +167,6 @@ class MegatronBackend:
         hf_state = M.read_hf_state(self.plan.model.path)
         M.load_hf_into(gpt, hf_state, self.hf_cfg)
         replay = t.routing_replay == "rollout"
-        if replay and not tf.num_moe_experts:
-            raise ConfigError(
-                f"train.routing_replay=rollout but model {self.plan.model.path} has no mixture-of-experts "
-                "router to replay; set train.routing_replay=off"
-            )
         self.moe = MoERouting(gpt, self.hf_cfg, M.layer_offset(gpt), replay) if tf.num_moe_experts else None
         wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
         self._install_fake_quant(gpt)

@@ -88,7 +88,7 @@ def transformer_config(
         raise ValueError(
             f"model type {arch!r} has no Megatron mapping; known: qwen2, qwen3, llama, qwen3_moe"
         )
-    moe.check(hf_cfg, tp)
+    moe.check(hf_cfg)
     return TransformerConfig(
         num_layers=s.num_layers,
         hidden_size=s.hidden,

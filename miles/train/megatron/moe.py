@@ -43,20 +43,15 @@ from miles.train.megatron import convert
 from miles.train.routing_replay import MoEShape, RoutingReplay, packed_routing, per_layer_rows
 
 
-def check(hf_cfg: Any, tensor_parallel: int) -> None:
-    """Refuse MoE configs this backend does not build, naming what to change."""
+def check(hf_cfg: Any) -> None:
+    """Refuse MoE configs this backend does not build, naming what to change (the layout's rules, e.g.
+    no tensor parallelism for MoE, are miles/config/layout.py's)."""
     if not convert.num_experts(hf_cfg):
         return
     if hf_cfg.model_type != "qwen3_moe":
         raise ConfigError(
             f"model type {hf_cfg.model_type!r} has no Megatron MoE mapping (Qwen3-MoE only; shared experts "
             "are not built): use train.backend=fsdp"
-        )
-    if tensor_parallel > 1:
-        raise ConfigError(
-            f"train.tensor_parallel={tensor_parallel} with a mixture-of-experts model needs sequence "
-            "parallelism, which the Megatron backend does not use: set train.tensor_parallel=1 and split "
-            "the experts with train.expert_parallel instead"
         )
     if hf_cfg.num_experts_per_tok == 1 and getattr(hf_cfg, "norm_topk_prob", False):
         raise ConfigError(
