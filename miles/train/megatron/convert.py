@@ -306,14 +306,6 @@ def tp_unshard(name: str, shards: list[torch.Tensor], s: Shapes) -> torch.Tensor
     return torch.cat(shards, dim=dim)
 
 
-def check_tp(s: Shapes, tp: int) -> str | None:
-    """Why this model cannot be split `tp` ways (None when it can)."""
-    for what, n in (("num_key_value_heads", s.num_kv_heads), ("vocab_size", s.vocab)):
-        if n % tp:
-            return f"{what}={n} is not divisible by train.tensor_parallel={tp}"
-    return None
-
-
 def ep_shard(full: dict[str, torch.Tensor], ep_rank: int, ep_size: int, s: Shapes) -> dict[str, torch.Tensor]:
     """The part of a full Megatron state dict that expert-parallel rank `ep_rank` holds: every
     non-expert weight, and its E/ep_size experts renumbered from 0."""
