@@ -58,7 +58,7 @@ class EvalSkipped(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         assert reason in SKIP_REASONS, reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -231,7 +231,7 @@ class Evaluations:
             self.runner.start(job)
         except Exception as e:
             log.warning("evaluation of step %d could not start: %s", job.step, e)
-            job.skipped = EvalSkipped("error", str(e))
+            job.skipped = e if isinstance(e, EvalSkipped) else EvalSkipped("error", str(e))
 
     def _poll(self) -> None:
         for job in self.running:

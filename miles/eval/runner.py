@@ -5,13 +5,14 @@
   RUN_DIR/eval/step_N/result.json ({"ok": true, "metrics": {...}} or {"ok": false, "error": ...}).
   A child that exits without a result crashed (eval/skipped_crash); one that outlives
   eval.timeout_s is stopped (eval/skipped_timeout). Its output: RUN_DIR/eval/step_N/external.log.
-- DedicatedRunner: eval engines of their own, driven from one thread with its own event loop.
-  Under `miles train` (and in a Slurm job without an eval group) that thread starts
-  `eval.num_engines` embedded engines on this host (logs RUN_DIR/logs/eval-engine-<i>.log) and
-  restarts one that died; in a Slurm job with a third het group (the eval group) it uses the
-  engines that group published in RUN_DIR/rendezvous/eval_engines/*.json. Evaluations run one at
-  a time: each loads its snapshot into every eval engine (`/update_weights_from_disk`, weight
-  version = step), then evaluates.
+- DedicatedRunner: eval engines of their own, behind the eval driver, a process of its own
+  (`python -m miles.eval.runner driver`) that runs an EvalService and takes one job line per
+  evaluation on its stdin, answering with the same result.json. Under `miles train` (and in a
+  Slurm job without an eval group) the driver starts `eval.num_engines` embedded engines on this
+  host (logs RUN_DIR/logs/eval-engine-<i>.log) and restarts one that died; in a Slurm job with a
+  third het group (the eval group) it uses the engines that group published in
+  RUN_DIR/rendezvous/eval_engines/*.json. Evaluations run one at a time: each loads its snapshot
+  into every eval engine (`/update_weights_from_disk`, weight version = step), then evaluates.
 
 `python -m miles.eval.runner snapshot --run-dir D --step N` evaluates one snapshot by hand (the
 mode of the run's plan; `shared` runs dedicated) and prints the metrics; `miles eval` calls it.
@@ -21,23 +22,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from miles.cluster.environment import JobEnvironment
 from miles.config import ConfigError, Plan, read_plan
 from miles.config.plugins import load_function
-from miles.eval.modes import CountingGenerator, EvalJob, EvalSkipped, evaluate_step
+from miles.eval.modes import SKIP_REASONS, CountingGenerator, EvalJob, EvalSkipped, evaluate_step
 from miles.eval.snapshot import eval_dir, find_snapshot
 from miles.processes import child_options, free_port, stop_processes
 
@@ -79,7 +82,7 @@ def run_external(spec: str, snapshot: Path) -> dict[str, float]:
     return metrics
 
 
-def _write_result(path: Path, data: dict[str, Any]) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
@@ -116,16 +119,11 @@ class ExternalRunner:
             stop_processes([proc], 10.0)
             raise EvalSkipped("timeout", f"still running after eval.timeout_s={self.timeout_s:.0f}s")
         self.procs.remove(proc)
-        try:
-            result = json.loads((job.out_dir / RESULT).read_text())
-        except (OSError, ValueError):
+        if not (job.out_dir / RESULT).exists():
             raise EvalSkipped(
                 "crash", f"exit status {proc.returncode}, no result; see {job.out_dir / 'external.log'}"
-            ) from None
-        if not result.get("ok"):
-            lines = str(result.get("error", "")).strip().splitlines()
-            raise EvalSkipped("error", lines[-1] if lines else f"see {job.out_dir / 'external.log'}")
-        return {k: float(v) for k, v in result["metrics"].items()}
+            )
+        return read_result(job.out_dir / RESULT)
 
     def stop(self) -> None:
         stop_processes(self.procs, 10.0)
@@ -140,91 +138,69 @@ def published_eval_engines(run_dir: Path, incarnation: str) -> list[str]:
     return [rec["url"] for rec in read_engines(run_dir, incarnation, EVAL_ENGINES)]
 
 
-class DedicatedRunner:
-    """`dedicated` mode: eval engines of their own behind one event-loop thread (module docstring)."""
+def has_eval_group(env: JobEnvironment) -> bool:
+    """A Slurm job with a third het group, the eval group, whose engines are published."""
+    return len(env.het_nodes) > 2
+
+
+class EvalService:
+    """The eval engines and the evaluation of one snapshot at a time on all of them (module docstring).
+
+    It runs in the eval driver process (DedicatedRunner) under `miles train`, or in `miles eval`'s own
+    process for a by-hand evaluation. Its coroutines run on one event loop; engines are started from
+    that loop's thread, and live as long as it does (their parent-death signal)."""
 
     def __init__(self, plan: Plan, run_dir: Path) -> None:
-        from miles.cluster.environment import JobEnvironment
-
         env = JobEnvironment.from_env()
         self.plan, self.run_dir = plan, run_dir
         self.incarnation = env.incarnation
-        self.published = len(env.het_nodes) > 2
+        self.published = has_eval_group(env)
         """The job has an eval group whose engines are published (else we start our own)."""
         self.engines: list[Any] = []
         """EngineProcess of each engine we started (empty when they are published)."""
         self.generator: CountingGenerator | None = None
         self.urls: list[str] = []
         """URLs of the connected eval engines."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, name="eval", daemon=True)
-        self._thread.start()
-        self._lock = asyncio.run_coroutine_threadsafe(_make_lock(), self._loop).result()
-        self._warm = asyncio.run_coroutine_threadsafe(self._start_early(), self._loop)
 
-    def _serve(self) -> None:
-        """The eval thread: with eval.cpus (engines started here), it runs on those cores too, so its
-        requests, scoring and JSONL writing take no time from the training cores either."""
-        if (cpus := set(self.plan.eval.cpus)) and not self.published:
-            os.sched_setaffinity(0, cpus)  # 0: the calling thread alone
-        self._loop.run_forever()
-
-    async def _start_early(self) -> None:
+    async def start_early(self) -> None:
         """Start (or find) the eval engines now, while training starts, not at the first evaluation."""
-        async with self._lock:
-            try:
-                await self._ensure_engines()
-            except Exception as e:
-                log.warning("eval engines not ready (retried at the first evaluation): %s", e)
-
-    def start(self, job: EvalJob) -> None:
-        job.handle = asyncio.run_coroutine_threadsafe(self._evaluate(job), self._loop)
-
-    def poll(self, job: EvalJob) -> dict[str, float] | None:
-        fut = job.handle
-        if not fut.done():
-            return None
         try:
-            return fut.result()
-        except EvalSkipped:
-            raise
-        except BaseException as e:
-            raise EvalSkipped("error", f"{type(e).__name__}: {e}") from None
+            await self._ensure_engines()
+        except Exception as e:
+            log.warning("eval engines not ready (retried at the first evaluation): %s", e)
 
-    async def _evaluate(self, job: EvalJob) -> dict[str, float]:
-        """One snapshot at a time on the whole group: load it, evaluate, check the versions."""
-        async with self._lock:
-            try:
-                await self._ensure_engines()
-            except Exception as e:
-                raise EvalSkipped("engine_lost", f"no eval engine: {e}") from None
-            start = time.monotonic()
-            try:
-                metrics = await asyncio.wait_for(self._run(job), self.plan.eval.timeout_s)
-            except TimeoutError:
-                raise EvalSkipped("timeout", f"over eval.timeout_s={self.plan.eval.timeout_s:.0f}s") from None
-            except Exception as e:
-                reason = "engine_lost" if self._lost() else "error"
-                raise EvalSkipped(reason, f"{type(e).__name__}: {e}") from None
-            metrics["eval/duration_s"] = time.monotonic() - start
-            return metrics
+    async def evaluate(self, step: int, snapshot: Path) -> dict[str, float]:
+        """Load the snapshot of `step` into every eval engine, evaluate, check the versions; raises
+        EvalSkipped (only) when there is no result."""
+        try:
+            await self._ensure_engines()
+        except Exception as e:
+            raise EvalSkipped("engine_lost", f"no eval engine: {e}") from None
+        start = time.monotonic()
+        try:
+            metrics = await asyncio.wait_for(self._run(step, snapshot), self.plan.eval.timeout_s)
+        except TimeoutError:
+            raise EvalSkipped("timeout", f"over eval.timeout_s={self.plan.eval.timeout_s:.0f}s") from None
+        except Exception as e:
+            reason = "engine_lost" if self._lost() else "error"
+            raise EvalSkipped(reason, f"{type(e).__name__}: {e}") from None
+        metrics["eval/duration_s"] = time.monotonic() - start
+        return metrics
 
-    async def _run(self, job: EvalJob) -> dict[str, float]:
+    async def _run(self, step: int, snapshot: Path) -> dict[str, float]:
         assert self.generator is not None
         admins = self.generator.clients
         await asyncio.gather(
-            *(a.update_weights_from_disk(str(job.snapshot), weight_version=str(job.step)) for a in admins)
+            *(a.update_weights_from_disk(str(snapshot), weight_version=str(step)) for a in admins)
         )
-        return await evaluate_step(self.generator, self.suites, job.step, self.run_dir / "eval")
+        return await evaluate_step(self.generator, self.suites, step, self.run_dir / "eval")
 
     async def _ensure_engines(self) -> None:
         """Start (or find) the eval engines when none is connected or one we started has died."""
         if self.generator is not None and all(x.alive() for x in self.engines):
             return
         await self._close_clients()
-        for x in self.engines:
-            x.stop()
-        self.engines = []
+        self.stop_engines()
         if self.published:
             urls = await asyncio.to_thread(self._wait_published)
         else:
@@ -233,7 +209,6 @@ class DedicatedRunner:
         self._connect(urls)
 
     def _start_engine(self, i: int) -> Any:
-        """Engine i, started from this thread (the eval thread lives as long as the run)."""
         from miles.engine.process import start_engine
 
         e, m = self.plan.engine, self.plan.model
@@ -324,20 +299,136 @@ class DedicatedRunner:
         if self.generator is not None:
             await asyncio.gather(*(c.aclose() for c in self.generator.clients), return_exceptions=True)
 
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            try:
-                asyncio.run_coroutine_threadsafe(self._close_clients(), self._loop).result(10)
-            except Exception as e:
-                log.warning("closing eval engine clients: %s", e)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+    def stop_engines(self) -> None:
         stop_processes([x.proc for x in self.engines], 10.0)
         self.engines = []
 
+    async def close(self) -> None:
+        await self._close_clients()
+        self.stop_engines()
 
-async def _make_lock() -> asyncio.Lock:
-    return asyncio.Lock()
+
+DRIVER_STATE = "eval-driver.json"
+"""RUN_DIR/logs/eval-driver.json: the eval driver's pid and its engines (url, pid), once they serve."""
+
+
+class DedicatedRunner:
+    """`dedicated` mode, on trainer rank 0: the eval driver, a process of its own
+    (`python -m miles.eval.runner driver`, log RUN_DIR/logs/eval-driver.log) that runs an EvalService.
+
+    The driver gets one JSON line per evaluation on its stdin and writes the job's result.json
+    (RUN_DIR/eval/step_N/, as an external evaluation does). Requests, tokenising, scoring and the
+    per-sample JSONL are its work, under its own interpreter lock, so none of it competes with the
+    training loop of this process; with eval.cpus it runs on those cores with its engines. A driver
+    that dies fails its evaluations in flight (`crash`) and is started again for the next one."""
+
+    def __init__(self, plan: Plan, run_dir: Path) -> None:
+        from miles.config import write_plan
+
+        self.plan, self.run_dir = plan, run_dir
+        self.plan_path = run_dir / "eval" / "driver-plan.yaml"
+        write_plan(plan, self.plan_path)
+        self.log_path = run_dir / "logs" / "eval-driver.log"
+        self.proc: subprocess.Popen | None = None
+        self._launch()  # its engines start while training does
+
+    def _launch(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "miles.eval.runner", "driver", "--run-dir", str(self.run_dir)]
+        cmd += ["--plan", str(self.plan_path)]
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                **child_options(signal.SIGTERM),  # it stops its engines on the way out
+            )
+        if (cpus := set(self.plan.eval.cpus)) and not has_eval_group(JobEnvironment.from_env()):
+            os.sched_setaffinity(self.proc.pid, cpus)  # with the engines it starts
+
+    def start(self, job: EvalJob) -> None:
+        (job.out_dir / RESULT).unlink(missing_ok=True)
+        if self.proc is None or self.proc.poll() is not None:
+            log.warning(
+                "eval driver not running (exit %s): starting it again", self.proc and self.proc.returncode
+            )
+            self._launch()
+        assert self.proc is not None and self.proc.stdin is not None
+        line = json.dumps({"step": job.step, "snapshot": str(job.snapshot), "out": str(job.out_dir / RESULT)})
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError as e:  # it died since the check above
+            raise EvalSkipped("crash", f"eval driver gone ({e}); see {self.log_path}") from None
+        job.handle = self.proc
+
+    def poll(self, job: EvalJob) -> dict[str, float] | None:
+        path = job.out_dir / RESULT
+        if not path.exists():
+            if job.handle.poll() is None:
+                return None
+            if not path.exists():  # not written just before it exited
+                raise EvalSkipped(
+                    "crash", f"eval driver exited ({job.handle.returncode}) first; see {self.log_path}"
+                )
+        return read_result(path)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # an idle driver exits at once
+        try:
+            self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            stop_processes([self.proc], 20.0)  # SIGTERM: it stops its engines, then exits
+        self.proc = None
+
+
+def read_result(path: Path) -> dict[str, float]:
+    """The metrics of a result.json, or EvalSkipped with its reason and the last line of its error."""
+    result = json.loads(path.read_text())
+    if not result.get("ok"):
+        lines = str(result.get("error", "")).strip().splitlines()
+        reason = result.get("reason", "error")
+        raise EvalSkipped(reason if reason in SKIP_REASONS else "error", lines[-1] if lines else str(path))
+    return {k: float(v) for k, v in result["metrics"].items()}
+
+
+def _driver_main(args: argparse.Namespace) -> int:
+    """The eval driver: start the engines, then evaluate each job line of stdin until it closes."""
+    run_dir = Path(args.run_dir)
+    service = EvalService(read_plan(args.plan), run_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # through `finally`: engines stopped
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(service.start_early())
+        _write_json(run_dir / "logs" / DRIVER_STATE, _driver_state(service))
+        while line := sys.stdin.readline():
+            job = json.loads(line)
+            try:
+                result = {
+                    "ok": True,
+                    "metrics": loop.run_until_complete(service.evaluate(job["step"], Path(job["snapshot"]))),
+                }
+            except EvalSkipped as e:
+                log.warning("evaluation of step %s skipped (%s)", job["step"], e)
+                result = {"ok": False, "reason": e.reason, "error": e.detail}
+            _write_json(Path(job["out"]), result)
+            _write_json(run_dir / "logs" / DRIVER_STATE, _driver_state(service))
+        loop.run_until_complete(service.close())  # stdin closed: the run is over
+    finally:
+        service.stop_engines()  # also on SIGTERM
+    return 0
+
+
+def _driver_state(service: EvalService) -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "engines": [{"url": x.url, "pid": x.proc.pid} for x in service.engines],
+        "urls": service.urls,
+    }
 
 
 RUNNERS: dict[str, Callable[[Plan, Path], Any]] = {"dedicated": DedicatedRunner, "external": ExternalRunner}
@@ -357,15 +448,14 @@ def evaluate_snapshot(run_dir: Path, step: int, mode: str | None = None, fn: str
     snapshot = find_snapshot(run_dir, step)
     if mode == "external":
         return run_external(str(plan.eval.external_fn), snapshot)
-    runner = DedicatedRunner(plan, run_dir)
-    job = EvalJob(step, snapshot, 0.0)
+    return asyncio.run(_evaluate_once(EvalService(plan, run_dir), step, snapshot))
+
+
+async def _evaluate_once(service: EvalService, step: int, snapshot: Path) -> dict[str, float]:
     try:
-        runner.start(job)
-        while (result := runner.poll(job)) is None:
-            time.sleep(0.2)
-        return result
+        return await service.evaluate(step, snapshot)
     finally:
-        runner.stop()
+        await service.close()
 
 
 def _external_main(args: argparse.Namespace) -> int:
@@ -374,9 +464,9 @@ def _external_main(args: argparse.Namespace) -> int:
         metrics = run_external(args.fn, Path(args.snapshot))
     except Exception as e:
         traceback.print_exc()
-        _write_result(out, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        _write_json(out, {"ok": False, "error": f"{type(e).__name__}: {e}"})
         return 1
-    _write_result(out, {"ok": True, "metrics": metrics})
+    _write_json(out, {"ok": True, "metrics": metrics})
     return 0
 
 
@@ -389,7 +479,7 @@ def snapshot_main(args: argparse.Namespace) -> int:
         return 1
     out = Path(args.out) if args.out else eval_dir(run_dir, args.step) / "manual.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_result(out, {"ok": True, "step": args.step, "metrics": metrics})
+    _write_json(out, {"ok": True, "step": args.step, "metrics": metrics})
     print(json.dumps(metrics, indent=1, sort_keys=True))
     print(f"wrote {out}")
     return 0
@@ -403,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--snapshot", required=True, help="a complete snapshot directory")
     q.add_argument("--out", required=True, help="where to write the result JSON")
     q.set_defaults(func=_external_main)
+    q = sub.add_parser(
+        "driver", help="the eval driver of a run in dedicated mode (started by trainer rank 0)"
+    )
+    q.add_argument("--run-dir", required=True, help="the run directory")
+    q.add_argument("--plan", required=True, help="the plan to evaluate with (plan.yaml form)")
+    q.set_defaults(func=_driver_main)
     q = sub.add_parser("snapshot", help="evaluate the snapshot of one step of a run")
     add_snapshot_args(q)
     q.set_defaults(func=snapshot_main)

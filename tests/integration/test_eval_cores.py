@@ -75,16 +75,23 @@ def test_engine_started_on_given_cores_keeps_every_thread_there(tiny_model, tmp_
 
 
 @two_cores
-def test_eval_thread_and_its_engine_run_on_the_eval_cores(tiny_model, tmp_path):
-    """Trainer rank 0's eval thread (requests, scoring) and the engine it starts, on eval.cpus."""
+def test_eval_driver_and_its_engine_run_on_the_eval_cores(tiny_model, tmp_path):
+    """Trainer rank 0's eval driver (requests, scoring: a process of its own) and the engine it
+    starts, on eval.cpus; this process keeps its cores."""
+    import time
+
     from miles.eval.runner import DedicatedRunner
 
     plan = _plan(f"model.path={tiny_model}", f"eval.cpus=[{CORES[-1]}]")
     runner = DedicatedRunner(plan, tmp_path)
+    state = tmp_path / "logs" / "eval-driver.json"
     try:
-        runner._warm.result(timeout=120)
-        assert os.sched_getaffinity(runner._thread.native_id) == {CORES[-1]}
-        assert [_allowed(e.proc.pid) for e in runner.engines] == [{CORES[-1]}]
-        assert os.sched_getaffinity(0) == set(CORES)  # the training thread is left as it was
+        deadline = time.monotonic() + 120
+        while not state.exists() and runner.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        engines = json.loads(state.read_text())["engines"]  # written once its engines serve
+        assert _allowed(runner.proc.pid) == {CORES[-1]}
+        assert [_allowed(e["pid"]) for e in engines] == [{CORES[-1]}]
+        assert os.sched_getaffinity(0) == set(CORES)  # the training process is left as it was
     finally:
         runner.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -14,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from miles.config import ConfigError, resolve
-from miles.eval.modes import CountingGenerator, EvalJob, Evaluations, evaluate_step
-from miles.eval.runner import DedicatedRunner, evaluate_snapshot
+from miles.eval.modes import CountingGenerator, EvalJob, EvalSkipped, Evaluations, evaluate_step
+from miles.eval.runner import DedicatedRunner, EvalService, evaluate_snapshot
 from miles.eval.snapshot import (
     COMPLETE,
     complete_steps,
@@ -193,24 +195,81 @@ def test_dedicated_engine_and_the_mixed_version_check(tmp_path: Path, tiny_model
     plan = _plan(tiny_model, mode="dedicated")
     plan = plan.model_copy(update={"rollout": plan.rollout.model_copy(update={"max_new_tokens": 4})})
     path = export_snapshot(_buckets(tiny_model), tmp_path, 5, tiny_model)
-    runner = DedicatedRunner(plan, tmp_path)
+    service = EvalService(plan, tmp_path)
+    loop = asyncio.new_event_loop()
     try:
-        job = EvalJob(5, path, 0.0)
-        runner.start(job)
-        while (metrics := runner.poll(job)) is None:
-            time.sleep(0.1)
+        metrics = loop.run_until_complete(service.evaluate(5, path))
         assert metrics["eval/mixed_version_ratio"] == 0.0 and metrics["eval/weight_version_min"] == 5
         assert metrics["eval/held_out/prompts"] > 0
         assert (tmp_path / "eval" / "held_out" / "step_5.jsonl").exists()  # per-sample records
-        gen = runner.generator
+        gen = service.generator
         assert isinstance(gen, CountingGenerator)
-        work = evaluate_step(gen, runner.suites, 6, tmp_path / "eval")  # engine still serves step 5
-        wrong = asyncio.run_coroutine_threadsafe(work, runner._loop).result(300)
+        work = evaluate_step(gen, service.suites, 6, tmp_path / "eval")  # engine still serves step 5
+        wrong = loop.run_until_complete(work)
         assert wrong["eval/mixed_version_ratio"] == 1.0
         assert gen.tally.tokens > 0 and gen.tally.other == gen.tally.tokens
+        engines = list(service.engines)
+    finally:
+        loop.run_until_complete(service.close())
+        loop.close()
+    assert engines and not any(e.alive() for e in engines)
+
+
+def _finish(runner: DedicatedRunner, job: EvalJob) -> dict[str, float]:
+    while (metrics := runner.poll(job)) is None:
+        time.sleep(0.1)
+    return metrics
+
+
+def test_dedicated_runner_evaluates_in_a_driver_process_that_is_restarted(
+    tmp_path: Path, tiny_model: str
+) -> None:
+    """The eval driver evaluates each job in a process of its own (its engine a child of it, not of
+    this process); a driver killed mid-evaluation fails that one (`crash`), the next starts it again."""
+    plan = _plan(tiny_model, mode="dedicated")
+    plan = plan.model_copy(update={"rollout": plan.rollout.model_copy(update={"max_new_tokens": 4})})
+    paths = {step: export_snapshot(_buckets(tiny_model), tmp_path, step, tiny_model) for step in (1, 2, 3)}
+    jobs = {step: EvalJob(step, path, 0.0) for step, path in paths.items()}
+    runner = DedicatedRunner(plan, tmp_path)
+    try:
+        first = runner.proc
+        for job in jobs.values():
+            job.out_dir.mkdir(parents=True)
+        runner.start(jobs[1])
+        assert _finish(runner, jobs[1])["eval/weight_version_min"] == 1
+        state = json.loads((tmp_path / "logs" / "eval-driver.json").read_text())
+        assert state["pid"] == first.pid and len(state["engines"]) == 1
+        engine_pid = state["engines"][0]["pid"]
+        assert Path(f"/proc/{engine_pid}/stat").read_text().split()[3] == str(first.pid)  # its parent
+        os.kill(first.pid, signal.SIGSTOP)  # job 2 stays unread in its pipe: it dies mid-job
+        runner.start(jobs[2])
+        first.kill()
+        with pytest.raises(EvalSkipped, match="crash"):
+            _finish(runner, jobs[2])
+        runner.start(jobs[3])  # a new driver, a new engine
+        assert runner.proc is not first
+        assert _finish(runner, jobs[3])["eval/mixed_version_ratio"] == 0.0
+        second = runner.proc
     finally:
         runner.stop()
-    assert all(not e.alive() for e in runner.engines) or runner.engines == []
+    assert second.poll() is not None and runner.proc is None
+    for pid in (
+        engine_pid,
+        json.loads((tmp_path / "logs" / "eval-driver.json").read_text())["engines"][0]["pid"],
+    ):
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and _state(pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", (
+            f"eval engine {pid} outlived its driver"
+        )
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 def test_by_hand_evaluation_of_a_run_snapshot(tmp_path: Path, tiny_model: str, fns_on_path) -> None:
