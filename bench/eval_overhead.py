@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             with _pinned(training if n != "dedicated" else None):
                 results[n].append(_run(n, args.steps, root, model, args.set + extra, tag=f"_r{r + 1}"))
+            res = results[n][-1]  # as it comes, so a run cut short still leaves the rounds before
+            print(f"{n:9s} r{r + 1} " + "  ".join(f"{k}={v:.3f}" for k, v in res.items()), flush=True)
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={sorted(host)}  runs in {root}")
     if eval_cpus:
         print(
@@ -144,9 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     threads = os.environ.get("OMP_NUM_THREADS", "?")  # derived by `miles train` for its children
     print(f"processes: rollout engine, trainer rank (+ eval engine), OMP_NUM_THREADS={threads} each")
-    for n, runs in results.items():
-        for i, res in enumerate(runs):
-            print(f"{n:9s} r{i + 1} " + "  ".join(f"{k}={v:.3f}" for k, v in res.items()))
     ratios = [
         d["steps_per_s"] / b["steps_per_s"]
         for b, d in zip(results["no_eval"], results["dedicated"], strict=True)

@@ -194,6 +194,7 @@ class Evaluations:
         once that wait is over, says no and counts it. Returns (export a snapshot?, metrics for this
         step's record)."""
         deadline = time.monotonic() + self.plan.train.collective_timeout_s / 2
+        self._poll()  # one that finished since the last step makes room
         while len(self.running) >= self.cfg.max_in_flight:
             if (self.cfg.overflow == "skip" and not last) or time.monotonic() > deadline:
                 self.skipped["overflow"] += 1
