@@ -6,8 +6,12 @@ Step 0 holds the evaluation of the initial weights. On resume from the checkpoin
 file is cut back to steps <= N (atomically, one record per step), because later steps are trained
 again, and TensorBoard purges its events from step N+1 on; the logger refuses a step that is not
 after the last one recorded, so the final file has each step exactly once. An evaluation that
-finishes steps later is added to the record of the step whose weights it measured (`amend`: the
-file is rewritten atomically with the keys merged in; TensorBoard gets them at that step).
+finishes steps later is added to the record of the step whose weights it measured (`amend`): it is
+appended as an amendment line, `{"step": N, "time": unix_s, "amend": true, "eval/...": value}`,
+which `read_metrics` merges into step N's record (the record keeps its own time), so amending costs
+one appended line however long the run, never a rewrite; TensorBoard gets the keys at that step.
+Readers of the raw file merge the same way (e.g. pandas: group by step, take the last value of each
+key). A resume folds the amendments into their records when it cuts the file back.
 
 Multi-turn runs add per-episode means under `agent/` (turns, tool_calls, tool_errors, success,
 generate_time_s vs env_time_s, reset_time_s, sandbox_start_s, branches; see
@@ -24,20 +28,36 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+AMEND = "amend"
+"""The key that marks an amendment line (metrics of an earlier step, merged into its record)."""
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every complete record of metrics.jsonl (a torn last line after a crash is skipped)."""
+    """Every complete record of metrics.jsonl, with its amendments merged in (a torn last line after
+    a crash is skipped); an amendment of a step without a record makes one, in step order."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    out = []
+    records, amends = [], []
     for line in path.read_text().splitlines():
         try:
-            out.append(json.loads(line))
+            r = json.loads(line)
         except json.JSONDecodeError:
             continue
-    return out
+        (amends if isinstance(r, dict) and r.get(AMEND) else records).append(r)
+    if not amends:
+        return records
+    newest = {r.get("step"): r for r in records if isinstance(r, dict)}
+    made = False
+    for a in amends:
+        if (base := newest.get(a.get("step"))) is None:
+            base = newest[a.get("step")] = {"step": a.get("step"), "time": a.get("time")}
+            records.append(base)
+            made = True
+        base.update({k: v for k, v in a.items() if k not in ("step", "time", AMEND)})
+    if made:
+        records.sort(key=lambda r: r.get("step", 0) if isinstance(r, dict) else 0)  # stable
+    return records
 
 
 def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
@@ -100,24 +120,15 @@ class MetricsLogger:
             self._tb.flush()
 
     def amend(self, step: int, metrics: dict[str, float]) -> None:
-        """Merge `metrics` into the record of `step` <= the last step logged (a record is made, in
-        step order, if the step has none), rewriting the file atomically before returning."""
+        """Add `metrics` to the record of `step` <= the last step logged: an amendment line, appended
+        and made durable before returning (see the module docstring)."""
         if step > self.last_step:
             raise ValueError(f"amend: step {step} is after the last step logged ({self.last_step}); use log")
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        by_step = {
-            int(r["step"]): r for r in read_metrics(self.run_dir) if isinstance(r, dict) and "step" in r
-        }
-        by_step.setdefault(step, {"step": step, "time": time.time()}).update(clean)
-        path = self.run_dir / METRICS_FILE
-        tmp = path.with_name(METRICS_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write("".join(json.dumps(by_step[s]) + "\n" for s in sorted(by_step)))
-            f.flush()
-            os.fsync(f.fileno())
-        self._file.close()
-        os.replace(tmp, path)
-        self._file = open(path, "a")
+        record = {"step": step, "time": time.time(), AMEND: True, **clean}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
         if self._tb is not None:
             for k, v in clean.items():
                 if math.isfinite(v):

@@ -103,7 +103,7 @@ class RunView:
 
     def metrics(self, version: str | None = None) -> dict[str, Any]:
         """The curves' records (only the keys some chart draws) and the file's version; records are
-        left out when the caller already holds this version (a rewrite by `amend` changes it)."""
+        left out when the caller already holds this version (an appended amendment changes it)."""
         current = _signature(self.path / METRICS_FILE)
         if version == current:
             return {"version": current, "unchanged": True}

@@ -297,6 +297,19 @@ def test_metrics_of_an_earlier_step_join_its_record(tmp_path: Path) -> None:
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert records[2] == {**records[2], "train/loss": 2.0, "eval/pass@1": 0.5, "eval/lag_steps": 1.0}
+    assert "amend" not in records[2] and records[2]["time"] < records[0]["time"]  # step 2's own time
+    raw = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("amend", False)) for r in raw] == [  # appended, never rewritten
+        (1, False),
+        (2, False),
+        (3, False),
+        (2, True),
+        (0, True),
+        (4, False),
+    ]
+    assert MetricsLogger(tmp_path, tensorboard=False, resume_step=3).last_step == 3  # a resume folds them
+    folded = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert folded == records[:4]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
