@@ -1,6 +1,7 @@
 """What evaluation costs training: steps/s with `dedicated` evaluation every step vs no evaluation.
 
-    python -m bench.eval_overhead [--steps 48] [--out DIR] [--with-shared] [--set KEY=VALUE ...]
+    python -m bench.eval_overhead [--steps 48] [--warmup-steps N] [--rounds N] [--eval-cpus 4,5]
+                                  [--out DIR] [--with-shared] [--set KEY=VALUE ...]
 
 Runs `miles train` on this host with one recipe (tiny model, one embedded rollout engine, one
 trainer rank, fully async rollout, weights pushed every step) two ways: `eval.every_steps: 0`, and
@@ -8,8 +9,10 @@ trainer rank, fully async rollout, weights pushed every step) two ways: `eval.ev
 an eval engine of its own while training goes on; eval.max_in_flight=1, overflow=skip, so training
 never waits for an evaluation). `--with-shared` adds a third run evaluating every step on the
 rollout engines (`shared`), which training waits for. Training steps/s = steps / wall time over
-the second half of the steps (start-up excluded: the engines', the trainer's and the eval
-engine's, which starts with the run and takes the cores' time while it loads).
+the second half of the steps, or the steps after `--warmup-steps` (start-up excluded: the engines',
+the trainer's, and the eval driver's and engine's, which start with the run; check that
+`first_evaluated_step` comes before the timed steps). A second ratio compares the median wall time
+of one step (record to record), which one slow step moves less.
 
 The eval engine is a process more on the same cores: on a host with fewer cores than the run's
 processes (rollout engine, trainer rank, eval engine, each with its share of intra-op threads),
@@ -26,6 +29,7 @@ import argparse
 import contextlib
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -58,7 +62,7 @@ VARIANTS = {
 
 
 def _run(
-    name: str, steps: int, root: Path, model: Path, overrides: list[str], tag: str = ""
+    name: str, steps: int, root: Path, model: Path, overrides: list[str], tag: str = "", warmup: int = 0
 ) -> dict[str, float]:
     from miles.config.loading import deep_merge
     from miles.launch.local import train_main
@@ -77,13 +81,16 @@ def _run(
     if rc != 0:
         raise SystemExit(f"{name} run failed (exit {rc}); see {root / name / 'logs'}")
     recs = [r for r in read_metrics(root / (name + tag)) if r["step"] > 0]
-    timed = recs[len(recs) // 2 :]  # the second half: start-up (the eval engine's too) is over
+    timed = recs[warmup or len(recs) // 2 :]  # start-up (the eval engine's too) is over
     span = timed[-1]["time"] - timed[0]["time"]
+    walls = [b["time"] - a["time"] for a, b in zip(timed, timed[1:], strict=False)]
     evals = [r for r in recs if "eval/pass@1" in r]
     out = {
         "steps": float(len(recs)),
         "steps_per_s": (len(timed) - 1) / span,
-        "evaluated_in_timed_half": float(sum("eval/pass@1" in r for r in timed)),
+        "step_wall_median_s": statistics.median(walls),
+        "evaluated_timed": float(sum("eval/pass@1" in r for r in timed)),
+        "first_evaluated_step": float(min((r["step"] for r in evals), default=-1)),
         "evaluated_steps": float(len(evals)),
         "skipped_overflow": max((r.get("eval/skipped_overflow", 0.0) for r in recs), default=0.0),
         "wall_s_incl_startup": wall,
@@ -111,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--rounds", type=int, default=1, help="repeat both variants, alternating the order")
+    p.add_argument(
+        "--warmup-steps", type=int, default=0, help="steps left out of the timing (default: the first half)"
+    )
     p.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     p.add_argument(
@@ -136,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 else []
             )
             with _pinned(training if n != "dedicated" else None):
-                results[n].append(_run(n, args.steps, root, model, args.set + extra, tag=f"_r{r + 1}"))
+                results[n].append(
+                    _run(n, args.steps, root, model, args.set + extra, f"_r{r + 1}", args.warmup_steps)
+                )
             res = results[n][-1]  # as it comes, so a run cut short still leaves the rounds before
             print(f"{n:9s} r{r + 1} " + "  ".join(f"{k}={v:.3f}" for k, v in res.items()), flush=True)
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={sorted(host)}  runs in {root}")
@@ -153,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "dedicated eval every step / no eval, training steps/s, per round: "
         + ", ".join(f"{x:.3f}" for x in ratios)
+    )
+    medians = [
+        b["step_wall_median_s"] / d["step_wall_median_s"]
+        for b, d in zip(results["no_eval"], results["dedicated"], strict=True)
+    ]
+    print(
+        "the same from the median wall time of a step (no eval / dedicated), per round: "
+        + ", ".join(f"{x:.3f}" for x in medians)
     )
     return 0
 

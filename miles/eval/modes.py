@@ -170,9 +170,10 @@ class Evaluations:
         """Submitted and not yet reported, in step order."""
         self.skipped: Counter[str] = Counter()
         self.reported: list[int] = []
-        """Steps whose evaluation was reported (their snapshots may be pruned)."""
+        """Steps whose evaluation was reported and whose snapshots are kept (eval.keep_snapshots)."""
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-snapshot")
-        """Writes snapshots to disk off the training path, one at a time, in step order."""
+        """Writes snapshots to disk, and deletes those no longer kept, off the training path, one at
+        a time, in order."""
 
     @classmethod
     def create(cls, plan: Plan, run_dir: Path) -> Evaluations | None:
@@ -256,9 +257,10 @@ class Evaluations:
             job = self.jobs.pop(0)
             out.append((job.step, self._report(job, current_step)))
             self.reported.append(job.step)
-        if out:
-            in_use = {j.step for j in self.jobs}
-            prune(self.run_dir, self.reported, in_use, self.cfg.keep_snapshots)
+        if out:  # deleted by the writer thread, after the snapshots queued before (off the training path)
+            steps, keep = sorted(set(self.reported)), self.cfg.keep_snapshots
+            self._writer.submit(prune, self.run_dir, steps, {j.step for j in self.jobs}, keep)
+            self.reported = steps[len(steps) - keep :] if keep else []  # the snapshots left
         return out
 
     def _report(self, job: EvalJob, current_step: int) -> dict[str, float]:
