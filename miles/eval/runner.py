@@ -161,11 +161,17 @@ class EvalService:
         self.generator: CountingGenerator | None = None
         self.urls: list[str] = []
         """URLs of the connected eval engines."""
+        self._parts: asyncio.Future | None = None
+        """The load of the datasets, encoder and reward (`_load_parts`), once started."""
 
     async def start_early(self) -> None:
-        """Start (or find) the eval engines now, while training starts, not at the first evaluation."""
+        """Start (or find) the eval engines now, while training starts, not at the first evaluation
+        (the datasets and tokenizer load meanwhile)."""
+        start = time.monotonic()
+        self._parts = asyncio.get_running_loop().run_in_executor(None, self._load_parts)
         try:
             await self._ensure_engines()
+            log.info("eval engines %s ready in %.1fs", self.urls, time.monotonic() - start)
         except Exception as e:
             log.warning("eval engines not ready (retried at the first evaluation): %s", e)
 
@@ -206,7 +212,7 @@ class EvalService:
         else:
             self.engines = [self._start_engine(i) for i in range(self.plan.eval.num_engines)]
             urls = [x.url for x in self.engines]
-        self._connect(urls)
+        await self._connect(urls)
 
     def _start_engine(self, i: int) -> Any:
         from miles.engine.process import start_engine
@@ -279,18 +285,27 @@ class EvalService:
             f"{self.run_dir / 'rendezvous' / 'eval_engines'} within engine.startup_timeout_s"
         )
 
-    def _connect(self, urls: list[str]) -> None:
+    def _load_parts(self) -> None:
+        """The eval datasets, the prompt encoder (tokenizer) and the reward; loaded once, in a worker
+        thread while the engines start."""
         from miles.eval.datasets import build_suites
-        from miles.rollout.client import SGLangClient
         from miles.rollout.generate import PromptEncoder
         from miles.rollout.rewards import load_reward
         from miles.rollout.tasks import build_task
 
+        start, r = time.monotonic(), self.plan.rollout
+        self.suites = build_suites(self.plan, build_task(r.task, self.plan.run.seed))
+        self.encoder = PromptEncoder(self.plan.model.path)
+        self.reward = load_reward(r.reward)
+        log.info("eval datasets, tokenizer and reward loaded in %.1fs", time.monotonic() - start)
+
+    async def _connect(self, urls: list[str]) -> None:
+        from miles.rollout.client import SGLangClient
+
+        if self._parts is None:
+            self._parts = asyncio.get_running_loop().run_in_executor(None, self._load_parts)
+        await self._parts
         r = self.plan.rollout
-        if self.generator is None:
-            self.suites = build_suites(self.plan, build_task(r.task, self.plan.run.seed))
-            self.encoder = PromptEncoder(self.plan.model.path)
-            self.reward = load_reward(r.reward)
         self.urls = list(urls)
         clients = [SGLangClient(u, max_connections=r.max_concurrency_per_engine + 8) for u in urls]
         self.generator = CountingGenerator.from_config(clients, self.encoder, self.reward, r)
