@@ -39,11 +39,16 @@ def engines_dir(run_dir: str | Path, folder: str = ENGINES) -> Path:
     return Path(run_dir) / "rendezvous" / folder
 
 
-def write_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON so that readers see the old file or the whole new one."""
+def write_atomic(path: Path, data: Any, *, indent: int | None = None, durable: bool = False) -> None:
+    """Write JSON so that readers see the old file or the whole new one; `durable`: on disk (fsynced)
+    before it replaces the old one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=indent)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -15,12 +15,13 @@ newest `keep` evaluated snapshots and never touches one still in use.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from miles.cluster.rendezvous import write_atomic
 
 COMPLETE = ".complete"
 INDEX = "model.safetensors.index.json"
@@ -39,15 +40,6 @@ def eval_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "eval" / f"step_{step}"
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_index(path: Path) -> int:
     """Write the sharded-checkpoint index Hugging Face loaders expect; returns the total bytes."""
     from safetensors import safe_open
@@ -57,7 +49,9 @@ def write_index(path: Path) -> int:
         with safe_open(str(f), framework="pt") as st:
             weight_map.update(dict.fromkeys(st.keys(), f.name))
     total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    _write_json(path / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_atomic(
+        path / INDEX, durable=True, data={"metadata": {"total_size": total}, "weight_map": weight_map}
+    )
     return total
 
 
@@ -77,7 +71,7 @@ def export_snapshot(buckets: Iterable[Any], run_dir: str | Path, step: int, temp
     written.rename(final)
     total = write_index(final)
     marker = {"step": step, "export_s": time.monotonic() - start, "bytes": total, "time": time.time()}
-    _write_json(final / COMPLETE, marker)
+    write_atomic(final / COMPLETE, marker, durable=True)
     return final
 
 

@@ -13,14 +13,13 @@ recorded in <runs_root>/sweeps/<tag>.json.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles.cluster.rendezvous import write_atomic
 from miles.config import ConfigError, Plan, resolve, write_plan
 from miles.config.loading import apply_overrides, read_yaml
 from miles.config.profile import Profile, load_profile, profile_defaults
@@ -37,13 +36,6 @@ class Submission:
     script_path: str
     command: list[str]
     job_ids: list[str]
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def load_plan(
@@ -64,7 +56,7 @@ def _prepare_run(plan: Plan, profile: Profile, dry_run: bool) -> Path:
     run_dir = Path(plan.run_dir)
     (run_dir / "logs" / "slurm").mkdir(parents=True, exist_ok=True)
     write_plan(plan, run_dir / "plan.yaml")
-    _write_json(run_dir / "launch.json", check(plan, profile))
+    write_atomic(run_dir / "launch.json", check(plan, profile), indent=1)
     return run_dir
 
 
@@ -100,7 +92,7 @@ def submit(
         "submitted_at": time.time(),
         "sweep": plan.launch.sweep_tag,
     }
-    _write_json(run_dir / "job.json", record)
+    write_atomic(run_dir / "job.json", record, indent=1)
     return Submission([str(run_dir)], str(script_path), command, [job_id])
 
 
@@ -142,7 +134,7 @@ def sweep(
     index = [{"run_dir": d, "overrides": p} for d, p in zip(result.run_dirs, points, strict=True)]
     for point, job_id in zip(index, result.job_ids, strict=False):
         point["job_id"] = job_id
-    _write_json(sweep_dir.parent / f"{tag}.json", {"tag": tag, "points": index})
+    write_atomic(sweep_dir.parent / f"{tag}.json", {"tag": tag, "points": index}, indent=1)
     return result
 
 
@@ -160,7 +152,6 @@ def _sweep_array(plans: list[tuple[Plan, Profile]], sweep_dir: Path, dry_run: bo
     job_ids = _submit(script, script_path, log_dir, len(run_dirs))
     for run_dir, job_id in zip(run_dirs, job_ids, strict=True):
         (Path(run_dir) / "submission.sh").write_text(script)
-        _write_json(
-            Path(run_dir) / "job.json", {"job_id": job_id, "log_dir": log_dir, "sweep": plan.launch.sweep_tag}
-        )
+        record = {"job_id": job_id, "log_dir": log_dir, "sweep": plan.launch.sweep_tag}
+        write_atomic(Path(run_dir) / "job.json", record, indent=1)
     return Submission(run_dirs, str(script_path), command, job_ids)
