@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.cluster.environment import JobEnvironment
+from miles.cluster.rendezvous import write_atomic
 from miles.config import ConfigError, Plan, read_plan
 from miles.config.plugins import load_function
 from miles.eval.modes import SKIP_REASONS, CountingGenerator, EvalJob, EvalSkipped, evaluate_step
@@ -80,12 +81,6 @@ def run_external(spec: str, snapshot: Path) -> dict[str, float]:
     metrics = eval_metrics(load_external(spec)(str(snapshot)), spec)
     metrics.setdefault("eval/duration_s", time.monotonic() - start)
     return metrics
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 class ExternalRunner:
@@ -162,13 +157,13 @@ class EvalService:
         self.urls: list[str] = []
         """URLs of the connected eval engines."""
         self._parts: asyncio.Future | None = None
-        """The load of the datasets, encoder and reward (`_load_parts`), once started."""
+        """The load of the datasets, encoder and reward (`_loading_parts`)."""
 
     async def start_early(self) -> None:
         """Start (or find) the eval engines now, while training starts, not at the first evaluation
         (the datasets and tokenizer load meanwhile)."""
         start = time.monotonic()
-        self._parts = asyncio.get_running_loop().run_in_executor(None, self._load_parts)
+        self._loading_parts()
         try:
             await self._ensure_engines()
             log.info("eval engines %s ready in %.1fs", self.urls, time.monotonic() - start)
@@ -285,6 +280,12 @@ class EvalService:
             f"{self.run_dir / 'rendezvous' / 'eval_engines'} within engine.startup_timeout_s"
         )
 
+    def _loading_parts(self) -> asyncio.Future:
+        """The load of the datasets, encoder and reward, started in a worker thread on first call."""
+        if self._parts is None:
+            self._parts = asyncio.get_running_loop().run_in_executor(None, self._load_parts)
+        return self._parts
+
     def _load_parts(self) -> None:
         """The eval datasets, the prompt encoder (tokenizer) and the reward; loaded once, in a worker
         thread while the engines start."""
@@ -302,9 +303,7 @@ class EvalService:
     async def _connect(self, urls: list[str]) -> None:
         from miles.rollout.client import SGLangClient
 
-        if self._parts is None:
-            self._parts = asyncio.get_running_loop().run_in_executor(None, self._load_parts)
-        await self._parts
+        await self._loading_parts()
         r = self.plan.rollout
         self.urls = list(urls)
         clients = [SGLangClient(u, max_connections=r.max_concurrency_per_engine + 8) for u in urls]
@@ -419,7 +418,7 @@ def _driver_main(args: argparse.Namespace) -> int:
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(service.start_early())
-        _write_json(run_dir / "logs" / DRIVER_STATE, _driver_state(service))
+        write_atomic(run_dir / "logs" / DRIVER_STATE, state := _driver_state(service))
         while line := sys.stdin.readline():
             job = json.loads(line)
             try:
@@ -430,8 +429,9 @@ def _driver_main(args: argparse.Namespace) -> int:
             except EvalSkipped as e:
                 log.warning("evaluation of step %s skipped (%s)", job["step"], e)
                 result = {"ok": False, "reason": e.reason, "error": e.detail}
-            _write_json(Path(job["out"]), result)
-            _write_json(run_dir / "logs" / DRIVER_STATE, _driver_state(service))
+            write_atomic(Path(job["out"]), result)
+            if (now := _driver_state(service)) != state:  # its engines were started again
+                write_atomic(run_dir / "logs" / DRIVER_STATE, state := now)
         loop.run_until_complete(service.close())  # stdin closed: the run is over
     finally:
         service.stop_engines()  # also on SIGTERM
@@ -479,9 +479,9 @@ def _external_main(args: argparse.Namespace) -> int:
         metrics = run_external(args.fn, Path(args.snapshot))
     except Exception as e:
         traceback.print_exc()
-        _write_json(out, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        write_atomic(out, {"ok": False, "error": f"{type(e).__name__}: {e}"})
         return 1
-    _write_json(out, {"ok": True, "metrics": metrics})
+    write_atomic(out, {"ok": True, "metrics": metrics})
     return 0
 
 
@@ -494,7 +494,7 @@ def snapshot_main(args: argparse.Namespace) -> int:
         return 1
     out = Path(args.out) if args.out else eval_dir(run_dir, args.step) / "manual.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_json(out, {"ok": True, "step": args.step, "metrics": metrics})
+    write_atomic(out, {"ok": True, "step": args.step, "metrics": metrics})
     print(json.dumps(metrics, indent=1, sort_keys=True))
     print(f"wrote {out}")
     return 0
