@@ -34,7 +34,6 @@ the definition of every figure and ratio, one row per arm. `--out` keeps the raw
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import random
 import statistics
@@ -47,7 +46,15 @@ from pathlib import Path
 import torch
 
 from bench.gpu_train import samples as train_samples
-from bench.parts import free_memory, mismatch_recipe, mismatch_run, report, run_parts
+from bench.parts import (
+    bench_device,
+    free_memory,
+    mismatch_recipe,
+    mismatch_run,
+    report,
+    run_parts,
+    utc_now,
+)
 from miles.models.tiny import QWEN25_05B_SHAPE, QWEN25_VOCAB, init_random
 
 REPO = Path(__file__).resolve().parents[1]
@@ -509,23 +516,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.fp8_gpu needs a CUDA GPU (or --smoke for the CPU check of the script)")
-    now = lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")  # noqa: E731
-    start, results = now(), {"args": vars(args), "argv": sys.argv[1:]}
+    device, start = bench_device(args, "bench.fp8_gpu"), utc_now()
     runners = {
         "mismatch": lambda: mismatch_part(args, device),
         "train": lambda: train_part(args, device),
         "rollout": lambda: [row for size in args.sizes for row in rollout_size(args, size, device)],
     }
-    errors = run_parts(args, PARTS, runners, results)
+    results, errors = run_parts(args, PARTS, runners)
     sections = [
         ("rollout", "Rollout: embedded engine in process, CUDA graphs", rollout_table),
         ("train", "Train step", lambda r: train_table(r, args)),
         ("mismatch", "Train-rollout log-prob mismatch", lambda r: mismatch_table(r, args)),
     ]
-    return report(args, header(args, device, start, now()), sections, results, errors)
+    return report(args, header(args, device, start, utc_now()), sections, results, errors)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ CUDA / GPU, the definition of every figure. `--out` keeps the raw numbers as JSO
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import random
@@ -58,7 +57,15 @@ from bench.fp8_gpu import (
     tok,
     versions,
 )
-from bench.parts import free_memory, mismatch_recipe, mismatch_run, report, run_parts
+from bench.parts import (
+    bench_device,
+    free_memory,
+    mismatch_recipe,
+    mismatch_run,
+    report,
+    run_parts,
+    utc_now,
+)
 from miles.models.tiny import QWEN25_VOCAB, init_random
 
 # Qwen3-30B-A3B's layer shapes (its vocabulary is Qwen2.5's 151,936 ids); the layer count is --layers
@@ -365,20 +372,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.moe_gpu needs a CUDA GPU (or --smoke for the CPU check of the script)")
-    now = lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")  # noqa: E731
-    start, results = now(), {"args": vars(args), "argv": sys.argv[1:]}
+    device, start = bench_device(args, "bench.moe_gpu"), utc_now()
     runners = {"mismatch": lambda: mismatch_part(args, device), "decode": lambda: decode_part(args, device)}
-    errors = run_parts(args, PARTS, runners, results)
+    results, errors = run_parts(args, PARTS, runners)
     engine = "CPU, float32 (smoke)" if args.smoke else "CUDA graphs, bf16"
     sections = [
         ("decode", f"Decode: embedded engine in process, {engine}", decode_table),
         ("mismatch", "Train-rollout log-prob mismatch, routing replay off vs rollout (R3)",
          lambda r: mismatch_table(r, args)),
     ]  # fmt: skip
-    return report(args, header(args, device, start, now()), sections, results, errors)
+    return report(args, header(args, device, start, utc_now()), sections, results, errors)
 
 
 if __name__ == "__main__":

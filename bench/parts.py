@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import shutil
+import sys
 import traceback
 from argparse import Namespace
 from pathlib import Path
@@ -22,11 +24,24 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_parts(args, order: tuple[str, ...], runners: dict, results: dict) -> dict[str, str]:
+def bench_device(args, name: str) -> str:
+    """`--smoke`: the CPU; otherwise CUDA, and a clear exit without a GPU."""
+    if args.smoke:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{name} needs a CUDA GPU (or --smoke for the CPU check of the script)")
+    return "cuda"
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def run_parts(args, order: tuple[str, ...], runners: dict) -> tuple[dict, dict[str, str]]:
     """Each part of `order` that --part selects, in that order: results[part] filled (and --out rewritten)
     as each ends; a part that raises is reported by the table and the next one still runs. Returns
-    part -> error."""
-    errors = {}
+    (results, with the arguments and command line; part -> error)."""
+    results, errors = {"args": vars(args), "argv": sys.argv[1:]}, {}
     for part in [p for p in order if p in (args.part or order)]:
         try:
             results[part] = runners[part]()
@@ -36,7 +51,7 @@ def run_parts(args, order: tuple[str, ...], runners: dict, results: dict) -> dic
             free_memory()
         if args.out:
             Path(args.out).write_text(json.dumps(results | {"errors": errors}, indent=1))
-    return errors
+    return results, errors
 
 
 def report(
