@@ -44,6 +44,7 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
         "run": {
             "name": f"e2e-{args.layout}-{args.backend}-{schedule}"
             + ("-resident" if args.keep_engine_memory else "")
+            + (f"-{args.micro_batch_layout}" if getattr(args, "micro_batch_layout", "auto") != "auto" else "")
             + (f"-{args.tag}" if args.tag else ""),
             "runs_root": str(runs_root),
             "tensorboard": False,
@@ -80,6 +81,7 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
             "steps": args.steps,
             "lr": 1e-6,
             "max_tokens_per_microbatch": args.micro_tokens,
+            "micro_batch_layout": getattr(args, "micro_batch_layout", "auto"),
             "loss": {"old_logprobs": "rollout", "kl_coef": 0.0},
         },
         "weights": {
@@ -134,6 +136,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--micro-tokens", type=int, default=16384)
+    p.add_argument("--micro-batch-layout", choices=["auto", "packed", "padded"], default="auto",
+                   help="train.micro_batch_layout (Megatron)")  # fmt: skip
     p.add_argument("--workdir", default="runs/bench_e2e")
     p.add_argument("--tag", default="", help="suffix of the run name (repeated runs, one directory each)")
     p.add_argument("--out", default=None, help="JSON file for the summary")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import tempfile
@@ -136,6 +137,7 @@ def main() -> None:
     p.add_argument("--short", type=int, default=32)
     p.add_argument("--long-every", type=int, default=10)
     p.add_argument("--workload", choices=list(WORKLOADS), action="append", help="repeatable; default: both")
+    p.add_argument("--out", default=None, help="write tok/s and ratios per workload as JSON here")
     args = p.parse_args()
     import torch
 
@@ -149,6 +151,7 @@ def main() -> None:
         model = init_tiny(Path(tmp) / "model", arch="qwen2", **SIZES)
         head = f"{'workload':<12} {'useful tok':>10} {'engine in-process':>18} {'engine HTTP':>12}"
         print(head + f" {'generate':>9}   tokens/s; ratios in-process / HTTP vs generate")
+        results = {}
         for name in args.workload or list(WORKLOADS):
             equal = WORKLOADS[name]
             work = workload(args.requests, args.short, args.long_every, equal)
@@ -158,6 +161,9 @@ def main() -> None:
             t_hf = run_generate(model, work, args.concurrency)
             e, w, h = useful / t_local, useful / t_http, useful / t_hf
             print(f"{name:<12} {useful:>10} {e:>18.0f} {w:>12.0f} {h:>9.0f}   {e / h:.2f} / {w / h:.2f}")
+            results[name] = dict(engine_tok_s=e, http_tok_s=w, generate_tok_s=h, engine_vs_generate=e / h)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,12 @@
 """Training throughput and MFU of the train backends on one GPU, Qwen2.5-0.5B shapes, random init.
 
     python -m bench.gpu_train --backend megatron --steps 4 --batch 64 --seq 1024
+    python -m bench.gpu_train --backend megatron --layout padded --responses 16:1024   # long-tailed mix
+
+`--layout` (Megatron): `packed` rows of several sequences with the variable-length attention kernel
+(the default without Transformer Engine), or `padded` rows of one sequence each (the layout used with
+Transformer Engine). `--responses LO:HI` draws each response length uniformly from LO..HI (seeded, the
+same batch for both layouts) instead of `seq - prompt` for all; tokens_per_s counts real tokens only.
 
 Model FLOPs per step (fwd + bwd = 3 x forward, no recompute), over sequences of length s_i of
 which r_i are response tokens:
@@ -72,13 +78,13 @@ def mfu_figures(backend: str, lengths: list[int], responses: list[int], step_s: 
     )
 
 
-def samples(n: int, seq: int, prompt: int, seed: int = 0):
+def samples(n: int, seq: int, prompt: int, seed: int = 0, responses: tuple[int, int] | None = None):
     from miles.sample import Sample
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        r = seq - prompt
+        r = rng.randint(*responses) if responses else seq - prompt
         out.append(
             Sample(
                 i // 8,
@@ -118,6 +124,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--micro-tokens", type=int, default=8192)
+    ap.add_argument("--layout", choices=["auto", "packed", "padded"], default="auto",
+                    help="train.micro_batch_layout (Megatron)")  # fmt: skip
+    ap.add_argument("--responses", default=None, help="LO:HI, response lengths uniform in LO..HI")
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--profile", action="store_true", help="print the CUDA kernels of one more step by total time"
@@ -128,6 +137,7 @@ def main() -> None:
     from miles.config import Plan
     from miles.train import get_backend
 
+    responses = tuple(int(x) for x in a.responses.split(":")) if a.responses else None
     tmp = Path(tempfile.mkdtemp())
     path = make_model(tmp / "qwen05b")
     plan = Plan.model_validate(
@@ -137,6 +147,7 @@ def main() -> None:
                 "backend": a.backend,
                 "lr": 1e-6,
                 "max_tokens_per_microbatch": a.micro_tokens,
+                "micro_batch_layout": a.layout,
                 "device": "cuda",
             },
             "run": {"runs_root": str(tmp / "runs")},
@@ -144,7 +155,7 @@ def main() -> None:
     )
     b = get_backend(a.backend)()
     b.setup(plan)
-    batch = samples(a.batch, a.seq, a.prompt)
+    batch = samples(a.batch, a.seq, a.prompt, responses=responses)
     times = []
     for i in range(a.steps + 1):
         torch.cuda.synchronize()
@@ -160,8 +171,10 @@ def main() -> None:
     responses = [len(s.response_ids) for s in batch]
     res = dict(
         backend=a.backend,
+        layout=a.layout,
         batch=a.batch,
         seq=a.seq,
+        responses=a.responses,
         micro_tokens=a.micro_tokens,
         step_s=step,
         steps=times,

@@ -79,6 +79,11 @@ class TrainConfig(Section):
     """Max global grad norm (0: off)."""
     max_tokens_per_microbatch: int = Field(8192, ge=1)
     """Token budget of one micro-batch per rank (sequences are packed up to it)."""
+    micro_batch_layout: Literal["auto", "packed", "padded"] = "auto"
+    """Megatron micro-batch rows: `packed` (sequences back to back in one row, attention by a
+    variable-length kernel over their offsets), `padded` (one right-padded sequence per row), `auto`
+    (padded where Transformer Engine's attention is installed, which takes no offsets here; else
+    packed). FSDP always packs."""
     mini_batches_per_step: int = Field(1, ge=1)
     """Optimiser updates per step (PPO epochs over mini-batches)."""
     collective_timeout_s: int = Field(600, ge=1)

@@ -284,6 +284,7 @@ def test_recompute_gives_the_same_step(env, tmp_path, mode):
 
 def _per_sample_logprobs(b, samples, packed: bool, use_mask: bool = True) -> dict[int, torch.Tensor]:
     from miles.train.megatron import batch as B
+    from miles.train.megatron import model as M
 
     dev = torch.device("cuda", torch.cuda.current_device())
     mbs = B.pack(samples, [0.0] * len(samples), 64, dev, packed=packed)
@@ -291,17 +292,23 @@ def _per_sample_logprobs(b, samples, packed: bool, use_mask: bool = True) -> dic
     with torch.no_grad():
         for mb in mbs:
             head = partial(B.response_head, mb=mb)
-            mask = mb.attention_mask if use_mask else None
-            logits = b.model.module(mb.tokens, mb.positions, mask, output_processor=head)
+            packing = M.packed_seq_params(mb) if use_mask else None
+            logits = b.model.module(
+                mb.tokens, mb.positions, None, packed_seq_params=packing, output_processor=head
+            )
             logp, _ = B.response_logprobs(logits, mb)
             lengths = [samples[i].response_length for i in mb.sample_ids]
             out.update(zip(mb.sample_ids, logp.float().split(lengths), strict=True))
     return out
 
 
-def test_packed_rows_give_the_padded_logprobs(env, tmp_path):
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_packed_rows_give_the_padded_logprobs(env, tmp_path, dtype, tol):
+    """fp32 runs the exact per-sequence path, bf16 the one-launch varlen flash kernel; the bf16 bound
+    covers two bf16 forwards (padded flash SDPA vs varlen flash) drifting apart over the layers."""
     from miles.train.megatron import batch as B
     from miles.train.megatron.model import has_transformer_engine
+    from miles.train.varlen_attention import uses_varlen_kernel
 
     samples = _samples(env[2], seed=17)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -310,18 +317,24 @@ def test_packed_rows_give_the_padded_logprobs(env, tmp_path):
         mb.tokens.shape[0] == 1 for mb in packed_mbs
     )
     assert B.default_packed() != has_transformer_engine(), "the backend packs unless TE attention is in"
-    b = _make(env[0], str(tmp_path))
+    probe = torch.zeros(1, device=dev, dtype=getattr(torch, dtype))
+    assert uses_varlen_kernel(probe) == (dtype == "bfloat16")
+    b = _make(env[0], str(tmp_path), dtype=dtype)
     packed = _per_sample_logprobs(b, samples, packed=True)
     padded = _per_sample_logprobs(b, samples, packed=False)
     hf = dict(enumerate(_hf_logprobs(env[2], samples)))
+    worst = 0.0
     for i in range(len(samples)):
         err = (packed[i] - padded[i]).abs().max().item()
-        assert err < 1e-4, f"sample {i}: packed and padded log-probs differ by {err:.2e}"
-        assert (packed[i] - hf[i].float()).abs().max().item() < 1e-3, f"sample {i}: packed vs HF"
+        worst = max(worst, err)
+        assert err < tol, f"sample {i}: packed and padded log-probs differ by {err:.2e}"
+        if dtype == "float32":
+            assert (packed[i] - hf[i].float()).abs().max().item() < 1e-3, f"sample {i}: packed vs HF"
+    print(f"{dtype}: packed vs padded log-probs, largest difference {worst:.2e}")
     unmasked = _per_sample_logprobs(b, samples, packed=True, use_mask=False)
     later = [i for mb in packed_mbs for i in mb.sample_ids[1:]]
-    assert any((unmasked[i] - packed[i]).abs().max() > 1e-3 for i in later), (
-        "dropping the block-diagonal mask changes nothing: the attention ignores it"
+    assert any((unmasked[i] - packed[i]).abs().max() > max(1e-3, 4 * tol) for i in later), (
+        "dropping the sequence offsets changes nothing: the attention ignores them"
     )
 
 

@@ -206,22 +206,8 @@ def test_packed_micro_batch_is_one_row_with_restarting_positions() -> None:
     assert mb.targets.tolist() == [7, 8, 9, 11, 12, 16]
     assert mb.seq_index.tolist() == [0, 0, 0, 1, 1, 2]
     assert mb.advantages.tolist() == [1.0, 1.0, 1.0, 2.0, 2.0, 3.0]
-    allowed = ~mb.attention_mask[0, 0]
-    assert allowed[6, 5] and not allowed[5, 4], "a sequence sees its own earlier tokens only"
-    assert not allowed[4, 5] and allowed.diagonal().all()
-
-
-def test_block_causal_mask_matches_its_definition() -> None:
-    """Query i may attend key j exactly when j <= i and both lie in one sequence (True = masked)."""
-    from miles.train.megatron import batch as B
-
-    lengths = [3, 1, 4, 2]
-    seq = [k for k, n in enumerate(lengths) for _ in range(n)]
-    want = torch.tensor([[not (j <= i and seq[i] == seq[j]) for j in range(10)] for i in range(10)])
-    got = B.block_causal_mask(lengths, torch.device("cpu"))
-    assert got.shape == (1, 1, 10, 10) and got.dtype == torch.bool
-    assert torch.equal(got[0, 0], want), f"mask differs at {(got[0, 0] != want).nonzero().tolist()}"
-    assert torch.equal(B.block_causal_mask(lengths), got), "default device: CPU"
+    assert mb.cu_seqlens.tolist() == [0, 5, 8, 12] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.max_seqlen == 5
 
 
 def test_padded_micro_batches_keep_the_same_per_token_order() -> None:
@@ -229,7 +215,7 @@ def test_padded_micro_batches_keep_the_same_per_token_order() -> None:
 
     (packed,) = B.pack(_samples(), [1.0, 2.0, 3.0], 64, torch.device("cpu"), packed=True)
     (padded,) = B.pack(_samples(), [1.0, 2.0, 3.0], 64, torch.device("cpu"), packed=False)
-    assert padded.tokens.shape == (3, 5) and padded.attention_mask is None
+    assert padded.tokens.shape == (3, 5) and padded.cu_seqlens is None
     for name in ("targets", "mask", "rollout_logp", "advantages", "seq_index"):
         assert torch.equal(getattr(packed, name), getattr(padded, name)), name
 
@@ -247,4 +233,4 @@ def test_a_single_sequence_needs_no_mask() -> None:
 
     mbs = B.pack(_samples(), [0.0] * 3, 5, torch.device("cpu"), packed=True)
     assert [mb.sample_ids for mb in mbs] == [[0], [1], [2]]
-    assert all(mb.attention_mask is None for mb in mbs)
+    assert all(mb.cu_seqlens is None for mb in mbs)

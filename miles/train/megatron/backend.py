@@ -108,6 +108,8 @@ class MegatronBackend:
     offloader: memory.StorageOffloader | None
     moe: MoERouting | None
     """Routing replay and router metrics of an MoE model (miles/train/megatron/moe.py); None: dense."""
+    packed: bool
+    """Micro-batches as packed rows (train.micro_batch_layout, resolved on this node)."""
     _forward_kwargs: dict[str, Any]
 
     def __init__(self) -> None:
@@ -116,6 +118,7 @@ class MegatronBackend:
         self.offloader = None
         self.ref_model = None
         self.moe = None
+        self.packed = True
         self._forward_kwargs = {}
 
     # ---------------------------------------------------------------- setup
@@ -129,6 +132,10 @@ class MegatronBackend:
         from miles.cluster.distributed import init_distributed
 
         t = plan.train
+        try:
+            self.packed = B.packed_layout(t.micro_batch_layout)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         init_distributed("cuda", float(getattr(t, "collective_timeout_s", 600)))
         # every layout, feature and model-split rule (miles/config/layout.py), with this world size
         check_layout(plan, dist.get_world_size(), "the trainer's world size")
@@ -303,7 +310,7 @@ class MegatronBackend:
         """This rank's micro-batches of `samples`; with expert parallelism padded to the count of the
         data-parallel rank that has the most (collective over that group)."""
         dev = torch.device("cuda", torch.cuda.current_device())
-        mbs = B.pack(samples, adv, self.plan.train.max_tokens_per_microbatch, dev)
+        mbs = B.pack(samples, adv, self.plan.train.max_tokens_per_microbatch, dev, self.packed)
         return mbs if self.moe is None else self.moe.pad_micro_batches(mbs)
 
     def _update(self, mini, mine, mbs, old, ref) -> dict[str, float]:
@@ -344,7 +351,8 @@ class MegatronBackend:
             out = model(
                 mb.tokens,
                 mb.positions,
-                mb.attention_mask,
+                None,
+                packed_seq_params=M.packed_seq_params(mb),
                 **self._forward_kwargs,
                 output_processor=partial(B.response_head, mb=mb),
             )
@@ -433,7 +441,12 @@ class MegatronBackend:
             head = partial(B.response_head, mb=mb)
             with self._routes(samples, mb):
                 out = model(
-                    mb.tokens, mb.positions, mb.attention_mask, **self._forward_kwargs, output_processor=head
+                    mb.tokens,
+                    mb.positions,
+                    None,
+                    packed_seq_params=M.packed_seq_params(mb),
+                    **self._forward_kwargs,
+                    output_processor=head,
                 )
             return out, partial(collect, mb)
 

@@ -4,12 +4,12 @@ Two layouts, chosen by `pack(..., packed=)`:
 
 - **packed** (the default without Transformer Engine): the sequences of a micro-batch lie back to
   back in one row [1, T], T their total length, no padding; as many as fit the token budget
-  `max_tokens_per_microbatch` (at least one). Position ids restart at 0 for each sequence, and a
-  block-diagonal causal attention mask [1, 1, T, T] (Megatron's convention: True = may not attend)
-  keeps each sequence to its own earlier tokens; miles' SDPAttention (miles/train/megatron/model.py)
-  applies it. RoPE needs nothing more: GPTModel rotates by the row position, and attention scores
-  depend only on the distance between two positions of one sequence, which packing leaves unchanged.
-  The mask costs T^2 bytes per micro-batch (shared by all layers).
+  `max_tokens_per_microbatch` (at least one). Position ids restart at 0 for each sequence, and the
+  sequences' offsets `cu_seqlens` [n + 1] (with the longest length) keep each sequence to its own
+  earlier tokens: miles' SDPAttention (miles/train/megatron/model.py) runs a variable-length causal
+  kernel over them, so no [T, T] mask is ever built. RoPE needs nothing more: GPTModel rotates by the
+  row position, and attention scores depend only on the distance between two positions of one
+  sequence, which packing leaves unchanged.
 - **padded**: one sequence per row, right-padded to the longest, as many as fit the budget counted
   with padding; no mask (the causal one suffices). Used where Transformer Engine's attention is
   installed, since its causal kernels ignore an arbitrary mask.
@@ -39,9 +39,11 @@ class MicroBatch:
     """[b, s] token ids: one packed row (b = 1), or right-padded rows (padding 0)."""
     positions: Tensor
     """[b, s] position ids, restarting at 0 for each sequence."""
-    attention_mask: Tensor | None
-    """[1, 1, s, s] bool, True where a query may not see a key (packed rows of several sequences);
-    None: the causal mask alone."""
+    cu_seqlens: Tensor | None
+    """[n + 1] int32 offsets of the n sequences of a packed row (0, l0, l0 + l1, ..., T); None: one
+    sequence per row, the causal mask alone."""
+    max_seqlen: int
+    """Length of the longest sequence of the micro-batch."""
     rows: Tensor
     cols: Tensor
     """Flat response-token coordinates of the logits that score them."""
@@ -75,10 +77,23 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, packed: bool = True)
 
 
 def default_packed() -> bool:
-    """Packed rows unless Transformer Engine's attention (which ignores an arbitrary mask) is used."""
+    """Packed rows unless Transformer Engine's attention (given no sequence offsets here) is used."""
     from miles.train.megatron.model import has_transformer_engine
 
     return not has_transformer_engine()
+
+
+def packed_layout(setting: str) -> bool:
+    """Whether `train.micro_batch_layout` = `setting` packs on this node; packed rows with Transformer
+    Engine's attention are refused (its layer spec would not see the offsets)."""
+    from miles.train.megatron.model import has_transformer_engine
+
+    if setting == "packed" and has_transformer_engine():
+        raise ValueError(
+            "train.micro_batch_layout=packed needs miles' attention, but Transformer Engine is installed "
+            "and its attention is used; set train.micro_batch_layout to auto or padded"
+        )
+    return default_packed() if setting == "auto" else setting == "packed"
 
 
 def pack(
@@ -95,12 +110,11 @@ def pack(
     return [_one(samples, advantages, idx, device, packed) for idx in groups]
 
 
-def block_causal_mask(lengths: list[int], device: torch.device | None = None) -> Tensor:
-    """[1, 1, T, T] bool, True where query i may NOT attend key j: j after i, or another sequence.
-    Built on `device` (only the T sequence ids are copied there, not the T^2 mask)."""
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
-    allowed = (seq[:, None] == seq[None, :]).tril_()
-    return allowed.logical_not_()[None, None]
+def cu_seqlens(lengths: list[int], device: torch.device | None = None) -> Tensor:
+    """[n + 1] int32 cumulative offsets of sequences of `lengths` laid back to back, from 0."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    offsets[1:] = torch.tensor(lengths).cumsum(0)
+    return offsets.to(device)
 
 
 def _one(
@@ -128,7 +142,7 @@ def _one(
         offset += length if packed else 0
     if not packed:
         positions = torch.arange(width).expand(b, width)
-    attention = block_causal_mask(lengths, device) if packed and len(seqs) > 1 else None
+    offsets = cu_seqlens(lengths, device) if packed and len(seqs) > 1 else None
 
     def t(x, dtype):
         return torch.tensor(x, dtype=dtype, device=device)
@@ -136,7 +150,8 @@ def _one(
     return MicroBatch(
         tokens=tokens.to(device),
         positions=positions.to(device),
-        attention_mask=attention,
+        cu_seqlens=offsets,
+        max_seqlen=max(lengths),
         rows=t(rows, torch.long),
         cols=t(cols, torch.long),
         targets=t(targets, torch.long),

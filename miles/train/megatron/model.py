@@ -2,7 +2,8 @@
 
 Megatron's local layer spec is used (no Transformer Engine needed), with one change: its core
 attention materialises the [b, heads, s, s] score matrix, so it is swapped for `SDPAttention`,
-PyTorch's fused scaled-dot-product attention (same maths: softmax(q k^T / sqrt(d) + causal) v). Where
+PyTorch's fused attention kernels (same maths: softmax(q k^T / sqrt(d) + causal) v; packed rows
+through a variable-length kernel). Where
 Transformer Engine is installed its own spec is used unchanged. Mixture-of-experts models (Qwen3-MoE)
 get per-layer specs and their MoE fields from miles/train/megatron/moe.py. Imports megatron lazily
 (callers import this module only when `train.backend` is megatron).
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.train.megatron import convert, moe
+from miles.train.varlen_attention import packed_causal_attention
 
 
 @functools.cache
@@ -30,12 +32,13 @@ def has_transformer_engine() -> bool:
 
 
 class SDPAttention(torch.nn.Module):
-    """Core attention for Megatron's SelfAttention through torch's scaled_dot_product_attention.
+    """Core attention for Megatron's SelfAttention through PyTorch's fused attention kernels.
 
     Causal self-attention on right-padded [s, b] batches (padding follows every real token, so the
-    causal mask alone keeps real tokens from seeing it), or, given an `attention_mask` (Megatron's
-    convention: True where a query must not see a key), exactly that mask: the block-diagonal causal
-    mask of sequences packed into one row (miles/train/megatron/batch.py). No attention bias.
+    causal mask alone keeps real tokens from seeing it) through scaled_dot_product_attention; or, given
+    `packed_seq_params` (qkv_format "sbhd", from `packed_seq_params` below), over the sequences packed
+    into one row, each seeing only its own earlier tokens, by the variable-length kernel of
+    miles/train/varlen_attention.py. No explicit mask, no attention bias.
     """
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, **kwargs: Any) -> None:
@@ -53,18 +56,41 @@ class SDPAttention(torch.nn.Module):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        assert packed_seq_params is None and attention_bias is None, "SDPAttention: no THD, no bias"
+        assert attention_mask is None and attention_bias is None, "SDPAttention: no mask, no bias"
+        s, b = query.shape[0], query.shape[1]
+        if packed_seq_params is not None:
+            assert b == 1 and packed_seq_params.qkv_format == "sbhd", "packed: one [T, 1] row"
+            p = packed_seq_params
+            out = packed_causal_attention(
+                query[:, 0], key[:, 0], value[:, 0], p.cu_seqlens_q, p.max_seqlen_kv, self.scale
+            )
+            return out.reshape(s, b, -1)
         # [s, b, heads, d] -> [b, heads, s, d]; kv heads repeated so any SDPA kernel applies.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.heads_per_group > 1:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
-        allowed = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.scale
-        )
-        s, b = query.shape[0], query.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def packed_seq_params(mb: Any):
+    """Megatron's PackedSeqParams for micro-batch `mb` (miles/train/megatron/batch.py) of several
+    sequences in one row, else None. qkv_format "sbhd": the row keeps its [s, b] layout and RoPE its row
+    positions; only the core attention reads the offsets. GPTModel sizes its rotary table by the
+    larger of the two max_seqlen fields, so max_seqlen_q is the row's length and max_seqlen_kv the
+    longest sequence (the bound SDPAttention gives the variable-length kernel)."""
+    if mb.cu_seqlens is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="sbhd",
+        cu_seqlens_q=mb.cu_seqlens,
+        cu_seqlens_kv=mb.cu_seqlens,
+        max_seqlen_q=mb.tokens.shape[1],
+        max_seqlen_kv=mb.max_seqlen,
+    )
 
 
 def transformer_config(
