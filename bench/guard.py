@@ -169,8 +169,11 @@ def judge(fig: Figure, value: float | None, base: dict | None) -> tuple[str, flo
 
 
 def git_commit() -> str:
+    """HEAD's short hash, `+dirty` when tracked files differ from it; "unknown" outside a checkout."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if out.returncode != 0:
+            return "unknown"
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
         )
@@ -197,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default=str(BASELINE))
     p.add_argument("--out", default=None, help="JSON of every figure, its run and the verdicts")
     p.add_argument("--write-baseline", action="store_true", help="store this run's figures as the baseline")
+    p.add_argument("--commit", default=None, help="the code's commit, where this copy has no git history")
     p.add_argument("--attention-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.attention_probe:

@@ -107,7 +107,7 @@ def log_evaluations(state: LoopState, evals: Any, step: int, drain: bool = False
 def run(run_dir: Path, resume: bool) -> int:
     import torch.distributed as dist
 
-    from miles.eval.modes import Evaluations
+    from miles.eval.runner import evaluations
     from miles.train import get_backend
 
     plan = read_plan(run_dir / "plan.yaml")
@@ -117,7 +117,7 @@ def run(run_dir: Path, resume: bool) -> int:
     log = setup_logging(run_dir, dist.get_rank())
     state = LoopState.restore(backend, plan, run_dir, resume, rank0)
     side = state.rollout_side(plan, run_dir) if rank0 else None
-    evals = Evaluations.create(plan, run_dir) if rank0 else None
+    evals = evaluations(plan, run_dir) if rank0 else None
     # colocated + sync: rollout and training take turns on the GPUs, the engines stepping aside while
     # the trainer trains (unless both fit); colocated + async: both stay resident all the time
     take_turns = (

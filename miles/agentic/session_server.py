@@ -78,6 +78,7 @@ from miles.chat.toolcalls import parse_tool_calls
 from miles.rollout.client import EngineError, GenerateResult, SGLangClient
 from miles.rollout.generate import parse_version
 from miles.sample import Sample
+from miles.serving import CancelOnDisconnect
 
 
 class SessionServer:
@@ -134,7 +135,9 @@ class SessionServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            CancelOnDisconnect(self.app), log_level="warning", access_log=False, lifespan="off"
+        )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -1,9 +1,9 @@
-"""The episode stream of environment tasks, and `lookup`: a tool task a tiny model learns in minutes.
+"""`lookup`: a tool task a tiny model learns in minutes.
 
-`EpisodeTask` (`rollout.task.name: env`) numbers episodes: training prompt i stands for the
-environment task `make_task(seed, i)`, held-out prompt j for `make_task(seed, EVAL_OFFSET + j)`; the
-generate function (miles/agentic/rollout.py) builds the environment of `rollout.env` and asks it for
-the task, so the stream itself knows no environment and checkpoints one integer like every task.
+Its episodes come numbered by the `env` task (`EpisodeTask` in miles/rollout/tasks.py): training
+prompt i stands for the environment task `make_task(seed, i)`, held-out prompt j for
+`make_task(seed, EVAL_OFFSET + j)`; the generate function (miles/agentic/rollout.py) builds the
+environment of `rollout.env` and asks it for the task.
 
 `LookupEnv` is a two-turn retrieval episode sized for the tiny random-initialised model (digits are
 single tokens, a turn can be one token):
@@ -37,40 +37,8 @@ from typing import Any, ClassVar
 
 from miles.agentic.envs.base import Message, Observation, StepResult
 from miles.config import ConfigError
-from miles.config.rollout import TaskConfig
-from miles.rollout.tasks import EVAL_OFFSET, Prompt
 
 _DIGIT = re.compile(r"\d")
-
-
-class EpisodeTask:
-    """Episode numbers for an environment (see the module docstring)."""
-
-    name = "env"
-
-    def __init__(self, seed: int, eval_size: int) -> None:
-        if eval_size < 1:
-            raise ConfigError(f"rollout.task.eval_size must be >= 1 for environment tasks (got {eval_size})")
-        self.seed, self.eval_size = seed, eval_size
-
-    def _prompt(self, index: int, episode: int) -> Prompt:
-        return Prompt(index, f"episode {episode}", None, {"episode": {"seed": self.seed, "index": episode}})
-
-    def train_prompt(self, index: int) -> Prompt:
-        return self._prompt(index, index)
-
-    def eval_prompts(self) -> list[Prompt]:
-        return [self._prompt(j, EVAL_OFFSET + j) for j in range(self.eval_size)]
-
-
-def episode_task(cfg: TaskConfig, seed: int) -> EpisodeTask:
-    """The `env` entry of miles.rollout.tasks.TASKS (it takes no options)."""
-    if cfg.options:
-        raise ConfigError(
-            f"rollout.task.options {sorted(cfg.options)}: the `env` task takes none; environment options "
-            "go to rollout.env.options"
-        )
-    return EpisodeTask(seed, cfg.eval_size)
 
 
 class LookupEnv:

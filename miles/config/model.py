@@ -4,7 +4,43 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import field_validator
+
 from miles.config.base import Section
+
+TINY_SIZE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "mlp_only_layers",
+)
+
+
+class TinyModelConfig(Section):
+    """The tiny random model `model.init_tiny_if_missing` creates (miles/models/tiny.py)."""
+
+    arch: Literal["qwen2", "qwen3", "llama", "qwen3_moe"] = "qwen2"
+    """Model family (qwen3_moe: a mixture of experts, by default 4 experts, top-2, layer 0 dense)."""
+    vocab_size: int = 384
+    """Vocabulary of the locally trained BPE tokenizer."""
+    sizes: dict[str, int | list[int]] = {}
+    """Config sizes over the family's tiny defaults (hidden 64, 2 layers, 4 heads, ...), e.g.
+    {hidden_size: 128}; `mlp_only_layers` is a list of layer indices."""
+
+    @field_validator("sizes")
+    @classmethod
+    def _known_sizes(cls, sizes: dict) -> dict:
+        unknown = sorted(set(sizes) - set(TINY_SIZE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown tiny model size(s) {unknown}; known: {', '.join(TINY_SIZE_KEYS)}")
+        return sizes
 
 
 class ModelConfig(Section):
@@ -15,4 +51,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for serving and for the trainer's compute (the optimizer keeps fp32 master weights)."""
     init_tiny_if_missing: bool = True
-    """If `path` does not exist, create a tiny random model there first (used by the default recipe)."""
+    """If `path` does not exist, create the tiny random model `model.tiny` there first (the tiny
+    recipes rely on it: each runs with one command from an empty runs root)."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Architecture and sizes of that tiny model."""

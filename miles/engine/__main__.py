@@ -32,13 +32,15 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles.cluster.environment import set_intra_op_threads
 from miles.engine import streaming
+from miles.engine.app import build_app
 from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, QUANTIZATIONS, build_decoder
 from miles.engine.model import ModelSpec
 from miles.engine.scheduler import Scheduler
-from miles.engine.server import EngineState, build_app, model_path_of
+from miles.engine.server import EngineState, model_path_of
 from miles.engine.tokenizer import load_codec
 from miles.engine.updates import DEFAULT_TIMEOUT_S as DEFAULT_WEIGHT_UPDATE_TIMEOUT_S
 from miles.engine.validation import DEFAULT_MAX_REQUEST_BYTES
+from miles.serving import CancelOnDisconnect
 
 log = logging.getLogger("miles.engine")
 SHUTDOWN_GRACE_S = 5.0
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     host, port = sock.getsockname()[:2]
     state.server_args["port"] = port
     config = uvicorn.Config(
-        build_app(state),
+        CancelOnDisconnect(build_app(state)),
         http=QuietHTTP2Probe,
         log_level="warning",
         timeout_keep_alive=60,

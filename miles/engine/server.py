@@ -11,19 +11,8 @@ that carries a status code.
 identity rules are SGLang's: a prompt as long as the context, or prompt + an explicit `max_new_tokens`
 over it, is a 400 with SGLang's message; a `rid` repeated inside one request or equal to one in flight
 is a 400. Abort finish reasons carry `status_code` and `err_type` (null unless the engine failed the
-request). Control and information routes are miles/engine/routes.py.
-
-Health, as SGLang: `/health` and `/health_generate` answer 503 with a message when the engine
-thread is dead, stopped or stuck (miles/engine/engine_thread.py); `/health_generate` also runs a
-one-token generation (`/health` does not: it is SGLang's with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
-off, cheap enough to poll) and answers 503 when it fails or takes longer than `health_generate_timeout_s`
-(SGLang's 20 s); an engine that makes progress on other requests meanwhile is healthy. While the
-engine is paused or its memory released, no generation runs and the thread's state decides. An
-unhealthy engine answers new /generate requests 503 at once.
-
-With `--enable-fault-injection`, `POST /debug/inject_fault` `{"kind": "step_error" | "step_hang" |
-"scheduler_death", "seconds": ...}` arms a fault in the engine thread, for tests; without the flag
-the route does not exist.
+request). Control and information routes are miles/engine/routes.py; the application that serves
+all of them, with health checks, is miles/engine/app.py.
 
 Miles-specific addition: `meta_info["miles_output_token_weight_versions"]`, the weight version that
 produced each output token (one entry per token of `output_ids`). With in_place pauses a request
@@ -38,24 +27,18 @@ is written as `null`, as SGLang's orjson does.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pydantic_core
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse
 
 from miles.engine import intake, replies, streaming
-from miles.engine.engine_thread import FAULT_KINDS
-from miles.engine.openai_routes import add_openai_routes
 from miles.engine.request import Request as EngineRequest
-from miles.engine.routes import add_routes
 from miles.engine.scheduler import Scheduler
 from miles.engine.updates import WeightUpdater
 from miles.engine.validation import (
@@ -64,11 +47,8 @@ from miles.engine.validation import (
     GenerateReqInput,
     HTTPError,
     check_prompt,
-    parse_body,
     sampling_params,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,12 +116,13 @@ def _items(req: GenerateReqInput, state: EngineState) -> list[tuple[list[int], d
     return list(zip(prompts, params, logprob, rids, strict=True))
 
 
-def _make_request(
+def make_request(
     state: EngineState, prompt: list[int], params: Any, rid: str, index: int | None = None
 ) -> EngineRequest:
     at = "" if index is None else f"[{index}]"
     sp = sampling_params(params, "sampling_params" + at)
-    check_context_length(len(prompt), params.get("max_new_tokens"), state.scheduler.max_context)
+    explicit = sp.max_new_tokens if params.get("max_new_tokens") is not None else None  # 1e9 -> 10**9
+    check_context_length(len(prompt), explicit, state.scheduler.max_context)
     check_prompt(
         prompt, state.scheduler.decoder.spec.vocab_size, state.scheduler.max_context, "input_ids" + at
     )
@@ -153,6 +134,7 @@ def _make_request(
 def reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict[str, Any]:
     """SGLang's reply to one request; `output_token_logprobs` rows are (logprob, token_id, None)
     tuples, which serialise as the JSON arrays SGLang sends."""
+    done = req.done.done()  # routed experts are final only once the request is (set just before done)
     text = replies.reply_text(state.tokenizer, req)
     meta: dict[str, Any] = {
         "id": req.rid,
@@ -166,7 +148,8 @@ def reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict[
     }
     if return_logprob:
         meta |= replies.logprob_meta(state.tokenizer, req)
-    meta |= replies.routed_meta(req)
+    if done:
+        meta |= replies.routed_meta(req)
     return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
 
@@ -238,7 +221,7 @@ def prepare(state: EngineState, req: GenerateReqInput) -> list[tuple[EngineReque
     items = _items(req, state)
     batch = len(items) > 1 or isinstance(req.text, list) or isinstance(req.sampling_params, list)
     reqs = [
-        (_make_request(state, p, sp, rid, i if batch else None), lp)
+        (make_request(state, p, sp, rid, i if batch else None), lp)
         for i, (p, sp, lp, rid) in enumerate(items)
     ]
     reqs, prefills = intake.attach_options(state, req, reqs)
@@ -293,107 +276,6 @@ async def generate_stream(state: EngineState, req: GenerateReqInput) -> AsyncIte
         incremental=state.incremental_streaming_output,
     ):
         yield chunk
-
-
-def build_app(state: EngineState) -> FastAPI:
-    """The FastAPI application serving SGLang's routes over `state`."""
-    app = FastAPI(title="miles embedded engine")
-    app.state.engine = state
-    app.state.max_request_bytes = state.max_request_bytes
-
-    @app.exception_handler(HTTPError)
-    async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
-        return error(str(exc), exc.status)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return error(f"{request.url.path} failed: {type(exc).__name__}: {exc}", 500)
-
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def _generate(request: Request):
-        body = await parse_body(request, GenerateReqInput)
-        if body.stream:
-            return StreamingResponse(generate_stream(state, body), media_type="text/event-stream")
-        return Response(content=await generate(state, body), media_type="application/json")
-
-    @app.get("/health")
-    async def _health():
-        problem = state.scheduler.health_problem()
-        return error(problem, 503) if problem else Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def _health_generate():
-        s = state.scheduler
-        problem = s.health_problem()
-        if problem is None and not (s.paused or s.released):
-            problem = await _one_token(state)
-        if problem is not None:
-            log.warning("health_generate: %s", problem)
-            return error(problem, 503)
-        return Response(status_code=200)
-
-    add_routes(app, state, error)
-    add_openai_routes(app, state, error)
-    state.updater.add_routes(app, parse_body, error)
-    if state.enable_fault_injection:
-        _fault_routes(app, state)
-    return app
-
-
-async def _one_token(state: EngineState) -> str | None:
-    """SGLang's health generation: one greedy token from prompt [0]. None (healthy) when it finishes,
-    or when the engine records tokens of other requests meanwhile (a busy engine is alive); else why not."""
-    s = state.scheduler
-    r = _make_request(state, [0], {"max_new_tokens": 1, "temperature": 0}, "HEALTH_CHECK_" + uuid.uuid4().hex)
-    before = s.num_token_steps
-    s.submit(r)
-    done = asyncio.wrap_future(r.done)
-    deadline = time.monotonic() + state.health_generate_timeout_s
-    try:
-        while time.monotonic() < deadline:
-            try:
-                await asyncio.wait_for(asyncio.shield(done), timeout=0.2)
-            except TimeoutError:
-                if s.num_token_steps != before and s.health_problem() is None:
-                    return None
-                continue
-            if r.finish.get("status_code"):
-                return f"the health check's one-token generation failed: {r.finish['message']}"
-            return None
-        return (
-            "the health check's one-token generation did not finish within "
-            f"{state.health_generate_timeout_s:g} s"
-        )
-    finally:
-        if not r.done.done():
-            s.abort(r.rid)
-
-
-class InjectFault(BaseModel):
-    """The /debug/inject_fault body."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    kind: Literal[FAULT_KINDS]  # type: ignore[valid-type]
-    seconds: float = Field(0.0, ge=0.0, le=3600.0)
-    """How long a step_hang step sleeps."""
-
-
-def _fault_routes(app: FastAPI, state: EngineState) -> None:
-    """Tests only (--enable-fault-injection): arm a fault in the engine thread (engine_thread.py)."""
-    s = state.scheduler
-
-    @app.post("/debug/inject_fault")
-    async def _inject(request: Request):
-        body = await parse_body(request, InjectFault)
-        log.warning("injecting fault %s (seconds=%g)", body.kind, body.seconds)
-        s.inject_fault(body.kind, body.seconds)
-        if body.kind == "scheduler_death":  # answer once it has struck, so callers see its effect
-            deadline = time.monotonic() + 10.0
-            while s.failure is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-        return {"success": True, "message": f"fault {body.kind} armed"}
 
 
 def model_path_of(model_dir: str) -> str:

@@ -175,15 +175,6 @@ class Evaluations:
         """Writes snapshots to disk, and deletes those no longer kept, off the training path, one at
         a time, in order."""
 
-    @classmethod
-    def create(cls, plan: Plan, run_dir: Path) -> Evaluations | None:
-        """The bookkeeping of this plan's mode; None for `shared` mode or evaluation turned off."""
-        from miles.eval.runner import RUNNERS
-
-        if plan.eval.mode == "shared" or plan.eval.every_steps <= 0:
-            return None
-        return cls(plan, run_dir, RUNNERS[plan.eval.mode](plan, run_dir))
-
     @property
     def running(self) -> list[EvalJob]:
         return [j for j in self.jobs if j.result is None and j.skipped is None]

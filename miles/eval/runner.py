@@ -41,7 +41,14 @@ from miles.cluster.environment import JobEnvironment
 from miles.cluster.rendezvous import write_atomic
 from miles.config import ConfigError, Plan, read_plan
 from miles.config.plugins import load_function
-from miles.eval.modes import SKIP_REASONS, CountingGenerator, EvalJob, EvalSkipped, evaluate_step
+from miles.eval.modes import (
+    SKIP_REASONS,
+    CountingGenerator,
+    EvalJob,
+    EvalSkipped,
+    Evaluations,
+    evaluate_step,
+)
 from miles.eval.snapshot import eval_dir, find_snapshot
 from miles.processes import child_options, free_port, stop_processes
 
@@ -447,6 +454,16 @@ def _driver_state(service: EvalService) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[Plan, Path], Any]] = {"dedicated": DedicatedRunner, "external": ExternalRunner}
+
+
+def evaluations(plan: Plan, run_dir: Path) -> Evaluations | None:
+    """The bookkeeping of this plan's evaluation mode with its runner; None for `shared` mode or
+    evaluation turned off."""
+    if plan.eval.mode == "shared" or plan.eval.every_steps <= 0:
+        return None
+    return Evaluations(plan, run_dir, RUNNERS[plan.eval.mode](plan, run_dir))
+
+
 """The runner of each snapshot mode (`shared` evaluates on the rollout engines, in the loop)."""
 
 

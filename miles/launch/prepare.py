@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from miles.config import ConfigError, Plan
+from miles.config.model import TinyModelConfig
 
 log = logging.getLogger("miles.launch")
 
@@ -102,19 +103,20 @@ def ensure_model(plan: Plan, *, required: bool = True) -> Path:
     with _locked(path.parent / f".{path.name}.lock"):
         if path.exists():  # another submission made it while we waited for the lock
             return path
-        _create_tiny(path, plan.run.seed)
+        _create_tiny(path, plan.model.tiny, plan.run.seed)
     return path
 
 
-def _create_tiny(path: Path, seed: int) -> None:
-    """init_tiny into a temporary sibling, then one rename: readers never see a partial model."""
+def _create_tiny(path: Path, tiny: TinyModelConfig, seed: int) -> None:
+    """init_tiny (`tiny`: model.tiny) into a temporary sibling, then one rename: readers never see a
+    partial model."""
     from miles.models.tiny import init_tiny
 
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"miles: creating a tiny random model at {path}", file=sys.stderr)
+    print(f"miles: creating a tiny random model at {path} ({tiny.arch})", file=sys.stderr)
     try:
-        init_tiny(tmp, seed=seed)
+        init_tiny(tmp, arch=tiny.arch, seed=seed, vocab_size=tiny.vocab_size, **tiny.sizes)
         os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

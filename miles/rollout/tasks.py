@@ -307,10 +307,37 @@ def _random_tokens(cfg: TaskConfig, seed: int) -> Task:
     return RandomTokensTask(seed, cfg.eval_size, *(int(opts[k]) for k in keys))
 
 
-def _episodes(cfg: TaskConfig, seed: int) -> Task:
-    from miles.agentic.tasks import episode_task  # numbered episodes of `rollout.env`
+class EpisodeTask:
+    """`rollout.task.name: env`: numbered episodes of the environment `rollout.env`. Training prompt i
+    stands for the environment's task `make_task(seed, i)`, held-out prompt j for
+    `make_task(seed, EVAL_OFFSET + j)`; the agentic generate function (miles/agentic/rollout.py) builds
+    the environment and asks it for the task, so the stream knows no environment and checkpoints one
+    integer like every task."""
 
-    return episode_task(cfg, seed)
+    name = "env"
+
+    def __init__(self, seed: int, eval_size: int) -> None:
+        if eval_size < 1:
+            raise ConfigError(f"rollout.task.eval_size must be >= 1 for environment tasks (got {eval_size})")
+        self.seed, self.eval_size = seed, eval_size
+
+    def _prompt(self, index: int, episode: int) -> Prompt:
+        return Prompt(index, f"episode {episode}", None, {"episode": {"seed": self.seed, "index": episode}})
+
+    def train_prompt(self, index: int) -> Prompt:
+        return self._prompt(index, index)
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self._prompt(j, EVAL_OFFSET + j) for j in range(self.eval_size)]
+
+
+def _episodes(cfg: TaskConfig, seed: int) -> Task:
+    if cfg.options:
+        raise ConfigError(
+            f"rollout.task.options {sorted(cfg.options)}: the `env` task takes none; environment options "
+            "go to rollout.env.options"
+        )
+    return EpisodeTask(seed, cfg.eval_size)
 
 
 TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {

@@ -186,6 +186,7 @@ BAD = [
     ({"sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens"),
     ({"sampling_params": {"min_new_tokens": -1}}, "min_new_tokens"),
+    ({"sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens"),
     ({"sampling_params": {"n": 0}}, "n"),
     ({"sampling_params": {"n": "two"}}, "n"),
     ({"sampling_params": {"logit_bias": {"abc": 1.0}}}, "logit_bias"),
@@ -220,3 +221,16 @@ def test_bad_fields_are_400s_naming_the_field_and_the_engine_serves_on(engine):
         assert resp.status_code == 400, (extra, resp.text)
         assert name in resp.json()["error"]["message"], (extra, resp.text)
     assert len(_greedy(engine, 3, ignore_eos=True)["output_ids"]) == 3
+
+
+def test_a_float_token_budget_is_the_integer_it_equals(engine):
+    """SGLang's rule for an integral float budget: 1e9 is refused past the context exactly like 10**9,
+    4.0 generates 4 tokens; a fractional one is a 400 (in BAD above)."""
+    answers = [
+        _post(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": n}}) for n in (1e9, 10**9)
+    ]
+    assert [a.status_code for a in answers] == [400, 400], [a.text for a in answers]
+    assert answers[0].json()["error"]["message"] == answers[1].json()["error"]["message"]
+    assert "maximum context length" in answers[0].json()["error"]["message"]
+    ok = _post(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4.0, "ignore_eos": True}})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from miles.config import ConfigError, resolve
 from miles.eval.modes import CountingGenerator, EvalJob, EvalSkipped, Evaluations, evaluate_step
-from miles.eval.runner import DedicatedRunner, EvalService, evaluate_snapshot
+from miles.eval.runner import DedicatedRunner, EvalService, evaluate_snapshot, evaluations
 from miles.eval.snapshot import (
     COMPLETE,
     complete_steps,
@@ -51,7 +51,7 @@ def _plan(model: str, **eval_keys):
 def _evals(tmp_path: Path, model: str, **eval_keys) -> Evaluations:
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
-    evals = Evaluations.create(_plan(model, **eval_keys), run_dir)
+    evals = evaluations(_plan(model, **eval_keys), run_dir)
     assert evals is not None
     return evals
 
@@ -325,7 +325,7 @@ def test_eval_mode_settings_are_checked() -> None:
         resolve({"eval": {"mode": "dedicated", "max_in_flight": 0}})
     with pytest.raises(ConfigError, match="eval.overflow"):
         resolve({"eval": {"overflow": "drop"}})
-    assert Evaluations.create(resolve({"eval": {"mode": "shared"}}), Path("/nonexistent")) is None
+    assert evaluations(resolve({"eval": {"mode": "shared"}}), Path("/nonexistent")) is None
 
 
 def test_external_fn_that_cannot_be_imported_names_the_key(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def test_racing_submissions_create_the_model_once_and_whole(
 def test_a_failed_creation_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import miles.models.tiny
 
-    def broken(out_dir: Path, seed: int = 0) -> Path:
+    def broken(out_dir: Path, seed: int = 0, **_) -> Path:
         Path(out_dir).mkdir(parents=True)
         (Path(out_dir) / "config.json").write_text("{")  # half written, then the writer dies
         raise OSError("disk full")

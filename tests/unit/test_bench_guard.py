@@ -1,0 +1,43 @@
+"""bench/guard.py: a figure worse than its baseline by more than the tolerance fails the guard, named;
+the CPU attention probe runs and is judged against a baseline file."""
+
+from __future__ import annotations
+
+import json
+
+from bench import guard
+
+FAST = guard.Figure("tok_s", "run", lambda r: r["x"], True, "tok/s")
+SLOW = guard.Figure("step_s", "run", lambda r: r["x"], False, "s")
+
+
+def test_judge_by_direction_and_tolerance() -> None:
+    base = {"value": 100.0, "tolerance": 0.10}
+    assert guard.judge(FAST, 95.0, base)[0] == "ok"
+    verdict, change = guard.judge(FAST, 89.0, base)
+    assert verdict == "WORSE" and abs(change + 0.11) < 1e-12
+    assert guard.judge(FAST, 120.0, base)[0] == "better"
+    assert guard.judge(SLOW, 109.0, base)[0] == "ok"
+    assert guard.judge(SLOW, 111.0, base)[0] == "WORSE"
+    assert guard.judge(SLOW, 80.0, base)[0] == "better"
+    assert guard.judge(SLOW, 80.0, None) == ("new", None)
+    assert guard.judge(SLOW, None, base) == ("FAILED", None)
+
+
+def test_cpu_probe_fails_against_an_unreachable_baseline_and_names_the_figure(tmp_path, capsys) -> None:
+    base = tmp_path / "baseline.json"
+    base.write_text(json.dumps({"cpu": {"packed_vs_padded_attention": {"value": 1e6}}}))
+    rc = guard.main(
+        ["--cpu", "--only", "attention", "--baseline", str(base), "--out", str(tmp_path / "g.json")]
+    )
+    out = json.loads((tmp_path / "g.json").read_text())
+    assert rc == 1 and "guard FAILED: packed_vs_padded_attention" in capsys.readouterr().out
+    (row,) = out["figures"]
+    assert row["verdict"] == "WORSE" and row["value"] > 0
+    again = tmp_path / "again.json"
+    guard.main(
+        ["--cpu", "--only", "attention", "--baseline", str(base), "--write-baseline", "--out", str(again)]
+    )
+    stored = json.loads(base.read_text())["cpu"]["packed_vs_padded_attention"]
+    assert stored["value"] == json.loads(again.read_text())["figures"][0]["value"]
+    assert stored["tolerance"] == 0.10 and stored["commit"] and stored["machine"]
