@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.miles-installed
 RECIPE ?= recipes/default.yaml
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: setup run test test-verifiers check lint fmt bench slurm-up slurm-down clean
+.PHONY: setup run test test-verifiers check lint fmt bench guard slurm-up slurm-down clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ fmt: setup
 
 bench: setup
 	$(PY) -m bench
+
+# The headline speed figures against bench/baseline.json; exits non-zero naming a figure >10% worse.
+# Run before submitting a change to the engine, trainer, weights or loop hot paths (GPU: on one H200).
+guard: setup
+	$(PY) -m bench.guard $(if $(CPU),--cpu)
 
 slurm-up:
 	bash slurm/up.sh

@@ -4,6 +4,7 @@
     python -m bench.guard --only e2e_megatron --only engine  # some of the runs
     python -m bench.guard --cpu                              # CPU: tiny shapes, ratios (~2 min)
     python -m bench.guard --out guard.json --write-baseline  # take this run as the new baseline
+    python -m bench.guard --commit abc1234 ...               # a copy whose git history is not the code's
 
 Each figure comes from one existing benchmark run as a child process (its command is printed and kept
 in the output), is compared with its baseline entry (value, commit, date, machine, tolerance) and
