@@ -48,6 +48,8 @@ class Sample:
     requested): a numpy integer array [len(tokens) - 1, num_hidden_layers * top_k] (row p: the
     experts that routed the token at position p, layer-major), uint8 or int16 where the expert ids
     allow. The trainer views it as [rows, num_hidden_layers, top_k] (miles/train/routing_replay.py)."""
+    teacher_logprobs: list[float] = field(default_factory=list)
+    """Per response token: log-prob under the distillation teacher (train.distill), else empty."""
 
     @property
     def tokens(self) -> list[int]:

@@ -33,6 +33,8 @@ ENGINES = "engines"
 """Folder of the rollout engines' records."""
 EVAL_ENGINES = "eval_engines"
 """Folder of the eval group's engines' records (read by miles.eval.runner)."""
+TEACHERS = "teachers"
+"""Folder of the distillation teacher engines' records (train.distill.teacher_model)."""
 
 
 def engines_dir(run_dir: str | Path, folder: str = ENGINES) -> Path:

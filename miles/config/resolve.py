@@ -20,7 +20,7 @@ from miles.config.engine import check_external_engines
 from miles.config.layout import check_layout
 from miles.config.loading import apply_overrides, deep_merge, read_yaml
 from miles.config.plan import Plan
-from miles.config.train import check_quantization
+from miles.config.train import check_distill, check_quantization
 
 log = logging.getLogger("miles.config")
 
@@ -70,6 +70,7 @@ def _check(plan: Plan) -> None:
         raise ConfigError(f"train.loss.dual_clip must be > 1 (got {t.loss.dual_clip})")
     check_external_engines(plan)
     check_quantization(plan)
+    check_distill(plan)
     if plan.launch.layout == "colocated" and plan.weights.transport == "distributed":
         raise ConfigError(
             "launch.layout=colocated puts engines on the trainer's GPUs, where NCCL cannot broadcast "

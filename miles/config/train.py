@@ -43,6 +43,23 @@ class LossConfig(Section):
     """Old-policy log-probs: recomputed by the trainer before the update, or taken from the rollout."""
 
 
+class DistillConfig(Section):
+    """On-policy distillation (miles/train/distill.py): a teacher scores the student's own sampled
+    tokens and its per-token log-probs shift the advantage."""
+
+    teacher_urls: list[str] = []
+    """SGLang-protocol servers serving the teacher (its tokenizer must be the student's)."""
+    teacher_model: str | None = None
+    """Or a local HF model directory: Miles starts an embedded engine for it (local runs)."""
+    coef: float = Field(1.0, ge=0.0)
+    """Weight of the shift: A_t += -coef * (log p_student(t) - log p_teacher(t))."""
+    mode: Literal["logprob"] = "logprob"
+    """How the teacher shapes the advantage: `logprob`, the per-token log-prob gap of the sampled token."""
+    teacher_key: str | None = None
+    """Prompt metadata key whose value (an index into teacher_urls) picks each sample's teacher; None:
+    samples are spread over the teachers in turn."""
+
+
 class CheckpointConfig(Section):
     """Checkpointing of the full training state (file sizes and SHA-256 recorded, checked on resume)."""
 
@@ -107,6 +124,8 @@ class TrainConfig(Section):
     offload_require_local: bool = True
     """Refuse an offload_dir on a network filesystem (NFS, Lustre, GPFS, ...)."""
     loss: LossConfig = LossConfig()
+    distill: DistillConfig | None = None
+    """On-policy distillation from a teacher (None: off)."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     tensor_parallel: int = 1
     """Megatron: tensor-parallel size (train.backend=fsdp refuses > 1; rules in miles/config/layout.py)."""
@@ -136,6 +155,18 @@ class TrainConfig(Section):
     own dynamic scales; it does not make the trainer agree with the engine and is not combined with
     fake_quant. `none`: the forward runs in model.dtype (with an FP8 engine: FP8 rollout whose
     mismatch only TIS/MIS correct)."""
+
+
+def check_distill(plan: Plan) -> None:
+    """train.distill names exactly one teacher source (ConfigError naming the keys)."""
+    d = plan.train.distill
+    if d is None:
+        return
+    if bool(d.teacher_urls) == bool(d.teacher_model):
+        raise ConfigError(
+            "train.distill needs exactly one of train.distill.teacher_urls (running servers) and "
+            "train.distill.teacher_model (a model directory Miles serves)"
+        )
 
 
 def check_quantization(plan: Plan) -> None:

@@ -28,7 +28,7 @@ from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.engine import check_external_engines
 from miles.config.loading import apply_overrides
 from miles.launch.external import check_external_servers, publish_external
-from miles.launch.prepare import check_rollout_inputs, ensure_model
+from miles.launch.prepare import check_rollout_inputs, check_teacher_model, ensure_model
 from miles.launch.rundir import RunDirLock, prepare_run_dir
 from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
 from miles.metrics import ProgressBar
@@ -183,6 +183,30 @@ def start_engine_process(plan: Plan, run_dir: Path, i: int, gpu: str | None, inc
     return eng
 
 
+def start_teacher(plan: Plan, run_dir: Path, gpu: str | None, incarnation: str) -> Any:
+    """The embedded engine serving train.distill.teacher_model (log RUN_DIR/logs/teacher-0.log),
+    published in the rendezvous' teachers folder; None when the plan has no such teacher."""
+    from miles.cluster.rendezvous import TEACHERS, publish_engine
+    from miles.engine.process import start_engine
+
+    d, e = plan.train.distill, plan.engine
+    if d is None or not d.teacher_model:
+        return None
+    eng = start_engine(
+        d.teacher_model,
+        device=e.device,
+        dtype=plan.model.dtype,
+        max_running_requests=e.max_running_requests,
+        max_total_tokens=e.max_total_tokens,
+        seed=plan.run.seed,
+        log_path=run_dir / "logs" / "teacher-0.log",
+        startup_timeout_s=e.startup_timeout_s,
+        env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
+    )
+    publish_engine(run_dir, "teacher-0", eng.url, eng.pid, "local", incarnation, TEACHERS)
+    return eng
+
+
 def start_engines(
     plan: Plan, run_dir: Path, gpus: list[str | None] | None = None, incarnation: str = "local"
 ) -> tuple[list[EngineSlot], Any]:
@@ -268,6 +292,7 @@ def train_main(
     with RunDirLock.acquire(plan.run_dir):
         run_dir = _prepare_run_dir(plan, bool(resume), overwrite)
         ensure_model(plan)
+        check_teacher_model(plan)
         if plan.engine.urls:
             check_external_servers(plan, bool(resume))
         reserve_eval_cores(plan)
@@ -283,9 +308,11 @@ def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool) -
     slots: list[EngineSlot] = []
     router: Any = None
     trainers: list[subprocess.Popen] = []
+    teacher: Any = None
     old_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         slots, router = start_engines(plan, run_dir, engine_gpus, incarnation)
+        teacher = start_teacher(plan, run_dir, engine_gpus[0] if engine_gpus else None, incarnation)
 
         def restart(i: int) -> Any:
             return start_engine_process(plan, run_dir, i, engine_gpus[i], incarnation)
@@ -305,7 +332,8 @@ def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool) -
         rc = 1
     finally:
         stop_processes(trainers, 30.0)
-        stop_all(ours(slots, router))  # the supervisor swaps replacements into these slots
+        stop_all(ours(slots, router) + ([teacher] if teacher is not None else []))
+        # (the supervisor swaps replacements into the slots)
         for s, h in old_handlers.items():
             signal.signal(s, h)
     return _report(recipe, run_dir, rc, sup.interrupted if sup else None)

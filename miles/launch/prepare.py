@@ -128,6 +128,27 @@ def prepare_inputs(plan: Plan, *, local: bool = True, create: bool = True) -> Pa
     `create=False` (a dry run) checks without writing anything."""
     if local:
         check_rollout_inputs(plan)
-    if create:
-        return ensure_model(plan, required=local)
-    return Path(plan.model.path)
+    path = ensure_model(plan, required=local) if create else Path(plan.model.path)
+    if local:
+        check_teacher_model(plan)
+    return path
+
+
+def check_teacher_model(plan: Plan) -> None:
+    """train.distill.teacher_model exists and tokenises as model.path does (ConfigError otherwise)."""
+    d = plan.train.distill
+    if d is None or not d.teacher_model:
+        return
+    if not (Path(d.teacher_model) / "config.json").exists():
+        raise ConfigError(
+            f"train.distill.teacher_model={d.teacher_model!r} is not a model directory (no config.json)"
+        )
+    if not Path(plan.model.path).exists():
+        return  # a dry run before the student exists: checked again by the run
+    from miles.rollout.teacher import tokenizer_difference
+
+    problem = tokenizer_difference(plan.model.path, d.teacher_model)
+    if problem:
+        raise ConfigError(
+            f"train.distill.teacher_model: {problem}; the teacher must use the student's tokenizer"
+        )

@@ -30,6 +30,7 @@ from miles.rollout.generate import Generator, PromptEncoder
 from miles.rollout.producer import Producer
 from miles.rollout.rewards import load_reward
 from miles.rollout.tasks import build_task
+from miles.rollout.teacher import Teacher, check_tokenizer
 from miles.sample import Sample, Status
 from miles.train.quant import engine_layout
 
@@ -51,6 +52,23 @@ def engine_urls(run_dir: Path, timeout_s: float = 60.0) -> tuple[list[str], str 
             f"{timeout_s:.0f}s (engine.startup_timeout_s); see {run_dir / 'logs'}"
         )
     return [r["url"] for r in records], read_router(run_dir, incarnation)
+
+
+def teacher_urls(run_dir: Path, timeout_s: float) -> list[str]:
+    """URLs of the teacher engines started for train.distill.teacher_model (their rendezvous records)."""
+    from miles.cluster.environment import JobEnvironment
+    from miles.cluster.rendezvous import TEACHERS, engines_dir, read_engines
+
+    incarnation = JobEnvironment.from_env().incarnation
+    deadline = time.monotonic() + timeout_s
+    while not (records := read_engines(run_dir, incarnation, TEACHERS)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not records:
+        raise RuntimeError(
+            f"no teacher engine published in {engines_dir(run_dir, TEACHERS)} within {timeout_s:.0f}s; "
+            f"see {run_dir / 'logs'}"
+        )
+    return [r["url"] for r in records]
 
 
 def batch_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -100,6 +118,7 @@ class RolloutSide:
             r.n_samples_per_prompt,
             r.max_concurrency_per_engine * len(urls),
             group_requests=r.group_requests,
+            teacher=self._teacher(encoder),
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)
@@ -117,6 +136,26 @@ class RolloutSide:
         """The evaluation datasets (built at the first evaluation)."""
         self.eval_skipped: Counter[str] = Counter()
         """Evaluations skipped so far, by reason (metrics `eval/skipped_<reason>`)."""
+
+    def _teacher(self, encoder: PromptEncoder) -> Teacher | None:
+        """The distillation teacher of train.distill (its servers: teacher_urls, or the engine
+        published for teacher_model), its tokenizer checked against the student's; None: off."""
+        d = self.plan.train.distill
+        if d is None:
+            return None
+        urls = d.teacher_urls or teacher_urls(self.run_dir, self.plan.engine.startup_timeout_s)
+        clients = [
+            SGLangClient(u, max_connections=self.plan.rollout.max_concurrency_per_engine + 8) for u in urls
+        ]
+
+        async def check() -> None:
+            for c in clients:
+                await check_tokenizer(
+                    c, lambda text: encoder.tokenizer.encode(text, add_special_tokens=False)
+                )
+
+        asyncio.run(check())
+        return Teacher(clients, d.teacher_key)
 
     def _connect(self, urls: list[str], router: str | None) -> None:
         """Clients and weight transport for these engines (the transport joins in `_setup`)."""
@@ -343,6 +382,8 @@ class RolloutSide:
     def metrics(self) -> dict[str, float]:
         """Buffer, producer and per-engine counters (engine i: `engine/<i>/num_steps`, ...)."""
         out = {**self.buffer.metrics(), **self.producer.stats.take()}
+        if self.producer.teacher is not None:  # summed over groups scored concurrently with rollout
+            out["time/teacher_s"] = self.producer.teacher.take_busy_s()
         out["engine/replacements"] = float(self.replacements)  # reconnections after a lost engine, so far
         try:
             infos = self.call(_gather(*(a.get_server_info() for a in self.admins)), timeout_s=10)

@@ -33,6 +33,7 @@ from miles.config import ConfigError
 from miles.rollout.buffer import RolloutBuffer
 from miles.rollout.generate import Generator, sample_group
 from miles.rollout.tasks import Prompt, Task
+from miles.rollout.teacher import Teacher
 from miles.sample import Sample, Status
 
 log = logging.getLogger("miles.rollout")
@@ -107,8 +108,11 @@ class Producer:
         max_inflight: int,
         next_index: int = 0,
         group_requests: bool = False,
+        teacher: Teacher | None = None,
     ) -> None:
         self.generator, self.task, self.buffer = generator, task, buffer
+        self.teacher = teacher
+        """Distillation teacher (train.distill) scoring each group before it enters the buffer."""
         self.n_samples, self.max_inflight, self.group_requests = n_samples, max_inflight, group_requests
         if group_requests and n_samples > max_inflight:
             raise ConfigError(
@@ -167,6 +171,8 @@ class Producer:
         try:
             done = await asyncio.gather(*samples)
             group = [s for item in done for s in item]
+            if self.teacher is not None:  # while other groups still generate
+                await self.teacher.score(group)
             if all(s.status is Status.FAILED for s in group):
                 log.warning("group %d failed on every sample: %s", group_id, group[0].metadata.get("error"))
             self.buffer.put(group)

@@ -90,6 +90,23 @@ class Packed:
     """[N] loss_mask as float."""
     rollout_logp: Tensor
     """[N] the engine's log-probs."""
+    teacher_logp: Tensor | None = None
+    """[N] the distillation teacher's log-probs (train.distill), None when the samples carry none."""
+
+
+def teacher_logprobs(samples: Sequence[Sample]) -> list[float] | None:
+    """The samples' teacher log-probs flat in token order, or None when none carries them; a sample
+    without them among others that have them is an error (a teacher reply went missing)."""
+    have = [bool(s.teacher_logprobs) for s in samples]
+    if not any(have):
+        return None
+    for s in samples:
+        if len(s.teacher_logprobs) != s.response_length:
+            raise ValueError(
+                f"sample (group_id={s.group_id}, index={s.index}) has {len(s.teacher_logprobs)} teacher "
+                f"log-probs for {s.response_length} response tokens"
+            )
+    return [float(x) for s in samples for x in s.teacher_logprobs]
 
 
 def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
@@ -111,6 +128,7 @@ def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
         seq_index.extend([k] * len(s.response_ids))
         mask.extend(float(m) for m in s.loss_mask)
         rollout.extend(float(x) for x in s.rollout_logprobs)
+    teacher = teacher_logprobs([samples[i] for i in indices])
     return Packed(
         samples=list(indices),
         input_ids=torch.tensor([ids], dtype=torch.long),
@@ -120,6 +138,7 @@ def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
         seq_index=torch.tensor(seq_index, dtype=torch.long),
         mask=torch.tensor(mask, dtype=torch.float32),
         rollout_logp=torch.tensor(rollout, dtype=torch.float32),
+        teacher_logp=None if teacher is None else torch.tensor(teacher, dtype=torch.float32),
     )
 
 

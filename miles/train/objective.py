@@ -4,6 +4,7 @@ For the flat response tokens of a micro-batch (log-probs under the current polic
 policy `old_logp`, the engine `rollout_logp`, optionally the reference `ref_logp`):
 
     A_t    = A_i(t) + [kl_in_reward] kl_penalty(k(old, ref))        advantage per token
+             - [distill] coef (logp_t - teacher_t), logp detached      (miles/train/distill.py)
     l_t    = logp_t - old_t   (GSPO: the sequence mean of l, broadcast)
     pg_t   = w_tis_t * ppo_clip_loss(l_t, A_t)
     loss   = sum_t w_t pg_t  +  kl_coef sum_t w_t k(logp, ref)_t  -  entropy_coef sum_t w_t H_t
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from miles.config.train import LossConfig
+from miles.train.distill import reverse_kl_sum, shifted_advantages
 from miles.train.losses import clipped_sequences, kl_estimate, kl_penalty, ppo_clip_loss, tis_weights
 from miles.train.losses.policy import sequence_log_ratio
 
@@ -45,10 +47,12 @@ class TokenBatch:
     entropy: Tensor | None = None
     """Entropy of the policy at each token (fused_logprob.py), for the metric and the entropy bonus;
     it enters the loss (and so gets a gradient) only when entropy_coef > 0."""
+    teacher_logp: Tensor | None = None
+    """The distillation teacher's log-prob of each token (train.distill), or None."""
 
 
 def policy_objective(
-    tb: TokenBatch, cfg: LossConfig, sequence_ratio: bool = False
+    tb: TokenBatch, cfg: LossConfig, sequence_ratio: bool = False, distill_coef: float = 0.0
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss to back-propagate and detached metric sums.
 
@@ -64,6 +68,8 @@ def policy_objective(
     if has_ref and cfg.kl_in_reward:
         kl_old = kl_estimate(tb.old_logp, tb.ref_logp, cfg.kl_estimator)
         advantages = advantages + kl_penalty(kl_old, mask, tb.seq_index, tb.n_seqs, cfg.kl_coef)
+    if tb.teacher_logp is not None:
+        advantages = shifted_advantages(advantages, tb.logp, tb.teacher_logp, mask, distill_coef)
     log_ratio = tb.logp - tb.old_logp
     if sequence_ratio:
         log_ratio = sequence_log_ratio(log_ratio, mask, tb.seq_index, tb.n_seqs)
@@ -98,4 +104,6 @@ def policy_objective(
         "tis_clip_frac": (mask * tis_hit).sum(),
         "tis_clip_seq_frac": clipped_sequences(tis_hit, mask, tb.seq_index, tb.n_seqs),
     }
+    has_teacher = tb.teacher_logp is not None
+    sums["distill_reverse_kl"] = reverse_kl_sum(tb.logp, tb.teacher_logp, mask) if has_teacher else zero
     return loss, sums

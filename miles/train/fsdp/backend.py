@@ -60,7 +60,7 @@ from miles.train.routing_replay import RoutingReplay, packed_routing
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # metric sums all-reduced at the end of a step; *_loss are already weighted, the rest are token sums
 _LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
-_TOKEN_KEYS = ("kl", "entropy", "clip_frac", "tis_weight", "tis_clip_frac")
+_TOKEN_KEYS = ("kl", "entropy", "clip_frac", "tis_weight", "tis_clip_frac", "distill_reverse_kl")
 _SEQ_KEYS = ("tis_clip_seq_frac",)  # sequence counts (divided by the trained sequences)
 
 
@@ -282,7 +282,8 @@ class FSDPBackend:
                 (logp.sum() * 0.0).backward()
                 continue
             tb = self._token_batch(packed, logp, entropy, adv, old, ref, rank_plan)
-            loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio)
+            coef = cfg.distill.coef if cfg.distill else 0.0
+            loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio, coef)
             # FSDP averages gradients over ranks; the global weights already normalise the loss
             (loss * self.world_size).backward()
             values = [sums[key] for key in _LOSS_KEYS + _TOKEN_KEYS + _SEQ_KEYS]
@@ -326,6 +327,7 @@ class FSDPBackend:
             n_seqs=len(idx),
             ref_logp=torch.cat([ref[i] for i in idx]) if ref else None,
             entropy=entropy,
+            teacher_logp=None if packed.teacher_logp is None else packed.teacher_logp.to(d),
         )
 
     def _add_mismatch(self, stats: Tensor, logp: Tensor, packed: Packed) -> None:
@@ -352,6 +354,8 @@ class FSDPBackend:
         for j, key in enumerate(_SEQ_KEYS):
             out[key] = float(stats[n_loss + len(_TOKEN_KEYS) + j]) / max(seqs, 1)
         out["tis_weight_mean"] = out.pop("tis_weight")
+        if self.plan.train.distill is None:
+            out.pop("distill_reverse_kl")
         out["logprob_mismatch"] = float(stats[-2]) / max(float(stats[-1]), 1.0)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["lr"] = lr

@@ -382,8 +382,13 @@ class MegatronBackend:
             n,
             ref_logp=ref_logp,
             entropy=entropy,
+            teacher_logp=mb.teacher_logp,
         )
-        loss, sums = policy_objective(tb, cfg, get_estimator(cfg.advantage).sequence_ratio)
+        distill = self.plan.train.distill
+        coef = distill.coef if distill else 0.0
+        loss, sums = policy_objective(tb, cfg, get_estimator(cfg.advantage).sequence_ratio, coef)
+        if distill is None:
+            sums.pop("distill_reverse_kl")
         sums["logprob_mismatch"] = (mb.mask * (logp.detach() - mb.rollout_logp).abs()).sum()
         sums["tokens"] = mb.mask.sum()
         trained = torch.zeros(n, device=mb.mask.device).index_add(0, mb.seq_index, mb.mask.float())

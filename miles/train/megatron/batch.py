@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from miles.sample import Sample
+from miles.train.batching import teacher_logprobs
 from miles.train.losses.fused_logprob import token_logprobs_entropy
 
 
@@ -51,6 +52,8 @@ class MicroBatch:
     """Flat response token ids."""
     mask: Tensor
     rollout_logp: Tensor
+    teacher_logp: Tensor | None
+    """Flat distillation-teacher log-probs (train.distill), or None."""
     advantages: Tensor
     seq_index: Tensor
     """Index of each flat token's sequence inside this micro-batch."""
@@ -140,6 +143,7 @@ def _one(
         adv += [advantages[idx[k]]] * n
         seq += [k] * n
         offset += length if packed else 0
+    teacher = teacher_logprobs(seqs)
     if not packed:
         positions = torch.arange(width).expand(b, width)
     offsets = cu_seqlens(lengths, device) if packed and len(seqs) > 1 else None
@@ -157,6 +161,7 @@ def _one(
         targets=t(targets, torch.long),
         mask=t(mask, torch.float32),
         rollout_logp=t(rollout, torch.float32),
+        teacher_logp=None if teacher is None else t(teacher, torch.float32),
         advantages=t(adv, torch.float32),
         seq_index=t(seq, torch.long),
         sample_ids=list(idx),
