@@ -148,11 +148,14 @@ class RolloutSide:
             SGLangClient(u, max_connections=self.plan.rollout.max_concurrency_per_engine + 8) for u in urls
         ]
 
-        async def check() -> None:
+        async def check() -> None:  # on a loop of its own: close its connections before it ends
             for c in clients:
-                await check_tokenizer(
-                    c, lambda text: encoder.tokenizer.encode(text, add_special_tokens=False)
-                )
+                try:
+                    await check_tokenizer(
+                        c, lambda text: encoder.tokenizer.encode(text, add_special_tokens=False)
+                    )
+                finally:
+                    await c.aclose()
 
         asyncio.run(check())
         return Teacher(clients, d.teacher_key)

@@ -65,16 +65,18 @@ def _busy_then(url: str, scenario) -> None:
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
 
 
+def _long(first: int, **extra) -> dict:
+    """A /generate body of BUDGET forced tokens (prompt ids from `first`)."""
+    sp = {"max_new_tokens": BUDGET, "ignore_eos": True}
+    return {"input_ids": [first, first + 1, first + 2], "sampling_params": sp, **extra}
+
+
 def test_native_generate_client_that_times_out(engine):
     async def scenario():
         async with httpx.AsyncClient(timeout=0.5) as http:
 
             async def call(i):
-                body = {
-                    "input_ids": [1, 2, 3 + i],
-                    "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True},
-                }
-                await http.post(f"{engine.url}/generate", json=body)
+                await http.post(f"{engine.url}/generate", json=_long(1 + 3 * i))
 
             await _give_up(call)
 
@@ -86,12 +88,9 @@ def test_native_stream_closed_after_the_first_chunk(engine):
         async with httpx.AsyncClient(timeout=30) as http:
 
             async def call(i):
-                body = {
-                    "input_ids": [4, 5, 6 + i],
-                    "sampling_params": {"max_new_tokens": BUDGET, "ignore_eos": True},
-                    "stream": True,
-                }
-                async with http.stream("POST", f"{engine.url}/generate", json=body) as r:
+                async with http.stream(
+                    "POST", f"{engine.url}/generate", json=_long(100 + 3 * i, stream=True)
+                ) as r:
                     async for _ in r.aiter_lines():
                         break  # hang up after the first line
 
