@@ -1,12 +1,13 @@
 """On-policy distillation vs GRPO alone on the CPU, from the same start (recipes/default.yaml).
 
     python -m bench.distill_tiny [--steps 150] [--teacher-steps 400] [--seeds 0 1] [--workdir runs/bench_distill]
+                                 [--mode logprob|topk_reverse_kl] [--coef 1.0] [--top-k 20]
 
 1. The teacher: `make run`'s recipe trained for --teacher-steps, exported to an HF directory
    (skipped when WORKDIR/teacher-hf exists).
 2. Per seed, two students from the same fresh tiny model as the teacher started from, --steps each, the
    default recipe otherwise (GRPO, fully async, held-out pass@1 every 25 steps on 32 prompts x 4
-   samples): GRPO alone, and GRPO + `train.distill` (teacher_model = the teacher, coef 1).
+   samples): GRPO alone, and GRPO + `train.distill` (teacher_model = the teacher, --mode, --coef).
 Printed: held-out pass@1 at every evaluation of every run, the teacher's final pass@1, and the first
 step at which each student reached it (or "not reached").
 """
@@ -59,13 +60,17 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--workdir", default="runs/bench_distill")
     p.add_argument("--out", default=None)
+    p.add_argument("--mode", choices=["logprob", "topk_reverse_kl"], default="logprob")
+    p.add_argument("--coef", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=20)
     a = p.parse_args()
     work = Path(a.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     teacher, target = _teacher(work, a.teacher_steps)
-    results = {"teacher_pass@1": target, "runs": {}}
+    results = {"teacher_pass@1": target, "mode": a.mode, "coef": a.coef, "runs": {}}
+    distill = {"teacher_model": str(teacher), "coef": a.coef, "mode": a.mode, "top_k": a.top_k}
     for seed in a.seeds:
-        for arm, extra in (("grpo", {}), ("opd", {"distill": {"teacher_model": str(teacher), "coef": 1.0}})):
+        for arm, extra in (("grpo", {}), ("opd", {"distill": distill})):
             evals = _run(
                 work, f"{arm}-s{seed}", {"run": {"seed": seed}, "train": {"steps": a.steps, **extra}}
             )

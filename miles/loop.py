@@ -46,7 +46,8 @@ def train_step(
     if take_turns:
         broadcast(side.release_engines() if rank0 else None)
     t_train = time.monotonic()
-    metrics = {f"train/{k}": v for k, v in backend.train(samples).items()}
+    # the critic's metrics keep their own family (critic/*); the policy's become train/*
+    metrics = {k if k.startswith("critic/") else f"train/{k}": v for k, v in backend.train(samples).items()}
     t_resume = time.monotonic()
     if take_turns and rank0:
         side.resume_engines()

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 class LossConfig(Section):
     """The RL objective (see miles/train/losses/)."""
 
-    advantage: Literal["grpo", "reinforce_pp", "gspo"] = "grpo"
-    """Advantage estimator."""
+    advantage: Literal["grpo", "reinforce_pp", "gspo", "ppo"] = "grpo"
+    """Advantage estimator: critic-free from group structure (grpo, reinforce_pp, gspo), or `ppo`:
+    per-token GAE from a learned value function (train.critic)."""
     normalize_std: bool = True
     """GRPO: divide group-centred rewards by the group std."""
     eps_clip: float = 0.2
@@ -53,11 +54,36 @@ class DistillConfig(Section):
     """Or a local HF model directory: Miles starts an embedded engine for it (local runs)."""
     coef: float = Field(1.0, ge=0.0)
     """Weight of the shift: A_t += -coef * (log p_student(t) - log p_teacher(t))."""
-    mode: Literal["logprob"] = "logprob"
-    """How the teacher shapes the advantage: `logprob`, the per-token log-prob gap of the sampled token."""
+    mode: Literal["logprob", "topk_reverse_kl"] = "logprob"
+    """How the teacher teaches (miles/train/distill.py): `logprob` shifts each sampled token's
+    advantage by the log-prob gap; `topk_reverse_kl` adds coef x the reverse KL over the teacher's
+    top_k tokens at each position (plus one bucket for the rest) to the loss, a dense term with a gradient
+    of its own."""
+    top_k: int = Field(20, ge=1, le=1024)
+    """topk_reverse_kl: how many of the teacher's likeliest tokens each position carries."""
     teacher_key: str | None = None
     """Prompt metadata key whose value (an index into teacher_urls) picks each sample's teacher; None:
     samples are spread over the teachers in turn."""
+
+
+class CriticConfig(Section):
+    """The value function of PPO (train.loss.advantage = ppo; miles/train/critic.py): the policy's
+    architecture with a scalar value head, trained beside the policy on the same ranks."""
+
+    path: str | None = None
+    """Model directory the critic's body starts from (None: model.path); its value head starts at 0."""
+    lr: float | None = Field(None, ge=0.0)
+    """Peak learning rate of the critic (None: train.lr); same schedule shape as the policy's."""
+    warmup_steps: int = Field(0, ge=0)
+    """Critic-only steps at the start: the critic trains, the policy (and its LR schedule) waits."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """Clip of the new value around the old one in the value loss (None: unclipped)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount of GAE, per policy token."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda (1: Monte-Carlo returns minus the value; 0: one-step TD errors)."""
+    normalize_advantages: bool = True
+    """Whiten the GAE advantages over the step's trained tokens (mean 0, std 1)."""
 
 
 class CheckpointConfig(Section):
@@ -124,6 +150,8 @@ class TrainConfig(Section):
     offload_require_local: bool = True
     """Refuse an offload_dir on a network filesystem (NFS, Lustre, GPFS, ...)."""
     loss: LossConfig = LossConfig()
+    critic: CriticConfig = CriticConfig()
+    """The value function, trained only with train.loss.advantage = ppo."""
     distill: DistillConfig | None = None
     """On-policy distillation from a teacher (None: off)."""
     checkpoint: CheckpointConfig = CheckpointConfig()

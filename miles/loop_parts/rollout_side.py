@@ -158,7 +158,7 @@ class RolloutSide:
                     await c.aclose()
 
         asyncio.run(check())
-        return Teacher(clients, d.teacher_key)
+        return Teacher(clients, d.teacher_key, d.top_k if d.mode == "topk_reverse_kl" else 0)
 
     def _connect(self, urls: list[str], router: str | None) -> None:
         """Clients and weight transport for these engines (the transport joins in `_setup`)."""

@@ -9,7 +9,9 @@ Miles starts for `train.distill.teacher_model`). Each group of samples is scored
 
 SGLang answers `meta_info.input_token_logprobs` from position logprob_start_len on, the first row
 without a value (nothing before it is scored), so rows 1.. are the log-probs of the response tokens
-given their prefix under the teacher: `Sample.teacher_logprobs`. Samples whose prompt metadata holds
+given their prefix under the teacher: `Sample.teacher_logprobs`. With `top_k` (train.distill.mode =
+topk_reverse_kl) the body adds `"top_logprobs_num": top_k` and rows 1.. of `input_top_logprobs`,
+each a list of (log-prob, token id, text), become `Sample.teacher_topk` instead. Samples whose prompt metadata holds
 `train.distill.teacher_key` go to that teacher (an index into the teachers); the others are spread
 over the teachers in turn. A teacher must tokenise as the student does: `check_tokenizer` compares
 the ids both give for probe texts before training starts.
@@ -22,6 +24,8 @@ import itertools
 import time
 from typing import Any
 
+import numpy as np
+
 from miles.config import ConfigError
 from miles.rollout.client import SGLangClient
 from miles.sample import Sample, Status
@@ -32,11 +36,13 @@ PROBES = ("Distillation probe: 12 + 30 = 42.", "<|im_start|>user\nlast digit: 3 
 class Teacher:
     """The teachers of one run and the scoring of groups of samples on them."""
 
-    def __init__(self, clients: list[SGLangClient], key: str | None = None) -> None:
+    def __init__(self, clients: list[SGLangClient], key: str | None = None, top_k: int = 0) -> None:
         if not clients:
             raise ValueError("a teacher needs at least one server")
         self.clients = clients
         self.key = key
+        self.top_k = top_k
+        """Teacher top-k per position (0: only the sampled token's log-prob)."""
         self._turn = itertools.cycle(range(len(clients)))
         self.busy_s = 0.0
         """Seconds spent in scoring calls since the last `take_busy_s` (calls overlap: a sum)."""
@@ -70,18 +76,40 @@ class Teacher:
             "return_logprob": True,
             "logprob_start_len": [len(s.prompt_ids) - 1 for s in samples],
         }
+        if self.top_k:
+            body["top_logprobs_num"] = self.top_k
         replies = (await client.request("POST", "/generate", body)).json()
         for s, reply in zip(samples, replies, strict=True):
-            rows = reply["meta_info"]["input_token_logprobs"][1:]
+            meta = reply["meta_info"]
+            rows = meta["input_token_logprobs"][1:]
             if len(rows) != s.response_length:
                 raise RuntimeError(
                     f"teacher {client.url} scored {len(rows)} tokens of a {s.response_length}-token response"
                 )
-            s.teacher_logprobs = [float(row[0]) for row in rows]
+            if self.top_k:
+                s.teacher_topk = _topk_arrays(
+                    meta.get("input_top_logprobs") or [], s.response_length, self.top_k
+                )
+            else:
+                s.teacher_logprobs = [float(row[0]) for row in rows]
 
     def take_busy_s(self) -> float:
         busy, self.busy_s = self.busy_s, 0.0
         return busy
+
+
+def _topk_arrays(rows: list[Any], n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [n, k] int64, log-probs [n, k] float32) from `input_top_logprobs` (its first row, which
+    no context predicts, dropped)."""
+    rows = rows[1:]
+    if len(rows) != n or any(row is None or len(row) != k for row in rows):
+        raise RuntimeError(
+            f"the teacher returned top-{k} log-probs for {len(rows)} of {n} response tokens "
+            "(a server that ignores top_logprobs_num cannot serve train.distill.mode=topk_reverse_kl)"
+        )
+    ids = np.array([[int(e[1]) for e in row] for row in rows], dtype=np.int64).reshape(n, k)
+    logp = np.array([[float(e[0]) for e in row] for row in rows], dtype=np.float32).reshape(n, k)
+    return ids, logp
 
 
 async def check_tokenizer(client: SGLangClient, encode: Any) -> None:

@@ -92,6 +92,10 @@ class Packed:
     """[N] the engine's log-probs."""
     teacher_logp: Tensor | None = None
     """[N] the distillation teacher's log-probs (train.distill), None when the samples carry none."""
+    teacher_topk_ids: Tensor | None = None
+    """[N, k] the teacher's top-k token ids per response token (distill mode topk_reverse_kl), or None."""
+    teacher_topk_logp: Tensor | None = None
+    """[N, k] their teacher log-probs, or None."""
 
 
 def teacher_logprobs(samples: Sequence[Sample]) -> list[float] | None:
@@ -107,6 +111,22 @@ def teacher_logprobs(samples: Sequence[Sample]) -> list[float] | None:
                 f"log-probs for {s.response_length} response tokens"
             )
     return [float(x) for s in samples for x in s.teacher_logprobs]
+
+
+def teacher_topk(samples: Sequence[Sample]) -> tuple[Tensor, Tensor] | None:
+    """The samples' teacher top-k (ids [N, k] int64, log-probs [N, k] fp32) in token order, or None
+    when none carries them; a sample without them among others that have them is an error."""
+    if all(s.teacher_topk is None for s in samples):
+        return None
+    for s in samples:
+        if s.teacher_topk is None or len(s.teacher_topk[0]) != s.response_length:
+            raise ValueError(
+                f"sample (group_id={s.group_id}, index={s.index}) lacks the teacher's top-k for its "
+                f"{s.response_length} response tokens"
+            )
+    ids = torch.cat([torch.as_tensor(s.teacher_topk[0], dtype=torch.long) for s in samples])
+    logp = torch.cat([torch.as_tensor(s.teacher_topk[1], dtype=torch.float32) for s in samples])
+    return ids, logp
 
 
 def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
@@ -129,6 +149,7 @@ def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
         mask.extend(float(m) for m in s.loss_mask)
         rollout.extend(float(x) for x in s.rollout_logprobs)
     teacher = teacher_logprobs([samples[i] for i in indices])
+    topk = teacher_topk([samples[i] for i in indices])
     return Packed(
         samples=list(indices),
         input_ids=torch.tensor([ids], dtype=torch.long),
@@ -139,6 +160,8 @@ def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
         mask=torch.tensor(mask, dtype=torch.float32),
         rollout_logp=torch.tensor(rollout, dtype=torch.float32),
         teacher_logp=None if teacher is None else torch.tensor(teacher, dtype=torch.float32),
+        teacher_topk_ids=None if topk is None else topk[0],
+        teacher_topk_logp=None if topk is None else topk[1],
     )
 
 

@@ -4,10 +4,11 @@ For the flat response tokens of a micro-batch (log-probs under the current polic
 policy `old_logp`, the engine `rollout_logp`, optionally the reference `ref_logp`):
 
     A_t    = A_i(t) + [kl_in_reward] kl_penalty(k(old, ref))        advantage per token
-             - [distill] coef (logp_t - teacher_t), logp detached      (miles/train/distill.py)
+             - [distill logprob] coef (logp_t - teacher_t), logp detached   (miles/train/distill.py)
     l_t    = logp_t - old_t   (GSPO: the sequence mean of l, broadcast)
     pg_t   = w_tis_t * ppo_clip_loss(l_t, A_t)
     loss   = sum_t w_t pg_t  +  kl_coef sum_t w_t k(logp, ref)_t  -  entropy_coef sum_t w_t H_t
+             + [distill topk_reverse_kl] coef sum_t w_t KL_t(top-k of the teacher)
 
 w are the global aggregation weights (aggregate.py), so the per-micro-batch losses of all ranks add
 up to the step's loss. Backends are responsible for the forward passes and the gradient scaling;
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from miles.config.train import LossConfig
-from miles.train.distill import reverse_kl_sum, shifted_advantages
+from miles.train.distill import reverse_kl_sum, shifted_advantages, topk_reverse_kl
 from miles.train.losses import clipped_sequences, kl_estimate, kl_penalty, ppo_clip_loss, tis_weights
 from miles.train.losses.policy import sequence_log_ratio
 
@@ -48,7 +49,11 @@ class TokenBatch:
     """Entropy of the policy at each token (fused_logprob.py), for the metric and the entropy bonus;
     it enters the loss (and so gets a gradient) only when entropy_coef > 0."""
     teacher_logp: Tensor | None = None
-    """The distillation teacher's log-prob of each token (train.distill), or None."""
+    """The distillation teacher's log-prob of each token (train.distill mode logprob), or None."""
+    student_topk_logp: Tensor | None = None
+    """[N, k] the policy's log-probs (with gradient) of the teacher's top-k tokens (mode topk_reverse_kl)."""
+    teacher_topk_logp: Tensor | None = None
+    """[N, k] the teacher's log-probs of its top-k tokens (mode topk_reverse_kl), or None."""
 
 
 def policy_objective(
@@ -104,6 +109,12 @@ def policy_objective(
         "tis_clip_frac": (mask * tis_hit).sum(),
         "tis_clip_seq_frac": clipped_sequences(tis_hit, mask, tb.seq_index, tb.n_seqs),
     }
-    has_teacher = tb.teacher_logp is not None
-    sums["distill_reverse_kl"] = reverse_kl_sum(tb.logp, tb.teacher_logp, mask) if has_teacher else zero
+    sums["distill_reverse_kl"] = zero
+    if tb.teacher_logp is not None:
+        sums["distill_reverse_kl"] = reverse_kl_sum(tb.logp, tb.teacher_logp, mask)
+    if tb.teacher_topk_logp is not None and tb.student_topk_logp is not None:
+        kl_t = topk_reverse_kl(tb.student_topk_logp, tb.teacher_topk_logp)
+        loss = loss + distill_coef * (tb.weights * kl_t).sum()
+        sums["loss"] = loss.detach()
+        sums["distill_reverse_kl"] = (mask * kl_t).sum().detach()
     return loss, sums

@@ -23,14 +23,14 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "default.yaml"
 STEPS = 3
 
 
-def _recipe(tmp_path: Path, student: str, teacher: str, name: str) -> Path:
+def _recipe(tmp_path: Path, student: str, teacher: str, name: str, mode: str = "logprob") -> Path:
     data = deep_update(
         yaml.safe_load(RECIPE.read_text()),
         {
             "run": {"name": name, "runs_root": str(tmp_path / "runs"), "tensorboard": False},
             "model": {"path": student, "init_tiny_if_missing": False},
             "eval": {"every_steps": 0},
-            "train": {"steps": STEPS, "distill": {"teacher_model": teacher, "coef": 1.0}},
+            "train": {"steps": STEPS, "distill": {"teacher_model": teacher, "coef": 1.0, "mode": mode}},
         },
     )
     path = tmp_path / f"{name}.yaml"
@@ -38,14 +38,17 @@ def _recipe(tmp_path: Path, student: str, teacher: str, name: str) -> Path:
     return path
 
 
-def test_distillation_from_a_teacher_engine(tmp_path, tiny_model):
+@pytest.mark.parametrize("mode", ["logprob", "topk_reverse_kl"])
+def test_distillation_from_a_teacher_engine(tmp_path, tiny_model, mode):
     teacher = str(init_tiny(tmp_path / "teacher", seed=0, hidden_size=96, num_hidden_layers=3))
-    finish(miles_train(str(_recipe(tmp_path, tiny_model, teacher, "opd"))), timeout_s=600)
+    finish(miles_train(str(_recipe(tmp_path, tiny_model, teacher, "opd", mode))), timeout_s=600)
     rows = [r for r in read_metrics(tmp_path / "runs" / "opd") if r["step"] > 0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert r["time/teacher_s"] > 0
         assert math.isfinite(r["train/distill_reverse_kl"]) and r["train/distill_reverse_kl"] != 0.0
+        if mode == "topk_reverse_kl":  # a KL over the top-k plus the rest: never negative
+            assert r["train/distill_reverse_kl"] > 0
     assert (tmp_path / "runs" / "opd" / "logs" / "teacher-0.log").exists()
 
 

@@ -88,3 +88,29 @@ def test_a_teacher_with_another_tokenizer_is_refused(engine, tiny_model, other_t
         asyncio.run(check(theirs))
     assert tokenizer_difference(tiny_model, tiny_model) is None
     assert "tokenises" in tokenizer_difference(tiny_model, other_tokenizer_model)
+
+
+def test_topk_scoring_returns_the_engines_own_distribution(engine, tiny_model):
+    """With top_k the teacher's rows are the k likeliest tokens at each response position, in
+    order, and their log-probs equal the model's full softmax there (HF forward in fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    async def go():
+        client = SGLangClient(engine.url)
+        samples = await _samples(client, n=2)
+        await Teacher([client], top_k=5).score(samples)
+        await client.aclose()
+        return samples
+
+    samples = asyncio.run(go())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    for s in samples:
+        ids, logp = s.teacher_topk
+        assert ids.shape == logp.shape == (s.response_length, 5) and not s.teacher_logprobs
+        with torch.no_grad():
+            full = model(torch.tensor([s.tokens])).logits[0].log_softmax(-1)
+        rows = full[len(s.prompt_ids) - 1 : len(s.tokens) - 1]
+        want = rows.topk(5, dim=-1)
+        assert (torch.as_tensor(ids) == want.indices).all()
+        assert torch.allclose(torch.as_tensor(logp), want.values, atol=1e-4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -75,3 +77,34 @@ def test_exactly_one_teacher_source(distill) -> None:
     with pytest.raises(ConfigError, match="exactly one of train.distill.teacher_urls"):
         resolve({"train": {"distill": distill}})
     assert resolve({"train": {"distill": {"teacher_urls": ["http://127.0.0.1:1"]}}}).train.distill.coef == 1.0
+
+
+def test_topk_reverse_kl_is_zero_at_the_teacher_and_positive_elsewhere() -> None:
+    from miles.train.distill import topk_reverse_kl
+
+    teacher = torch.log(torch.tensor([[0.5, 0.3, 0.1]]))  # tail 0.1
+    assert topk_reverse_kl(teacher.clone(), teacher).item() == pytest.approx(0.0, abs=1e-6)
+    student = torch.log(torch.tensor([[0.2, 0.2, 0.2]]))  # tail 0.4
+    want = sum(p * math.log(p / q) for p, q in [(0.2, 0.5), (0.2, 0.3), (0.2, 0.1), (0.4, 0.1)])
+    assert topk_reverse_kl(student, teacher).item() == pytest.approx(want, rel=1e-5)
+
+
+def test_topk_logprobs_and_the_gradient_move_the_student_to_the_teacher() -> None:
+    from miles.train.distill import topk_logprobs, topk_reverse_kl
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, requires_grad=True)
+    rows, ids = torch.tensor([1, 3, 4]), torch.tensor([[0, 5], [2, 3], [10, 1]])
+    got = topk_logprobs(logits, rows, ids, temperature=0.7, chunk=2)
+    want = (logits[rows] / 0.7).log_softmax(-1).gather(1, ids)
+    assert torch.allclose(got, want, atol=1e-6)
+    teacher = torch.log(torch.tensor([[0.6, 0.3], [0.5, 0.4], [0.7, 0.2]]))
+    opt = torch.optim.SGD([logits], lr=1.0)
+    start = topk_reverse_kl(topk_logprobs(logits, rows, ids, 0.7), teacher).sum().item()
+    for _ in range(200):
+        opt.zero_grad()
+        topk_reverse_kl(topk_logprobs(logits, rows, ids, 0.7), teacher).sum().backward()
+        opt.step()
+    end = topk_reverse_kl(topk_logprobs(logits, rows, ids, 0.7), teacher).sum().item()
+    assert end < 0.01 * start
+    assert torch.allclose(topk_logprobs(logits, rows, ids, 0.7).exp(), teacher.exp(), atol=0.02)

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from miles.cluster.distributed import init_distributed
@@ -50,9 +49,13 @@ from miles.config import ConfigError, Plan
 from miles.sample import Sample
 from miles.train import quant
 from miles.train.batching import Packed, RankPlan, check_samples, pack, plan_rank, response_logprobs
+from miles.train.distill import topk_logprobs
 from miles.train.fsdp import checkpoint
+from miles.train.fsdp.critic import Critic
+from miles.train.fsdp.sharding import load_sharded
 from miles.train.fsdp.weights import bucketize, iter_full_tensors
 from miles.train.losses import get_estimator, token_weights
+from miles.train.losses.value import explained_variance, ppo_targets, value_loss, variance_sums
 from miles.train.objective import TokenBatch, policy_objective
 from miles.train.optim import build_optimizer, build_scheduler
 from miles.train.routing_replay import RoutingReplay, packed_routing
@@ -73,34 +76,6 @@ def pick_device_type(name: str) -> str:
     return "cuda"
 
 
-def load_sharded(
-    path: str,
-    device: torch.device,
-    compute_dtype: torch.dtype,
-    trainable: bool,
-    prepare: Callable[[nn.Module], Any] | None = None,
-) -> nn.Module:
-    """Load a HF causal LM in fp32, apply `prepare` (e.g. the fake-quant forward of
-    miles/train/quant.py), and wrap each decoder layer, then the root, with fully_shard."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    model.to(device)
-    if prepare is not None:
-        prepare(model)
-    model.requires_grad_(trainable)
-    model.train(trainable)
-    mp = MixedPrecisionPolicy(
-        param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
-    )
-    layer_types = set(getattr(model, "_no_split_modules", None) or [])
-    for module in model.modules():
-        if type(module).__name__ in layer_types:
-            fully_shard(module, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
-
-
 class FSDPBackend:
     """TrainBackend over FSDP2 (see miles/train/backend.py for the contract)."""
 
@@ -119,9 +94,12 @@ class FSDPBackend:
     """The policy's patched routers (None: a dense model)."""
     _ref_routing: RoutingReplay | None
     _samples: list[Sample]
+    critic: Critic | None
+    """PPO's value model (train.loss.advantage = ppo), else None."""
 
     def __init__(self) -> None:
         self.ref_model = None
+        self.critic = None
         self.routing = self._ref_routing = None
         self._samples = []
         self.step = 0
@@ -158,6 +136,8 @@ class FSDPBackend:
             )
         self.optimizer = build_optimizer(self.model.parameters(), t, rank=self.rank)
         self.scheduler = build_scheduler(self.optimizer, t)
+        if self.estimator.critic:
+            self.critic = Critic(plan, self.device, dtype, self.rank)
 
     def _quantization(self, plan: Plan) -> Callable[[nn.Module], Any] | None:
         """What train.quantization does to a freshly loaded model (None: nothing)."""
@@ -186,7 +166,9 @@ class FSDPBackend:
         counts = torch.tensor([float(sum(s.loss_mask)) for s in samples])
         rewards = torch.tensor([float(s.reward) for s in samples])
         groups = torch.tensor([s.group_id for s in samples])
-        adv = self.estimator.compute(rewards, groups, counts, t.loss).tolist()
+        adv: dict[int, Any] = dict(
+            enumerate(self.estimator.compute(rewards, groups, counts, t.loss).tolist())
+        )
         n_mini = min(t.mini_batches_per_step, len(samples))
         chunks = [c.tolist() for c in torch.arange(len(samples)).chunk(n_mini)]
         plans = [
@@ -194,16 +176,21 @@ class FSDPBackend:
         ]
         lr = float(self.optimizer.param_groups[0]["lr"])
         stats = torch.zeros(len(_LOSS_KEYS) + len(_TOKEN_KEYS) + len(_SEQ_KEYS) + 2, dtype=torch.float64)
-        old, ref = self._pre_forward(samples, plans, stats)
+        critic_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            critic_metrics, adv = self._train_critic(samples, plans)
         grad_norms = []
-        for k, rank_plan in enumerate(plans):
-            measure = k == 0 and t.loss.old_logprobs != "recompute"
-            grad_norms.append(self._update(samples, rank_plan, adv, old, ref, stats, measure))
-        self.scheduler.step()
+        if self.critic is None or self.step >= t.critic.warmup_steps:
+            old, ref = self._pre_forward(samples, plans, stats)
+            for k, rank_plan in enumerate(plans):
+                measure = k == 0 and t.loss.old_logprobs != "recompute"
+                grad_norms.append(self._update(samples, rank_plan, adv, old, ref, stats, measure))
+            self.scheduler.step()
         self.step += 1
         stats = stats.to(self.device)
         dist.all_reduce(stats)
         metrics = self._metrics(stats.cpu(), plans, grad_norms, lr, start, rewards)
+        metrics.update(critic_metrics)
         if self.routing is not None:
             router = self.routing.stats().to(self.device)
             dist.all_reduce(router)
@@ -211,11 +198,106 @@ class FSDPBackend:
         self._samples = []
         return metrics
 
+    # ---- the critic (train.loss.advantage = ppo) ----------------------------------------------------
+
+    def _train_critic(
+        self, samples: list[Sample], plans: list[RankPlan]
+    ) -> tuple[dict[str, float], dict[int, Any]]:
+        """The critic's values before any update, GAE advantages and returns from them (losses/value.py),
+        then one critic update per mini-batch. Returns the critic/* metrics and the per-token
+        advantages of this rank's samples."""
+        critic, cfg = self.critic, self.plan.train.critic
+        assert critic is not None
+        old: dict[int, Tensor] = {}
+        masks: dict[int, Tensor] = {}
+        with torch.no_grad():
+            for rank_plan in plans:
+                for real, packed in self._micro_batches(samples, rank_plan):
+                    values = critic.values(packed)
+                    if real:
+                        old.update({i: v.cpu() for i, v in _split(values, packed).items()})
+                        masks.update(_split(packed.mask, packed))
+        rewards = {i: float(samples[i].reward) for i in old}
+        adv, returns = ppo_targets(
+            old, masks, rewards, cfg.gamma, cfg.lam, cfg.normalize_advantages, self._all_reduce
+        )
+        # value loss, clipped tokens, variance_sums (5), sum of values, sum of returns
+        stats = torch.zeros(9, dtype=torch.float64)
+        for i in old:
+            stats[2:7] += variance_sums(returns[i], old[i], masks[i])
+            stats[7] += float((masks[i] * old[i]).sum())
+            stats[8] += float((masks[i] * returns[i]).sum())
+        lr = float(critic.optimizer.param_groups[0]["lr"])
+        norms = [self._critic_update(samples, rank_plan, old, returns, stats) for rank_plan in plans]
+        critic.scheduler.step()
+        stats = self._all_reduce(stats)
+        tokens = max(float(stats[2]), 1.0)
+        metrics = {
+            "critic/value_loss": float(stats[0]) / len(plans),
+            "critic/clipfrac": float(stats[1]) / tokens,
+            "critic/explained_variance": explained_variance(stats[2:7]),
+            "critic/values_mean": float(stats[7]) / tokens,
+            "critic/returns_mean": float(stats[8]) / tokens,
+            "critic/grad_norm": sum(norms) / len(norms),
+            "critic/lr": lr,
+            "critic/warmup": float(self.step < cfg.warmup_steps),
+        }
+        return metrics, adv
+
+    def _critic_update(
+        self,
+        samples: list[Sample],
+        rank_plan: RankPlan,
+        old: dict[int, Tensor],
+        returns: dict[int, Tensor],
+        stats: Tensor,
+    ) -> float:
+        """Accumulate the clipped value loss over this rank's micro-batches, clip, step the critic."""
+        critic, t = self.critic, self.plan.train
+        assert critic is not None
+        d = self.device
+        critic.optimizer.zero_grad(set_to_none=True)
+        for k, (real, packed) in enumerate(self._micro_batches(samples, rank_plan)):
+            critic.model.set_requires_gradient_sync(k == rank_plan.n_micro - 1)
+            values = critic.values(packed)
+            if not real:
+                (values.sum() * 0.0).backward()  # keeps this rank in step with the others
+                continue
+            idx = packed.samples
+            mask, seq_index = packed.mask.to(d), packed.seq_index.to(d)
+            per_token, clipped = value_loss(
+                values,
+                torch.cat([old[i] for i in idx]).to(d),
+                torch.cat([returns[i] for i in idx]).to(d),
+                t.critic.value_clip,
+            )
+            weights = token_weights(
+                mask, seq_index, len(idx), t.loss.aggregation, rank_plan.total_tokens, rank_plan.total_seqs
+            )
+            loss = (weights * per_token).sum()
+            (loss * self.world_size).backward()
+            stats[0] += float(loss.detach())
+            stats[1] += float((mask * clipped).sum())
+        norm = torch.nn.utils.clip_grad_norm_(
+            critic.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf")
+        )
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        critic.optimizer.step()
+        return float(norm)
+
+    def _all_reduce(self, x: Tensor) -> Tensor:
+        """Sum of `x` over the trainer ranks (on the host)."""
+        y = x.to(self.device)
+        dist.all_reduce(y)
+        return y.cpu()
+
     def _forward(
         self, model: nn.Module, packed: Packed, with_entropy: bool = False, measure: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """Response-token log-probs (and entropies) of `packed` under `model`; `measure` adds the
-        pass to the step's router metrics."""
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Response-token log-probs (and entropies) of `packed` under `model`, and with `with_entropy`
+        (a training pass) the log-probs of the teacher's top-k tokens when the samples carry them;
+        `measure` adds the pass to the step's router metrics."""
         rr = self.routing if model is self.model else self._ref_routing
         ctx = contextlib.nullcontext()
         if rr is not None:
@@ -230,7 +312,12 @@ class FSDPBackend:
         dev = Packed(
             **{k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in vars(packed).items()}
         )
-        return response_logprobs(out.logits[0], dev, self.plan.rollout.temperature, with_entropy)
+        temperature = self.plan.rollout.temperature
+        logp, entropy = response_logprobs(out.logits[0], dev, temperature, with_entropy)
+        topk = None
+        if with_entropy and dev.teacher_topk_ids is not None:
+            topk = topk_logprobs(out.logits[0], dev.logit_index, dev.teacher_topk_ids, temperature)
+        return logp, entropy, topk
 
     def _micro_batches(self, samples: list[Sample], rank_plan: RankPlan) -> Iterator[tuple[bool, Packed]]:
         """This rank's packed micro-batches, padded with throw-away ones up to the ranks' maximum."""
@@ -251,12 +338,12 @@ class FSDPBackend:
         for rank_plan in plans:
             for real, packed in self._micro_batches(samples, rank_plan):
                 if recompute:
-                    logp, _ = self._forward(self.model, packed)
+                    logp, *_ = self._forward(self.model, packed)
                     if real:
                         old.update(_split(logp, packed))
                         self._add_mismatch(stats, logp, packed)
                 if self.ref_model is not None:
-                    ref_logp, _ = self._forward(self.ref_model, packed)
+                    ref_logp, *_ = self._forward(self.ref_model, packed)
                     if real:
                         ref.update(_split(ref_logp, packed))
         return old, ref
@@ -265,7 +352,7 @@ class FSDPBackend:
         self,
         samples: list[Sample],
         rank_plan: RankPlan,
-        adv: list[float],
+        adv: dict[int, Any],
         old: dict[int, Tensor],
         ref: dict[int, Tensor],
         stats: Tensor,
@@ -276,12 +363,13 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         for k, (real, packed) in enumerate(self._micro_batches(samples, rank_plan)):
             self.model.set_requires_gradient_sync(k == rank_plan.n_micro - 1)
-            logp, entropy = self._forward(self.model, packed, with_entropy=real, measure=real)
+            logp, entropy, topk = self._forward(self.model, packed, with_entropy=real, measure=real)
             if not real:
                 # a pass that only keeps this rank in step with the others' collectives
                 (logp.sum() * 0.0).backward()
                 continue
             tb = self._token_batch(packed, logp, entropy, adv, old, ref, rank_plan)
+            tb.student_topk_logp = topk
             coef = cfg.distill.coef if cfg.distill else 0.0
             loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio, coef)
             # FSDP averages gradients over ranks; the global weights already normalise the loss
@@ -302,7 +390,7 @@ class FSDPBackend:
         packed: Packed,
         logp: Tensor,
         entropy: Tensor,
-        adv: list[float],
+        adv: dict[int, Any],
         old: dict[int, Tensor],
         ref: dict[int, Tensor],
         rank_plan: RankPlan,
@@ -318,7 +406,9 @@ class FSDPBackend:
             logp=logp,
             old_logp=torch.cat([old[i] for i in idx]) if old else rollout,
             rollout_logp=rollout,
-            advantages=torch.tensor([adv[i] for i in idx]).repeat_interleave(lengths).to(d),
+            advantages=torch.cat(
+                [_per_token(adv[i], int(n)) for i, n in zip(idx, lengths.tolist(), strict=True)]
+            ).to(d),
             mask=mask,
             weights=token_weights(
                 mask, seq_index, len(idx), mode, rank_plan.total_tokens, rank_plan.total_seqs
@@ -328,6 +418,7 @@ class FSDPBackend:
             ref_logp=torch.cat([ref[i] for i in idx]) if ref else None,
             entropy=entropy,
             teacher_logp=None if packed.teacher_logp is None else packed.teacher_logp.to(d),
+            teacher_topk_logp=None if packed.teacher_topk_logp is None else packed.teacher_topk_logp.to(d),
         )
 
     def _add_mismatch(self, stats: Tensor, logp: Tensor, packed: Packed) -> None:
@@ -357,7 +448,7 @@ class FSDPBackend:
         if self.plan.train.distill is None:
             out.pop("distill_reverse_kl")
         out["logprob_mismatch"] = float(stats[-2]) / max(float(stats[-1]), 1.0)
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         out["lr"] = lr
         out["tokens"] = float(tokens)
         out["reward_mean"] = float(rewards.mean())
@@ -379,15 +470,17 @@ class FSDPBackend:
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:
         """Checkpoint the full training state under <run_dir>/checkpoints/step_<step>/."""
         ckpt = self.plan.train.checkpoint
+        critic = self.critic.parts() if self.critic is not None else None
         out = checkpoint.save_checkpoint(
-            self.plan.run_dir, step, self.model, self.optimizer, self.scheduler, extra, ckpt.keep_last
+            self.plan.run_dir, step, self.model, self.optimizer, self.scheduler, extra, ckpt.keep_last, critic
         )
         return str(out)
 
     def load(self, step: int | None = None) -> dict[str, Any]:
         """Restore a checkpoint (None: the latest complete one); returns the caller's `extra`."""
+        critic = self.critic.parts() if self.critic is not None else None
         self.step, extra = checkpoint.load_checkpoint(
-            self.plan.run_dir, step, self.model, self.optimizer, self.scheduler
+            self.plan.run_dir, step, self.model, self.optimizer, self.scheduler, critic
         )
         return extra
 
@@ -412,14 +505,17 @@ class FSDPBackend:
     def _move(self, target: torch.device) -> None:
         if self.device.type == "cpu":
             return
-        for model in (self.model, self.ref_model):
+        critic = self.critic
+        for model in (self.model, self.ref_model, critic.model if critic else None):
             if model is not None:
                 model.to(target)
         # only state that lived on the accelerator moves; an offloading optimiser keeps its own
         if target.type == "cpu":
+            optimizers = [self.optimizer] + ([critic.optimizer] if critic else [])
             self._moved = [
                 (state, key)
-                for state in self.optimizer.state.values()
+                for optimizer in optimizers
+                for state in optimizer.state.values()
                 for key, value in state.items()
                 if isinstance(value, Tensor) and value.device.type != "cpu"
             ]
@@ -428,6 +524,13 @@ class FSDPBackend:
         if target.type == "cpu":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+
+def _per_token(advantage: float | Tensor, n: int) -> Tensor:
+    """A sample's advantage on each of its n response tokens (a per-token tensor stays as it is)."""
+    if isinstance(advantage, Tensor):
+        return advantage.float()
+    return torch.full((n,), float(advantage))
 
 
 def _split(logp: Tensor, packed: Packed) -> dict[int, Tensor]:

@@ -6,6 +6,8 @@ Layout of `<run_dir>/checkpoints/step_<N>/`:
                     with its global offsets, so a checkpoint written by R ranks loads on any R'.
     optimizer/      only with an offloading optimiser that has save_state(dir)/load_state(dir):
                     it writes its own state there and DCP holds the model alone.
+    critic/         PPO only: the critic's model and optimiser state (DCP, same rules; an offloading
+                    optimiser's own files in critic/optimizer/); its LR schedule is in trainer.pt
     trainer.pt      rank 0: step, LR-scheduler state, the caller's `extra` (loop state, data position)
     rng_rank<r>.pt  per rank: torch (CPU and CUDA) and Python RNG states
     .complete       written last, by rank 0, after every rank has finished writing: the size and
@@ -39,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from miles.train.checkpoint import choose, load_error, seal, step_dir
+from miles.train.checkpoint import CheckpointError, choose, load_error, seal, step_dir
 from miles.train.fsdp.weights import iter_full_tensors
 
 log = logging.getLogger("miles.train.checkpoint")
@@ -73,22 +75,23 @@ def save_checkpoint(
     scheduler: Any,
     extra: dict[str, Any] | None = None,
     keep_last: int = 2,
+    critic: tuple[nn.Module, torch.optim.Optimizer, Any] | None = None,
 ) -> Path:
-    """Write the full training state of `step` (collective: every rank calls it); returns the dir."""
+    """Write the full training state of `step` (collective: every rank calls it); returns the dir.
+    `critic`: PPO's (model, optimiser, LR schedule), saved beside the policy."""
     rank = dist.get_rank()
     out = step_dir(run_dir, step)
     if rank == 0 and out.exists():
         shutil.rmtree(out)  # a leftover of a crash mid-save, or a deliberate re-save of this step
     dist.barrier()
-    if _has_own_state(optimizer):
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(out / "state"))
-        optimizer.save_state(str(out / "optimizer"))
-    else:
-        msd, osd = get_state_dict(model, optimizer)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out / "state"))
+    _save_modules(out, model, optimizer)
+    if critic is not None:
+        _save_modules(out / "critic", critic[0], critic[1])
     torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
     if rank == 0:
         trainer = {"step": step, "scheduler": scheduler.state_dict(), "extra": extra or {}}
+        if critic is not None:
+            trainer["critic_scheduler"] = critic[2].state_dict()
         torch.save(trainer, out / "trainer.pt")
     dist.barrier()
     seal(run_dir, step, keep_last, dist)
@@ -96,29 +99,16 @@ def save_checkpoint(
     return out
 
 
-def load_checkpoint(
-    run_dir: str | Path,
-    step: int | None,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-) -> tuple[int, dict[str, Any]]:
-    """Restore the state of `step` after verifying its files (None: the newest complete checkpoint
-    that verifies); returns (step, extra). Collective. Raises NoCheckpointError / CheckpointError."""
-    group = dist if dist.is_initialized() else None
-    choice = choose(run_dir, step, group)
-    for note in choice.notes if group is None or dist.get_rank() == 0 else []:
-        log.warning("%s", note)
-    step = choice.check()
-    try:
-        trainer = _load_files(step_dir(run_dir, step), model, optimizer, scheduler)
-    except Exception as exc:
-        raise load_error(step, run_dir, exc) from exc
-    dist.barrier()
-    return int(trainer["step"]), trainer["extra"]
+def _save_modules(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if _has_own_state(optimizer):
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(out / "state"))
+        optimizer.save_state(str(out / "optimizer"))
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out / "state"))
 
 
-def _load_files(src: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict:
+def _load_modules(src: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if _has_own_state(optimizer):
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(src / "state"))
@@ -129,8 +119,51 @@ def _load_files(src: Path, model: nn.Module, optimizer: torch.optim.Optimizer, s
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(src / "state"))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def load_checkpoint(
+    run_dir: str | Path,
+    step: int | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    critic: tuple[nn.Module, torch.optim.Optimizer, Any] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Restore the state of `step` after verifying its files (None: the newest complete checkpoint
+    that verifies); returns (step, extra). Collective. Raises NoCheckpointError / CheckpointError."""
+    group = dist if dist.is_initialized() else None
+    choice = choose(run_dir, step, group)
+    for note in choice.notes if group is None or dist.get_rank() == 0 else []:
+        log.warning("%s", note)
+    step = choice.check()
+    try:
+        trainer = _load_files(step_dir(run_dir, step), model, optimizer, scheduler, critic)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise load_error(step, run_dir, exc) from exc
+    dist.barrier()
+    return int(trainer["step"]), trainer["extra"]
+
+
+def _load_files(
+    src: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    critic: tuple[nn.Module, torch.optim.Optimizer, Any] | None,
+) -> dict:
+    if critic is not None and not (src / "critic").is_dir():
+        raise CheckpointError(
+            f"checkpoint {src} holds no critic, and train.loss.advantage=ppo trains one: resume it with "
+            "the advantage it was written with, or start a new run (run.name)"
+        )
+    _load_modules(src, model, optimizer)
     trainer = torch.load(src / "trainer.pt", weights_only=False)
     scheduler.load_state_dict(trainer["scheduler"])
+    if critic is not None:
+        _load_modules(src / "critic", critic[0], critic[1])
+        critic[2].load_state_dict(trainer["critic_scheduler"])
     rng_file = src / f"rng_rank{dist.get_rank()}.pt"
     _set_rng_state(torch.load(rng_file if rng_file.exists() else src / "rng_rank0.pt", weights_only=False))
     return trainer

@@ -10,6 +10,8 @@ Samples with equal group_id answered the same prompt. With group G(i) of sample 
                                 sigma^2 = sum c (a - mu)^2 / sum c
     GSPO (Zheng et al., 2025):  the GRPO advantage; what makes GSPO is its sequence-level ratio,
                                 which the registry entry turns on (see policy.py).
+    PPO (Schulman et al., 2017): no per-sample part (0); the advantage of each token is GAE from a
+                                learned value function (value.py), which the backends' critic adds.
 
 A group of one sample has std 0 and advantage 0. The advantage of a sample applies to each of its
 response tokens; a KL reward penalty (kl.py) adds a per-token part on top.
@@ -71,6 +73,8 @@ class AdvantageEstimator:
     """(rewards, group_ids, token_counts, loss config) -> one advantage per sample."""
     sequence_ratio: bool = False
     """Use the GSPO sequence-level ratio in the clipped loss instead of the token ratio."""
+    critic: bool = False
+    """Per-token advantages come from a value function (train.critic), trained in the same step."""
 
 
 def _grpo(r: Tensor, g: Tensor, c: Tensor, cfg: LossConfig) -> Tensor:
@@ -81,10 +85,15 @@ def _reinforce_pp(r: Tensor, g: Tensor, c: Tensor, cfg: LossConfig) -> Tensor:
     return reinforce_pp_advantages(r, g, c)
 
 
+def _no_sample_part(r: Tensor, g: Tensor, c: Tensor, cfg: LossConfig) -> Tensor:
+    return torch.zeros_like(r, dtype=torch.float32)
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": AdvantageEstimator(_grpo),
     "reinforce_pp": AdvantageEstimator(_reinforce_pp),
     "gspo": AdvantageEstimator(_grpo, sequence_ratio=True),
+    "ppo": AdvantageEstimator(_no_sample_part, critic=True),
 }
 
 

@@ -359,6 +359,7 @@ class MegatronBackend:
         return out, partial(self._loss, mb, norm, scale, old, ref)
 
     def _loss(self, mb: B.MicroBatch, norm, scale, old, ref, logits):
+        from miles.train.distill import topk_logprobs
         from miles.train.losses import get_estimator, token_weights
         from miles.train.objective import TokenBatch, policy_objective
 
@@ -383,6 +384,15 @@ class MegatronBackend:
             ref_logp=ref_logp,
             entropy=entropy,
             teacher_logp=mb.teacher_logp,
+            student_topk_logp=None
+            if mb.teacher_topk_ids is None
+            else topk_logprobs(
+                logits,
+                torch.arange(logits.shape[0], device=logits.device),
+                mb.teacher_topk_ids,
+                self.temperature,
+            ),
+            teacher_topk_logp=mb.teacher_topk_logp,
         )
         distill = self.plan.train.distill
         coef = distill.coef if distill else 0.0

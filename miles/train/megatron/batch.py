@@ -22,13 +22,14 @@ expects), so log-probs come out per sample the same way in both layouts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from miles.sample import Sample
-from miles.train.batching import teacher_logprobs
+from miles.train.batching import teacher_logprobs, teacher_topk
 from miles.train.losses.fused_logprob import token_logprobs_entropy
 
 
@@ -54,6 +55,10 @@ class MicroBatch:
     rollout_logp: Tensor
     teacher_logp: Tensor | None
     """Flat distillation-teacher log-probs (train.distill), or None."""
+    teacher_topk_ids: Tensor | None
+    """[T, k] the teacher's top-k ids per response token (distill mode topk_reverse_kl), or None."""
+    teacher_topk_logp: Tensor | None
+    """[T, k] their teacher log-probs, or None."""
     advantages: Tensor
     seq_index: Tensor
     """Index of each flat token's sequence inside this micro-batch."""
@@ -101,12 +106,13 @@ def packed_layout(setting: str) -> bool:
 
 def pack(
     samples: list[Sample],
-    advantages: list[float],
+    advantages: Sequence[float | Tensor],
     max_tokens: int,
     device: torch.device,
     packed: bool | None = None,
 ) -> list[MicroBatch]:
-    """Micro-batches of `samples` (advantages: one per sample, same order); `packed` None: the
+    """Micro-batches of `samples` (advantages: one per sample, same order, a number or a per-token
+    tensor); `packed` None: the
     default layout (`default_packed`)."""
     packed = default_packed() if packed is None else packed
     groups = plan_micro_batches([len(s.tokens) for s in samples], max_tokens, packed)
@@ -121,7 +127,11 @@ def cu_seqlens(lengths: list[int], device: torch.device | None = None) -> Tensor
 
 
 def _one(
-    samples: list[Sample], advantages: list[float], idx: list[int], device: torch.device, packed: bool
+    samples: list[Sample],
+    advantages: Sequence[float | Tensor],
+    idx: list[int],
+    device: torch.device,
+    packed: bool,
 ) -> MicroBatch:
     seqs = [samples[i] for i in idx]
     lengths = [len(s.tokens) for s in seqs]
@@ -140,10 +150,12 @@ def _one(
         targets += s.response_ids
         mask += s.loss_mask or [1] * n
         rollout += s.rollout_logprobs or [0.0] * n
-        adv += [advantages[idx[k]]] * n
+        a = advantages[idx[k]]
+        adv.append(a.float() if isinstance(a, Tensor) else torch.full((n,), float(a)))
         seq += [k] * n
         offset += length if packed else 0
     teacher = teacher_logprobs(seqs)
+    topk = teacher_topk(seqs)
     if not packed:
         positions = torch.arange(width).expand(b, width)
     offsets = cu_seqlens(lengths, device) if packed and len(seqs) > 1 else None
@@ -162,7 +174,9 @@ def _one(
         mask=t(mask, torch.float32),
         rollout_logp=t(rollout, torch.float32),
         teacher_logp=None if teacher is None else t(teacher, torch.float32),
-        advantages=t(adv, torch.float32),
+        teacher_topk_ids=None if topk is None else topk[0].to(device),
+        teacher_topk_logp=None if topk is None else topk[1].to(device),
+        advantages=torch.cat(adv).to(device),
         seq_index=t(seq, torch.long),
         sample_ids=list(idx),
     )
