@@ -13,6 +13,10 @@ the standard one over the 989 TFLOP/s datasheet peak with the LM head on the pos
 and the older all-positions figure over the measured 790 TFLOP/s). `--tag` gives repeated runs their
 own run directories.
 
+`--advantage ppo` trains with a critic (train.loss.advantage=ppo, GAE); `--teacher 1.5b` adds
+on-policy distillation from a random-initialised teacher of Qwen2.5-1.5B shapes (same tokenizer) on an
+embedded engine beside the student's, scoring each group while others generate (time/teacher_s).
+
 Layouts: `colocated` (engine and trainer on one GPU, weights by CUDA IPC; with the default sync
 schedule the engine releases its memory while the trainer trains, or stays resident with
 `--keep-engine-memory`; with `--schedule async` both stay resident and overlap), `disaggregated` (engine on GPU 0, trainer on GPU 1, fully async with
@@ -45,6 +49,8 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
             "name": f"e2e-{args.layout}-{args.backend}-{schedule}"
             + ("-resident" if args.keep_engine_memory else "")
             + (f"-{args.micro_batch_layout}" if getattr(args, "micro_batch_layout", "auto") != "auto" else "")
+            + (f"-{args.advantage}" if getattr(args, "advantage", "grpo") != "grpo" else "")
+            + (f"-teacher{args.teacher}" if getattr(args, "teacher", None) else "")
             + (f"-{args.tag}" if args.tag else ""),
             "runs_root": str(runs_root),
             "tensorboard": False,
@@ -82,7 +88,12 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
             "lr": 1e-6,
             "max_tokens_per_microbatch": args.micro_tokens,
             "micro_batch_layout": getattr(args, "micro_batch_layout", "auto"),
-            "loss": {"old_logprobs": "rollout", "kl_coef": 0.0},
+            "loss": {
+                "old_logprobs": "rollout",
+                "kl_coef": 0.0,
+                "advantage": getattr(args, "advantage", "grpo"),
+            },
+            "critic": {"lr": 1e-6},
         },
         "weights": {
             "transport": "tensor" if colocated else "distributed",
@@ -106,7 +117,9 @@ def summarize(run_dir: Path, warmup: int) -> dict:
 
     keys = ["time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/engine_release_s"]
     keys += ["time/engine_resume_s", "weights/push_s", "train/logprob_mismatch", "train/step_time_s"]
+    optional = ["time/teacher_s", "critic/value_loss", "train/distill_reverse_kl"]
     out = {k: med(k) for k in keys}
+    out.update({k: med(k) for k in optional if any(k in r for r in rows)})
     tokens = [r["rollout/response_len_mean"] * r["rollout/batch_samples"] for r in rows]
     out["generated_tokens_per_step"] = statistics.median(tokens)
     out["steps_timed"] = len(rows)
@@ -142,6 +155,9 @@ def main() -> int:
     p.add_argument("--tag", default="", help="suffix of the run name (repeated runs, one directory each)")
     p.add_argument("--out", default=None, help="JSON file for the summary")
     p.add_argument("--tiny", action="store_true", help="tiny model and lengths: a CPU smoke test")
+    p.add_argument("--advantage", choices=["grpo", "ppo"], default="grpo")
+    p.add_argument("--teacher", choices=["1.5b"], default=None, help="distil from a teacher of these shapes")
+    p.add_argument("--distill-mode", choices=["logprob", "topk_reverse_kl"], default="logprob")
     args = p.parse_args()
 
     from miles.launch.local import train_main
@@ -154,6 +170,16 @@ def main() -> int:
                      intermediate_size=128) if args.tiny else None  # fmt: skip
         init_random(model, shape=shape, vocab_size=2000 if args.tiny else 151_936)
     data = recipe(args, model, work / "runs")
+    if args.teacher:
+        teacher = work / (f"teacher-{args.teacher}" + ("-tiny" if args.tiny else ""))
+        if not (teacher / "config.json").exists():  # seed 0: the student's tokenizer
+            shape = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960)  # fmt: skip
+            if args.tiny:
+                shape = dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128)  # fmt: skip
+            init_random(teacher, shape=shape, vocab_size=2000 if args.tiny else 151_936)
+        data["train"]["distill"] = {"teacher_model": str(teacher), "coef": 1.0, "mode": args.distill_mode}
     if args.tiny:
         data["rollout"]["task"]["options"]["high"] = 2000
         data["engine"]["max_total_tokens"] = 8192
@@ -181,8 +207,10 @@ def main() -> int:
         summary["train_mfu"] = mfu_figures(args.backend, lengths, responses, summary["time/train_s"])
     print(f"\n{args.layout} / {args.backend}: {summary['steps_timed']} timed steps (median)")
     for key in ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/engine_release_s",
-                "time/engine_resume_s", "weights/push_s", "train/logprob_mismatch"):  # fmt: skip
-        print(f"  {key:26s} {summary[key]:.4f}")
+                "time/engine_resume_s", "weights/push_s", "train/logprob_mismatch", "time/teacher_s",
+                "critic/value_loss"):  # fmt: skip
+        if key in summary:
+            print(f"  {key:26s} {summary[key]:.4f}")
     print(f"  {'steps/hour':26s} {summary['steps_per_hour']:.0f}")
     print(f"  {'generated tokens/step':26s} {summary['generated_tokens_per_step']:.0f}")
     if "train_mfu" in summary:

@@ -128,6 +128,8 @@ def main() -> None:
                     help="train.micro_batch_layout (Megatron)")  # fmt: skip
     ap.add_argument("--responses", default=None, help="LO:HI, response lengths uniform in LO..HI")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--advantage", choices=["grpo", "ppo"], default="grpo",
+                    help="ppo: the step also runs the critic (values, GAE, value update)")  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true", help="print the CUDA kernels of one more step by total time"
     )
@@ -149,6 +151,7 @@ def main() -> None:
                 "max_tokens_per_microbatch": a.micro_tokens,
                 "micro_batch_layout": a.layout,
                 "device": "cuda",
+                "loss": {"advantage": a.advantage},
             },
             "run": {"runs_root": str(tmp / "runs")},
         }
@@ -171,6 +174,7 @@ def main() -> None:
     responses = [len(s.response_ids) for s in batch]
     res = dict(
         backend=a.backend,
+        advantage=a.advantage,
         layout=a.layout,
         batch=a.batch,
         seq=a.seq,

@@ -45,7 +45,10 @@ class Teacher:
         """Teacher top-k per position (0: only the sampled token's log-prob)."""
         self._turn = itertools.cycle(range(len(clients)))
         self.busy_s = 0.0
-        """Seconds spent in scoring calls since the last `take_busy_s` (calls overlap: a sum)."""
+        """Wall seconds with at least one scoring call in flight since the last `take_busy_s` (calls
+        overlap; each second counts once)."""
+        self._active = 0
+        self._since = 0.0
 
     def _client_of(self, s: Sample) -> SGLangClient:
         if self.key is not None and self.key in s.metadata:
@@ -60,14 +63,26 @@ class Teacher:
 
     async def score(self, group: list[Sample]) -> None:
         """Fill `teacher_logprobs` of the group's completed samples, one batched call per teacher."""
-        start = time.perf_counter()
+        self._enter()
         by_client: dict[int, tuple[SGLangClient, list[Sample]]] = {}
         for s in group:
             if s.status in (Status.COMPLETED, Status.TRUNCATED) and s.response_ids:
                 c = self._client_of(s)
                 by_client.setdefault(id(c), (c, []))[1].append(s)
-        await asyncio.gather(*(self._score_on(c, samples) for c, samples in by_client.values()))
-        self.busy_s += time.perf_counter() - start
+        try:
+            await asyncio.gather(*(self._score_on(c, samples) for c, samples in by_client.values()))
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def _leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.busy_s += time.perf_counter() - self._since
 
     async def _score_on(self, client: SGLangClient, samples: list[Sample]) -> None:
         body = {
@@ -94,6 +109,11 @@ class Teacher:
                 s.teacher_logprobs = [float(row[0]) for row in rows]
 
     def take_busy_s(self) -> float:
+        """The busy wall time since the last call (a call still in flight counts up to now)."""
+        now = time.perf_counter()
+        if self._active:
+            self.busy_s += now - self._since
+            self._since = now
         busy, self.busy_s = self.busy_s, 0.0
         return busy
 

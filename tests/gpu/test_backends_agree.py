@@ -113,3 +113,20 @@ def test_fsdp_and_megatron_agree(env, dtype):
     assert abs(m_m["grad_norm"] - total) <= 1e-3 * total  # the reported norm is these gradients' norm
     assert whole <= tol["total"]
     assert errs[worst] <= tol["tensor"], sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_ppo_critics_agree(env):
+    """PPO in fp32: the same GAE advantages give the same policy loss, and after one critic update
+    (zero-initialised heads, Adam at the same LR) the same value loss on the next step."""
+    ppo = dict(TRAIN, grad_clip=1.0, loss={"advantage": "ppo"}, critic={"lr": 1e-3})
+    fs = fsdp_backend(env[0], env[1], "fsdp_ppo", "float32", **ppo)
+    mg = megatron_backend(env[0], env[1], "meg_ppo", "float32", **ppo)
+    f1, m1 = fs.train(env[2]), mg.train(env[2])
+    f2, m2 = fs.train(env[2]), mg.train(env[2])
+    print({k: (f1[k], m1[k], f2[k], m2[k]) for k in f1 if k.startswith("critic/") or k == "loss"})
+    assert abs(f1["loss"] - m1["loss"]) <= 1e-5 * max(1.0, abs(m1["loss"]))
+    assert f1["critic/value_loss"] == pytest.approx(m1["critic/value_loss"], rel=1e-5)
+    assert f1["critic/returns_mean"] == pytest.approx(m1["critic/returns_mean"], rel=1e-5)
+    assert m2["critic/value_loss"] < m1["critic/value_loss"]
+    assert f2["critic/value_loss"] == pytest.approx(m2["critic/value_loss"], rel=1e-3)
+    assert f2["critic/explained_variance"] == pytest.approx(m2["critic/explained_variance"], abs=1e-3)

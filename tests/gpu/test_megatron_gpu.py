@@ -219,3 +219,28 @@ def test_parallel_layouts_match_reference(env, tp, pp):
     print(proc.stdout[-2000:], proc.stderr[-4000:] if proc.returncode else "")
     assert proc.returncode == 0
     assert "RESULT" in proc.stdout
+
+
+def test_ppo_critic_warmup_and_checkpoint(env):
+    """PPO's critic on Megatron: warm-up steps leave the policy bit-identical and train the critic;
+    a checkpoint restores the critic (its next step equals the original's)."""
+    samples = _samples(env[2], seed=7)
+    b = _backend(env, "bfloat16", loss={"advantage": "ppo"}, critic={"lr": 1e-3, "warmup_steps": 1})
+    policy = _export(b)
+    head = b.critic.gpt.value_head.weight.detach().clone()
+    m = b.train(samples)
+    assert m["critic/warmup"] == 1.0 and m["grad_norm"] == 0.0
+    assert all(torch.equal(v, policy[k]) for k, v in _export(b).items())
+    assert not torch.equal(head, b.critic.gpt.value_head.weight)
+    m = b.train(samples)
+    assert (
+        m["critic/warmup"] == 0.0
+        and m["grad_norm"] > 0
+        and {"critic/clipfrac", "critic/explained_variance"} <= set(m)
+    )
+    b.save(2, {"pos": 2})
+    after_save = b.train(samples)
+    b.load(2)
+    again = b.train(samples)
+    assert again["critic/value_loss"] == pytest.approx(after_save["critic/value_loss"], rel=1e-3)
+    assert b.critic.steps == 3

@@ -55,7 +55,7 @@ from miles.train.fsdp.critic import Critic
 from miles.train.fsdp.sharding import load_sharded
 from miles.train.fsdp.weights import bucketize, iter_full_tensors
 from miles.train.losses import get_estimator, token_weights
-from miles.train.losses.value import explained_variance, ppo_targets, value_loss, variance_sums
+from miles.train.losses.value import CRITIC_STATS, add_target_stats, critic_metrics, ppo_targets, value_loss
 from miles.train.objective import TokenBatch, policy_objective
 from miles.train.optim import build_optimizer, build_scheduler
 from miles.train.routing_replay import RoutingReplay, packed_routing
@@ -221,27 +221,14 @@ class FSDPBackend:
         adv, returns = ppo_targets(
             old, masks, rewards, cfg.gamma, cfg.lam, cfg.normalize_advantages, self._all_reduce
         )
-        # value loss, clipped tokens, variance_sums (5), sum of values, sum of returns
-        stats = torch.zeros(9, dtype=torch.float64)
+        stats = torch.zeros(CRITIC_STATS, dtype=torch.float64)
         for i in old:
-            stats[2:7] += variance_sums(returns[i], old[i], masks[i])
-            stats[7] += float((masks[i] * old[i]).sum())
-            stats[8] += float((masks[i] * returns[i]).sum())
+            add_target_stats(stats, old[i], returns[i], masks[i])
         lr = float(critic.optimizer.param_groups[0]["lr"])
         norms = [self._critic_update(samples, rank_plan, old, returns, stats) for rank_plan in plans]
         critic.scheduler.step()
         stats = self._all_reduce(stats)
-        tokens = max(float(stats[2]), 1.0)
-        metrics = {
-            "critic/value_loss": float(stats[0]) / len(plans),
-            "critic/clipfrac": float(stats[1]) / tokens,
-            "critic/explained_variance": explained_variance(stats[2:7]),
-            "critic/values_mean": float(stats[7]) / tokens,
-            "critic/returns_mean": float(stats[8]) / tokens,
-            "critic/grad_norm": sum(norms) / len(norms),
-            "critic/lr": lr,
-            "critic/warmup": float(self.step < cfg.warmup_steps),
-        }
+        metrics = critic_metrics(stats, len(plans), norms, lr, self.step < cfg.warmup_steps)
         return metrics, adv
 
     def _critic_update(

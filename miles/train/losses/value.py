@@ -133,3 +133,33 @@ def ppo_targets(
             for ai, i in zip(adv_list, keys, strict=True)
         ]
     return dict(zip(keys, adv_list, strict=True)), dict(zip(keys, ret_list, strict=True))
+
+
+CRITIC_STATS = 9
+"""Length of the critic's step statistics vector: value loss (weighted, summed over updates), clipped
+tokens, `variance_sums` (5), sum of old values, sum of returns (all over trained tokens)."""
+
+
+def add_target_stats(stats: Tensor, old: Tensor, returns: Tensor, mask: Tensor) -> None:
+    """Add one sample's old values and returns to the step statistics (stats[2:9])."""
+    mask = mask.double().cpu()
+    stats[2:7] += variance_sums(returns.cpu(), old.cpu(), mask)
+    stats[7] += float((mask * old.double().cpu()).sum())
+    stats[8] += float((mask * returns.double().cpu()).sum())
+
+
+def critic_metrics(
+    stats: Tensor, updates: int, grad_norms: list[float], lr: float, warmup: bool
+) -> dict[str, float]:
+    """The critic/* metrics of a step from its all-reduced statistics (CRITIC_STATS)."""
+    tokens = max(float(stats[2]), 1.0)
+    return {
+        "critic/value_loss": float(stats[0]) / max(updates, 1),
+        "critic/clipfrac": float(stats[1]) / tokens,
+        "critic/explained_variance": explained_variance(stats[2:7]),
+        "critic/values_mean": float(stats[7]) / tokens,
+        "critic/returns_mean": float(stats[8]) / tokens,
+        "critic/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+        "critic/lr": lr,
+        "critic/warmup": float(warmup),
+    }

@@ -108,6 +108,8 @@ class MegatronBackend:
     offloader: memory.StorageOffloader | None
     moe: MoERouting | None
     """Routing replay and router metrics of an MoE model (miles/train/megatron/moe.py); None: dense."""
+    critic: Any
+    """PPO's critic (train.loss.advantage = ppo; miles/train/megatron/critic.py), else None."""
     packed: bool
     """Micro-batches as packed rows (train.micro_batch_layout, resolved on this node)."""
     _forward_kwargs: dict[str, Any]
@@ -117,6 +119,7 @@ class MegatronBackend:
         self.step_count = 0
         self.offloader = None
         self.ref_model = None
+        self.critic = None
         self.moe = None
         self.packed = True
         self._forward_kwargs = {}
@@ -156,6 +159,8 @@ class MegatronBackend:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
+
+        from miles.train.losses import get_estimator
 
         t = self.plan.train
         dtype = torch.bfloat16 if self.plan.model.dtype == "bfloat16" else torch.float32
@@ -201,6 +206,19 @@ class MegatronBackend:
             nvme.stream_optimizer(optimizer, t.offload_dir, t.offload_require_local, dist.get_rank())
         if t.loss.kl_coef > 0:  # before the hooks below: an MoE layer deep-copies the config it is built with
             self.ref_model = self._reference(tf, hf_state, dtype)
+        if get_estimator(t.loss.advantage).critic:
+            from miles.train.megatron.critic import Critic
+
+            fields = {
+                "tp": t.tensor_parallel,
+                "pp": t.pipeline_parallel,
+                "ep": t.expert_parallel,
+                "stage_layers": split,
+                "extra": recompute_config(t.recompute),
+            }
+            self.critic = Critic(
+                self.plan, self.hf_cfg, fields, offload_config(t.optimizer_offload), self._forward_kwargs
+            )
         tf.finalize_model_grads_func = finalize_model_grads
         tf.grad_scale_func = optimizer.scale_loss
         tf.no_sync_func = ddp.no_sync
@@ -286,21 +304,71 @@ class MegatronBackend:
             mine_ids = ids[dp_rank::dp]
             mine = [samples[i] for i in mine_ids]
             parts.append(([samples[i] for i in ids], mine, self._pack(mine, [adv[i] for i in mine_ids])))
+        critic_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            critic_metrics = self._train_critic(parts)
         if self.moe is not None:
             self.moe.measure = recompute
-        # every mini-batch's old and reference log-probs before the first update changes the policy
-        pre = [self._pre_forward(mine, mbs, recompute) for _, mine, mbs in parts]
         totals: dict[str, float] = {}
-        for k, ((mini, mine, mbs), (old, ref)) in enumerate(zip(parts, pre, strict=True)):
-            if self.moe is not None:
-                self.moe.measure = k == 0 and not recompute
-            metrics = self._update(mini, mine, mbs, old, ref)
-            for name, v in metrics.items():
-                totals[name] = totals.get(name, 0.0) + (v if name == "tokens" else v / n_mini)
+        if self.critic is None or critic_metrics["critic/warmup"] == 0.0:
+            # every mini-batch's old and reference log-probs before the first update changes the policy
+            pre = [self._pre_forward(mine, mbs, recompute) for _, mine, mbs in parts]
+            for k, ((mini, mine, mbs), (old, ref)) in enumerate(zip(parts, pre, strict=True)):
+                if self.moe is not None:
+                    self.moe.measure = k == 0 and not recompute
+                metrics = self._update(mini, mine, mbs, old, ref)
+                for name, v in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + (v if name == "tokens" else v / n_mini)
+        else:
+            totals["grad_norm"] = 0.0  # the critic's warm-up: the policy is not updated
+        totals.update(critic_metrics)
         if self.moe is not None:
             totals.update(self.moe.metrics())
         totals["step_time_s"] = time.perf_counter() - start
         return totals
+
+    def _train_critic(
+        self, parts: list[tuple[list[Sample], list[Sample], list[B.MicroBatch]]]
+    ) -> dict[str, float]:
+        """The critic's values before any update, GAE advantages (written into the policy's micro-batches)
+        and returns, then one critic update per mini-batch; returns the critic/* metrics."""
+        from miles.train.losses.value import CRITIC_STATS, add_target_stats, critic_metrics, ppo_targets
+
+        critic, cfg = self.critic, self.plan.train.critic
+        old = {
+            (k, j): v
+            for k, (_, mine, mbs) in enumerate(parts)
+            for j, v in enumerate(critic.values(mine, mbs))
+        }
+        masks = {
+            (k, j): torch.tensor(s.loss_mask or [1] * s.response_length, dtype=torch.float32)
+            for k, (_, mine, _) in enumerate(parts)
+            for j, s in enumerate(mine)
+        }
+        rewards = {
+            (k, j): float(s.reward) for k, (_, mine, _) in enumerate(parts) for j, s in enumerate(mine)
+        }
+        adv, returns = ppo_targets(
+            old, masks, rewards, cfg.gamma, cfg.lam, cfg.normalize_advantages, critic.all_reduce
+        )
+        stats = torch.zeros(CRITIC_STATS, dtype=torch.float64)
+        for key in old:
+            add_target_stats(stats, old[key], returns[key], masks[key])
+        lr = critic.lr * lr_factor(critic.steps, self.plan.train)
+        warmup = critic.steps < cfg.warmup_steps
+        norms = []
+        for k, (mini, mine, mbs) in enumerate(parts):
+            for mb in mbs:
+                if mb.sample_ids:
+                    mb.advantages = torch.cat([adv[(k, i)] for i in mb.sample_ids]).to(mb.advantages.device)
+            n = len(mine)
+            norms.append(
+                critic.update(
+                    mini, mbs, [old[(k, j)] for j in range(n)], [returns[(k, j)] for j in range(n)], stats
+                )
+            )
+        critic.steps += 1
+        return critic_metrics(critic.all_reduce(stats), len(parts), norms, lr, warmup)
 
     def _routes(self, samples: list[Sample], mb: B.MicroBatch):
         """Context of one micro-batch forward: the rollout's experts for an MoE model (routing replay)."""

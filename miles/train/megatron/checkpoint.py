@@ -89,10 +89,11 @@ def _rng() -> dict[str, Any]:
     }
 
 
-def _sharded(backend: Any, loading: bool) -> dict[str, Any]:
-    """The sharded state dict of the model and its distributed optimizer (collective)."""
-    model = backend.gpt.sharded_state_dict()
-    optimizer = backend.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_META)
+def _sharded(owner: Any, loading: bool) -> dict[str, Any]:
+    """The sharded state dict of `owner`'s model (.gpt) and its distributed optimizer (collective);
+    the owner is the backend (the policy) or its PPO critic."""
+    model = owner.gpt.sharded_state_dict()
+    optimizer = owner.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_META)
     return {"model": model, "optimizer": optimizer}
 
 
@@ -121,10 +122,18 @@ def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
         torch.save(state, _model_file(run_dir, step))
     dist.barrier()  # megatron-core's writer expects its directory to exist on every rank
     dist_checkpointing.save(_sharded(backend, loading=False), str(mg / "dist"))
+    critic = getattr(backend, "critic", None)
+    if critic is not None:
+        if rank == 0:
+            (mg / "critic").mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(_sharded(critic, loading=False), str(mg / "critic"))
     torch.save(_rng(), mg / f"rng_rank{rank}.pt")
     out = step_dir(run_dir, step)
     if rank == 0:
         trainer = {"step": step, "step_count": backend.step_count, "extra": extra or {}, "layout": _layout()}
+        if critic is not None:
+            trainer["critic_steps"] = critic.steps
         torch.save(trainer, out / "trainer.pt")
     dist.barrier()
     seal(run_dir, step, backend.plan.train.checkpoint.keep_last, dist)
@@ -150,6 +159,8 @@ def load(backend: Any, step: int | None) -> dict[str, Any]:
     except Exception as exc:
         raise load_error(step, run_dir, exc) from exc
     backend.step_count = int(trainer["step_count"])
+    if getattr(backend, "critic", None) is not None:
+        backend.critic.steps = int(trainer["critic_steps"])
     dist.barrier()
     return trainer["extra"]
 
@@ -188,13 +199,30 @@ def key_mismatch(in_model: set[str], in_checkpoint: set[str], where: str) -> str
 
 
 def _load_files(backend: Any, run_dir: str, step: int) -> dict[str, Any]:
+
+    mg = _megatron_dir(run_dir, step)
+    critic = getattr(backend, "critic", None)
+    if critic is not None and not (mg / "critic").is_dir():
+        raise CheckpointError(
+            f"checkpoint {step_dir(run_dir, step)} holds no critic, and train.loss.advantage=ppo trains one: "
+            "resume it with the advantage it was written with, or start a new run (run.name)"
+        )
+    _load_dist(backend, str(mg / "dist"))
+    if critic is not None:
+        _load_dist(critic, str(mg / "critic"))
+    trainer = torch.load(step_dir(run_dir, step) / "trainer.pt", weights_only=False)
+    _restore_rng(_megatron_dir(run_dir, step), trainer.get("layout"))
+    return trainer
+
+
+def _load_dist(owner: Any, path: str) -> None:
+    """Model and optimizer state of `owner` (the backend or its critic) from a dist checkpoint."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    path = str(_megatron_dir(run_dir, step) / "dist")
-    _allow_group_classes(backend.optimizer)
-    _ensure_optimizer_state(backend.optimizer)
-    request = _sharded(backend, loading=True)
+    _allow_group_classes(owner.optimizer)
+    _ensure_optimizer_state(owner.optimizer)
+    request = _sharded(owner, loading=True)
     loaded, saved_only, asked_only = dist_checkpointing.load(request, path, strict=StrictHandling.RETURN_ALL)
     # megatron-core's "missing" are keys only the checkpoint has (equal on all ranks), its
     # "unexpected" this rank's keys the checkpoint lacks; every rank decides on the same union
@@ -202,11 +230,8 @@ def _load_files(backend: Any, run_dir: str, step: int) -> dict[str, Any]:
     problem = key_mismatch(asked_anywhere, set(saved_only), path)
     if problem:
         raise CheckpointError(problem)
-    backend.gpt.load_state_dict(loaded["model"], strict=True)
-    _load_optimizer(backend.optimizer, loaded["optimizer"])
-    trainer = torch.load(step_dir(run_dir, step) / "trainer.pt", weights_only=False)
-    _restore_rng(_megatron_dir(run_dir, step), trainer.get("layout"))
-    return trainer
+    owner.gpt.load_state_dict(loaded["model"], strict=True)
+    _load_optimizer(owner.optimizer, loaded["optimizer"])
 
 
 def _restore_rng(mg: Path, saved_layout: dict[str, int] | None) -> None:

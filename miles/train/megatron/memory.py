@@ -65,23 +65,31 @@ class StorageOffloader:
 
 
 def training_tensors(backend: Any) -> list[torch.Tensor]:
-    """Parameters, main grads, DDP buffers and optimiser state/master weights of a MegatronBackend, and
-    its reference model's parameters (state the CPU-offloading optimiser keeps on the host is skipped
-    by StorageOffloader, which takes CUDA tensors only)."""
+    """Parameters, main grads, DDP buffers and optimiser state/master weights of a MegatronBackend and
+    of its PPO critic, and its reference model's parameters (state the CPU-offloading optimiser keeps on
+    the host is skipped by StorageOffloader, which takes CUDA tensors only)."""
     out: list[torch.Tensor] = []
     if getattr(backend, "ref_model", None) is not None:
         out += [p.data for p in backend.ref_model.parameters()]
-    for p in backend.model.parameters():
+    if getattr(backend, "critic", None) is not None:
+        out += _model_tensors(backend.critic)
+    return out + _model_tensors(backend)
+
+
+def _model_tensors(owner: Any) -> list[torch.Tensor]:
+    """Parameters, main grads, DDP buffers and optimiser state of `owner`'s model and optimizer."""
+    out: list[torch.Tensor] = []
+    for p in owner.model.parameters():
         out.append(p.data)
         if getattr(p, "main_grad", None) is not None:
             out.append(p.main_grad)
     for name in ("buffers", "expert_parallel_buffers"):
-        bufs = getattr(backend.model, name, None)
+        bufs = getattr(owner.model, name, None)
         for buf in bufs if isinstance(bufs, list) else []:
             for attr in ("param_data", "grad_data"):
                 if getattr(buf, attr, None) is not None:
                     out.append(getattr(buf, attr))
-    for opt in chained_optimizers(backend.optimizer):
+    for opt in chained_optimizers(owner.optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
