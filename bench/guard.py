@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         if err:
             print(f"\n{key} ({' '.join(runs[key])}) failed: {err}")
     stamp = dict(
-        commit=git_commit(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine()
+        commit=args.commit or git_commit(),
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        machine=machine(),
     )
     result = dict(mode=mode, **stamp, figures=rows, commands={k: " ".join(v) for k, v in runs.items()},
                   run_seconds=seconds, outputs=outputs)  # fmt: skip

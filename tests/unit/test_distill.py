@@ -108,3 +108,15 @@ def test_topk_logprobs_and_the_gradient_move_the_student_to_the_teacher() -> Non
     end = topk_reverse_kl(topk_logprobs(logits, rows, ids, 0.7), teacher).sum().item()
     assert end < 0.01 * start
     assert torch.allclose(topk_logprobs(logits, rows, ids, 0.7).exp(), teacher.exp(), atol=0.02)
+
+
+def test_the_metadata_key_picks_each_samples_teacher_and_the_rest_take_turns() -> None:
+    from miles.rollout.teacher import Teacher
+    from miles.sample import Sample
+
+    a, b = object(), object()
+    teacher = Teacher([a, b], key="teacher")  # type: ignore[list-item]
+    keyed = [Sample(0, i, [1], [2], [1], [0.0], metadata={"teacher": i % 2}) for i in range(4)]
+    assert [teacher._client_of(s) for s in keyed] == [a, b, a, b]
+    plain = [Sample(0, i, [1], [2], [1], [0.0]) for i in range(3)]
+    assert [teacher._client_of(s) for s in plain] == [a, b, a]

@@ -1,7 +1,7 @@
 """PPO's critic in the FSDP backend: the policy's body with a scalar value head, sharded like it.
 
-`ValueModel` is the Hugging Face base model of the policy's architecture (AutoModel: the decoder
-without its LM head) plus `value_head`, a Linear(hidden, 1) that starts at zero, so the first step's
+`ValueModel` is the Hugging Face base model of the policy's architecture (the decoder without its LM
+head) plus `value_head`, a Linear(hidden, 1) that starts at zero, so the first step's
 values are 0 and its advantages are the plain returns. The value of a response token is read at the
 position whose logits predict it (the state before the token), like its log-prob. The critic has its
 own AdamW (train.critic.lr) and LR schedule and is checkpointed beside the policy (fsdp/checkpoint.py).
@@ -35,9 +35,12 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str) -> ValueModel:
-        from transformers import AutoModel
+        """The body of the causal LM at `path` (its LM head is loaded with it and dropped: the
+        checkpoint then loads with no key left over)."""
+        from transformers import AutoModelForCausalLM
 
-        return cls(AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa"))
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        return cls(lm.base_model)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         hidden = self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
