@@ -81,11 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(sub)
     add_launch_commands(sub)
     add_eval_command(sub)
+    from miles.agentic.harbor.cli import add_tasks_command
     from miles.dashboard.cli import add_dashboard_command
     from miles.export import add_export_command
 
     add_dashboard_command(sub)
     add_export_command(sub)
+    add_tasks_command(sub)
     return parser
 
 

@@ -60,6 +60,11 @@ class BwrapSettings:
     """Host directories bound read-only at the same path."""
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment variables of every command (the host environment is never passed)."""
+    binds: tuple[tuple[str, str], ...] = ()
+    """Sub-directories of the episode directory bound read-write at absolute paths inside, e.g.
+    (("app", "/app"), ("logs", "/logs")) for Harbor tasks; created empty with the sandbox."""
+    chdir: str = INSIDE
+    """Working directory of every command."""
 
     def __post_init__(self) -> None:
         if isinstance(self.limits, dict):
@@ -92,8 +97,10 @@ def bwrap_argv(settings: BwrapSettings, workdir: str, cmd: list[str]) -> list[st
         elif os.path.isdir(link):
             argv += ["--ro-bind", link, link]
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", workdir, INSIDE]
+    for sub, target in settings.binds:
+        argv += ["--bind", os.path.join(workdir, sub), target]
     argv += ["--remount-ro", "/"]
-    argv += ["--chdir", INSIDE, "--clearenv", "--hostname", "sandbox"]
+    argv += ["--chdir", settings.chdir, "--clearenv", "--hostname", "sandbox"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": INSIDE, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
     env.update(dict(settings.env))
     for key, value in env.items():
@@ -168,6 +175,20 @@ class BwrapSandbox:
             raise SandboxStartError("workdir", str(e)) from e
         self.path = Path(path)
         self._finalizer = weakref.finalize(self, _wipe, path, self._pgids)
+        for sub, _ in self.settings.binds:
+            await self.make_dir(sub)
+
+    async def make_dir(self, path: str) -> None:
+        """An (empty, if new) directory at `path`, owned by the uid commands run as."""
+        target = self._inside(path)
+        target.mkdir(parents=True, exist_ok=True)
+        self._chown_up(target)
+
+    def _chown_up(self, target: Path) -> None:
+        uid = run_as(self.settings)
+        if uid is not None:
+            for p in [target, *[q for q in target.parents if self._live() in q.parents]]:
+                os.chown(p, uid, uid)
 
     async def exec(
         self, cmd: str | list[str], timeout_s: float | None = None, stdin: bytes | str | None = None
@@ -216,10 +237,7 @@ class BwrapSandbox:
         target = self._inside(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.encode() if isinstance(data, str) else data)
-        uid = run_as(self.settings)
-        if uid is not None:
-            for p in [target, *[q for q in target.parents if self._live() in q.parents]]:
-                os.chown(p, uid, uid)
+        self._chown_up(target)
 
     async def read_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
         target = self._inside(path)
@@ -247,6 +265,9 @@ class BwrapSandbox:
     def _inside(self, path: str) -> Path:
         base = self._live()
         rel = path[len(INSIDE) + 1 :] if path.startswith(INSIDE + "/") else path
+        for sub, target in self.settings.binds:  # a path under a bind target lives in its sub-directory
+            if path == target or path.startswith(target + "/"):
+                rel = sub + path[len(target) :]
         target = Path(os.path.realpath(base / rel))
         if target != base and base not in target.parents:
             raise SandboxError(f"path {path!r} leaves the sandbox directory")

@@ -1,0 +1,82 @@
+"""`miles tasks check DIR...`: every task through the episode path twice, with its oracle and with an
+agent that does nothing.
+
+The oracle (solution/solve.sh) must score 1 and the do-nothing agent 0: a task whose tests pass
+untouched, or whose own solution fails them, cannot teach anything. Both runs are exactly what
+training does (a fresh sandbox, the Dockerfile replayed, /tests only at verification), so a task
+that passes here runs in training on this host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from miles.agentic.harbor.episode import Episode, VerifierResult
+from miles.agentic.harbor.task import Task, TaskError
+from miles.agentic.sandbox.bwrap import BwrapSettings
+
+
+@dataclass
+class TaskCheck:
+    """The two verdicts of one task."""
+
+    task: str
+    oracle: VerifierResult | None
+    """None when the task has no solution/solve.sh."""
+    nothing: VerifierResult | None
+    error: str = ""
+    """Why the task could not run here (unsupported on this backend, malformed), or ""."""
+
+    @property
+    def passed(self) -> bool:
+        if self.error or self.nothing is None:
+            return False
+        oracle_ok = self.oracle is None or self.oracle.reward == 1.0
+        return oracle_ok and self.nothing.reward == 0.0
+
+
+async def check_task(task: Task, settings: BwrapSettings | None = None) -> TaskCheck:
+    try:
+        oracle = None
+        if task.solution_dir is not None:
+            async with Episode(task, settings) as ep:
+                await ep.run_solution()
+                oracle = await ep.verify()
+        async with Episode(task, settings) as ep:
+            nothing = await ep.verify()
+        return TaskCheck(task.name, oracle, nothing)
+    except TaskError as e:
+        return TaskCheck(task.name, None, None, str(e))
+
+
+async def check_tasks(
+    tasks: list[Task], jobs: int = 2, settings: BwrapSettings | None = None
+) -> list[TaskCheck]:
+    gate = asyncio.Semaphore(jobs)
+
+    async def one(t: Task) -> TaskCheck:
+        async with gate:
+            return await check_task(t, settings)
+
+    return list(await asyncio.gather(*(one(t) for t in tasks)))
+
+
+def _cell(r: VerifierResult | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r.reward:g}" if r.reward is not None else f"masked ({r.status})"
+
+
+def report(results: list[TaskCheck]) -> tuple[str, bool]:
+    """The table printed by `miles tasks check` and whether every task passed."""
+    width = max([len(r.task) for r in results] + [4])
+    lines = [f"{'task':{width}s}  {'oracle':>18s}  {'do-nothing':>18s}  verdict"]
+    for r in results:
+        verdict = "ok" if r.passed else ("ERROR: " + r.error if r.error else "FAILED")
+        if r.passed and r.oracle is None:
+            verdict = "ok (no solution/solve.sh: oracle not run)"
+        lines.append(f"{r.task:{width}s}  {_cell(r.oracle):>18s}  {_cell(r.nothing):>18s}  {verdict}")
+    ok = all(r.passed for r in results)
+    lines.append(f"{sum(r.passed for r in results)}/{len(results)} tasks passed")
+    return "\n".join(lines), ok

@@ -1,0 +1,48 @@
+"""`miles tasks ...`: Harbor-format task utilities."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from miles.agentic.harbor.check import check_tasks, report
+    from miles.agentic.harbor.task import TaskError, load_dataset
+
+    try:
+        tasks = load_dataset(args.paths)
+    except TaskError as e:
+        print(f"miles: error: {e}", file=sys.stderr)
+        return 2
+    table, ok = report(asyncio.run(check_tasks(tasks, jobs=args.jobs)))
+    print(table)
+    return 0 if ok else 1
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from miles.agentic.harbor.generate import generate
+
+    for path in generate(args.out, args.n, args.seed, args.start):
+        print(path)
+    return 0
+
+
+def add_tasks_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tasks", help="Harbor-format tasks: check a dataset, generate small tasks")
+    tsub = p.add_subparsers(dest="tasks_cmd", required=True)
+    q = tsub.add_parser(
+        "check",
+        help="run each task's solution and a do-nothing agent through the episode path; exit 1 unless "
+        "every oracle scores 1 and every do-nothing agent 0",
+    )
+    q.add_argument("paths", nargs="+", help="task directories or folders of tasks")
+    q.add_argument("--jobs", type=int, default=2, help="tasks checked at once")
+    q.set_defaults(func=_cmd_check)
+    q = tsub.add_parser("generate", help="write procedural tasks small enough for a tiny model")
+    q.add_argument("out", help="dataset folder to write")
+    q.add_argument("--n", type=int, default=16)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--start", type=int, default=0, help="first task index")
+    q.set_defaults(func=_cmd_generate)

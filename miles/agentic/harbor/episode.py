@@ -1,0 +1,237 @@
+"""One Harbor task in a fresh sandbox: the task's files at /app, the agent's tools, the verifier.
+
+Local backend: a bubblewrap sandbox per episode (miles/agentic/sandbox/bwrap.py) with the host's
+toolchain read-only and the episode's own directories at `/app` (the working directory), `/tests`,
+`/logs` and `/solution`; nothing is shared between episodes and nothing outlives one. The task's
+environment/Dockerfile is replayed instead of built: WORKDIR (under /app), COPY/ADD of the build
+context's files, ENV, and RUN commands run in the sandbox without network. A RUN that fails (the
+image would have installed what the host lacks) refuses the task with TaskUnsupported naming the line;
+so does a task that has only a `docker_image`. Cluster backends run the image itself (apptainer /
+enroot, miles/agentic/sandbox/container.py).
+
+Verification, as Harbor defines it: /tests and /logs are emptied (nothing the agent planted there
+counts), tests/ is copied to /tests, `bash /tests/test.sh` runs under [verifier] timeout_sec with
+[verifier] env, and the reward is read from /logs/verifier/reward.txt (a number) or reward.json
+({"reward": x}). A verifier that times out, crashes without a reward or writes no parsable reward gives
+`reward None`: the sample is masked, not scored 0, and the status says why.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from miles.agentic.harbor.task import Task, TaskError
+from miles.agentic.sandbox.base import ExecResult
+from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings
+
+BINDS = (("app", "/app"), ("tests", "/tests"), ("logs", "/logs"), ("solution", "/solution"))
+APP = "/app"
+OUTPUT_LIMIT = 8192
+"""Characters of a tool's output shown to the model (the rest is cut, and the cut is said)."""
+
+
+class TaskUnsupported(TaskError):
+    """The task cannot run on this backend (its image needs what the host lacks)."""
+
+
+@dataclass
+class VerifierResult:
+    """What verification gave."""
+
+    reward: float | None
+    """The task's reward, or None when the verifier failed (the sample is masked)."""
+    status: str
+    """`ok`, `timeout`, `crashed` (exited non-zero without a reward), `no_reward` or `bad_reward`."""
+    seconds: float
+    output: str
+
+
+def truncate(text: str, limit: int = OUTPUT_LIMIT) -> str:
+    """`text` cut to `limit` characters (head and tail kept), saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    head, tail = text[: limit // 2], text[-limit // 2 :]
+    return f"{head}\n[... {len(text) - len(head) - len(tail)} characters cut ...]\n{tail}"
+
+
+class Episode:
+    """One task in its own sandbox (async context manager): `bash`, `read_file`, `write_file`,
+    `str_replace` for the agent, `run_solution` for the oracle, `verify` at the end."""
+
+    def __init__(
+        self, task: Task, settings: BwrapSettings | None = None, output_limit: int = OUTPUT_LIMIT
+    ) -> None:
+        env = task.config.environment
+        base = settings or BwrapSettings()
+        limits = replace(
+            base.limits,
+            mem_mb=max(base.limits.mem_mb, env.memory_mb),
+            fsize_mb=max(base.limits.fsize_mb, min(env.storage_mb, 1024)),
+            cpu_s=max(base.limits.cpu_s, 60),
+            nproc=max(base.limits.nproc, 64 * env.cpus),
+        )
+        self.task = task
+        self.settings = replace(base, binds=BINDS, chdir=APP, limits=limits)
+        self.sandbox = BwrapSandbox(self.settings)
+        self.env: dict[str, str] = dict(env.env)
+        self.cwd = APP
+        self.output_limit = output_limit
+        self.start_s = 0.0
+        """Seconds the sandbox took to start and replay the Dockerfile."""
+
+    async def __aenter__(self) -> Episode:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.sandbox.close()
+
+    async def start(self) -> None:
+        t0 = time.monotonic()
+        if not self.task.steps and self.task.config.environment.docker_image:
+            raise TaskUnsupported(
+                f"{self.task.path}: only [environment] docker_image={self.task.base_image!r} describes the "
+                "environment; the local backend needs environment/Dockerfile (or run it with a container backend)"
+            )
+        await self.sandbox.create()
+        try:
+            await self._replay()
+        except BaseException:
+            await self.sandbox.close()
+            raise
+        self.start_s = time.monotonic() - t0
+
+    async def _replay(self) -> None:
+        dockerfile = self.task.environment_dir / "Dockerfile"
+        for step in self.task.steps:
+            where = f"{dockerfile}:{step.line}"
+            if step.kind == "workdir":
+                self.cwd = self._under_app(step.args[0], where)
+                await self.sandbox.make_dir(self.cwd)
+            elif step.kind == "env":
+                self.env[step.args[0]] = step.args[1]
+            elif step.kind == "copy":
+                *sources, dest = step.args
+                for src in sources:
+                    await self._copy_in(self.task.environment_dir, src, dest, where)
+            elif step.kind == "run":
+                timeout = self.task.config.environment.build_timeout_sec
+                res = await self._exec(step.args[0], timeout)
+                if not res.ok:
+                    raise TaskUnsupported(
+                        f"{where}: RUN {step.args[0]!r} failed here (exit {res.returncode}"
+                        f"{', ' + res.killed_reason if res.killed_reason else ''}): "
+                        f"{(res.stderr or res.stdout).strip()[-300:]!r}. The task's image "
+                        f"({self.task.base_image}) provides what this host's toolchain lacks: run it with a "
+                        "container backend"
+                    )
+
+    def _under_app(self, path: str, where: str) -> str:
+        absolute = path if path.startswith("/") else f"{self.cwd}/{path}"
+        norm = str(Path(absolute))
+        if norm != APP and not norm.startswith(APP + "/"):
+            raise TaskUnsupported(
+                f"{where}: {path!r} is outside /app, the only directory the local backend serves"
+            )
+        return norm
+
+    async def _copy_in(self, context: Path, src: str, dest: str, where: str) -> None:
+        source = (context / src).resolve()
+        if context.resolve() not in [source, *source.parents] or not source.exists():
+            raise TaskError(f"{where}: COPY source {src!r} is not a file or directory of {context}")
+        target = self._under_app(dest, where)
+        if source.is_dir():
+            for f in sorted(p for p in source.rglob("*") if p.is_file()):
+                await self.sandbox.write_file(f"{target}/{f.relative_to(source)}", f.read_bytes())
+        else:
+            into_dir = dest.endswith("/") or (self.sandbox.path / target.lstrip("/")).is_dir()  # type: ignore[operator]
+            await self.sandbox.write_file(
+                f"{target}/{source.name}" if into_dir else target, source.read_bytes()
+            )
+
+    async def _exec(self, command: str, timeout_s: float, env: dict[str, str] | None = None) -> ExecResult:
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**self.env, **(env or {})}.items())
+        prefix = f"export {exports}; " if exports else ""
+        return await self.sandbox.exec(
+            ["bash", "-c", f"{prefix}cd {shlex.quote(self.cwd)} && {command}"], timeout_s
+        )
+
+    # ---- the agent's tools -------------------------------------------------------------------------
+
+    async def bash(self, command: str, timeout_s: float = 30.0) -> str:
+        """Run a shell command in /app; its output (stdout then stderr, cut to the limit) and exit code."""
+        res = await self._exec(command, timeout_s)
+        out = res.stdout + (("\n" if res.stdout else "") + res.stderr if res.stderr else "")
+        tail = f"[exit code {res.returncode}]"
+        if res.killed_reason:
+            tail = f"[stopped: {res.killed_reason}" + (f" after {timeout_s:g} s]" if res.timed_out else "]")
+        return f"{truncate(out, self.output_limit)}\n{tail}".lstrip("\n")
+
+    def _path(self, path: str) -> str:
+        return path if path.startswith("/") else f"{self.cwd}/{path}"
+
+    async def read_file(self, path: str) -> str:
+        data = await self.sandbox.read_file(self._path(path), max_bytes=4 * self.output_limit)
+        return truncate(data.decode(errors="replace"), self.output_limit)
+
+    async def write_file(self, path: str, content: str) -> str:
+        await self.sandbox.write_file(self._path(path), content)
+        return f"wrote {len(content.encode())} bytes to {self._path(path)}"
+
+    async def str_replace(self, path: str, old: str, new: str) -> str:
+        text = (await self.sandbox.read_file(self._path(path), max_bytes=1 << 24)).decode()
+        count = text.count(old)
+        if count != 1:
+            raise ValueError(f"{path}: the text to replace occurs {count} times (it must occur exactly once)")
+        await self.sandbox.write_file(self._path(path), text.replace(old, new, 1))
+        return f"edited {self._path(path)}"
+
+    # ---- oracle and verification -------------------------------------------------------------------
+
+    async def run_solution(self) -> ExecResult:
+        """The task's solution/ at /solution, then `bash /solution/solve.sh` (its [solution] env)."""
+        solution = self.task.solution_dir
+        if solution is None:
+            raise TaskError(f"{self.task.path}: no solution/solve.sh")
+        await self._copy_tree(solution, "solution")
+        timeout = self.task.config.agent.timeout_sec or 600.0
+        return await self._exec("bash /solution/solve.sh", timeout, self.task.config.solution.env)
+
+    async def _copy_tree(self, source: Path, sub: str) -> None:
+        root = self.sandbox.path / sub  # type: ignore[operator]
+        shutil.rmtree(root, ignore_errors=True)
+        await self.sandbox.make_dir(sub)
+        for f in sorted(p for p in source.rglob("*") if p.is_file()):
+            await self.sandbox.write_file(f"{sub}/{f.relative_to(source)}", f.read_bytes())
+
+    async def verify(self) -> VerifierResult:
+        t0 = time.monotonic()
+        await self._copy_tree(self.task.tests_dir, "tests")
+        shutil.rmtree(self.sandbox.path / "logs", ignore_errors=True)  # type: ignore[operator]
+        await self.sandbox.make_dir("logs/verifier")
+        cfg = self.task.config.verifier
+        res = await self._exec("bash /tests/test.sh", cfg.timeout_sec, cfg.env)
+        output = truncate(res.stdout + res.stderr, 4000)
+        seconds = time.monotonic() - t0
+        if res.timed_out:
+            return VerifierResult(None, "timeout", seconds, output)
+        reward, status = await self._read_reward()
+        if reward is None and status == "no_reward" and not res.ok:
+            status = "crashed"
+        return VerifierResult(reward, status, seconds, output)
+
+    async def _read_reward(self) -> tuple[float | None, str]:
+        logs = self.sandbox.path / "logs" / "verifier"  # type: ignore[operator]
+        try:
+            if (logs / "reward.txt").is_file():
+                return float((logs / "reward.txt").read_text().strip()), "ok"
+            if (logs / "reward.json").is_file():
+                return float(json.loads((logs / "reward.json").read_text())["reward"]), "ok"
+        except (ValueError, KeyError, TypeError):
+            return None, "bad_reward"
+        return None, "no_reward"

@@ -1,0 +1,279 @@
+"""Harbor-format tasks (the format of Terminal-Bench 2 and many agent datasets), read without Docker.
+
+A task is a directory:
+
+    task.toml          version; [metadata]; [verifier] timeout_sec, env; [agent] timeout_sec;
+                       [environment] build_timeout_sec, docker_image, cpus, memory_mb, storage_mb, ...;
+                       [solution] env
+    instruction.md     what the agent is asked to do
+    environment/       Dockerfile (its build context: typically `WORKDIR /app` and COPY of files)
+    tests/test.sh      the verifier, copied to /tests at verification only (+ helper files)
+    solution/solve.sh  optional oracle
+
+The `harbor` package needs Python >= 3.12, so this reader follows Harbor's documented TaskConfig
+schema itself: the same section and field names and defaults, the deprecated `version` key and
+`memory` / `storage` size strings accepted, unknown keys ignored as Harbor ignores them. A malformed
+task raises TaskError naming the file and the field. A dataset is a folder of task directories (or a
+list of paths, each a task or a dataset).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class TaskError(ValueError):
+    """A task directory that cannot be used; the message names the file and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class VerifierSection(_Section):
+    timeout_sec: float = Field(600.0, gt=0)
+    env: dict[str, str] = {}
+
+
+class AgentSection(_Section):
+    timeout_sec: float | None = Field(None, gt=0)
+
+
+class SolutionSection(_Section):
+    env: dict[str, str] = {}
+
+
+def _size_mb(text: str) -> int:
+    t = text.strip().upper()
+    factor = {"G": 1024.0, "M": 1.0, "K": 1 / 1024}.get(t[-1:])
+    if factor is None:
+        raise ValueError(f"size {text!r} needs a unit suffix G, M or K (e.g. '2G')")
+    return int(float(t[:-1]) * factor)
+
+
+class EnvironmentSection(_Section):
+    build_timeout_sec: float = Field(600.0, gt=0)
+    docker_image: str | None = None
+    cpus: int = Field(1, ge=1)
+    memory_mb: int = Field(2048, ge=1)
+    storage_mb: int = Field(10240, ge=1)
+    gpus: int = Field(0, ge=0)
+    allow_internet: bool = True
+    env: dict[str, str] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_sizes(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for old, new in (("memory", "memory_mb"), ("storage", "storage_mb")):
+                if old in data:
+                    data.setdefault(new, _size_mb(str(data.pop(old))))
+        return data
+
+
+class TaskConfig(_Section):
+    """task.toml."""
+
+    schema_version: str = "1.0"
+    metadata: dict[str, Any] = {}
+    verifier: VerifierSection = VerifierSection()
+    agent: AgentSection = AgentSection()
+    environment: EnvironmentSection = EnvironmentSection()
+    solution: SolutionSection = SolutionSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "version" in data:
+            data = dict(data)
+            data.setdefault("schema_version", str(data.pop("version")))
+        return data
+
+
+@dataclass(frozen=True)
+class DockerStep:
+    """One instruction of environment/Dockerfile the local backend acts on."""
+
+    kind: str  # "workdir" | "copy" | "run" | "env"
+    args: tuple[str, ...]
+    line: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """One Harbor task directory, read and checked."""
+
+    path: Path
+    config: TaskConfig
+    instruction: str
+    steps: tuple[DockerStep, ...] = ()
+    """What environment/Dockerfile does, for the local backend (empty without a Dockerfile)."""
+    base_image: str | None = None
+    """The Dockerfile's FROM, or [environment] docker_image."""
+    notes: tuple[str, ...] = field(default=())
+    """Dockerfile instructions the local backend ignores (CMD, EXPOSE, ...), for `miles tasks check`."""
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def tests_dir(self) -> Path:
+        return self.path / "tests"
+
+    @property
+    def solution_dir(self) -> Path | None:
+        d = self.path / "solution"
+        return d if (d / "solve.sh").is_file() else None
+
+    @property
+    def environment_dir(self) -> Path:
+        return self.path / "environment"
+
+
+_IGNORED = {
+    "CMD",
+    "ENTRYPOINT",
+    "EXPOSE",
+    "LABEL",
+    "HEALTHCHECK",
+    "SHELL",
+    "STOPSIGNAL",
+    "VOLUME",
+    "ARG",
+    "USER",
+}
+
+
+def parse_dockerfile(path: Path) -> tuple[str | None, list[DockerStep], list[str]]:
+    """(FROM image, the steps the local backend runs, notes on ignored instructions) of a Dockerfile.
+
+    Continuation lines (trailing backslash) are joined. COPY/ADD take local sources only (no URLs, no
+    --from stages); RUN in exec form (JSON) is refused: the local backend runs shell commands."""
+    text = path.read_text()
+    lines: list[tuple[int, str]] = []
+    buf, start = "", 0
+    for n, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if not buf:
+            start = n
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        lines.append((start, buf + stripped))
+        buf = ""
+    if buf:
+        lines.append((start, buf))
+    image, steps, notes = None, [], []
+    for n, line in lines:
+        word, _, rest = line.partition(" ")
+        word, rest = word.upper(), rest.strip()
+        where = f"{path}:{n}"
+        if word == "FROM":
+            image = rest.split()[0] if rest else None
+        elif word == "WORKDIR":
+            steps.append(DockerStep("workdir", (rest,), n))
+        elif word in ("COPY", "ADD"):
+            parts = shlex.split(rest)
+            if any(p.startswith("--") for p in parts) or any("://" in p for p in parts):
+                raise TaskError(
+                    f"{where}: {word} {rest!r}: only local sources without flags can be copied here"
+                )
+            if len(parts) < 2:
+                raise TaskError(f"{where}: {word} needs a source and a destination")
+            steps.append(DockerStep("copy", tuple(parts), n))
+        elif word == "RUN":
+            if rest.startswith("["):
+                raise TaskError(f"{where}: RUN in exec form (JSON); write it as a shell command")
+            steps.append(DockerStep("run", (rest,), n))
+        elif word == "ENV":
+            first = rest.split(maxsplit=1)[0] if rest else ""
+            if "=" in first:  # ENV K1=V1 K2="V 2" ...
+                for pair in shlex.split(rest):
+                    key, sep, value = pair.partition("=")
+                    if not sep or not key:
+                        raise TaskError(f"{where}: ENV {pair!r} is not KEY=VALUE")
+                    steps.append(DockerStep("env", (key, value), n))
+            else:  # the legacy form: ENV KEY VALUE
+                key, _, value = rest.partition(" ")
+                if not key or not value:
+                    raise TaskError(f"{where}: ENV needs KEY=VALUE (or KEY VALUE)")
+                steps.append(DockerStep("env", (key, value.strip()), n))
+        elif word in _IGNORED:
+            notes.append(f"{where}: {word} ignored by the local backend")
+        else:
+            raise TaskError(f"{where}: unknown Dockerfile instruction {word}")
+    return image, steps, notes
+
+
+def _field_errors(file: Path, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = [str(x) for x in e["loc"]]
+        section = f"[{loc[0]}] " if len(loc) > 1 else ""
+        parts.append(f"{file}: {section}{'.'.join(loc[1:] or loc)}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def load_task(path: str | Path) -> Task:
+    """Read and check one task directory (TaskError naming the file and field)."""
+    root = Path(path)
+    toml_file = root / "task.toml"
+    if not toml_file.is_file():
+        raise TaskError(
+            f"{root}: no task.toml (a Harbor task directory has task.toml, instruction.md, tests/)"
+        )
+    try:
+        raw = tomllib.loads(toml_file.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise TaskError(f"{toml_file}: not valid TOML: {e}") from None
+    try:
+        config = TaskConfig.model_validate(raw)
+    except ValidationError as e:
+        raise TaskError(_field_errors(toml_file, e)) from None
+    except ValueError as e:  # a size string without a unit
+        raise TaskError(f"{toml_file}: [environment]: {e}") from None
+    instruction_file = root / "instruction.md"
+    if not instruction_file.is_file() or not instruction_file.read_text().strip():
+        raise TaskError(f"{instruction_file}: missing or empty (the task's instruction to the agent)")
+    if not (root / "tests" / "test.sh").is_file():
+        raise TaskError(f"{root / 'tests' / 'test.sh'}: missing (the verifier entry point)")
+    solution = root / "solution"
+    if solution.is_dir() and not (solution / "solve.sh").is_file():
+        raise TaskError(f"{solution / 'solve.sh'}: missing (solution/ exists without its entry point)")
+    dockerfile = root / "environment" / "Dockerfile"
+    image, steps, notes = config.environment.docker_image, [], []
+    if dockerfile.is_file():
+        from_image, steps, notes = parse_dockerfile(dockerfile)
+        image = image or from_image
+    elif not config.environment.docker_image:
+        raise TaskError(
+            f"{root}: neither environment/Dockerfile nor [environment] docker_image in {toml_file.name}"
+        )
+    return Task(root, config, instruction_file.read_text(), tuple(steps), image, tuple(notes))
+
+
+def load_dataset(paths: list[str | Path]) -> list[Task]:
+    """Tasks of each path: a task directory, or a folder whose sub-directories with task.toml are
+    tasks (sorted by name). A folder holding no task is an error."""
+    tasks: list[Task] = []
+    for p in map(Path, paths):
+        if (p / "task.toml").is_file():
+            tasks.append(load_task(p))
+            continue
+        if not p.is_dir():
+            raise TaskError(f"{p}: not a directory")
+        found = sorted(d for d in p.iterdir() if (d / "task.toml").is_file())
+        if not found:
+            raise TaskError(f"{p}: neither a task (task.toml) nor a folder of tasks")
+        tasks.extend(load_task(d) for d in found)
+    return tasks

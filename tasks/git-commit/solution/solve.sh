@@ -1,0 +1,2 @@
+#!/bin/bash
+cd /app && git add -A && git commit -q -m "update docs"
