@@ -24,9 +24,10 @@ records become the samples (one per trajectory branch), all scored with the agen
 
 Both record per-episode facts in `sample.metadata["agent"]` (turns, tool_calls, tool_errors,
 tool_timeouts, success, generate_s: time in engine calls, env_s: time in the environment's reset and
-steps, reset_s: the reset alone, where a per-episode sandbox starts, and sandbox_start_s where the
-environment reports it in its observation's or steps' info); the producer turns them into `agent/*`
-metrics.
+steps, reset_s: the reset alone, where a per-episode sandbox starts, and sandbox_start_s and
+verifier_s where the environment reports them in its observation's or steps' info); the producer turns
+them into `agent/*` metrics. An environment step whose info holds `masked` (a verifier that failed)
+marks the sample `metadata["masked"]`: the producer leaves it out of its group.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class Episode:
         s.weight_versions.extend([version] * len(ids))
 
     def add_info(self, info: dict[str, Any]) -> None:
-        for key in ("tool_calls", "tool_errors", "tool_timeouts", "success", "sandbox_start_s"):
+        for key in ("tool_calls", "tool_errors", "tool_timeouts", "success", "sandbox_start_s", "verifier_s"):
             if isinstance(info.get(key), (int, float)):
                 self.facts[key] = self.facts.get(key, 0.0) + float(info[key])
 
@@ -216,6 +217,8 @@ async def _play(
         ep.facts["env_s"] += time.monotonic() - t0
         ep.add_info(result.info)
         s.reward += float(result.reward)
+        if result.info.get("masked"):  # the episode cannot be scored (a failed verifier): not trained on
+            s.metadata["masked"] = str(result.info["masked"])
         if result.done:
             s.status = Status.COMPLETED
             return

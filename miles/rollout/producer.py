@@ -49,12 +49,18 @@ AGENT_KEYS = (
     "reset_s",
     "sandbox_start_s",
     "sandbox_failed",
+    "verifier_s",
     "success",
 )
 """Per-episode facts of `sample.metadata["agent"]` reported as means (agent/<key>, times as *_time_s);
 a fact no episode of the step recorded is left out."""
 
-_AGENT_NAMES = {"env_s": "env_time_s", "generate_s": "generate_time_s", "reset_s": "reset_time_s"}
+_AGENT_NAMES = {
+    "env_s": "env_time_s",
+    "generate_s": "generate_time_s",
+    "reset_s": "reset_time_s",
+    "verifier_s": "verifier_time_s",
+}
 
 
 @dataclass
@@ -63,6 +69,8 @@ class ProducerStats:
 
     samples: int = 0
     tokens: int = 0
+    masked: int = 0
+    """Samples left out of their group because they could not be scored (metadata["masked"])."""
     since: float = field(default_factory=time.monotonic)
     episodes: dict[str, list[float]] = field(default_factory=dict)
     """Per-episode agent facts (AGENT_KEYS, plus `branches`) of the episodes finished since `take()`."""
@@ -87,12 +95,14 @@ class ProducerStats:
             "rollout/tokens_per_s": self.tokens / elapsed,
             "rollout/samples_per_s": self.samples / elapsed,
         }
+        if self.masked:
+            out["rollout/masked_samples"] = float(self.masked)
         for key, values in self.episodes.items():
             out[f"agent/{_AGENT_NAMES.get(key, key)}"] = sum(values) / len(values)
         if self.episodes:
             out["agent/episodes"] = float(len(self.episodes["branches"]))
             out["agent/episodes_per_s"] = len(self.episodes["branches"]) / elapsed
-        self.samples, self.tokens, self.since, self.episodes = 0, 0, now, {}
+        self.samples, self.tokens, self.since, self.episodes, self.masked = 0, 0, now, {}, 0
         return out
 
 
@@ -175,6 +185,13 @@ class Producer:
                 await self.teacher.score(group)
             if all(s.status is Status.FAILED for s in group):
                 log.warning("group %d failed on every sample: %s", group_id, group[0].metadata.get("error"))
+            masked = [s for s in group if s.metadata.get("masked")]
+            if masked:  # unscorable samples leave the group (its advantages use the others)
+                self.stats.masked += len(masked)
+                group = [s for s in group if not s.metadata.get("masked")]
+                if not group:
+                    log.warning("group %d: every sample masked (%s)", group_id, masked[0].metadata["masked"])
+                    return
             self.buffer.put(group)
         except Exception as e:  # a reward function bug must stop the run, not hang it
             self.error = e

@@ -73,3 +73,25 @@ def test_sync_fill_makes_exactly_the_batch(engine, tiny_model) -> None:
     assert producer.next_index == 3 and producer.inflight_groups == 0
     lengths = {s.response_length for g in groups for s in g}
     assert len(lengths) > 1  # the long tail really varies lengths
+
+
+async def masking_generate(gen, prompt, s, params):
+    """A generate function whose even-indexed samples could not be scored (a failed verifier)."""
+    s.prompt_ids = gen.encoder.prompt_ids(prompt)
+    r = await gen.call_engine(s, s.prompt_ids, params)
+    await gen.fill(s, r)
+    if s.index % 2 == 0:
+        s.metadata["masked"] = "verifier timeout"
+    return s
+
+
+def test_masked_samples_leave_their_group_and_are_counted(engine, tiny_model) -> None:
+    cfg = RolloutConfig(max_new_tokens=8, generate_fn="test_producer:masking_generate")
+    task = build_task(TaskConfig(name="longtail", options={"min_tokens": 4, "max_tokens": 8}), seed=0)
+    gen = Generator.from_config([SGLangClient(engine.url)], PromptEncoder(tiny_model), first_number, cfg)
+    buf = RolloutBuffer(8)
+    producer = Producer(gen, task, buf, n_samples=4, max_inflight=8)
+    asyncio.run(producer.fill(2))
+    groups = buf.get(2, current_version=0, timeout_s=1)
+    assert [sorted(s.index for s in g) for g in groups] == [[1, 3], [1, 3]]
+    assert producer.stats.take()["rollout/masked_samples"] == 4.0

@@ -197,3 +197,35 @@ def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_o
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
     assert rows[wrong.name].split()[1:4] == ["0", "0", "FAILED"]
     assert rows[free.name].split()[1:4] == ["-", "1", "FAILED"]
+
+
+@needs_bwrap
+def test_episodes_are_isolated_and_runaway_commands_are_stopped_and_reported(tmp_path) -> None:
+    """Two episodes at once: neither sees the other's files or the host's run directory; no network; a
+    disk filler, a fork bomb and a memory hog are stopped and the tool output says so."""
+    toml = TOML.format(verifier=20) + "storage_mb = 64\n"
+    task = load_task(_task(tmp_path / "iso", REWARD_IF_DONE, toml=toml))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoint.pt").write_text("weights")
+
+    async def go():
+        async with Episode(task) as a, Episode(task) as b:
+            await a.write_file("secret.txt", "only a")
+            seen = await b.bash(
+                f"cat /app/secret.txt; ls /tmp /sandbox; find / -name secret.txt 2>/dev/null; ls {run_dir}"
+            )
+            net = await b.bash("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), 2)\"")
+            disk = await b.bash("head -c 100M /dev/zero > big.bin", timeout_s=20)
+            fork = await b.bash(":(){ :|:& };:", timeout_s=5)
+            hog = await b.bash('python3 -c "x = bytearray(8 << 30)"', timeout_s=20)
+            alive = await b.bash("echo still here")
+            return seen, net, disk, fork, hog, alive
+
+    seen, net, disk, fork, hog, alive = asyncio.run(go())
+    assert "only a" not in seen and "/app/secret.txt: No such file" in seen and "checkpoint.pt" not in seen
+    assert "Network is unreachable" in net and net.endswith("[exit code 1]")
+    assert disk.endswith("[stopped: file_size]")
+    assert "[hit the process limit" in fork
+    assert "MemoryError" in hog and hog.endswith("[stopped: memory]")
+    assert alive.startswith("still here") and alive.endswith("[exit code 0]")

@@ -114,6 +114,7 @@ def _builtin_envs() -> dict[str, str]:
         "guess": "miles.agentic.envs.guess:GuessEnv",
         "lookup": "miles.agentic.tasks:LookupEnv",
         "openenv": "miles.agentic.envs.adapters.openenv:OpenEnvEnv",
+        "harbor": "miles.agentic.harbor.env:HarborEnv",
     }
 
 

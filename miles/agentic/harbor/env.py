@@ -1,0 +1,201 @@
+"""`harbor`: coding and terminal episodes on Harbor-format tasks, one fresh sandbox per episode.
+
+    rollout:
+      generate_fn: miles.agentic.rollout:env_generate
+      task: {name: env}
+      env:
+        name: harbor
+        options: {tasks: [tasks/], eval_tasks: [my-heldout/], max_turns: 8}   # a dataset ...
+        # options: {generate: true, generate_seed: 0}                         # ... or generated tasks
+
+The opening messages are a system prompt naming the tools and the task's instruction.md; the tools act
+in the episode's sandbox (miles/agentic/harbor/episode.py): `bash` (a command in /app; its output cut
+to `output_limit` characters, the cut said; the exit code or why it was stopped), `read_file`,
+`write_file`, `str_replace` (the old text must occur exactly once) and `submit`. Tool calls come as
+OpenAI tool calls, the standard `<tool_call>{json}</tool_call>` form, or the compact
+`<tool_call>bash ls -l</tool_call>` form (a tool's main argument after its name), which a tiny model
+can learn. The episode ends on `submit`, on a turn without a tool call, or at max_turns; then the
+task's verifier runs and its reward is the episode's. A verifier that times out or fails without a
+reward marks the sample masked (`info["masked"]`): the producer leaves it out of its group and counts
+it (`rollout/masked_samples`), it is not trained on as reward 0.
+
+Task choice: with `tasks` (task directories or dataset folders) training episode `index` plays task
+`index mod n` and held-out episodes (indices from EVAL_OFFSET) play `eval_tasks` (default: the same
+tasks); with `generate` every index is its own task from miles/agentic/harbor/generate.py, written
+once into a cache directory outside the run directory.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from miles.agentic.envs.base import Action, Message, StepResult
+from miles.agentic.envs.toolenv import ToolEnv
+from miles.agentic.envs.tools import Tool, ToolError, ToolOutcome
+from miles.agentic.harbor.episode import OUTPUT_LIMIT, Episode
+from miles.agentic.harbor.task import Task, load_dataset, load_task
+from miles.rollout.tasks import EVAL_OFFSET
+
+SYSTEM = (
+    "You are working in a Linux sandbox whose working directory is /app. Use the tools to inspect and "
+    "change files and run commands: bash, read_file, write_file, str_replace. Call submit when the task "
+    "is done."
+)
+_CACHE: dict[str, Task] = {}
+
+
+def _cached(path: str) -> Task:
+    if path not in _CACHE:
+        _CACHE[path] = load_task(path)
+    return _CACHE[path]
+
+
+class HarborEnv(ToolEnv):
+    """Harbor tasks with sandboxed coding tools; see the module docstring."""
+
+    name = "harbor"
+
+    def __init__(
+        self,
+        tasks: list[str] | str | None = None,
+        eval_tasks: list[str] | str | None = None,
+        generate: bool = False,
+        generate_seed: int = 0,
+        max_turns: int = 8,
+        bash_timeout_s: float = 10.0,
+        output_limit: int = OUTPUT_LIMIT,
+        system_prompt: str = SYSTEM,
+    ) -> None:
+        super().__init__(max_turns)
+        if (tasks is None) == (not generate):
+            raise ValueError(
+                "harbor: give exactly one of options.tasks (task folders) and options.generate: true"
+            )
+        as_list = (lambda x: [x] if isinstance(x, str) else list(x)) if tasks is not None else None
+        self.train_paths = [str(t.path) for t in load_dataset(as_list(tasks))] if as_list else []
+        self.eval_paths = (
+            [str(t.path) for t in load_dataset(as_list(eval_tasks))] if as_list and eval_tasks else []
+        )
+        self.generate_seed = int(generate_seed)
+        self.bash_timeout_s = bash_timeout_s
+        self.output_limit = output_limit
+        self.system_prompt = system_prompt
+        self.episode: Episode | None = None
+        self.outcome: dict[str, Any] = {}
+        self._submitted = False
+        self._tools = {
+            "bash": Tool("bash", "Run a shell command in /app and return its output.",
+                         {"command": {"type": "string", "description": "the command"}}, self._bash,
+                         timeout_s=bash_timeout_s + 5.0),
+            "read_file": Tool("read_file", "Return the content of a file.",
+                              {"path": {"type": "string", "description": "file path (relative to /app)"}},
+                              self._read, timeout_s=10.0),
+            "write_file": Tool("write_file", "Write a file (creating directories), replacing its content.",
+                               {"path": {"type": "string", "description": "file path"},
+                                "content": {"type": "string", "description": "the new content"}},
+                               self._write, timeout_s=10.0),
+            "str_replace": Tool("str_replace", "Replace text that occurs exactly once in a file.",
+                                {"path": {"type": "string", "description": "file path"},
+                                 "old": {"type": "string", "description": "the text to replace"},
+                                 "new": {"type": "string", "description": "its replacement"}},
+                                self._replace, timeout_s=10.0),
+            "submit": Tool("submit", "Say that the task is done; the tests run next.",
+                           {"note": {"type": "string", "description": "optional remark"}}, self._submit,
+                           timeout_s=1.0),
+        }  # fmt: skip
+
+    # ---- tasks -------------------------------------------------------------------------------------
+
+    def make_task(self, seed: int, index: int) -> dict[str, Any]:
+        if not self.train_paths:
+            from miles.agentic.harbor.generate import make_task
+
+            out = Path(tempfile.gettempdir()) / f"miles-harbor-tasks-{self.generate_seed}-{seed}"
+            return {"path": str(make_task(out, self.generate_seed * 7919 + seed, index)), "id": index}
+        held_out = index >= EVAL_OFFSET
+        paths = self.eval_paths if held_out and self.eval_paths else self.train_paths
+        k = (index - EVAL_OFFSET) if held_out else index
+        return {"path": paths[k % len(paths)], "id": index}
+
+    def opening(self, task: dict[str, Any]) -> list[Message]:
+        return [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": _cached(task["path"]).instruction.strip()},
+        ]
+
+    # ---- episode -----------------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        self._submitted, self.outcome = False, {}
+        self.episode = Episode(_cached(self.task["path"]), output_limit=self.output_limit)
+        await self.episode.start()
+        self.outcome["sandbox_start_s"] = self.episode.start_s
+
+    async def close(self) -> None:
+        if self.episode is not None:
+            episode, self.episode = self.episode, None
+            await episode.sandbox.close()
+
+    async def reset(self, task: dict[str, Any]):  # type: ignore[override]
+        obs = await super().reset(task)
+        obs.info["sandbox_start_s"] = self.outcome["sandbox_start_s"]
+        return obs
+
+    def grade(self, answer: str) -> float:
+        return 0.0  # a turn without a tool call ends the episode; the verifier decides (step)
+
+    def after_tools(self, outcome: ToolOutcome) -> float | None:
+        return 0.0 if self._submitted else None
+
+    async def step(self, action: Action) -> StepResult:
+        result = await super().step(action)
+        if not result.done:
+            return result
+        assert self.episode is not None
+        verdict = await self.episode.verify()
+        info = dict(result.info)
+        info["verifier_s"] = verdict.seconds
+        reward = verdict.reward if verdict.reward is not None else 0.0
+        if verdict.reward is None:
+            info["masked"] = f"verifier {verdict.status}"
+        info["success"] = reward >= 1.0
+        info["episode"] = {
+            **info.get("episode", {}),
+            "success": float(reward >= 1.0),
+            "verifier_s": verdict.seconds,
+        }
+        return StepResult(result.messages, reward, True, info)
+
+    # ---- tools -------------------------------------------------------------------------------------
+
+    def _live(self) -> Episode:
+        if self.episode is None:
+            raise ToolError("no episode is running")
+        return self.episode
+
+    async def _bash(self, command: str) -> str:
+        return await self._live().bash(command, self.bash_timeout_s)
+
+    async def _read(self, path: str) -> str:
+        try:
+            return await self._live().read_file(path)
+        except Exception as e:  # a missing file or a path outside the sandbox: the model's error
+            raise ToolError(str(e)) from None
+
+    async def _write(self, path: str, content: str) -> str:
+        try:
+            return await self._live().write_file(path, content)
+        except Exception as e:
+            raise ToolError(str(e)) from None
+
+    async def _replace(self, path: str, old: str, new: str) -> str:
+        try:
+            return await self._live().str_replace(path, old, new)
+        except Exception as e:
+            raise ToolError(str(e)) from None
+
+    async def _submit(self, note: str = "") -> str:
+        self._submitted = True
+        return "submitted; the tests run now"
