@@ -50,6 +50,10 @@ class Sample:
     allow. The trainer views it as [rows, num_hidden_layers, top_k] (miles/train/routing_replay.py)."""
     teacher_logprobs: list[float] = field(default_factory=list)
     """Per response token: log-prob under the distillation teacher (train.distill), else empty."""
+    weight: float = 1.0
+    """Trajectory weight: the share of its episode this sample carries, 1 / (trajectories the episode
+    produced: sub-agents, compacted histories); the trainer's group statistics and loss normalisation
+    count it instead of 1 (miles/train/losses/aggregate.py)."""
     teacher_topk: Any = None
     """train.distill.mode = topk_reverse_kl: the teacher's top-k at each response token, a pair of
     numpy arrays (ids int64, log-probs float32), each [response_length, top_k]; else None."""

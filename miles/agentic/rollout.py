@@ -20,7 +20,9 @@ experts of its last request (`return_routed_experts`, MoE routing replay) cover 
 
 `agent_generate` (used when `rollout.agent_fn` is set) hands the task and a session `base_url` of the
 session server to the agent function, which may use any OpenAI client; the session server's token
-records become the samples (one per trajectory branch), all scored with the agent's reward.
+records become the samples (one per trajectory branch), all scored with the agent's reward, each with
+`Sample.weight` 1 / (branches of the episode), so that the trainer counts the episode once however many
+trajectories it produced (miles/train/losses/aggregate.py).
 
 Both record per-episode facts in `sample.metadata["agent"]` (turns, tool_calls, tool_errors,
 tool_timeouts, success, generate_s: time in engine calls, env_s: time in the environment's reset and
@@ -299,8 +301,8 @@ async def agent_generate(
         return s
     facts = dict(out) if isinstance(out, dict) else {"reward": out}
     reward = float(facts.pop("reward", 0.0) or 0.0)
-    for b in branches:
-        b.group_id, b.index, b.reward = s.group_id, s.index, reward
+    for b in branches:  # one episode: its trajectories share its reward and its weight in the group
+        b.group_id, b.index, b.reward, b.weight = s.group_id, s.index, reward, 1.0 / len(branches)
         b.prompt, b.answer = s.prompt, s.answer
         b.metadata.update(s.metadata)
         b.response = gen.encoder.decode(b.response_ids)

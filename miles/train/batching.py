@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from miles.sample import Sample
+from miles.train.losses.aggregate import normalizers
 from miles.train.losses.fused_logprob import token_logprobs_entropy
 
 
@@ -92,6 +93,8 @@ class Packed:
     """[N] the engine's log-probs."""
     teacher_logp: Tensor | None = None
     """[N] the distillation teacher's log-probs (train.distill), None when the samples carry none."""
+    seq_weight: Tensor | None = None
+    """[n_seqs] trajectory weights of the packed sequences (Sample.weight), or None when all are 1."""
     teacher_topk_ids: Tensor | None = None
     """[N, k] the teacher's top-k token ids per response token (distill mode topk_reverse_kl), or None."""
     teacher_topk_logp: Tensor | None = None
@@ -150,6 +153,7 @@ def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
         rollout.extend(float(x) for x in s.rollout_logprobs)
     teacher = teacher_logprobs([samples[i] for i in indices])
     topk = teacher_topk([samples[i] for i in indices])
+    weights = [float(samples[i].weight) for i in indices]
     return Packed(
         samples=list(indices),
         input_ids=torch.tensor([ids], dtype=torch.long),
@@ -160,6 +164,7 @@ def pack(samples: Sequence[Sample], indices: Sequence[int]) -> Packed:
         mask=torch.tensor(mask, dtype=torch.float32),
         rollout_logp=torch.tensor(rollout, dtype=torch.float32),
         teacher_logp=None if teacher is None else torch.tensor(teacher, dtype=torch.float32),
+        seq_weight=None if all(w == 1.0 for w in weights) else torch.tensor(weights, dtype=torch.float32),
         teacher_topk_ids=None if topk is None else topk[0],
         teacher_topk_logp=None if topk is None else topk[1],
     )
@@ -177,6 +182,10 @@ class RankPlan:
     """Trained tokens (loss_mask 1) in the mini-batch over all ranks."""
     total_seqs: int
     """Sequences with at least one trained token over all ranks."""
+    loss_tokens: float = 0.0
+    """The loss normalisers (losses/aggregate.py `normalizers`): trained tokens and sequences counted
+    with their trajectory weights (equal to the counts above when every weight is 1)."""
+    loss_seqs: float = 0.0
 
 
 def plan_rank(
@@ -188,11 +197,16 @@ def plan_rank(
     shards = shard_by_tokens([lengths[i] for i in ordered], world_size)
     per_rank = [pack_by_budget(lengths, [ordered[j] for j in shard], budget) for shard in shards]
     trained = [sum(samples[i].loss_mask) for i in indices]
+    loss_tokens, loss_seqs = normalizers(
+        [samples[i].loss_mask for i in indices], [float(samples[i].weight) for i in indices]
+    )
     return RankPlan(
         micro_batches=per_rank[rank],
         n_micro=max(1, max(len(p) for p in per_rank)),
         total_tokens=int(sum(trained)),
         total_seqs=sum(1 for t in trained if t > 0),
+        loss_tokens=loss_tokens,
+        loss_seqs=loss_seqs,
     )
 
 

@@ -42,7 +42,7 @@ def test_reinforce_pp_baseline_then_token_weighted_whitening() -> None:
 
 
 def test_registry() -> None:
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "reinforce_pp", "gspo"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "reinforce_pp", "gspo", "ppo"}
     assert get_estimator("gspo").sequence_ratio and not get_estimator("grpo").sequence_ratio
     r, g, c = T([1.0, 0.0]), T([0, 0]), T([1.0, 1.0])
     cfg = LossConfig()
@@ -50,5 +50,23 @@ def test_registry() -> None:
         get_estimator("gspo").compute(r, g, c, cfg).tolist()
         == get_estimator("grpo").compute(r, g, c, cfg).tolist()
     )
-    with pytest.raises(ValueError, match="known: grpo, gspo, reinforce_pp"):
-        get_estimator("ppo")
+    assert get_estimator("ppo").critic and get_estimator("ppo").compute(r, g, c, cfg).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="known: grpo, gspo, ppo, reinforce_pp"):
+        get_estimator("a2c")
+
+
+def test_trajectory_weights_count_episodes_not_trajectories() -> None:
+    """Episode A (one trajectory, reward 1) and episode B (five trajectories of weight 1/5, reward 0)
+    have the advantages of a plain group of two samples (1, 0)."""
+    rewards = T([1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    groups = T([0] * 6)
+    weights = T([1.0] + [0.2] * 5)
+    adv = grpo_advantages(rewards, groups, torch.ones(6), True, weights)
+    plain = grpo_advantages(T([1.0, 0.0]), T([0, 0]), torch.ones(2), True)
+    assert adv.tolist() == pytest.approx([plain[0].item()] + [plain[1].item()] * 5, rel=1e-6)
+    rpp = reinforce_pp_advantages(rewards, groups, torch.ones(6), weights)
+    rpp_plain = reinforce_pp_advantages(T([1.0, 0.0]), T([0, 0]), torch.ones(2))
+    assert rpp.tolist() == pytest.approx([rpp_plain[0].item()] + [rpp_plain[1].item()] * 5, rel=1e-6)
+    # weights of 1 change nothing
+    assert torch.equal(grpo_advantages(rewards, groups, torch.ones(6), True, torch.ones(6)),
+                       grpo_advantages(rewards, groups, torch.ones(6), True))  # fmt: skip

@@ -143,3 +143,33 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model, tmp_path) -> None:
     assert 0 < metrics["logprob_mismatch"] < 0.05
     assert all(p.dtype == torch.float32 for p in backend.model.parameters())
     assert {t.dtype for bucket in backend.export_weights(1 << 20) for _, t in bucket} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_an_episode_counts_once_however_many_trajectories_it_produced(
+    tiny_model, tmp_path, aggregation
+) -> None:
+    """One task with two episodes: A (one trajectory) and B. B coming back as five identical trajectories
+    of weight 1/5 gives the same loss, gradient norm and update as B as one trajectory."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    good, bad = _group(start)
+    split = [copy.deepcopy(bad) for _ in range(5)]
+    for s in split:
+        s.weight = 0.2
+    runs = []
+    for name, batch in (("one", [good, bad]), ("five", [good, *split])):
+        backend = _backend(tiny_model, tmp_path / name, lr=1e-2, loss={"aggregation": aggregation})
+        metrics = backend.train(batch)
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for n, p in backend.model.named_parameters()}  # fmt: skip
+        runs.append((metrics, grads))
+    (m1, g1), (m5, g5) = runs
+    assert m1["loss"] == pytest.approx(m5["loss"], rel=1e-5)
+    assert m1["grad_norm"] == pytest.approx(m5["grad_norm"], rel=1e-5) and m1["grad_norm"] > 0
+    worst = max(float((g1[k] - g5[k]).norm() / (g1[k].norm() + 1e-6 * m1["grad_norm"])) for k in g1)
+    assert worst < 1e-4

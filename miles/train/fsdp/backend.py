@@ -166,8 +166,9 @@ class FSDPBackend:
         counts = torch.tensor([float(sum(s.loss_mask)) for s in samples])
         rewards = torch.tensor([float(s.reward) for s in samples])
         groups = torch.tensor([s.group_id for s in samples])
+        weights = torch.tensor([float(s.weight) for s in samples])
         adv: dict[int, Any] = dict(
-            enumerate(self.estimator.compute(rewards, groups, counts, t.loss).tolist())
+            enumerate(self.estimator.compute(rewards, groups, counts, t.loss, weights).tolist())
         )
         n_mini = min(t.mini_batches_per_step, len(samples))
         chunks = [c.tolist() for c in torch.arange(len(samples)).chunk(n_mini)]
@@ -259,7 +260,13 @@ class FSDPBackend:
                 t.critic.value_clip,
             )
             weights = token_weights(
-                mask, seq_index, len(idx), t.loss.aggregation, rank_plan.total_tokens, rank_plan.total_seqs
+                mask,
+                seq_index,
+                len(idx),
+                t.loss.aggregation,
+                rank_plan.loss_tokens,
+                rank_plan.loss_seqs,
+                packed.seq_weight,
             )
             loss = (weights * per_token).sum()
             (loss * self.world_size).backward()
@@ -398,7 +405,7 @@ class FSDPBackend:
             ).to(d),
             mask=mask,
             weights=token_weights(
-                mask, seq_index, len(idx), mode, rank_plan.total_tokens, rank_plan.total_seqs
+                mask, seq_index, len(idx), mode, rank_plan.loss_tokens, rank_plan.loss_seqs, packed.seq_weight
             ),
             seq_index=seq_index,
             n_seqs=len(idx),

@@ -45,6 +45,7 @@ from torch import Tensor
 from miles.config import ConfigError
 from miles.config.layout import check_layout
 from miles.sample import Sample
+from miles.train.losses.aggregate import normalizers
 from miles.train.megatron import batch as B
 from miles.train.megatron import checkpoint, memory, weights
 from miles.train.megatron import model as M
@@ -287,7 +288,8 @@ class MegatronBackend:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group_id for s in samples])
         counts = torch.tensor([float(sum(s.loss_mask or [1] * s.response_length)) for s in samples])
-        adv = est.compute(rewards, groups, counts, cfg).tolist()
+        weights = torch.tensor([float(s.weight) for s in samples])
+        adv = est.compute(rewards, groups, counts, cfg, weights).tolist()
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         n_mini = t.mini_batches_per_step
         if len(samples) < n_mini * dp:
@@ -392,7 +394,7 @@ class MegatronBackend:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         masks = [s.loss_mask or [1] * s.response_length for s in mini]
-        norm = (sum(map(sum, masks)), sum(1 for m in masks if sum(m) > 0))
+        norm = normalizers(masks, [float(s.weight) for s in mini])
         scale = len(mbs) * ps.get_data_parallel_world_size()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -438,7 +440,7 @@ class MegatronBackend:
         else:
             old_logp = torch.cat([old[i] for i in mb.sample_ids]).to(logp.device)
         n = len(mb.sample_ids)
-        w = token_weights(mb.mask, mb.seq_index, n, cfg.aggregation, norm[0], norm[1])
+        w = token_weights(mb.mask, mb.seq_index, n, cfg.aggregation, norm[0], norm[1], mb.seq_weight)
         ref_logp = None if ref is None else torch.cat([ref[i] for i in mb.sample_ids]).to(logp.device)
         tb = TokenBatch(
             logp,

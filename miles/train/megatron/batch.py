@@ -55,6 +55,8 @@ class MicroBatch:
     rollout_logp: Tensor
     teacher_logp: Tensor | None
     """Flat distillation-teacher log-probs (train.distill), or None."""
+    seq_weight: Tensor | None
+    """[n_seqs] trajectory weights of the sequences (Sample.weight), or None when all are 1."""
     teacher_topk_ids: Tensor | None
     """[T, k] the teacher's top-k ids per response token (distill mode topk_reverse_kl), or None."""
     teacher_topk_logp: Tensor | None
@@ -156,6 +158,7 @@ def _one(
         offset += length if packed else 0
     teacher = teacher_logprobs(seqs)
     topk = teacher_topk(seqs)
+    weights = [float(s.weight) for s in seqs]
     if not packed:
         positions = torch.arange(width).expand(b, width)
     offsets = cu_seqlens(lengths, device) if packed and len(seqs) > 1 else None
@@ -174,6 +177,7 @@ def _one(
         mask=t(mask, torch.float32),
         rollout_logp=t(rollout, torch.float32),
         teacher_logp=None if teacher is None else t(teacher, torch.float32),
+        seq_weight=None if all(w == 1.0 for w in weights) else t(weights, torch.float32),
         teacher_topk_ids=None if topk is None else topk[0].to(device),
         teacher_topk_logp=None if topk is None else topk[1].to(device),
         advantages=torch.cat(adv).to(device),

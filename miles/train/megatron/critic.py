@@ -22,6 +22,7 @@ from torch import Tensor
 from miles.config import ConfigError
 from miles.sample import Sample
 from miles.train.losses import token_weights
+from miles.train.losses.aggregate import normalizers
 from miles.train.losses.value import value_loss
 from miles.train.megatron import batch as B
 from miles.train.megatron import model as M
@@ -168,14 +169,16 @@ class Critic:
         for g in self.optimizer.param_groups:
             g["lr"] = self.lr * lr_factor(self.steps, t)
         masks = [s.loss_mask or [1] * s.response_length for s in mini]
-        norm = (sum(map(sum, masks)), sum(1 for m in masks if sum(m) > 0))
+        norm = normalizers(masks, [float(s.weight) for s in mini])
         scale = len(mbs) * ps.get_data_parallel_world_size()
 
         def loss(mb: B.MicroBatch, values: Tensor):
             old_v = torch.cat([old[i] for i in mb.sample_ids]).to(values.device)
             ret = torch.cat([returns[i] for i in mb.sample_ids]).to(values.device)
             per_token, clipped = value_loss(values, old_v, ret, self.cfg.value_clip)
-            w = token_weights(mb.mask, mb.seq_index, len(mb.sample_ids), t.loss.aggregation, *norm)
+            w = token_weights(
+                mb.mask, mb.seq_index, len(mb.sample_ids), t.loss.aggregation, *norm, mb.seq_weight
+            )
             total = (w * per_token).sum()
             stats[0] += float(total.detach())
             stats[1] += float((mb.mask * clipped).sum())
