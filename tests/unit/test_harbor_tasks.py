@@ -217,7 +217,7 @@ def test_episodes_are_isolated_and_runaway_commands_are_stopped_and_reported(tmp
             )
             net = await b.bash("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), 2)\"")
             disk = await b.bash("head -c 100M /dev/zero > big.bin", timeout_s=20)
-            fork = await b.bash(":(){ :|:& };:", timeout_s=5)
+            fork = await b.bash("for i in $(seq 300); do sleep 3 & done; wait", timeout_s=10)
             hog = await b.bash('python3 -c "x = bytearray(8 << 30)"', timeout_s=20)
             alive = await b.bash("echo still here")
             return seen, net, disk, fork, hog, alive

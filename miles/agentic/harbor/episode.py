@@ -168,10 +168,10 @@ class Episode:
         res = await self._exec(command, timeout_s)
         out = res.stdout + (("\n" if res.stdout else "") + res.stderr if res.stderr else "")
         tail = f"[exit code {res.returncode}]"
-        if "fork" in res.stderr and "Resource temporarily unavailable" in res.stderr:
-            tail = f"[hit the process limit ({self.settings.limits.nproc})] {tail}"
         if res.killed_reason:
             tail = f"[stopped: {res.killed_reason}" + (f" after {timeout_s:g} s]" if res.timed_out else "]")
+        if "fork" in res.stderr and "Resource temporarily unavailable" in res.stderr:
+            tail = f"[hit the process limit ({self.settings.limits.nproc})] {tail}"
         return f"{truncate(out, self.output_limit)}\n{tail}".lstrip("\n")
 
     def _path(self, path: str) -> str:
