@@ -246,7 +246,11 @@ def load_agent_fn(spec: str | None) -> AgentFn:
 
 def _load_agent(gen: Generator) -> AgentFn:
     if "agent_fn" not in gen.context:
-        gen.context["agent_fn"] = load_agent_fn(gen.config.agent_fn if gen.config is not None else None)
+        import functools
+
+        fn = load_agent_fn(gen.config.agent_fn if gen.config is not None else None)
+        options = dict(gen.config.agent_options) if gen.config is not None else {}
+        gen.context["agent_fn"] = functools.partial(fn, **options) if options else fn
     return gen.context["agent_fn"]
 
 

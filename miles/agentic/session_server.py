@@ -17,6 +17,9 @@ API for the rollout loop (runs in the loop's event loop, in-process):
 
 Routes (JSON; errors in OpenAI's body `{"error": {"message", "type", "param", "code"}}`):
 - `POST /sessions` `{"metadata": {...}}` (optional) -> `{"id", "base_url"}`
+- `POST /sessions/<id>/v1/subagents` `{"metadata": {...}}` (optional) -> `{"id", "base_url"}`: a sub-agent's
+  session, a child of session <id> (same engine): closing the parent closes it and returns its
+  samples with the parent's, as trajectories of one episode.
 - `POST /sessions/<id>/v1/chat/completions`: OpenAI chat (miles.chat.openai_schema), `n`, `tools`,
   `logprobs`, `stream: true` as server-sent events. A stream carries the reply in one content chunk
   once the turn is done (the whole turn is needed to split tool calls from text).
@@ -119,6 +122,8 @@ class SessionServer:
         self._keyed = "routing_key" in inspect.signature(SGLangClient.generate).parameters
         self._server: Any = None
         self._task: asyncio.Task | None = None
+        self._children: dict[str, list[str]] = {}
+        """Sub-agent sessions by parent session id."""
         self.app = self._routes()
 
     # ---- in-process API ----
@@ -154,24 +159,36 @@ class SessionServer:
             await self._task
         self._server = self._task = None
 
-    def open_session(self, metadata: dict[str, Any] | None = None) -> tuple[str, str]:
-        """A new session: its id and its OpenAI base_url."""
+    def open_session(
+        self, metadata: dict[str, Any] | None = None, parent: str | None = None
+    ) -> tuple[str, str]:
+        """A new session: its id and its OpenAI base_url. With `parent`, a sub-agent's session: it is
+        served by the parent's engine and closed (its samples returned) with the parent."""
         sid = uuid.uuid4().hex
         if self.template is None:
             raise RuntimeError("SessionServer.start() must run before sessions are opened")
+        if parent is not None:
+            self._session(parent)
+            metadata = {**(metadata or {}), "parent": parent}
+            self._children.setdefault(parent, []).append(sid)
         self.sessions[sid] = Session(sid, self.template, metadata)
-        self._engine[sid] = next(self._next)
+        self._engine[sid] = self._engine[parent] if parent is not None else next(self._next)
         return sid, self.base_url(sid)
 
     def base_url(self, sid: str) -> str:
         return f"{self.url}/sessions/{sid}/v1"
 
     def close_session(self, sid: str) -> list[Sample]:
-        """End a session; its Samples, one per branch (empty when no call was made)."""
+        """End a session and its sub-agents' sessions; their Samples, one per branch, the session's own
+        first (empty when no call was made)."""
         session = self._session(sid)
         del self.sessions[sid]
         self._engine.pop(sid, None)
-        return session.samples()
+        samples = session.samples()
+        for child in self._children.pop(sid, []):
+            if child in self.sessions:
+                samples += self.close_session(child)
+        return samples
 
     def _session(self, sid: str) -> Session:
         try:
@@ -195,6 +212,15 @@ class SessionServer:
                 raise OpenAIError("'metadata' must be an object", param="metadata")
             sid, url = self.open_session(meta)
             return JSONResponse({"id": sid, "base_url": url})
+
+        @app.post("/sessions/{sid}/v1/subagents")
+        async def subagent(sid: str, request: Request) -> JSONResponse:
+            body = await _json_body(request, default={})
+            meta = body.get("metadata") if isinstance(body, dict) else None
+            if meta is not None and not isinstance(meta, dict):
+                raise OpenAIError("'metadata' must be an object", param="metadata")
+            child, url = self.open_session(meta, parent=sid)
+            return JSONResponse({"id": child, "base_url": url})
 
         @app.get("/sessions/{sid}")
         async def show(sid: str) -> JSONResponse:

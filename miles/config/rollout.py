@@ -56,7 +56,10 @@ class RolloutConfig(Section):
     agent_fn: str | None = None
     """Agent function as `module:function`: given a task and an OpenAI `base_url` of the session
     server, it runs the episode with any client library and returns a reward; the samples are the
-    session server's token records (miles/agentic/rollout.py)."""
+    session server's token records (miles/agentic/rollout.py). `miles.agentic.program:program_agent`
+    runs an external program as the agent."""
+    agent_options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """Keyword arguments of agent_fn (e.g. program_agent's `command`, `timeout_s`, `reward_fn`)."""
     env: EnvConfig = EnvConfig()
     prompts_per_step: int = 16
     """Prompt groups per training step."""

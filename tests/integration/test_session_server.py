@@ -269,3 +269,27 @@ def test_server_leaves_the_process_signal_handlers_alone(tiny_model):
     assert during[0] is mine and after == (mine, before[1])
     assert "handle_exit" not in repr(during[1])  # SIGINT stays asyncio.run's, not uvicorn's
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+
+
+def test_sub_agent_sessions_close_with_their_parent(engine, tiny_model):
+    """POST {base_url}/subagents opens a child session; closing the parent returns both sessions'
+    samples (parent first) and closes the child; a sub-agent of an unknown session is a 404."""
+
+    async def scenario(server: SessionServer):
+        sid, base_url = server.open_session({"group_id": 1})
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        async with httpx.AsyncClient() as http:
+            child = (await http.post(f"{base_url}/subagents", json={"metadata": {"role": "solver"}})).json()
+            grandchild = (await http.post(f"{child['base_url']}/subagents")).json()
+            for url in (base_url, child["base_url"], grandchild["base_url"]):
+                assert (await http.post(f"{url}/chat/completions", json=body)).status_code == 200
+            missing = await http.post(f"{server.base_url('nope')}/subagents")
+        samples = server.close_session(sid)
+        return child, grandchild, samples, missing, dict(server.sessions)
+
+    child, grandchild, samples, missing, left = run_with_server(engine, tiny_model, scenario)
+    assert child["base_url"].endswith(f"/sessions/{child['id']}/v1") and child["id"] != grandchild["id"]
+    assert len(samples) == 3 and samples[0].metadata.get("parent") is None
+    assert samples[1].metadata["parent"] != samples[2].metadata["parent"]
+    assert samples[1].metadata["role"] == "solver"
+    assert missing.status_code == 404 and not left
