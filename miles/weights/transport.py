@@ -104,12 +104,18 @@ async def push_paused(
     if pause_mode:
         await asyncio.gather(*(e.pause_generation(pause_mode) for e in engines))
     try:
-        await asyncio.gather(*(_session(e, "begin") for e in engines))
+        # an engine that fails to open its session (e.g. it just died) must not leave the others' open:
+        # those are ended below, so that the next push (after a repair) can begin again
+        began = await asyncio.gather(*(_session(e, "begin") for e in engines), return_exceptions=True)
+        opened = [e for e, r in zip(engines, began, strict=True) if not isinstance(r, BaseException)]
         try:
+            failed = [r for r in began if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
             for bucket, last in with_last(buckets):
                 await send(bucket, str(version) if last else None)
         finally:
-            await asyncio.gather(*(_session(e, "end") for e in engines), return_exceptions=True)
+            await asyncio.gather(*(_session(e, "end") for e in opened), return_exceptions=True)
     finally:
         if pause_mode:
             await asyncio.gather(*(e.continue_generation() for e in engines))
