@@ -153,7 +153,7 @@ def test_hanging_tool_is_stopped_at_its_time_limit():
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 def test_calculator_in_a_sandbox_kills_a_hanging_expression():
-    env = make_env("calculator", backend="sandbox", tool_timeout_s=1.0)
+    env = make_env("calculator", backend="sandbox", tool_timeout_s=3.0)
     task = env.make_task(0, 4)
     turns = [
         f"<tool_call>calc {task['expr']}</tool_call>",
