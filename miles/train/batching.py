@@ -196,15 +196,14 @@ def plan_rank(
     ordered = list(indices)
     shards = shard_by_tokens([lengths[i] for i in ordered], world_size)
     per_rank = [pack_by_budget(lengths, [ordered[j] for j in shard], budget) for shard in shards]
-    trained = [sum(samples[i].loss_mask) for i in indices]
-    loss_tokens, loss_seqs = normalizers(
-        [samples[i].loss_mask for i in indices], [float(samples[i].weight) for i in indices]
-    )
+    masks = [samples[i].loss_mask for i in indices]
+    total_tokens, total_seqs = normalizers(masks)
+    loss_tokens, loss_seqs = normalizers(masks, [float(samples[i].weight) for i in indices])
     return RankPlan(
         micro_batches=per_rank[rank],
         n_micro=max(1, max(len(p) for p in per_rank)),
-        total_tokens=int(sum(trained)),
-        total_seqs=sum(1 for t in trained if t > 0),
+        total_tokens=int(total_tokens),
+        total_seqs=int(total_seqs),
         loss_tokens=loss_tokens,
         loss_seqs=loss_seqs,
     )

@@ -27,6 +27,7 @@ once into a cache directory outside the run directory.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,12 @@ SYSTEM = (
     "change files and run commands: bash, read_file, write_file, str_replace. Call submit when the task "
     "is done."
 )
-_CACHE: dict[str, Task] = {}
 
 
+@functools.lru_cache(maxsize=4096)
 def _cached(path: str) -> Task:
-    if path not in _CACHE:
-        _CACHE[path] = load_task(path)
-    return _CACHE[path]
+    """A task read once per process (bounded: generated tasks are new at every index)."""
+    return load_task(path)
 
 
 class HarborEnv(ToolEnv):

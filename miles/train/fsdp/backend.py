@@ -362,8 +362,7 @@ class FSDPBackend:
                 # a pass that only keeps this rank in step with the others' collectives
                 (logp.sum() * 0.0).backward()
                 continue
-            tb = self._token_batch(packed, logp, entropy, adv, old, ref, rank_plan)
-            tb.student_topk_logp = topk
+            tb = self._token_batch(packed, logp, entropy, topk, adv, old, ref, rank_plan)
             coef = cfg.distill.coef if cfg.distill else 0.0
             loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio, coef)
             # FSDP averages gradients over ranks; the global weights already normalise the loss
@@ -384,6 +383,7 @@ class FSDPBackend:
         packed: Packed,
         logp: Tensor,
         entropy: Tensor,
+        student_topk: Tensor | None,
         adv: dict[int, Any],
         old: dict[int, Tensor],
         ref: dict[int, Tensor],
@@ -412,6 +412,7 @@ class FSDPBackend:
             ref_logp=torch.cat([ref[i] for i in idx]) if ref else None,
             entropy=entropy,
             teacher_logp=None if packed.teacher_logp is None else packed.teacher_logp.to(d),
+            student_topk_logp=student_topk,
             teacher_topk_logp=None if packed.teacher_topk_logp is None else packed.teacher_topk_logp.to(d),
         )
 
