@@ -34,6 +34,7 @@ from miles.cluster.environment import set_intra_op_threads
 from miles.engine import streaming
 from miles.engine.app import build_app
 from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, QUANTIZATIONS, build_decoder
+from miles.quant.formats import FORMATS, Format, Scheme
 from miles.engine.model import ModelSpec
 from miles.engine.scheduler import Scheduler
 from miles.engine.server import EngineState, model_path_of
@@ -107,8 +108,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantization",
         choices=QUANTIZATIONS,
         default="none",
-        help="FP8 linear layers (miles/engine/fp8_weights.py): 128x128 block or row-wise weight scales",
+        help="FP8 linear layers (miles/engine/fp8_weights.py): 128x128 block or row-wise weight scales; "
+        "int4 (W4A16), mxfp8, nvfp4: packed weights (miles/engine/packed_weights.py)",
     )
+    p.add_argument(
+        "--quant-modules",
+        choices=["experts", "linear"],
+        default="linear",
+        help="int4 / mxfp8 / nvfp4: the weights they cover (MoE experts, or every linear layer)",
+    )
+    p.add_argument("--int4-group-size", type=int, choices=[32, 128], default=128)
     p.add_argument(
         "--fp8-min-tokens",
         type=int,
@@ -139,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _sglang_quantization(value: str) -> str | None:
+    """server_info's `quantization` as SGLang names the method (none: None)."""
+    names = {"none": None, "int4": "compressed-tensors", "mxfp8": "mxfp8", "nvfp4": "modelopt_fp4"}
+    return names.get(value, "fp8")
+
+
 def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> frozenset[int]:
     ids = set(spec.eos_token_ids)
     gen = model_dir / "generation_config.json"
@@ -159,7 +174,10 @@ def build_state(args: argparse.Namespace) -> EngineState:
     model_dir = Path(args.model)
     spec = ModelSpec.from_dir(model_dir)
     try:
-        decoder = build_decoder(spec, model_dir, device, dtype, args.quantization, args.fp8_min_tokens)
+        scheme = None
+        if args.quantization in FORMATS:
+            scheme = Scheme(Format(args.quantization, args.int4_group_size), args.quant_modules)
+        decoder = build_decoder(spec, model_dir, device, dtype, args.quantization, args.fp8_min_tokens, scheme)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if args.enable_return_routed_experts and spec.moe is None:
@@ -196,8 +214,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
         "disable_cuda_graph": not scheduler.use_cuda_graph,
         "cuda_graph_max_bs": scheduler.graph_max_bs,
         "enable_return_routed_experts": args.enable_return_routed_experts,
-        "quantization": None if args.quantization == "none" else "fp8",
-        "fp8_layout": None if args.quantization == "none" else args.quantization,
+        "quantization": _sglang_quantization(args.quantization),
+        "fp8_layout": args.quantization if args.quantization.startswith("fp8") else None,
     }
     state = EngineState(
         scheduler,

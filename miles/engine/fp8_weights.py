@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.quant.formats import FORMATS, Format, Scheme, scheme_from_config
 from miles.quant.fp8 import (
     BLOCK,
     FP8_DTYPE,
@@ -49,7 +50,7 @@ from miles.quant.fp8 import (
     scale_shape,
 )
 
-QUANTIZATIONS = ("none", *LAYOUTS)
+QUANTIZATIONS = ("none", *LAYOUTS, *FORMATS)
 DEFAULT_FP8_MIN_TOKENS = 1024
 """GEMM rows from which the FP8 GEMM runs. Measured on one H200 with plain PyTorch (the linears of
 0.5-1.5B models): at <= 256 rows (decode) FP8 linears ran at 0.56-0.75x of bf16, activation
@@ -60,19 +61,16 @@ SCALE_SUFFIX = "_scale_inv"
 
 
 def checkpoint_layout(model_dir: str | Path) -> str | None:
-    """The FP8 layout of a checkpoint from its config.json `quantization_config`; None for a plain one
-    (or a directory of tensors without config.json, as a disk weight update may be).
+    """The quantisation of a checkpoint from its config.json `quantization_config`: its FP8 layout,
+    a packed format's name (miles/quant/formats.py: int4, mxfp8, nvfp4), or None for a plain one (or
+    a directory of tensors without config.json, as a disk weight update may be).
 
     ValueError, naming the key, for a quantisation this engine cannot load."""
-    path = Path(model_dir) / "config.json"
-    qc = json.loads(path.read_text()).get("quantization_config") if path.exists() else None
+    qc = _quantization_config(model_dir)
     if not qc:
         return None
     if qc.get("quant_method") != "fp8":
-        raise ValueError(
-            f"{model_dir}: config.json quantization_config.quant_method is {qc.get('quant_method')!r}; "
-            "the embedded engine loads only 'fp8' checkpoints (or unquantised ones)"
-        )
+        return scheme_from_config(qc).name  # type: ignore[union-attr]
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{model_dir}: quantization_config.fmt {qc['fmt']!r} is not supported (only 'e4m3')")
     block = qc.get("weight_block_size")
@@ -86,14 +84,30 @@ def checkpoint_layout(model_dir: str | Path) -> str | None:
     return "fp8_block"
 
 
-def load_checkpoint(model_dir: str | Path, quantization: str) -> dict[str, torch.Tensor]:
-    """The tensors of an HF directory, after checking its quantisation against `engine.quantization`."""
+def _quantization_config(model_dir: str | Path) -> dict | None:
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("quantization_config") if path.exists() else None
+
+
+def load_checkpoint(
+    model_dir: str | Path, quantization: str, scheme: Scheme | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of an HF directory, after checking its quantisation against `engine.quantization`
+    (and, for a packed checkpoint, the engine's Scheme: group size and covered modules)."""
     layout = checkpoint_layout(model_dir)
     if layout is not None and layout != quantization:
         raise ValueError(
-            f"{model_dir} is an FP8 checkpoint ({layout}: config.json quantization_config) but the engine "
+            f"{model_dir} is a quantised checkpoint ({layout}: config.json quantization_config) but the engine "
             f"runs engine.quantization={quantization} (--quantization): set it to {layout}"
         )
+    if layout in FORMATS and scheme is not None:
+        have = scheme_from_config(_quantization_config(model_dir))
+        if have != scheme:
+            raise ValueError(
+                f"{model_dir} holds {have.name} weights of group {have.fmt.block} over {have.modules} modules, "
+                f"the engine serves group {scheme.fmt.block} over {scheme.modules} (--int4-group-size, "
+                "--quant-modules): make them agree"
+            )
     return load_weights(model_dir)
 
 
@@ -104,12 +118,21 @@ def build_decoder(
     dtype: torch.dtype,
     quantization: str,
     min_tokens: int,
+    scheme: Scheme | None = None,
 ) -> Decoder:
-    """The engine's decoder for `engine.quantization`: the plain Decoder for none, else Fp8Decoder."""
+    """The engine's decoder for `engine.quantization`: the plain Decoder for none, Fp8Decoder for an FP8
+    layout, PackedDecoder for a packed format (whose Scheme `scheme` gives; default: every linear
+    layer, int4 in groups of 128)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"engine.quantization {quantization!r} is unknown; known: {', '.join(QUANTIZATIONS)}"
         )
+    if quantization in FORMATS:
+        from miles.engine.packed_weights import PackedDecoder
+
+        scheme = scheme or Scheme(Format(quantization))
+        weights = load_checkpoint(model_dir, quantization, scheme)
+        return PackedDecoder(spec, weights, device, dtype, scheme)
     weights = load_checkpoint(model_dir, quantization)
     if quantization == "none":
         return Decoder(spec, weights, device, dtype)
@@ -117,8 +140,11 @@ def build_decoder(
 
 
 def quantization_of(decoder: Decoder) -> str:
-    """The decoder's `engine.quantization`: its FP8 layout, or none."""
-    return decoder.layout if isinstance(decoder, Fp8Decoder) else "none"
+    """The decoder's `engine.quantization`: its FP8 layout, packed format, or none."""
+    if isinstance(decoder, Fp8Decoder):
+        return decoder.layout
+    scheme = getattr(decoder, "scheme", None)
+    return "none" if scheme is None else scheme.name
 
 
 def check_scale(name: str, q: torch.Tensor, scale: torch.Tensor, layout: str) -> None:

@@ -493,15 +493,23 @@ class Decoder:
         p = f"model.layers.{i}.mlp."
         m = self.spec.moe
         if m is not None and i in m.sparse_layers:
-            st = self.storage
-            gate_up = st[p + "experts.gate_up_proj"].view(m.num_experts, 2 * m.intermediate_size, -1)
-            down = st[p + "experts.down_proj"].view(m.num_experts, -1, m.intermediate_size)
+            gate_up = self._stacked(p + "experts.gate_up_proj").view(m.num_experts, 2 * m.intermediate_size, -1)
+            down = self._stacked(p + "experts.down_proj").view(m.num_experts, -1, m.intermediate_size)
             out, ids = moe.sparse_mlp(x, self.params[p + "gate.weight"], gate_up, down, m)
             if self.record_routing:
                 self._routed.append(ids)
             return out
         gate, up = self._linear(x, p + "gate_proj.weight"), self._linear(x, p + "up_proj.weight")
         return self._linear(F.silu(gate) * up, p + "down_proj.weight")
+
+    def _stacked(self, name: str) -> torch.Tensor:
+        """A sparse layer's stacked expert tensor (`mlp.experts.gate_up_proj` / `down_proj`) as the
+        forward multiplies it; packed engines answer their dequantised copy."""
+        return self.storage[name]
+
+    def _has_fused(self, name: str) -> bool:
+        """Whether the fused weight `name` (a dense layer's gate_up_proj) can be multiplied in one GEMM."""
+        return name in self.storage
 
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) for the weight stored as `name` (HF or fused); FP8 engines override it."""
@@ -587,7 +595,7 @@ class Decoder:
             )
             out = self._linear(self._attend(q, b, pool[i], mask), p + "self_attn.o_proj.weight")
             h = add_rms_norm_(x, out, w[p + "post_attention_layernorm.weight"], eps, self.dtype)
-            if p + "mlp.gate_up_proj.weight" in st:
+            if self._has_fused(p + "mlp.gate_up_proj.weight"):
                 mlp = self._linear(
                     silu_mul(self._linear(h, p + "mlp.gate_up_proj.weight")), p + "mlp.down_proj.weight"
                 )

@@ -238,7 +238,9 @@ class WeightUpdater:
         path = Path(body.model_path)
         if not path.is_dir():
             raise ValueError(f"model_path {body.model_path!r} is not a directory")
-        weights = load_checkpoint(path, quantization_of(self.scheduler.decoder))
+        weights = load_checkpoint(
+            path, quantization_of(self.scheduler.decoder), getattr(self.scheduler.decoder, "scheme", None)
+        )
         self.scheduler.update_weights(weights, body.weight_version, body.abort_all_requests)
         self.model_path = body.model_path
         return "Succeeded to update model weights."

@@ -3,7 +3,8 @@
 Weights are quantised per group of `group_size` consecutive input columns of each output row (32 or
 128), symmetric, without a zero point, the activations staying in 16 bits:
 
-    s  = max(max |w| over the group, 1e-5) / 7        fp32, one per (row, group): `weight_scale`
+    s  = max(max |w| over the group, 1e-5) / 7        one per (row, group): `weight_scale`, rounded
+                                                       to the scale dtype (the weight's: bf16 or fp32)
     q  = clamp(round(w / s), -7, 7)                    int8 values, round half to even (torch.round)
     w' = q * s                                         the dequantised weight
 
@@ -51,10 +52,15 @@ def _groups(w: Tensor, group_size: int) -> Tensor:
     return w.float().reshape(w.shape[0], w.shape[1] // group_size, group_size)
 
 
-def quantize(w: Tensor, group_size: int = 128) -> tuple[Tensor, Tensor]:
-    """(q int8 [out, in], scale fp32 [out, in / group_size]) of a weight (module docstring)."""
+def quantize(
+    w: Tensor, group_size: int = 128, scale_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """(q int8 [out, in], scale [out, in / group_size]) of a weight (module docstring). The scale is
+    rounded to `scale_dtype` (default: w's dtype) before q is computed from it, so a checkpoint that
+    stores the scale in that dtype holds exactly the values the fake-quant forward used; it is
+    returned as fp32 holding those values."""
     g = _groups(w, group_size)
-    scale = g.abs().amax(dim=-1).clamp(min=SCALE_FLOOR) / QMAX
+    scale = (g.abs().amax(dim=-1).clamp(min=SCALE_FLOOR) / QMAX).to(scale_dtype or w.dtype).float()
     q = torch.round(g / scale[..., None]).clamp(-QMAX, QMAX)
     return q.reshape(w.shape).to(torch.int8), scale
 
@@ -94,12 +100,14 @@ def pack(q: Tensor) -> Tensor:
 
 
 def unpack(packed: Tensor, shape: tuple[int, int] | torch.Size) -> Tensor:
-    """int32 words [out, in / 8] -> int8 values [out, in] (the inverse of `pack`)."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 4 * PER_WORD, 4, dtype=torch.int64, device=packed.device)
-    nibbles = (words[..., None] >> shifts) & 0xF
+    """int32 words [out, in / 8] -> int8 values [out, in] (the inverse of `pack`).
+
+    Read as little-endian bytes (byte b of a word holds values 2b and 2b + 1 in its low and high
+    nibble), which is the word layout on every platform torch runs on."""
+    data = packed.contiguous().view(torch.uint8)  # [out, in / 2]
+    nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(packed.shape[0], -1)
     out, cols = int(shape[0]), int(shape[1])
-    return (nibbles.reshape(out, -1)[:, :cols] - 8).to(torch.int8)
+    return (nibbles[:out, :cols].to(torch.int8) - 8)
 
 
 def compress(
@@ -110,7 +118,7 @@ def compress(
     if not name.endswith(".weight"):
         raise ValueError(f"int4 compresses `*.weight` tensors; got {name!r}")
     base = name[: -len(".weight")]
-    q, scale = quantize(w, group_size)
+    q, scale = quantize(w, group_size, scale_dtype)
     return {
         f"{base}.weight_packed": pack(q),
         f"{base}.weight_scale": scale.to(scale_dtype or w.dtype),
