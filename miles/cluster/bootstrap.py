@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles.train.quant import engine_quant_argv
 from miles.cluster.environment import JobEnvironment, intra_op_threads
 from miles.cluster.rendezvous import (
     ENGINES,
@@ -131,7 +132,7 @@ def _start_engine(
         ]
         argv += ["--device", e.device, "--max-running-requests", str(e.max_running_requests)]
         argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(seed)]
-        argv += ["--quantization", e.quantization, "--fp8-min-tokens", str(e.fp8_min_tokens)]
+        argv += engine_quant_argv(plan)
         if plan.train.routing_replay == "rollout" and role == "rollout":  # R3: the rollout's routing
             argv.append("--enable-return-routed-experts")
         proc = _spawn([*argv, "--url-file", str(url_file)], log)

@@ -53,11 +53,22 @@ class EngineConfig(Section):
     health_check_interval_s: float = 5.0
     """Local runs: how often the launcher asks each engine's /health; 3 failures in a row and the
     engine is replaced like a dead one."""
-    quantization: Literal["none", "fp8_block", "fp8_row"] = "none"
-    """FP8 linear layers: the dense q/k/v/o and gate/up/down projections are stored in FP8 with 128x128
+    quantization: Literal["none", "fp8_block", "fp8_row", "int4", "mxfp8", "nvfp4"] = "none"
+    """Low-precision weights of the rollout engines, each one contract with the trainer (the trainer
+    ships its weights in this layout; train.quantization=fake_quant / int4_qat makes its forward see them).
+    FP8 linear layers: the dense q/k/v/o and gate/up/down projections are stored in FP8 with 128x128
     block (`fp8_block`, SGLang's DeepSeek layout) or per-row (`fp8_row`) scales and quantised by the one
     contract of miles/quant/fp8.py; embeddings, lm_head, norms, routers and MoE experts stay in
-    model.dtype. The trainer ships its weights in this layout. SGLang servers get `--quantization fp8`."""
+    model.dtype (SGLang servers get `--quantization fp8`). `int4`: W4A16, compressed-tensors'
+    pack-quantized groups (miles/quant/int4.py); `mxfp8` / `nvfp4`: the Blackwell block formats,
+    emulated (dequantised) by the embedded engine on every other GPU and on the CPU (miles/quant/mx.py).
+    These three cover the weights `quant_modules` names (miles/quant/formats.py)."""
+    quant_modules: Literal["auto", "experts", "linear"] = "auto"
+    """int4 / mxfp8 / nvfp4: the weights quantised: `experts` (MoE experts' projections, upstream's INT4
+    QAT default), `linear` (those and every dense attention and MLP projection). `auto`: experts for
+    int4 on a MoE model, linear otherwise."""
+    int4_group_size: Literal[32, 128] = 128
+    """int4: input columns sharing one scale (the model's hidden and intermediate sizes must be multiples)."""
     fp8_min_tokens: int = Field(1024, ge=1)
     """Embedded engine: GEMMs with at least this many rows (prefill, large batches) run in FP8, smaller
     ones (decode) on CUDA multiply a model.dtype copy of the weight kept beside the FP8 one (2 bytes per

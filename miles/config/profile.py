@@ -24,10 +24,14 @@ MI355X), the fnuz variants of MI300, Blackwell's microscaled MXFP8 (1x32 blocks,
 NVFP4 (1x16 blocks, E4M3 scales and a per-tensor fp32 scale)."""
 
 FP8_FORMAT_NEEDED: dict[str, dict[str, str]] = {
-    "engine.quantization": {"fp8_block": "e4m3fn", "fp8_row": "e4m3fn"},
+    "engine.quantization": {"fp8_block": "e4m3fn", "fp8_row": "e4m3fn", "mxfp8": "mxfp8", "nvfp4": "nvfp4"},
     "train.quantization": {"torchao_float8": "e4m3fn"},
 }
-"""The format each recipe value computes in (train.quantization=fake_quant needs none: it dequantises)."""
+"""The format each recipe value computes in (train.quantization=fake_quant needs none: it dequantises;
+int4 is W4A16, 16-bit arithmetic on any GPU)."""
+EMULATED_FORMATS = ("mxfp8", "nvfp4")
+"""Formats the embedded engine emulates (dequantises) where the GPUs lack them: a profile without them
+still runs them with engine.kind=embedded; SGLang servers need GPUs that compute in them (GB300, B200)."""
 
 
 class PartitionLimits(Section):
@@ -163,16 +167,19 @@ def load_profile(name_or_path: str, directory: Path = PROFILES_DIR) -> Profile:
         raise explain(e, Profile, source=f"profile {path}") from None
 
 
-def check_fp8_formats(profile: Profile, values: dict[str, str]) -> None:
-    """Refuse recipe values (e.g. {"engine.quantization": "fp8_block"}) whose format the profile lacks."""
+def check_fp8_formats(profile: Profile, values: dict[str, str], *, emulate: bool = False) -> None:
+    """Refuse recipe values (e.g. {"engine.quantization": "fp8_block"}) whose format the profile lacks;
+    with `emulate` (the embedded engine) the Blackwell formats pass: it dequantises them."""
     if profile.fp8_formats is None:
         return
     for key, value in values.items():
         needed = FP8_FORMAT_NEEDED.get(key, {}).get(value)
+        if emulate and needed in EMULATED_FORMATS:
+            continue
         if needed is not None and needed not in profile.fp8_formats:
             have = ", ".join(profile.fp8_formats) or "none"
             raise ConfigError(
-                f"{key}={value} computes in FP8 {needed}, which profile {profile.name!r} does not list in "
+                f"{key}={value} computes in {needed}, which profile {profile.name!r} does not list in "
                 f"fp8_formats (it lists: {have}); set {key}=none or use a profile whose GPUs have {needed}"
             )
 

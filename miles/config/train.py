@@ -174,15 +174,17 @@ class TrainConfig(Section):
     """MoE routing replay: `rollout` (R3) makes the trainer's forward use the rollout engine's expert
     choice per token and layer (router probabilities gathered there and renormalised, so the router
     still learns); `off` lets the trainer's router choose (miles/train/routing_replay.py)."""
-    quantization: Literal["none", "fake_quant", "torchao_float8"] = "none"
+    quantization: Literal["none", "fake_quant", "int4_qat", "torchao_float8"] = "none"
     """Low precision in the trainer's forward (miles/train/quant.py). `fake_quant`: the linear layers
     the FP8 contract covers (miles/quant/fp8.py) compute with the contract's quantise -> dequantise of
     their weight in model.dtype (straight-through gradient), so the trainer sees exactly the weights an
     FP8 engine serves; the layout is engine.quantization's, which must then be fp8_block or fp8_row.
     `torchao_float8` (CUDA only, the `torchao` extra): real FP8 training GEMMs for speed, with their
     own dynamic scales; it does not make the trainer agree with the engine and is not combined with
-    fake_quant. `none`: the forward runs in model.dtype (with an FP8 engine: FP8 rollout whose
-    mismatch only TIS/MIS correct)."""
+    fake_quant. `int4_qat`: fake_quant against an `int4` engine (upstream's name for INT4
+    quantisation-aware training); fake_quant also serves `mxfp8` and `nvfp4` engines (emulated). `none`:
+    the forward runs in model.dtype (with a quantised engine: low-precision rollout whose mismatch only
+    TIS/MIS correct)."""
 
 
 def check_distill(plan: Plan) -> None:
@@ -203,9 +205,14 @@ def check_quantization(plan: Plan) -> None:
     engine = plan.engine.quantization
     if mode == "fake_quant" and engine == "none":
         raise ConfigError(
-            "train.quantization=fake_quant reproduces the FP8 weights of the engine, but "
-            "engine.quantization=none serves bf16 ones: set engine.quantization=fp8_block (or fp8_row), "
-            "or train.quantization=none"
+            "train.quantization=fake_quant reproduces the quantised weights of the engine, but "
+            "engine.quantization=none serves bf16 ones: set engine.quantization=fp8_block (or fp8_row, "
+            "int4, mxfp8, nvfp4), or train.quantization=none"
+        )
+    if mode == "int4_qat" and engine != "int4":
+        raise ConfigError(
+            f"train.quantization=int4_qat trains against an int4 engine, but engine.quantization={engine}: "
+            "set engine.quantization=int4 (or train.quantization=fake_quant for the engine's format)"
         )
     if mode == "torchao_float8":
         if plan.train.device == "cpu":

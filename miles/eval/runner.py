@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from miles.train.quant import engine_quant_argv
 from miles.cluster.environment import JobEnvironment
 from miles.cluster.rendezvous import write_atomic
 from miles.config import ConfigError, Plan, read_plan
@@ -232,7 +233,7 @@ class EvalService:
             seed=self.plan.run.seed + 1000 + i,
             log_path=self.run_dir / "logs" / f"eval-engine-{i}.log",
             startup_timeout_s=e.startup_timeout_s,
-            extra_args=["--quantization", e.quantization, "--fp8-min-tokens", str(e.fp8_min_tokens)],
+            extra_args=engine_quant_argv(self.plan),
             env={"OMP_NUM_THREADS": str(len(cpus))} if cpus else None,
             cpus=cpus or None,
         )

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles.train.quant import engine_quant_argv
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.engine import check_external_engines
 from miles.config.loading import apply_overrides
@@ -177,7 +178,7 @@ def start_engine_process(plan: Plan, run_dir: Path, i: int, gpu: str | None, inc
         env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
         extra_args=(["--enable-fault-injection"] if e.fault_injection else [])
         + (["--enable-return-routed-experts"] if plan.train.routing_replay == "rollout" else [])
-        + ["--quantization", e.quantization, "--fp8-min-tokens", str(e.fp8_min_tokens)],
+        + engine_quant_argv(plan),
     )
     publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", incarnation)
     return eng

@@ -71,9 +71,19 @@ def sglang_server_command(
         cmd += ["--context-length", str(s.context_length)]
     if s.capture_routed_experts or plan.train.routing_replay == "rollout":  # R3 replays the engine's routing
         cmd.append("--enable-return-routed-experts")
-    if e.quantization != "none":  # FP8 linear layers; an FP8 checkpoint's own config gives its layout
-        cmd += ["--quantization", "fp8"]
+    if e.quantization != "none":  # an FP8 checkpoint's own config gives its layout; packed formats need
+        cmd += ["--quantization", SGLANG_QUANTIZATION[e.quantization]]  # a packed checkpoint (miles export)
     return cmd + list(s.extra_args)
+
+
+SGLANG_QUANTIZATION = {
+    "fp8_block": "fp8",
+    "fp8_row": "fp8",
+    "int4": "compressed-tensors",
+    "mxfp8": "mxfp8",
+    "nvfp4": "modelopt_fp4",
+}
+"""SGLang's --quantization method for each engine.quantization."""
 
 
 def router_command(plan: Plan, *, host: str, port: int, worker_urls: list[str]) -> list[str]:

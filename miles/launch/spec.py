@@ -163,6 +163,7 @@ def check(plan: Plan, profile: Profile) -> dict[str, Any]:
     check_fp8_formats(
         profile,
         {"engine.quantization": plan.engine.quantization, "train.quantization": plan.train.quantization},
+        emulate=plan.engine.kind == "embedded",
     )
     actor_cpus_per_task(plan, profile, tasks)
     per_node = engines_per_node(plan, profile)

@@ -32,7 +32,7 @@ from miles.rollout.rewards import load_reward
 from miles.rollout.tasks import build_task
 from miles.rollout.teacher import Teacher, check_tokenizer
 from miles.sample import Sample, Status
-from miles.train.quant import engine_layout
+from miles.train.quant import engine_contract
 
 log = logging.getLogger("miles.loop")
 
@@ -193,7 +193,7 @@ class RolloutSide:
                 self.run_dir / "weights",
                 template_dir=self.plan.model.path,
                 pause_mode=mode,
-                quantization=engine_layout(self.plan),
+                quantization=engine_contract(self.plan),
             )
         if w.transport == "tensor":
             return cls(self.admins, pause_mode=mode)
@@ -325,10 +325,10 @@ class RolloutSide:
 
     def check_metrics(self, buckets: Iterable[Any]) -> dict[str, float]:
         """The post-push check as a metric: `weights/check_max_diff` (bf16 engines, by values) or
-        `weights/checksum_mismatch` (FP8 engines: tensors whose bytes differ, by checksums)."""
+        `weights/checksum_mismatch` (quantised engines: tensors whose bytes differ, by checksums)."""
         from miles.weights import check_checksums, check_weights
 
-        if engine_layout(self.plan) is None:
+        if engine_contract(self.plan) is None:
             worst = 0.0
             for bucket in buckets:
                 bad = self.call(check_weights(self.admins, bucket))

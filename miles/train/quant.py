@@ -13,6 +13,14 @@ parameters, names and the state dict stay as they were.
 FP8 engine: each covered `X.weight` leaves as the contract's pair `X.weight` (float8_e4m3fn) and
 `X.weight_scale_inv` (float32); everything else leaves unchanged.
 
+Packed engines (`engine.quantization` int4 / mxfp8 / nvfp4; `train.quantization` fake_quant, or
+int4_qat for int4): the same, with the run's Scheme (miles/quant/formats.py) deciding what is covered
+and how it is quantised; covered MoE experts, which transformers 5 holds as stacked `gate_up_proj`
+[E, 2I, H] / `down_proj` [E, H, I] parameters, forward with each stack fake-quantised row-block by
+row-block (for nvfp4 per expert and per gate / up half: its tensor scale is per HF weight), the
+parameter swapped in for the duration of the experts' forward only. `export_pairs` ships each covered
+weight as the format's parts.
+
 `train.quantization = torchao_float8` (CUDA, FSDP only) converts the linear layers with torchao's
 float8 training for speed. It has its own dynamic scales and does not reproduce the engine's
 weights: it is a speed option, never the consistency mechanism.
@@ -20,8 +28,10 @@ weights: it is a speed option, never the consistency mechanism.
 
 from __future__ import annotations
 
+import json
 import types
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,63 +39,151 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.config import ConfigError
+from miles.quant.formats import FORMATS, Format, Scheme
 from miles.quant.fp8 import LAYOUTS, fake_quant, is_quantized_name, quantize_weight, scale_name
 
 
 def engine_layout(plan: Any) -> str | None:
-    """The FP8 layout of `engine.quantization` ("fp8_block" / "fp8_row"), or None for a bf16 engine."""
+    """The FP8 layout of `engine.quantization` ("fp8_block" / "fp8_row"), or None for any other engine."""
     value = plan.engine.quantization
     return value if value in LAYOUTS else None
 
 
-def fake_quant_layout(plan: Any) -> str | None:
-    """The layout the trainer's forward fake-quantises with (None unless train.quantization=fake_quant;
-    miles.config.train.check_quantization has refused fake_quant without an FP8 engine)."""
-    return engine_layout(plan) if plan.train.quantization == "fake_quant" else None
+def engine_scheme(plan: Any) -> Scheme | None:
+    """The packed Scheme of `engine.quantization` (int4, mxfp8, nvfp4), `quant_modules: auto` resolved
+    from the model's config.json (experts for int4 on a MoE model, else linear); None otherwise."""
+    e = plan.engine
+    if e.quantization not in FORMATS:
+        return None
+    modules = e.quant_modules
+    if modules == "auto":
+        modules = "experts" if e.quantization == "int4" and _is_moe(plan.model.path) else "linear"
+    return Scheme(Format(e.quantization, e.int4_group_size), modules)
 
 
-def covered_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+def _is_moe(model_path: str) -> bool:
+    path = Path(model_path) / "config.json"
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
+
+
+def engine_contract(plan: Any) -> str | Scheme | None:
+    """The weight contract of the run's engines: an FP8 layout, a packed Scheme, or None (bf16)."""
+    return engine_layout(plan) or engine_scheme(plan)
+
+
+def engine_quant_argv(plan: Any) -> list[str]:
+    """The embedded engine's quantisation flags for the run's contract."""
+    e = plan.engine
+    argv = ["--quantization", e.quantization, "--fp8-min-tokens", str(e.fp8_min_tokens)]
+    scheme = engine_scheme(plan)
+    if scheme is not None:
+        argv += ["--quant-modules", scheme.modules, "--int4-group-size", str(e.int4_group_size)]
+    return argv
+
+
+def fake_quant_layout(plan: Any) -> str | Scheme | None:
+    """The contract the trainer's forward fake-quantises with (None unless train.quantization is
+    fake_quant or int4_qat; miles.config.train.check_quantization has refused those without a
+    quantised engine)."""
+    return engine_contract(plan) if plan.train.quantization in ("fake_quant", "int4_qat") else None
+
+
+def covered_linears(model: nn.Module, contract: str | Scheme = "fp8_block") -> list[tuple[str, nn.Linear]]:
     """(module name, module) of every nn.Linear whose `<name>.weight` the contract quantises."""
+    covers = contract.covers if isinstance(contract, Scheme) else is_quantized_name
     return [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and is_quantized_name(f"{name}.weight")
+        if isinstance(m, nn.Linear) and covers(f"{name}.weight")
     ]
 
 
+def covered_expert_stacks(model: nn.Module, scheme: Scheme) -> list[tuple[str, nn.Module]]:
+    """(module name, module) of every MoE experts module holding stacked `gate_up_proj` [E, 2I, H] and
+    `down_proj` [E, H, I] parameters (transformers 5), when the scheme covers experts."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and isinstance(
+            getattr(m, "down_proj", None), nn.Parameter
+        ):
+            if scheme.covers(f"{name}.0.down_proj.weight"):
+                out.append((name, m))
+    return out
+
+
 def _fake_quant_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    return F.linear(x, fake_quant(self.weight, self.fp8_layout), self.bias)
+    return F.linear(x, self.fake_quant_fn(self.weight), self.bias)
 
 
-def install_fake_quant(model: nn.Module, layout: str) -> int:
-    """Make every covered linear layer of `model` compute with the contract's fake-quantised weight.
+def _swapped_forward(forward: Any, swaps: dict[str, Any]) -> Any:
+    """A forward that runs with each parameter `name` replaced by `fn(parameter)` for its duration."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        module = forward.__self__
+        saved = {name: module._parameters[name] for name in swaps}
+        for name, fn in swaps.items():
+            module._parameters[name] = fn(saved[name])
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    return run
+
+
+def install_fake_quant(model: nn.Module, contract: str | Scheme) -> int:
+    """Make every covered linear layer of `model` (and, for a packed Scheme, every covered stack of MoE
+    experts) compute with the contract's fake-quantised weight.
 
     Call it before wrapping with FSDP (the module names are then the HF names). Returns how many
-    layers were converted; raises when there is none (a model the contract does not cover)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown FP8 layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    layers = covered_linears(model)
-    if not layers:
+    modules were converted; raises when there is none (a model the contract does not cover)."""
+    if isinstance(contract, Scheme):
+        fn = contract.fmt.fake_quant
+        stacks = covered_expert_stacks(model, contract)
+    else:
+        if contract not in LAYOUTS:
+            raise ValueError(f"unknown FP8 layout {contract!r}; known: {', '.join(LAYOUTS)}")
+        fn, stacks = (lambda w, layout=contract: fake_quant(w, layout)), []
+    layers = covered_linears(model, contract)
+    if not layers and not stacks:
+        what = contract.name if isinstance(contract, Scheme) else "FP8"
         raise ConfigError(
-            f"train.quantization=fake_quant found no linear layer the FP8 contract covers in "
-            f"{type(model).__name__}; set train.quantization=none"
+            f"train.quantization found no layer the {what} contract covers in {type(model).__name__}; "
+            "set train.quantization=none (or engine.quant_modules=linear for a dense model)"
         )
     for _, module in layers:
-        module.fp8_layout = layout
+        module.fake_quant_fn = fn
         module.forward = types.MethodType(_fake_quant_forward, module)
-    return len(layers)
+    for _, module in stacks:
+        fmt = contract.fmt  # type: ignore[union-attr]
+        module.forward = _swapped_forward(
+            module.forward,
+            {"gate_up_proj": lambda w: fmt.fake_quant_rows(w, pieces=2), "down_proj": fmt.fake_quant_rows},
+        )
+    return len(layers) + len(stacks)
 
 
-def export_pairs(named: Iterable[tuple[str, Tensor]], layout: str | None) -> Iterator[tuple[str, Tensor]]:
-    """The export stream in an FP8 engine's wire layout: each covered `X.weight` (given in model.dtype)
-    as the contract's `X.weight` (float8_e4m3fn) and `X.weight_scale_inv` (float32); others unchanged.
-    With layout None the stream passes through."""
-    if layout is None:
+def export_pairs(
+    named: Iterable[tuple[str, Tensor]], contract: str | Scheme | None
+) -> Iterator[tuple[str, Tensor]]:
+    """The export stream in a quantised engine's wire layout: for an FP8 layout each covered `X.weight`
+    (given in model.dtype) as the contract's `X.weight` (float8_e4m3fn) and `X.weight_scale_inv`
+    (float32); for a packed Scheme as the format's parts; others unchanged. With None the stream passes
+    through."""
+    if contract is None:
         yield from named
+        return
+    if isinstance(contract, Scheme):
+        for name, tensor in named:
+            if contract.covers(name):
+                yield from contract.encode(name, tensor)
+            else:
+                yield name, tensor
         return
     for name, tensor in named:
         if is_quantized_name(name) and tensor.dim() == 2:
-            q, scale_inv = quantize_weight(tensor, layout)
+            q, scale_inv = quantize_weight(tensor, contract)
             yield name, q
             yield scale_name(name), scale_inv
         else:

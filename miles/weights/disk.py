@@ -9,7 +9,8 @@ FP8 engines (`quantization` fp8_block / fp8_row) receive the FP8 contract's pair
 float8_e4m3fn weight (safetensors dtype F8_E4M3) and its float32 `weight_scale_inv`, and the copied
 config.json gets the `quantization_config` of an FP8 checkpoint in the SGLang/DeepSeek layout
 (`weight_block_size: [128, 128]` for fp8_block, none for row-wise), so the directory is a loadable
-FP8 checkpoint.
+FP8 checkpoint. Packed engines (a Scheme: int4, mxfp8, nvfp4) likewise get the format's parts and its
+`quantization_config` (compressed-tensors pack-quantized for int4).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from miles.quant.formats import Scheme
 from miles.quant.fp8 import LAYOUTS, quantization_config
 from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode
 
@@ -38,11 +40,13 @@ class DiskTransport:
         *,
         template_dir: str | Path | None = None,
         pause_mode: str | None = "in_place",
-        quantization: str | None = None,
+        quantization: str | Scheme | None = None,
     ):
         check_pause_mode(pause_mode)
-        if quantization not in (None, *LAYOUTS):
-            raise ValueError(f"unknown quantization {quantization!r}; known: {', '.join(LAYOUTS)} or None")
+        if not (quantization is None or isinstance(quantization, Scheme) or quantization in LAYOUTS):
+            raise ValueError(
+                f"unknown quantization {quantization!r}; known: {', '.join(LAYOUTS)}, a packed Scheme or None"
+            )
         self.quantization = quantization
         self.engines = list(engines)
         self.root = Path(root)
@@ -68,7 +72,7 @@ class DiskTransport:
                 ):
                     shutil.copy2(f, tmp / f.name)
             if self.quantization is not None and (tmp / "config.json").exists():
-                _mark_fp8(tmp / "config.json", self.quantization)
+                _mark_quantized(tmp / "config.json", self.quantization)
         for i, bucket in enumerate(buckets):
             tensors = {name: t.detach().to("cpu").contiguous() for name, t in bucket}
             save_file(tensors, str(tmp / f"model-{i + 1:05d}.safetensors"))
@@ -95,7 +99,9 @@ class DiskTransport:
         return None
 
 
-def _mark_fp8(path: Path, layout: str) -> None:
+def _mark_quantized(path: Path, contract: str | Scheme) -> None:
     config = json.loads(path.read_text())
-    config["quantization_config"] = quantization_config(layout)  # type: ignore[arg-type]
+    config["quantization_config"] = (
+        contract.quantization_config() if isinstance(contract, Scheme) else quantization_config(contract)  # type: ignore[arg-type]
+    )
     path.write_text(json.dumps(config, indent=2))

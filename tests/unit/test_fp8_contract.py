@@ -361,6 +361,18 @@ def test_a_format_the_profile_lacks_is_refused_naming_the_key() -> None:
     check_fp8_formats(unstated, {"engine.quantization": "fp8_block"})
 
 
+def test_blackwell_formats_native_on_gb300_and_emulated_by_the_embedded_engine_elsewhere() -> None:
+    from miles.config.base import ConfigError
+    from miles.config.profile import check_fp8_formats, load_profile
+
+    for fmt in ("mxfp8", "nvfp4"):
+        values = {"engine.quantization": fmt, "train.quantization": "fake_quant"}
+        check_fp8_formats(load_profile("gb300"), values)  # SGLang computes in them there
+        with pytest.raises(ConfigError, match=rf"engine\.quantization={fmt} computes in {fmt}.*'h200'"):
+            check_fp8_formats(load_profile("h200"), values)
+        check_fp8_formats(load_profile("h200"), values, emulate=True)  # the embedded engine dequantises
+
+
 def test_unknown_fp8_format_in_a_profile_is_an_error(tmp_path) -> None:
     from miles.config.base import ConfigError
     from miles.config.profile import load_profile

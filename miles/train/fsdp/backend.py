@@ -142,7 +142,7 @@ class FSDPBackend:
     def _quantization(self, plan: Plan) -> Callable[[nn.Module], Any] | None:
         """What train.quantization does to a freshly loaded model (None: nothing)."""
         mode = plan.train.quantization
-        if mode == "fake_quant":
+        if mode in ("fake_quant", "int4_qat"):
             layout = quant.fake_quant_layout(plan)
             return lambda model: quant.install_fake_quant(model, layout)
         if mode == "torchao_float8":
@@ -455,11 +455,11 @@ class FSDPBackend:
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
         """Full HF-named tensors in `plan.model.dtype`, on the trainer device, in bounded buckets.
 
-        With an FP8 engine (engine.quantization), each weight the FP8 contract covers leaves as the
-        contract's pair `X.weight` (float8_e4m3fn) and `X.weight_scale_inv`, quantised from the
-        model.dtype tensor (the values a fake-quant forward computes with)."""
+        With a quantised engine (engine.quantization), each weight its contract covers leaves in the
+        engine's layout (the FP8 pair `X.weight` + `X.weight_scale_inv`, or a packed format's parts),
+        quantised from the model.dtype tensor (the values a fake-quant forward computes with)."""
         dtype = _DTYPES[self.plan.model.dtype]
-        named = quant.export_pairs(iter_full_tensors(self.model, dtype), quant.engine_layout(self.plan))
+        named = quant.export_pairs(iter_full_tensors(self.model, dtype), quant.engine_contract(self.plan))
         return bucketize(named, bucket_bytes, keep=self.rank == 0)
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:

@@ -249,12 +249,12 @@ class MegatronBackend:
         from miles.train.megatron import quant as MQ
         from miles.train.quant import fake_quant_layout
 
-        layout = fake_quant_layout(self.plan)
-        if layout is None:
+        contract = fake_quant_layout(self.plan)
+        if contract is None:
             return
         MQ.install_fake_quant(
             gpt,
-            layout,
+            contract,
             M.shapes_of(self.hf_cfg),
             M.layer_offset(gpt),
             ps.get_tensor_model_parallel_rank(),
@@ -549,14 +549,14 @@ class MegatronBackend:
     # ------------------------------------------------------- weights, state
     def export_weights(self, bucket_bytes: int):
         """HF-named full tensors in buckets of at most bucket_bytes; rank 0 gets them, others empty lists.
-        With an FP8 engine (engine.quantization), covered weights leave as the FP8 contract's pairs.
+        With a quantised engine (engine.quantization), covered weights leave in its layout.
 
         Collective: every rank must iterate to the end.
         """
-        from miles.train.quant import engine_layout
+        from miles.train.quant import engine_contract
 
-        layout = engine_layout(self.plan)
-        for bucket in weights.export_buckets(self.gpt, self.hf_cfg, bucket_bytes, layout):
+        contract = engine_contract(self.plan)
+        for bucket in weights.export_buckets(self.gpt, self.hf_cfg, bucket_bytes, contract):
             yield bucket if dist.get_rank() == 0 else []
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:

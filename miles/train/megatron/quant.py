@@ -1,4 +1,7 @@
-"""The FP8 contract's fake-quant forward for Megatron's linear layers (`train.quantization=fake_quant`).
+"""The quantisation contract's fake-quant forward for Megatron's linear layers (`train.quantization` =
+fake_quant or int4_qat): an FP8 layout (miles/quant/fp8.py) covers the dense layers; a packed Scheme
+(miles/quant/formats.py: int4, mxfp8, nvfp4) covers the experts' fc1 / fc2 and, with modules=linear,
+the dense layers too. What follows is written for FP8 and holds for each.
 
 The contract quantises Hugging Face tensors (q/k/v/o, gate/up/down, 128x128 blocks or rows of each),
 while Megatron fuses q/k/v into one group-interleaved `linear_qkv` and gate/up into `linear_fc1`, and
@@ -32,30 +35,48 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from miles.quant.formats import Scheme
 from miles.quant.fp8 import fake_quant
 from miles.train.megatron import convert
 
 _COVERED = re.compile(
     r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|"
-    r"mlp\.linear_fc2)$"
+    r"mlp\.linear_fc2|mlp\.experts\.local_experts\.\d+\.linear_fc[12])$"
 )
+QuantFn = Callable[[Tensor], Tensor]
+"""The contract's quantise -> dequantise of one Hugging Face weight."""
 
 
-def fake_quant_full(suffix: str, full: Tensor, layout: str, s: convert.Shapes) -> Tensor:
-    """A full (TP-unsharded) Megatron weight whose HF pieces are replaced by their contract values."""
+def contract_fn(contract: str | Scheme) -> QuantFn:
+    """The per-HF-tensor fake quantiser of an FP8 layout or a packed Scheme."""
+    if isinstance(contract, Scheme):
+        return contract.fmt.quant_dequant
+    return lambda w: fake_quant(w, contract)
+
+
+def fake_quant_full(suffix: str, full: Tensor, contract: str | Scheme | QuantFn, s: convert.Shapes) -> Tensor:
+    """A full (TP-unsharded) Megatron weight whose HF pieces are replaced by their contract values
+    (an expert's fc1 / fc2 reads as the dense MLP's: convert._suffix)."""
+    fn = contract if callable(contract) else contract_fn(contract)
     if suffix == "self_attention.linear_qkv.weight":
-        q, k, v = (fake_quant(p, layout) for p in convert.unpack_qkv(full, s))
+        q, k, v = (fn(p) for p in convert.unpack_qkv(full, s))
         return convert.pack_qkv(q, k, v, s)
     if suffix == "mlp.linear_fc1.weight":
         gate, up = full.chunk(2, dim=0)
-        return torch.cat([fake_quant(gate, layout), fake_quant(up, layout)], dim=0)
+        return torch.cat([fn(gate), fn(up)], dim=0)
     if suffix in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
-        return fake_quant(full, layout)
-    raise KeyError(f"{suffix!r} is not a Megatron weight the FP8 contract covers")
+        return fn(full)
+    raise KeyError(f"{suffix!r} is not a Megatron weight the contract covers")
 
 
 def fake_quant_local(
-    name: str, local: Tensor, layout: str, s: convert.Shapes, tp_rank: int, tp_size: int, group: Any = None
+    name: str,
+    local: Tensor,
+    contract: str | Scheme | QuantFn,
+    s: convert.Shapes,
+    tp_rank: int,
+    tp_size: int,
+    group: Any = None,
 ) -> Tensor:
     """This TP rank's slice of the fake-quantised weight `name` (global Megatron name), from its own
     slice `local`; with tp_size > 1 an all-gather over `group` (collective of the TP group)."""
@@ -65,7 +86,7 @@ def fake_quant_local(
         shards = [torch.empty_like(local) for _ in range(tp_size)]
         dist.all_gather(shards, local.contiguous(), group=group)
         full = convert.tp_unshard(name, shards, s)
-    out = fake_quant_full(convert._suffix(name), full, layout, s)
+    out = fake_quant_full(convert._suffix(name), full, contract, s)
     return convert.tp_shard(name, out, tp_rank, tp_size, s).contiguous()
 
 
@@ -82,33 +103,51 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-def covered_modules(gpt: nn.Module, layer_offset: int) -> list[tuple[str, nn.Module]]:
-    """(global Megatron weight name, module) of every linear layer of this stage the contract covers."""
+def covered_modules(
+    gpt: nn.Module, layer_offset: int, contract: str | Scheme = "fp8_block"
+) -> list[tuple[str, nn.Module]]:
+    """(global Megatron weight name, module) of every linear layer of this stage the contract covers:
+    an FP8 layout the dense ones, a packed Scheme the experts and, with modules=linear, the dense ones."""
+    experts_only = isinstance(contract, Scheme) and contract.modules == "experts"
     out = []
     for name, module in gpt.named_modules():
         m = _COVERED.match(name)
-        if m is not None and isinstance(getattr(module, "weight", None), Tensor):
-            out.append((convert.to_global(f"{name}.weight", layer_offset), module))
+        if m is None or not isinstance(getattr(module, "weight", None), Tensor):
+            continue
+        expert = ".local_experts." in name
+        if expert and not isinstance(contract, Scheme):
+            continue  # the FP8 contract leaves experts in model.dtype
+        if experts_only and not expert:
+            continue
+        out.append((convert.to_global(f"{name}.weight", layer_offset), module))
     return out
 
 
 def install_fake_quant(
-    gpt: nn.Module, layout: str, s: convert.Shapes, layer_offset: int, tp_rank: int, tp_size: int, group: Any
+    gpt: nn.Module,
+    contract: str | Scheme,
+    s: convert.Shapes,
+    layer_offset: int,
+    tp_rank: int,
+    tp_size: int,
+    group: Any,
 ) -> int:
     """Make every covered linear layer of this stage forward with its fake-quantised weight; returns
     how many were converted."""
     from miles.config import ConfigError
 
-    modules = covered_modules(gpt, layer_offset)
+    modules = covered_modules(gpt, layer_offset, contract)
     if not modules:
         raise ConfigError(
-            "train.quantization=fake_quant found no Megatron linear layer the FP8 contract covers "
-            "(linear_qkv, linear_proj, linear_fc1, linear_fc2); set train.quantization=none"
+            "train.quantization found no Megatron linear layer the contract covers "
+            "(linear_qkv, linear_proj, linear_fc1, linear_fc2, experts); set train.quantization=none "
+            "(or engine.quant_modules=linear for a dense model)"
         )
+    fn = contract_fn(contract)
     for name, module in modules:
 
         def quantised(w: Tensor, name: str = name) -> Tensor:
-            return fake_quant_local(name, w, layout, s, tp_rank, tp_size, group)
+            return fake_quant_local(name, w, fn, s, tp_rank, tp_size, group)
 
         module.forward = types.MethodType(_swapped_forward(module.forward, quantised), module)
     return len(modules)

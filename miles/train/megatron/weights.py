@@ -127,12 +127,13 @@ def bucketize(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 
 
 def export_buckets(
-    gpt: torch.nn.Module, hf_cfg: Any, bucket_bytes: int, fp8_layout: str | None = None
+    gpt: torch.nn.Module, hf_cfg: Any, bucket_bytes: int, contract: Any = None
 ) -> Iterator[Bucket]:
     """HF-named full tensors of the whole model in buckets (collective over all trainer ranks); with
-    `fp8_layout` (an FP8 engine), covered weights as the FP8 contract's pairs (miles/train/quant.py)."""
+    `contract` (a quantised engine's FP8 layout or packed Scheme), covered weights in its layout
+    (miles/train/quant.py)."""
     from miles.train.quant import export_pairs
 
     s = M.shapes_of(hf_cfg)
     named = convert.iter_megatron_to_hf(iter_megatron_full(gpt, s), s)
-    return bucketize(export_pairs(named, fp8_layout), bucket_bytes)
+    return bucketize(export_pairs(named, contract), bucket_bytes)
