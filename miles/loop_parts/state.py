@@ -127,13 +127,22 @@ class LoopState:
         """Export (collective on every rank) and push weights of version `step` into the engines."""
         start = time.monotonic()
         bucket_bytes = plan.weights.bucket_mb << 20
-        buckets = backend.export_weights(bucket_bytes)
+        sent = [0]
+
+        def counted(buckets: Any) -> Any:
+            for bucket in buckets:
+                sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield bucket
+
+        buckets = counted(backend.export_weights(bucket_bytes))
         if side is not None:
             side.push(buckets, self.step)
         else:
             for _ in buckets:
                 pass
         out = {"weights/version": float(self.step), "weights/push_s": time.monotonic() - start}
+        if sent[0]:  # the rank that holds the exported tensors
+            out["weights/push_bytes"] = float(sent[0])
         if plan.weights.check:
             buckets = backend.export_weights(bucket_bytes)
             if side is not None:
