@@ -17,14 +17,14 @@ Parts (`--part`, repeatable; all by default), run in the order mismatch, push, g
    parts, and the time to quantise the bf16 tensors on the GPU and load the parts into a CUDA int4 engine
    against loading the bf16 tensors into a bf16 engine (no transport; median of `--rounds`).
 3. gemm: one linear layer of the 7B shapes (3584 -> 18944 and 18944 -> 3584): tinygemm W4A16 against
-   bf16 F.linear at 1, 32, 64, 256 and 4096 rows, CUDA events, median of 50.
+   bf16 F.linear at 1 to 4096 rows, CUDA events, median of 50.
 4. decode: the embedded engine in this process (bench/fp8_gpu.py's in-process Scheduler, CUDA graphs,
    temperature 1, ignore_eos) on Qwen2.5-7B shapes (int4 on every linear layer, group 128) and on
    bench/moe_gpu.py's MoE model (Qwen3-30B-A3B layer shapes, `--moe-layers` layers; int4 on the
    experts, upstream's default): batches of 1, 32 and 256 requests (prompt 128, 128 new tokens).
-   Arms: bf16; int4 with GEMMs of at most engine default rows (64) through tinygemm, larger ones
-   dequantised; int4 with every decode GEMM through tinygemm (max rows 256). One untimed run per arm
-   and batch, then `--rounds` rounds with the arms rotated.
+   Arms: bf16; int4 at its default (GEMMs of at most 4 rows through tinygemm, larger ones on the bf16
+   copy); int4 @ 0 (never tinygemm: the bf16 copy only, so the int4 engine's overhead alone). One
+   untimed run per arm and batch, then `--rounds` rounds with the arms rotated.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ PARTS = ("mismatch", "push", "gemm", "decode")
 class Arm:
     label: str
     quantization: str
-    max_rows: int = 64
+    max_rows: int = 4
 
 
-ARMS = [Arm("bf16", "none"), Arm("int4 @ 64", "int4", 64), Arm("int4 @ 256", "int4", 256)]
+ARMS = [Arm("bf16", "none"), Arm("int4 @ 4", "int4", 4), Arm("int4 @ 0", "int4", 0)]
 
 
 def _decoder(model: Path, quantization: str, scheme: Scheme | None, device: str, dtype: torch.dtype):
@@ -146,7 +146,7 @@ def gemm_part(args, device: str) -> list[dict]:
         q, s = int4.quantize(w, 128)
         packed, sz = int4_gemm_pack(int4.pack(q), s.bfloat16(), 128)
         wq = int4.dequantize(q, s, 128, torch.bfloat16)
-        for m in (1, 32, 64, 256, 4096):
+        for m in (1, 2, 4, 8, 16, 32, 256, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             fns = {
                 "bf16": lambda: torch.nn.functional.linear(x, wq),

@@ -69,6 +69,10 @@ class EngineConfig(Section):
     int4 on a MoE model, linear otherwise."""
     int4_group_size: Literal[32, 128] = 128
     """int4: input columns sharing one scale (the model's hidden and intermediate sizes must be multiples)."""
+    int4_max_rows: int = Field(4, ge=0)
+    """int4, embedded engine on CUDA: GEMMs of at most this many rows (small-batch decode) run the int4
+    kernel (tinygemm), larger ones a bf16 copy of the weights; 0: never the int4 kernel. The default is
+    where the kernel still gained on one H200 (bench/RESULTS.md)."""
     fp8_min_tokens: int = Field(1024, ge=1)
     """Embedded engine: GEMMs with at least this many rows (prefill, large batches) run in FP8, smaller
     ones (decode) on CUDA multiply a model.dtype copy of the weight kept beside the FP8 one (2 bytes per

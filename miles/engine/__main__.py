@@ -34,6 +34,7 @@ from miles.cluster.environment import set_intra_op_threads
 from miles.engine import streaming
 from miles.engine.app import build_app
 from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, QUANTIZATIONS, build_decoder
+from miles.engine.packed_weights import DEFAULT_INT4_MAX_ROWS
 from miles.quant.formats import FORMATS, Format, Scheme
 from miles.engine.model import ModelSpec
 from miles.engine.scheduler import Scheduler
@@ -119,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--int4-group-size", type=int, choices=[32, 128], default=128)
     p.add_argument(
+        "--int4-max-rows",
+        type=int,
+        default=DEFAULT_INT4_MAX_ROWS,
+        help="int4 on CUDA: GEMMs of at most this many rows run the int4 kernel (0: never)",
+    )
+    p.add_argument(
         "--fp8-min-tokens",
         type=int,
         default=DEFAULT_FP8_MIN_TOKENS,
@@ -178,6 +185,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
         if args.quantization in FORMATS:
             scheme = Scheme(Format(args.quantization, args.int4_group_size), args.quant_modules)
         decoder = build_decoder(spec, model_dir, device, dtype, args.quantization, args.fp8_min_tokens, scheme)
+        if scheme is not None:
+            decoder.int4_max_rows = max(args.int4_max_rows, 0)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if args.enable_return_routed_experts and spec.moe is None:

@@ -11,15 +11,17 @@ their block scales for mxfp8 / nvfp4 — and the engine never re-quantises what 
 `params` holds those parts by name, so /weights_checker's checksums are the bytes the trainer sent.
 
 How the forward multiplies them:
-- int4, dense linear layers on CUDA: a real W4A16 GEMM, PyTorch's `_weight_int4pack_mm` (tinygemm),
-  over the same 4-bit codes and bf16 scales, repacked into its tile layout whenever they change
-  (load, update, onload; in place, so captured CUDA graphs stay valid). GEMMs with more than
-  `int4_max_rows` rows (prefill) dequantise the weight and multiply in bf16 instead. Fused q/k/v and
-  gate/up are one GEMM each (the formats quantise rows independently, so rows stack exactly).
-- everything else — the CPU, MoE experts (no grouped int4 kernel here), and mxfp8 / nvfp4 anywhere
-  (emulated: no GPU but Blackwell computes in them) — multiplies a model-dtype copy dequantised from
-  the stored parts when they change. On the CPU that copy holds exactly the trainer's fake-quant
-  weights; the copy costs 2 bytes a covered parameter beside the packed ones.
+- every covered weight has a model-dtype copy dequantised from the stored parts whenever they change
+  (load, update, onload; in place, so captured CUDA graphs stay valid), which the forward multiplies:
+  on the CPU it holds exactly the trainer's fake-quant weights. It costs 2 bytes a covered parameter
+  beside the packed ones (as the FP8 engine's decode copy). MoE experts (no grouped int4 kernel
+  here) and mxfp8 / nvfp4 (emulated: no GPU but Blackwell computes in them) always compute this way.
+- int4, dense linear layers on CUDA, GEMMs of at most `int4_max_rows` rows (small-batch decode): a
+  real W4A16 GEMM, PyTorch's `_weight_int4pack_mm` (tinygemm), over the same 4-bit codes and bf16
+  scales repacked into its tile layout. On one H200 it ran at 1.6-1.9x of bf16 for one row of the 7B
+  projections and 0.34x at 32 rows (bench/RESULTS.md), hence the small default; 0 turns it off.
+Fused q/k/v and gate/up are one GEMM each (the formats quantise rows independently, so rows stack
+exactly; nvfp4's per-tensor scales stay with each member's rows).
 Embeddings, the LM head, norms, biases and MoE routers stay in the model dtype.
 """
 
@@ -34,9 +36,9 @@ from miles.engine import moe
 from miles.engine.model import Decoder, ModelSpec
 from miles.quant.formats import Scheme
 
-DEFAULT_INT4_MAX_ROWS = 64
-"""int4 on CUDA: GEMMs with more rows than this dequantise the weight and multiply in bf16 (tinygemm is
-a small-batch kernel; the crossover on one H200 is in bench/RESULTS.md)."""
+DEFAULT_INT4_MAX_ROWS = 4
+"""int4 on CUDA: GEMMs of at most this many rows run tinygemm, larger ones multiply the bf16 copy
+(tinygemm is a small-batch kernel; the crossover on one H200 is in bench/RESULTS.md)."""
 
 
 class PackedDecoder(Decoder):
@@ -55,7 +57,9 @@ class PackedDecoder(Decoder):
         self.int4_max_rows = int4_max_rows
         self._compute: dict[str, torch.Tensor] = {}
         """Compute key (a covered HF name, a fused q/k/v or gate/up name, or an expert stack) -> its
-        dequantised model-dtype weight, or for int4 GEMMs its tinygemm tile layout."""
+        dequantised model-dtype weight."""
+        self._int4: dict[str, torch.Tensor] = {}
+        """int4 GEMM compute key -> its tinygemm tile layout."""
         self._scales: dict[str, torch.Tensor] = {}
         """int4 GEMM compute key -> tinygemm's [in/g, out, 2] scales-and-zeros."""
         self._members: dict[str, list[str]] = {}
@@ -152,7 +156,7 @@ class PackedDecoder(Decoder):
         self._refresh([k for k, names in self._members.items() if changed.intersection(names)])
 
     def offload(self) -> None:
-        self._compute, self._scales = {}, {}
+        self._compute, self._int4, self._scales = {}, {}, {}
         super().offload()
 
     def onload(self) -> None:
@@ -168,6 +172,7 @@ class PackedDecoder(Decoder):
     def _uses_int4_gemm(self, key: str) -> bool:
         return (
             self.scheme.name == "int4"
+            and self.int4_max_rows > 0
             and self.device.type == "cuda"
             and self.dtype == torch.bfloat16
             and ".experts." not in key
@@ -181,15 +186,15 @@ class PackedDecoder(Decoder):
             return
         for key in self._members if keys is None else keys:
             names = self._members[key]
+            w = torch.cat([self.scheme.fmt.decode(self._parts(n), self.dtype) for n in names])
+            self._assign(self._compute, key, w)
             if self._uses_int4_gemm(key):
                 stems = [self._parts(n) for n in names]
                 packed = torch.cat([p["weight_packed"] for p in stems])
                 scale = torch.cat([p["weight_scale"] for p in stems])
-                w, sz = int4_gemm_pack(packed, scale, self.scheme.fmt.group_size)
+                tiles, sz = int4_gemm_pack(packed, scale, self.scheme.fmt.group_size)
+                self._assign(self._int4, key, tiles)
                 self._assign(self._scales, key, sz)
-            else:
-                w = torch.cat([self.scheme.fmt.decode(self._parts(n), self.dtype) for n in names])
-            self._assign(self._compute, key, w)
 
     @staticmethod
     def _assign(table: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
@@ -212,15 +217,12 @@ class PackedDecoder(Decoder):
         w = self._compute.get(name)
         if w is None:
             return super()._linear(x, name, bias)
-        sz = self._scales.get(name)
-        if sz is None:
-            return F.linear(x, w, bias)
+        tiles = self._int4.get(name)
         rows = x.numel() // x.shape[-1]
-        if rows > self.int4_max_rows:
-            names = self._members[name]
-            full = torch.cat([self.scheme.fmt.decode(self._parts(n), self.dtype) for n in names])
-            return F.linear(x, full, bias)
-        y = torch.ops.aten._weight_int4pack_mm(x.reshape(rows, x.shape[-1]), w, self.scheme.fmt.group_size, sz)
+        if tiles is None or rows > self.int4_max_rows:
+            return F.linear(x, w, bias)
+        sz = self._scales[name]
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(rows, x.shape[-1]), tiles, self.scheme.fmt.group_size, sz)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 

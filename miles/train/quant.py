@@ -79,6 +79,7 @@ def engine_quant_argv(plan: Any) -> list[str]:
     scheme = engine_scheme(plan)
     if scheme is not None:
         argv += ["--quant-modules", scheme.modules, "--int4-group-size", str(e.int4_group_size)]
+        argv += ["--int4-max-rows", str(e.int4_max_rows)]
     return argv
 
 

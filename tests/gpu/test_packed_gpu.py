@@ -60,9 +60,10 @@ def _packed(path: str, scheme: Scheme, max_rows: int) -> PackedDecoder:
 def test_int4_gemm_and_dequantised_path_against_the_fake_quant_values(model):
     ref = _reference(model, INT4)
     dequantised = _packed(model, INT4, 0)
+    assert dequantised._int4 == {}
     err_dq = float((_logprobs(dequantised, PROMPT) - ref).abs().max())
     gemm = _packed(model, INT4, 1 << 30)
-    assert set(gemm._scales) == {f"model.layers.{i}.{x}" for i in range(2) for x in (
+    assert set(gemm._int4) == {f"model.layers.{i}.{x}" for i in range(2) for x in (
         "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")}
     err_gemm = float((_logprobs(gemm, PROMPT) - ref).abs().max())
     print(f"int4 on CUDA vs fake-quant bf16 max |log-prob diff|: dequantised {err_dq:.2e}, tinygemm {err_gemm:.2e}")
@@ -70,10 +71,10 @@ def test_int4_gemm_and_dequantised_path_against_the_fake_quant_values(model):
     # an update of the packed parts lands in the GEMM's tile layout in place (captured graphs stay valid)
     name = "model.layers.1.mlp.down_proj.weight"
     key = name
-    before = gemm._compute[key].data_ptr()
+    before = gemm._int4[key].data_ptr()
     new = torch.randn(SIZES["hidden_size"], SIZES["intermediate_size"], device="cuda", dtype=torch.bfloat16) * 0.05
     gemm.load(dict(INT4.encode(name, new)))
-    assert gemm._compute[key].data_ptr() == before
+    assert gemm._int4[key].data_ptr() == before
     x = torch.randn(3, SIZES["intermediate_size"], device="cuda", dtype=torch.bfloat16)
     got = gemm._linear(x, key)
     want = torch.nn.functional.linear(x, INT4.fmt.fake_quant(new))

@@ -86,7 +86,7 @@ def test_int4_qat_config_rules(tiny_model, moe_model):
     base = {"model": {"path": tiny_model}, "engine": {"quantization": "int4", "int4_group_size": 32}}
     plan = resolve(base | {"train": {"quantization": "int4_qat"}})
     assert engine_scheme(plan) == Scheme(Format("int4", 32), "linear")  # auto: a dense model
-    assert engine_quant_argv(plan)[-4:] == ["--quant-modules", "linear", "--int4-group-size", "32"]
+    assert engine_quant_argv(plan)[-6:] == ["--quant-modules", "linear", "--int4-group-size", "32", "--int4-max-rows", "4"]
     moe = resolve(base | {"model": {"path": moe_model}, "train": {"quantization": "int4_qat"}})
     assert engine_scheme(moe).modules == "experts"  # auto: upstream's default on a MoE model
     with pytest.raises(ConfigError, match="engine.quantization=int4"):
