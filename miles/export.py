@@ -14,6 +14,12 @@ the trainer's weights at that step. One process, on the CPU, no process group an
   come from the ep0 files and each expert-parallel rank's experts are renumbered from its local
   numbers to the global ones. Needs no megatron package: the files hold plain tensors.
 
+`--quantized` writes the weights in the run's engine format instead (engine.quantization: int4 as
+compressed-tensors' pack-quantized, mxfp8 / nvfp4 as Miles' packed layout, fp8_block / fp8_row as
+SGLang's FP8 checkpoint), each covered weight quantised once by the contract the run trained with, and
+config.json's `quantization_config` saying so: the directory the embedded engine (or, for int4 and FP8,
+an SGLang server) loads as it is, whose values are the trainer's fake-quant forward's.
+
 The checkpoint is verified against its `.complete` record first (without --step: the newest one
 that verifies). Every parameter of the model must come from the checkpoint: a missing or unexpected
 name is an error that lists them.
@@ -38,7 +44,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    out = export_run(args.run_dir, args.out, step=args.step)
+    out = export_run(args.run_dir, args.out, step=args.step, quantized=args.quantized)
     print(f"wrote {out}")
     return 0
 
@@ -53,11 +59,19 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--step", type=int, help="checkpoint step (default: the newest complete one that verifies)"
     )
+    p.add_argument(
+        "--quantized",
+        action="store_true",
+        help="write the weights in the run's engine.quantization format (int4, mxfp8, nvfp4, fp8_*)",
+    )
     p.set_defaults(func=_cmd_export)
 
 
-def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
-    """Write the HF directory of the checkpoint of `step` (None: the newest that verifies) to `out`."""
+def export_run(
+    run_dir: str | Path, out: str | Path, step: int | None = None, quantized: bool = False
+) -> Path:
+    """Write the HF directory of the checkpoint of `step` (None: the newest that verifies) to `out`;
+    `quantized`: in the run's engine format (module docstring)."""
     from miles.config.resolve import read_plan
     from miles.train.checkpoint import CheckpointError, choose, step_dir
 
@@ -69,6 +83,15 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty: name a new directory for the export")
     plan = read_plan(run_dir / "plan.yaml")
+    contract = None
+    if quantized:
+        from miles.train.quant import engine_contract
+
+        contract = engine_contract(plan)
+        if contract is None:
+            raise ConfigError(
+                f"miles export --quantized: {run_dir}'s engine.quantization is none; export without --quantized"
+            )
     choice = choose(run_dir, step)
     for note in choice.notes:
         log.warning("%s", note)
@@ -85,7 +108,10 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     else:
         raise ConfigError(f"{src} holds neither state/ (FSDP) nor megatron/ (Megatron) checkpoint files")
     _load_strict(model, _stack_experts(state, model.state_dict()), src)
-    return _write(model, plan.model.path, plan.model.dtype, out, step)
+    _write(model, plan.model.path, plan.model.dtype, out, step)
+    if contract is not None:
+        _write_quantized(model, out, contract)
+    return out
 
 
 def _empty_model(model_path: str) -> Any:
@@ -239,6 +265,37 @@ def _load_strict(model: Any, state: dict[str, Any], src: Path) -> None:
         model.load_state_dict(state, strict=False)
     if tied:
         model.tie_weights()
+
+
+def _write_quantized(model: Any, out: Path, contract: Any) -> None:
+    """Replace `out`'s safetensors by the contract's layout of the model's weights (one file) and mark
+    config.json with its quantization_config."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from miles.quant.formats import Scheme
+    from miles.quant.fp8 import quantization_config
+    from miles.train.fsdp.weights import checkpoint_names
+    from miles.train.quant import export_pairs
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    named = (
+        pair
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+        for pair in checkpoint_names(name, t.detach())
+    )
+    tensors = {name: t.contiguous() for name, t in export_pairs(named, contract)}
+    for f in [*out.glob("*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        f.unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = (
+        contract.quantization_config() if isinstance(contract, Scheme) else quantization_config(contract)
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    log.info("wrote the %s weights of %s", getattr(contract, "name", contract), out)
 
 
 def _write(model: Any, model_path: str, dtype: str, out: Path, step: int) -> Path:

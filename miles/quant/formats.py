@@ -61,18 +61,20 @@ class Format:
 
     name: str
     group_size: int = 128
-    """int4's group (32 or 128); mxfp8's and nvfp4's blocks are fixed (32, 16)."""
+    """int4's group (32 or 128); mxfp8's and nvfp4's blocks are fixed (32, 16: set whatever is given)."""
 
     def __post_init__(self) -> None:
         if self.name not in FORMATS:
             raise ValueError(f"unknown weight format {self.name!r}; known: {', '.join(FORMATS)}")
         if self.name == "int4" and self.group_size not in int4.GROUP_SIZES:
             raise ValueError(f"int4 group_size must be one of {int4.GROUP_SIZES} (got {self.group_size})")
+        if self.name != "int4":  # fixed blocks: a format is equal to itself whatever group was asked for
+            object.__setattr__(self, "group_size", mx.MX_BLOCK if self.name == "mxfp8" else mx.NV_BLOCK)
 
     @property
     def block(self) -> int:
         """Input columns per scale."""
-        return {"int4": self.group_size, "mxfp8": mx.MX_BLOCK, "nvfp4": mx.NV_BLOCK}[self.name]
+        return self.group_size
 
     @property
     def suffixes(self) -> tuple[str, ...]:

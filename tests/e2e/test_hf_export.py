@@ -125,6 +125,37 @@ def megatron_run(root: Path, model_path: str, tp: int = 2, pp: int = 2, step: in
     return run
 
 
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8_row"])
+def test_quantized_export_is_the_engine_format(tiny_model, tmp_path, fmt):
+    """--quantized: the run's engine format, loaded as it is by the embedded engine, whose stored
+    tensors are the contract's encoding of the checkpoint's weights."""
+    from miles.engine.fp8_weights import build_decoder, checkpoint_layout
+    from miles.engine.model import ModelSpec, load_weights
+    from miles.train.quant import engine_contract, export_pairs
+
+    run = megatron_run(tmp_path, tiny_model, tp=1, pp=1)
+    plan = yaml.safe_load((run / "plan.yaml").read_text())
+    plan["engine"] = {"quantization": fmt, "int4_group_size": 32}
+    (run / "plan.yaml").write_text(yaml.safe_dump(plan))
+    out = export_run(run, tmp_path / "q", quantized=True)
+    assert checkpoint_layout(out) == fmt
+    from miles.config.resolve import read_plan
+
+    contract = engine_contract(read_plan(run / "plan.yaml"))
+    want = dict(export_pairs(load_weights(tiny_model).items(), contract))
+    got = load_weights(out)
+    assert sorted(got) == sorted(n for n in want if n != "lm_head.weight" or n in got)
+    for name, t in want.items():
+        if name in got:
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    scheme = contract if not isinstance(contract, str) else None
+    build_decoder(ModelSpec.from_dir(out), out, "cpu", torch.float32, fmt, 1024, scheme)
+    with pytest.raises(ConfigError, match="export without --quantized"):
+        plan["engine"] = {"quantization": "none"}
+        (run / "plan.yaml").write_text(yaml.safe_dump(plan))
+        export_run(run, tmp_path / "q2", quantized=True)
+
+
 def test_megatron_export_rebuilds_the_model(tiny_model, tmp_path):
     from transformers import AutoConfig
 
