@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench.fp8_gpu import SIZES, Workload, make_model, rotated, sync
+from bench.fp8_gpu import make_model, rotated, sync
 from bench.parts import bench_device, free_memory, mismatch_recipe, mismatch_run, report, run_parts, utc_now
 from miles.quant.formats import Format, Scheme
 
@@ -105,12 +105,17 @@ def decode_part(args, device: str) -> list[dict]:
     prompt, new = (8, 4) if args.smoke else (128, 128)
     rows = []
     for label, path, scheme in decode_models(args):
-        decoders = {q: _decoder(path, q, scheme if q == "int4" else None, device, dtype) for q in ("none", "int4")}
-        scheds = {a: Scheduler(decoders[a.quantization], max(batches), max(batches) * (prompt + new) + 4096) for a in ARMS}
+        decoders = {
+            q: _decoder(path, q, scheme if q == "int4" else None, device, dtype) for q in ("none", "int4")
+        }
+        scheds = {
+            a: Scheduler(decoders[a.quantization], max(batches), max(batches) * (prompt + new) + 4096)
+            for a in ARMS
+        }
         vocab = decoders["none"].spec.vocab_size
         rng = random.Random(args.seed)
 
-        def prompts(n: int, rng: random.Random = rng) -> list[list[int]]:
+        def prompts(n: int, rng: random.Random = rng, vocab: int = vocab) -> list[list[int]]:
             return [[rng.randrange(vocab) for _ in range(prompt)] for _ in range(n)]
 
         for b in batches:
@@ -122,7 +127,10 @@ def decode_part(args, device: str) -> list[dict]:
                 batch = prompts(b)
                 for a in rotated(ARMS, r):
                     tok_s[(b, a)].append(_run(scheds[a], a, batch, new, device))
-                    print(f"decode {label} batch {b} round {r + 1} {a.label}: {tok_s[(b, a)][-1]:.0f} tok/s", flush=True)
+                    print(
+                        f"decode {label} batch {b} round {r + 1} {a.label}: {tok_s[(b, a)][-1]:.0f} tok/s",
+                        flush=True,
+                    )
         del scheds, decoders
         free_memory()
         for b in batches:
@@ -149,8 +157,10 @@ def gemm_part(args, device: str) -> list[dict]:
         for m in (1, 2, 4, 8, 16, 32, 256, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             fns = {
-                "bf16": lambda: torch.nn.functional.linear(x, wq),
-                "int4": lambda: torch.ops.aten._weight_int4pack_mm(x, packed, 128, sz),
+                "bf16": lambda x=x, wq=wq: torch.nn.functional.linear(x, wq),
+                "int4": lambda x=x, packed=packed, sz=sz: torch.ops.aten._weight_int4pack_mm(
+                    x, packed, 128, sz
+                ),
             }
             times = {}
             for name, fn in fns.items():
@@ -183,7 +193,10 @@ def push_part(args, device: str) -> list[dict]:
         host = load_weights(path)
         named = {n: t.to(device) for n, t in host.items()}
         del host
-        engines = {"bf16": _decoder(path, "none", None, device, dtype), "int4": _decoder(path, "int4", scheme, device, dtype)}
+        engines = {
+            "bf16": _decoder(path, "none", None, device, dtype),
+            "int4": _decoder(path, "int4", scheme, device, dtype),
+        }
         result = dict(size=size)
         for label, contract in (("bf16", None), ("int4", scheme)):
             times, sent = [], 0
@@ -197,7 +210,9 @@ def push_part(args, device: str) -> list[dict]:
                 sent = sum(t.numel() * t.element_size() for t in parts.values())
                 del parts
             result[f"{label}_bytes"], result[f"{label}_s"] = sent, times
-            print(f"push {size} {label}: {sent / 2**20:.0f} MiB, {statistics.median(times):.3f} s", flush=True)
+            print(
+                f"push {size} {label}: {sent / 2**20:.0f} MiB, {statistics.median(times):.3f} s", flush=True
+            )
         spec = ModelSpec.from_dir(path)
         del engines, named, spec
         free_memory()
@@ -211,7 +226,12 @@ def mismatch_part(args, device: str) -> list[dict]:
     loss = {"old_logprobs": "recompute", "kl_coef": 0.0, "tis": "truncate", "tis_clip": 2.0}
     recipe = mismatch_recipe(args, model, "int4-mismatch", args.mm_backend, args.mm_steps, loss)
     group = 32 if args.smoke else 128
-    int4 = ["engine.quantization=int4", "engine.quant_modules=linear", f"engine.int4_group_size={group}", "weights.check=true"]
+    int4 = [
+        "engine.quantization=int4",
+        "engine.quant_modules=linear",
+        f"engine.int4_group_size={group}",
+        "weights.check=true",
+    ]
     arms = [
         ("bf16 engine, bf16 trainer", ["engine.quantization=none", "train.quantization=none"]),
         ("int4 engine, trainer without the contract", [*int4, "train.quantization=none"]),
@@ -220,7 +240,8 @@ def mismatch_part(args, device: str) -> list[dict]:
     keys = {"mismatch": "train/logprob_mismatch", "checksum_mismatch": "weights/checksum_mismatch",
             "push_s": "weights/push_s", "push_bytes": "weights/push_bytes"}  # fmt: skip
     return [
-        dict(label=label, overrides=sets) | mismatch_run(recipe, args.workdir, f"int4-mismatch-{k}", sets, args.mm_steps, keys)
+        dict(label=label, overrides=sets)
+        | mismatch_run(recipe, args.workdir, f"int4-mismatch-{k}", sets, args.mm_steps, keys)
         for k, (label, sets) in enumerate(arms)
     ]
 
@@ -235,7 +256,9 @@ def _range(vals: list[float], fmt: str = "{:.2f}") -> str:
 def decode_table(rows: list[dict]) -> list[str]:
     out = ["| model | batch | engine | tok/s (min-max) | vs bf16 (min-max) |", "|---|---:|---|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['model']} | {r['batch']} | {r['arm']} | {_range(r['tok_s'], '{:.0f}')} | {_range(r['vs_bf16'])} |")
+        out.append(
+            f"| {r['model']} | {r['batch']} | {r['arm']} | {_range(r['tok_s'], '{:.0f}')} | {_range(r['vs_bf16'])} |"
+        )
     return out
 
 
@@ -244,7 +267,9 @@ def gemm_table(rows: list[dict]) -> list[str]:
         return [rows[0]["note"]]
     out = ["| out x in | rows | bf16 us | int4 us | int4 speed-up |", "|---|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['n']} x {r['k']} | {r['m']} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | {r['speedup']:.2f} |")
+        out.append(
+            f"| {r['n']} x {r['k']} | {r['m']} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | {r['speedup']:.2f} |"
+        )
     return out
 
 
@@ -305,7 +330,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.mm_steps, args.moe_layers = 1, 2, 2
-        args.mm_prompts, args.mm_samples, args.mm_prompt, args.mm_completion, args.micro_tokens = 2, 2, 8, 4, 512
+        args.mm_prompts, args.mm_samples, args.mm_prompt, args.mm_completion, args.micro_tokens = (
+            2,
+            2,
+            8,
+            4,
+            512,
+        )
     args.workdir = str(Path(args.workdir).resolve())
     return args
 
@@ -321,7 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     results, errors = run_parts(args, PARTS, runners)
     sections = [
-        ("mismatch", "Train-rollout log-prob mismatch: bf16 vs int4 engine without / with the contract", mismatch_table),
+        (
+            "mismatch",
+            "Train-rollout log-prob mismatch: bf16 vs int4 engine without / with the contract",
+            mismatch_table,
+        ),
         ("push", "Weight push in process: bytes and quantise + load time", push_table),
         ("gemm", "One linear layer: tinygemm W4A16 vs bf16", gemm_table),
         ("decode", "Decode: embedded engine in process, CUDA graphs", decode_table),

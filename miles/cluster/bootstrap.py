@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.train.quant import engine_quant_argv
 from miles.cluster.environment import JobEnvironment, intra_op_threads
 from miles.cluster.rendezvous import (
     ENGINES,
@@ -41,6 +40,7 @@ from miles.cluster.rendezvous import (
 )
 from miles.config import Plan, read_plan
 from miles.processes import child_options, stop_processes
+from miles.train.quant import engine_quant_argv
 
 
 def _facts(run_dir: Path) -> tuple[Plan, dict[str, Any]]:

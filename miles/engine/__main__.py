@@ -34,14 +34,14 @@ from miles.cluster.environment import set_intra_op_threads
 from miles.engine import streaming
 from miles.engine.app import build_app
 from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, QUANTIZATIONS, build_decoder
-from miles.engine.packed_weights import DEFAULT_INT4_MAX_ROWS
-from miles.quant.formats import FORMATS, Format, Scheme
 from miles.engine.model import ModelSpec
+from miles.engine.packed_weights import DEFAULT_INT4_MAX_ROWS
 from miles.engine.scheduler import Scheduler
 from miles.engine.server import EngineState, model_path_of
 from miles.engine.tokenizer import load_codec
 from miles.engine.updates import DEFAULT_TIMEOUT_S as DEFAULT_WEIGHT_UPDATE_TIMEOUT_S
 from miles.engine.validation import DEFAULT_MAX_REQUEST_BYTES
+from miles.quant.formats import FORMATS, Format, Scheme
 from miles.serving import CancelOnDisconnect
 
 log = logging.getLogger("miles.engine")
@@ -131,6 +131,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_FP8_MIN_TOKENS,
         help="GEMMs with fewer rows dequantise FP8 weights and run in the model dtype (decode)",
     )
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (miles/engine/lora.py)")
+    p.add_argument(
+        "--lora-paths", nargs="*", default=[], metavar="NAME=PATH", help="PEFT adapters to load at start-up"
+    )
+    p.add_argument(
+        "--max-loras-per-batch", type=int, default=8, help="adapter slots (adapters loaded at once)"
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="largest adapter rank (default: the start-up adapters', else 16)",
+    )
+    p.add_argument(
+        "--lora-target-modules",
+        nargs="*",
+        default=None,
+        help="layers adapters may target (q_proj ... down_proj, or all; default: the start-up adapters', else all)",
+    )
     p.add_argument("--url-file", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -153,6 +172,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--weight-update-timeout-s and --fp8-min-tokens must be > 0"
         )
     return args
+
+
+def _start_lora(args: argparse.Namespace, decoder) -> list:
+    """The decoder's LoRA bank (sized from the flags or the start-up adapters) and those adapters."""
+    from miles.engine.lora import TARGETS, LoraBank, LoraError, read_adapter
+
+    adapters = []
+    for item in args.lora_paths:
+        name, _, path = item.rpartition("=")
+        name = name or Path(path).name
+        try:
+            config, tensors = read_adapter(path)
+        except (LoraError, OSError) as e:
+            raise SystemExit(f"--lora-paths {item}: {e}") from None
+        adapters.append((name, config, tensors, path))
+    rank = args.max_lora_rank or max((c.rank for _, c, _, _ in adapters), default=16)
+    targets = (
+        args.lora_target_modules or sorted({t for _, c, _, _ in adapters for t in c.targets}) or list(TARGETS)
+    )
+    targets = list(TARGETS) if targets == ["all"] else targets
+    bad = [t for t in targets if t not in TARGETS]
+    if bad:
+        raise SystemExit(
+            f"--lora-target-modules {bad}: the engine's LoRA layers are {', '.join(TARGETS)} (or all)"
+        )
+    spec, shapes = decoder.spec, {}
+    for i in range(spec.num_layers):
+        sparse = spec.moe is not None and i in spec.moe.sparse_layers
+        for sub, names in (("self_attn", "qkvo"), ("mlp", () if sparse else ("gate", "up", "down"))):
+            for x in names:
+                module = f"model.layers.{i}.{sub}.{x}_proj"
+                shapes[module] = tuple(decoder.get(module + ".weight").shape)
+    decoder.lora = LoraBank(
+        shapes,
+        args.max_loras_per_batch,
+        rank,
+        tuple(targets),
+        decoder.device,
+        decoder.dtype,
+        args.max_running_requests,
+    )
+    return adapters
 
 
 def _sglang_quantization(value: str) -> str | None:
@@ -184,7 +245,9 @@ def build_state(args: argparse.Namespace) -> EngineState:
         scheme = None
         if args.quantization in FORMATS:
             scheme = Scheme(Format(args.quantization, args.int4_group_size), args.quant_modules)
-        decoder = build_decoder(spec, model_dir, device, dtype, args.quantization, args.fp8_min_tokens, scheme)
+        decoder = build_decoder(
+            spec, model_dir, device, dtype, args.quantization, args.fp8_min_tokens, scheme
+        )
         if scheme is not None:
             decoder.int4_max_rows = max(args.int4_max_rows, 0)
     except ValueError as e:
@@ -194,6 +257,7 @@ def build_state(args: argparse.Namespace) -> EngineState:
             f"--enable-return-routed-experts needs a mixture-of-experts model; {spec.arch} is dense"
         )
     decoder.record_routing = args.enable_return_routed_experts
+    adapters = _start_lora(args, decoder) if args.enable_lora or args.lora_paths else []
     scheduler = Scheduler(
         decoder,
         args.max_running_requests,
@@ -204,6 +268,11 @@ def build_state(args: argparse.Namespace) -> EngineState:
         cuda_graph_max_context=args.cuda_graph_max_context,
         stuck_timeout_s=args.scheduler_stuck_timeout_s,
     )
+    for name, config, tensors, path in adapters:
+        try:
+            scheduler.load_lora(name, config, tensors, path)
+        except ValueError as e:
+            raise SystemExit(f"--lora-paths {name}={path}: {e}") from None
     tok = load_codec(model_dir)
     if tok is None:
         log.warning("no tokenizer.json in %s: only input_ids requests will work", model_dir)
@@ -223,6 +292,9 @@ def build_state(args: argparse.Namespace) -> EngineState:
         "disable_cuda_graph": not scheduler.use_cuda_graph,
         "cuda_graph_max_bs": scheduler.graph_max_bs,
         "enable_return_routed_experts": args.enable_return_routed_experts,
+        "enable_lora": args.enable_lora or bool(args.lora_paths),
+        "max_loras_per_batch": args.max_loras_per_batch,
+        "max_lora_rank": None if scheduler.decoder.lora is None else scheduler.decoder.lora.max_rank,
         "quantization": _sglang_quantization(args.quantization),
         "fp8_layout": args.quantization if args.quantization.startswith("fp8") else None,
     }

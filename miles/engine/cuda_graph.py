@@ -84,7 +84,8 @@ class DecodeGraphs:
 
     def _forward(self, batch: int, context_len: int) -> torch.Tensor:
         s = self.static
-        b = Batch.decode(s[0, :batch], s[1, :batch], s[2, :batch], self.table, context_len)
+        lora = None if self.decoder.lora is None else self.decoder.lora.rows
+        b = Batch.decode(s[0, :batch], s[1, :batch], s[2, :batch], self.table, context_len, lora)
         return self.decoder.forward(b, self.pool)
 
     def _capture(self, batch: int, context_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -74,6 +74,18 @@ def attach_options(state: Any, body: GenerateReqInput, reqs: list[tuple[Request,
             f"sampling_params.n must be the same for every prompt of a batch, got {sorted(samples)}"
         )
     _check_routed(state, body)
+    loras = _per_prompt(body.lora_path, n, batch, "lora_path")
+    bank = state.scheduler.decoder.lora
+    for i, ((req, _), name) in enumerate(zip(reqs, loras, strict=True)):
+        if name is None:
+            continue
+        if bank is None:
+            raise BadRequest("lora_path needs the engine started with --enable-lora")
+        try:
+            bank.slot_of(name)
+        except ValueError as e:
+            raise BadRequest(f"{e}" + (f" (item {i})" if batch else "")) from None
+        req.lora = name
     out, warmups = [], []
     for i, (req, lp) in enumerate(reqs):
         at = f"[{i}]" if batch else ""
@@ -160,7 +172,9 @@ def _options(state: Any, req: Request, logprob: Any, with_text: bool, at: str) -
 def _prefill_only(req: Request, state: Any) -> Request:
     """SGLang's prefix warm-up for parallel samples: the prompt's prefill, nothing sampled."""
     sp = SamplingParams(max_new_tokens=0)
-    warm = Request(rid=f"{req.rid}_prefill", prompt=req.prompt, params=sp, seed=0, stop_ids=frozenset())
+    warm = Request(
+        rid=f"{req.rid}_prefill", prompt=req.prompt, params=sp, seed=0, stop_ids=frozenset(), lora=req.lora
+    )
     warm.opts = build_options(sp, len(req.prompt), None, frozenset(), state.eos_token_ids, None, None)
     return warm
 
@@ -169,7 +183,12 @@ def _sample(req: Request, j: int, warmup: Request, state: Any) -> Request:
     """The j-th of a prompt's n samples: its own rid, seed, grammar state and results."""
     seed = req.seed + j if req.params.sampling_seed is not None else state.next_seed()
     out = Request(
-        rid=f"{req.rid}_{j}", prompt=req.prompt, params=req.params, seed=seed, stop_ids=req.stop_ids
+        rid=f"{req.rid}_{j}",
+        prompt=req.prompt,
+        params=req.params,
+        seed=seed,
+        stop_ids=req.stop_ids,
+        lora=req.lora,
     )
     o = copy.copy(req.opts) if req.opts is not None else RequestOptions()
     o.output_top, o.output_ids, o.counts = [], [], None

@@ -35,6 +35,9 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class _Entry:
     tokens: list[int]
     slots: list[int]
+    namespace: str | None = None
+    """The LoRA adapter the K/V were computed with (None: the base model): a prefix is shared only
+    within one namespace."""
 
 
 class SlotAllocator:
@@ -76,13 +79,14 @@ class SlotAllocator:
             if self._refs[s] == 0:
                 self._free.append(s)
 
-    def match(self, tokens: list[int], limit: int) -> list[int]:
-        """Slots of the longest cached prefix of `tokens` (at most `limit` tokens), retained for the caller."""
+    def match(self, tokens: list[int], limit: int, namespace: str | None = None) -> list[int]:
+        """Slots of the longest cached prefix of `tokens` (at most `limit` tokens) computed in
+        `namespace` (a LoRA adapter, None: the base model), retained for the caller."""
         best_id, best_len = None, 0
         wanted = tokens[:limit]
         first = wanted[0] if wanted else None
         for eid, e in self._entries.items():
-            if e.tokens[0] != first:  # most entries fail here: no call, no slice
+            if e.tokens[0] != first or e.namespace != namespace:  # most entries fail here: no call, no slice
                 continue
             n = common_prefix_len(e.tokens, wanted)
             if n > best_len:
@@ -94,7 +98,7 @@ class SlotAllocator:
         self.retain(slots)
         return slots
 
-    def insert(self, tokens: list[int], slots: list[int]) -> None:
+    def insert(self, tokens: list[int], slots: list[int], namespace: str | None = None) -> None:
         """Cache a finished sequence (tokens whose K/V are in `slots`); entries it extends are dropped."""
         assert len(tokens) == len(slots)
         if not tokens:
@@ -109,12 +113,14 @@ class SlotAllocator:
         ]:
             self._drop(eid)
         self.retain(slots)
-        self._entries[self._next_id] = _Entry(list(tokens), list(slots))
+        self._entries[self._next_id] = _Entry(list(tokens), list(slots), namespace)
         self._next_id += 1
 
-    def flush(self) -> None:
+    def flush(self, namespace: str | None = None, *, only: bool = False) -> None:
+        """Drop every entry, or with `only` those of `namespace` (an adapter replaced in place)."""
         for eid in list(self._entries):
-            self._drop(eid)
+            if not only or self._entries[eid].namespace == namespace:
+                self._drop(eid)
 
     def _drop(self, eid: int) -> None:
         self.release(self._entries.pop(eid).slots)

@@ -115,10 +115,20 @@ class Batch:
     context_slots: torch.Tensor  # [B, Lmax] pool slots of each request's context (padding: slot 0)
     last_index: torch.Tensor  # [B] index of each request's last new token in the packed tokens
     kv_rows: torch.Tensor | None = None  # CPU decode: [B] ascending RowKV row of each request, else None
+    lora_slots: torch.Tensor | None = None  # [T] LoRA slot of each new token (-1: base); None: all base
 
     @classmethod
-    def decode(cls, input_ids, positions, rows, table: torch.Tensor, context_len: int) -> Batch:
-        """One new token per request; `table[row, p]` is the slot of a request's token at position p.
+    def decode(
+        cls,
+        input_ids,
+        positions,
+        rows,
+        table: torch.Tensor,
+        context_len: int,
+        lora_rows: torch.Tensor | None = None,
+    ) -> Batch:
+        """One new token per request; `table[row, p]` is the slot of a request's token at position p;
+        `lora_rows[row]` the LoRA slot of its adapter (miles/engine/lora.py).
 
         Built on the device from tensors alone (no host values), so it can run inside a CUDA graph.
         """
@@ -131,7 +141,15 @@ class Batch:
             query_pos=positions[:, None],
             context_slots=table[rows, :context_len],
             last_index=index,
+            lora_slots=None if lora_rows is None else lora_rows[rows],
         )
+
+
+def _token_slots(b: Batch) -> torch.Tensor:
+    """The LoRA slot of each new token of `b` (-1, the base model, when the batch names none)."""
+    if b.lora_slots is not None:
+        return b.lora_slots
+    return torch.full_like(b.input_ids, -1)
 
 
 def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -201,6 +219,8 @@ class Decoder:
         """[pool slots, sparse layers, k] expert ids of the token whose K/V is in each slot (record_routing)."""
         self._routed: list[torch.Tensor] = []
         self._dtypes: dict[str, torch.dtype] = {}  # storage dtypes other than `dtype` (FP8 weights, scales)
+        self.lora = None
+        """The LoRA adapter bank (miles/engine/lora.py: LoraBank), None without --enable-lora."""
         self.load(weights, strict=True)
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
         self.inv_freq = (1.0 / spec.rope_theta**half).float()
@@ -361,9 +381,9 @@ class Decoder:
         """q [T, H, D], k and v [T, KVH, D] of layer i, RoPE applied (and Qwen3's q/k norms)."""
         s, p = self.spec, f"model.layers.{i}.self_attn."
         T, KVH, D = x.shape[0], s.num_kv_heads, s.head_dim
-        q = self._linear(x, p + "q_proj.weight", self.params.get(p + "q_proj.bias"))
-        k = self._linear(x, p + "k_proj.weight", self.params.get(p + "k_proj.bias"))
-        v = self._linear(x, p + "v_proj.weight", self.params.get(p + "v_proj.bias"))
+        q = self._project(x, p + "q_proj.weight", self.params.get(p + "q_proj.bias"))
+        k = self._project(x, p + "k_proj.weight", self.params.get(p + "k_proj.bias"))
+        v = self._project(x, p + "v_proj.weight", self.params.get(p + "v_proj.bias"))
         q, k, v = q.view(T, s.num_heads, D), k.view(T, KVH, D), v.view(T, KVH, D)
         if s.arch in QK_NORM_ARCHS:
             w = self.params
@@ -375,7 +395,7 @@ class Decoder:
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
-        return self._linear(self._attend(q, b, pool[i], mask), f"model.layers.{i}.self_attn.o_proj.weight")
+        return self._project(self._attend(q, b, pool[i], mask), f"model.layers.{i}.self_attn.o_proj.weight")
 
     def _attend(self, q: torch.Tensor, b: Batch, kv: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
         """Attention [T, H*D] of the packed queries q [T, H, D] over the pool (the new K/V written)."""
@@ -466,6 +486,8 @@ class Decoder:
         go to the pool, and the decode tokens' to their rows as well."""
         parts = [d] if prefill is None else [prefill, d]
         ids, positions = torch.cat([b.input_ids for b in parts]), torch.cat([b.positions for b in parts])
+        if self.lora is not None:
+            self.lora.begin(torch.cat([_token_slots(b) for b in parts]))
         n_pre = 0 if prefill is None else prefill.input_ids.shape[0]
         x = self.params["model.embed_tokens.weight"][ids]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -480,7 +502,7 @@ class Decoder:
             if prefill is not None:
                 pre = self._attend_pool_cpu(i, q[:n_pre], k[:n_pre], v[:n_pre], prefill, pool, pre_mask)
                 out = torch.cat((pre, out))
-            x = x + self._linear(out, p + "self_attn.o_proj.weight")
+            x = x + self._project(out, p + "self_attn.o_proj.weight")
             x = x + self._mlp(i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]))
         last = d.last_index if prefill is None else torch.cat((prefill.last_index, n_pre + d.last_index))
         self._take_routing(
@@ -493,14 +515,16 @@ class Decoder:
         p = f"model.layers.{i}.mlp."
         m = self.spec.moe
         if m is not None and i in m.sparse_layers:
-            gate_up = self._stacked(p + "experts.gate_up_proj").view(m.num_experts, 2 * m.intermediate_size, -1)
+            gate_up = self._stacked(p + "experts.gate_up_proj").view(
+                m.num_experts, 2 * m.intermediate_size, -1
+            )
             down = self._stacked(p + "experts.down_proj").view(m.num_experts, -1, m.intermediate_size)
             out, ids = moe.sparse_mlp(x, self.params[p + "gate.weight"], gate_up, down, m)
             if self.record_routing:
                 self._routed.append(ids)
             return out
-        gate, up = self._linear(x, p + "gate_proj.weight"), self._linear(x, p + "up_proj.weight")
-        return self._linear(F.silu(gate) * up, p + "down_proj.weight")
+        gate, up = self._project(x, p + "gate_proj.weight"), self._project(x, p + "up_proj.weight")
+        return self._project(F.silu(gate) * up, p + "down_proj.weight")
 
     def _stacked(self, name: str) -> torch.Tensor:
         """A sparse layer's stacked expert tensor (`mlp.experts.gate_up_proj` / `down_proj`) as the
@@ -511,6 +535,29 @@ class Decoder:
         """Whether the fused weight `name` (a dense layer's gate_up_proj) can be multiplied in one GEMM."""
         return name in self.storage
 
+    _FUSED_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def _project(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`_linear` plus, with LoRA adapters (miles/engine/lora.py), each token's adapter term; a fused
+        weight (qkv_proj, gate_up_proj) gets its members' terms side by side."""
+        y = self._linear(x, name, bias)
+        if self.lora is None:
+            return y
+        module = name.removesuffix(".weight")
+        head, _, leaf = module.rpartition(".")
+        members = self._FUSED_MEMBERS.get(leaf)
+        if members is None:
+            delta = self.lora.delta(x, module)
+            return y if delta is None else y + delta
+        deltas = [self.lora.delta(x, f"{head}.{m}") for m in members]
+        if all(d is None for d in deltas):
+            return y
+        parts = [
+            d if d is not None else x.new_zeros(*x.shape[:-1], self.lora.shapes[f"{head}.{m}"][0])
+            for m, d in zip(members, deltas, strict=True)
+        ]
+        return y + torch.cat(parts, dim=-1)
+
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) for the weight stored as `name` (HF or fused); FP8 engines override it."""
         return F.linear(x, self.storage[name] if name in self._fused else self.params[name], bias)
@@ -518,6 +565,8 @@ class Decoder:
     @torch.inference_mode()
     def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits (fp32) at each request's last new token: [B, vocab]. Writes the new K/V to the pool."""
+        if self.lora is not None:
+            self.lora.begin(_token_slots(b))
         if self.fused and b.input_ids.is_cuda:
             return self._forward_fused(b, pool)
         x = self.params["model.embed_tokens.weight"][b.input_ids]
@@ -588,16 +637,16 @@ class Decoder:
         after = [p + "input_layernorm.weight" for p in layers[1:]] + ["model.norm.weight"]
         h = add_rms_norm_(x, None, w[layers[0] + "input_layernorm.weight"], eps, self.dtype)
         for i, (p, next_norm) in enumerate(zip(layers, after, strict=True)):
-            qkv = self._linear(h, p + "self_attn.qkv_proj.weight", st.get(p + "self_attn.qkv_proj.bias"))
+            qkv = self._project(h, p + "self_attn.qkv_proj.weight", st.get(p + "self_attn.qkv_proj.bias"))
             q_norm, k_norm = w.get(p + "self_attn.q_norm.weight"), w.get(p + "self_attn.k_norm.weight")
             q = rope_store_kv(
                 qkv, cos, sin, *pool[i], b.write_slots, self.spec.num_heads, q_norm, k_norm, eps
             )
-            out = self._linear(self._attend(q, b, pool[i], mask), p + "self_attn.o_proj.weight")
+            out = self._project(self._attend(q, b, pool[i], mask), p + "self_attn.o_proj.weight")
             h = add_rms_norm_(x, out, w[p + "post_attention_layernorm.weight"], eps, self.dtype)
             if self._has_fused(p + "mlp.gate_up_proj.weight"):
-                mlp = self._linear(
-                    silu_mul(self._linear(h, p + "mlp.gate_up_proj.weight")), p + "mlp.down_proj.weight"
+                mlp = self._project(
+                    silu_mul(self._project(h, p + "mlp.gate_up_proj.weight")), p + "mlp.down_proj.weight"
                 )
             else:  # a sparse (MoE) layer, or FP8 gate/up kept unfused (miles/engine/fp8_weights.py)
                 mlp = self._mlp(i, h)

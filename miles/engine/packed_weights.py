@@ -176,7 +176,9 @@ class PackedDecoder(Decoder):
             and self.device.type == "cuda"
             and self.dtype == torch.bfloat16
             and ".experts." not in key
-            and int4_gemm_shapes_ok(self.params[self.scheme.part_names(self._members[key][0])[0]], self.scheme.fmt.group_size)
+            and int4_gemm_shapes_ok(
+                self.params[self.scheme.part_names(self._members[key][0])[0]], self.scheme.fmt.group_size
+            )
         )
 
     def _refresh(self, keys: Iterable[str] | None = None) -> None:
@@ -222,7 +224,9 @@ class PackedDecoder(Decoder):
         if tiles is None or rows > self.int4_max_rows:
             return F.linear(x, w, bias)
         sz = self._scales[name]
-        y = torch.ops.aten._weight_int4pack_mm(x.reshape(rows, x.shape[-1]), tiles, self.scheme.fmt.group_size, sz)
+        y = torch.ops.aten._weight_int4pack_mm(
+            x.reshape(rows, x.shape[-1]), tiles, self.scheme.fmt.group_size, sz
+        )
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
@@ -248,7 +252,9 @@ def int4_gemm_shapes_ok(packed: torch.Tensor, group_size: int) -> bool:
     return out % 8 == 0 and _inner_k_tiles(k) is not None and k % group_size == 0
 
 
-def int4_gemm_pack(packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_gemm_pack(
+    packed: torch.Tensor, scale: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tinygemm weight, scales-and-zeros) from the contract's words [out, in/8] and scales [out, in/g].
 
     tinygemm reads unsigned codes u and computes (u - 8) * scale + zero: the contract's codes are

@@ -42,6 +42,8 @@ class Request:
     finish: dict[str, Any] | None = None
     abort_requested: bool = False
     opts: RequestOptions | None = None
+    lora: str | None = None
+    """The LoRA adapter the request runs with (`lora_path`), None for the base model."""
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routed_experts: torch.Tensor | None = None

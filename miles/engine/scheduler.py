@@ -174,6 +174,42 @@ class Scheduler(EngineThread):
             self.paused = False
         self._wake.set()
 
+    # ---- LoRA adapters (miles/engine/lora.py) ----
+    def _lora_rows(self) -> torch.Tensor | None:
+        return None if self.decoder.lora is None else self.decoder.lora.rows
+
+    def _lora_slot(self, req: Request) -> int | None:
+        """The adapter slot of a request being admitted (-1: base); None after finishing it as aborted
+        when its adapter was unloaded while it waited."""
+        if self.decoder.lora is None:
+            return -1
+        try:
+            return self.decoder.lora.slot_of(req.lora)
+        except ValueError as e:
+            self.waiting.popleft()
+            self._finish(req, {"type": "abort", "message": str(e)})
+            return None
+
+    def _prefill_batch(self, group: list[Request]):
+        batch = prefill_batch(group, self.table)
+        if self.decoder.lora is not None:
+            slots = torch.tensor([self.decoder.lora.slot_of(r.lora) for r in group], device=self.table.device)
+            counts = torch.tensor([r.num_tokens - r.kv_len for r in group], device=self.table.device)
+            batch.lora_slots = torch.repeat_interleave(slots, counts)
+        return batch
+
+    def load_lora(self, name: str, config: Any, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Load or replace (in place) adapter `name` between two steps; its cached prefixes are dropped."""
+
+        def run() -> None:
+            self.decoder.lora.load(name, config, tensors, source)
+            self.slots.flush(name, only=True)
+
+        self._on_engine_thread(run)
+
+    def unload_lora(self, name: str) -> None:
+        self._on_engine_thread(lambda: (self.decoder.lora.unload(name), self.slots.flush(name, only=True)))
+
     def update_weights(self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> None:
         """Load tensors by HF name between two steps; invalidates the prefix cache."""
         self._on_engine_thread(lambda: self._update_weights(weights, version, abort_all))
@@ -314,8 +350,11 @@ class Scheduler(EngineThread):
             if req.opts is not None and waits(req):
                 break
             tokens = req.tokens
+            lora_slot = self._lora_slot(req)
+            if lora_slot is None:
+                continue
             matched = self.slots.match(
-                tokens, limit=len(tokens) - 1 if req.opts is None else match_limit(req)
+                tokens, limit=len(tokens) - 1 if req.opts is None else match_limit(req), namespace=req.lora
             )
             need = len(tokens) - len(matched)
             fresh = self.slots.allocate(need) if need <= budget or not admitted else None
@@ -333,6 +372,10 @@ class Scheduler(EngineThread):
             req.cached_tokens += len(matched)
             req.cache_epoch = self._cache_epoch
             req.row = heapq.heappop(self._free_rows)
+            if self.decoder.lora is not None:
+                self.decoder.lora.rows[req.row] = lora_slot
+                if req.lora is not None:
+                    self.decoder.lora.in_use[req.lora] = self.decoder.lora.in_use.get(req.lora, 0) + 1
             self._special += req.opts is not None and req.opts.per_step
             self._rows += req.opts is not None and req.opts.wants_rows
             if self.row_kv is not None:
@@ -365,6 +408,10 @@ class Scheduler(EngineThread):
         self.waiting.appendleft(req)
 
     def _free(self, req: Request) -> None:
+        if req.row >= 0 and self.decoder.lora is not None:
+            self.decoder.lora.rows[req.row] = -1
+            if req.lora is not None:
+                self.decoder.lora.in_use[req.lora] -= 1
         if req.row >= 0:
             self.slots.release(req.slots)
             heapq.heappush(self._free_rows, req.row)
@@ -377,7 +424,7 @@ class Scheduler(EngineThread):
         decode = [r for r in reqs if len(r.slots) == r.kv_len == r.num_tokens - 1]
         prefill = [r for r in reqs if len(r.slots) != r.kv_len]
         for group in prefill_groups(prefill):
-            batch = prefill_batch(group, self.table)
+            batch = self._prefill_batch(group)
             asks = prompt_asks(group)
             if asks:  # prompt log-probs: the logits of the asked positions come after the last ones
                 batch.last_index = torch.cat((batch.last_index, extra_rows(asks, batch.last_index.device)))
@@ -417,9 +464,9 @@ class Scheduler(EngineThread):
         rows = [[r.last_token for r in reqs], [len(r.slots) - 1 for r in reqs], [r.row for r in reqs]]
         head = torch.tensor(rows + [[r.slots[-1] for r in reqs]])
         self.table[head[2], head[1]] = head[3]
-        batch = Batch.decode(head[0], head[1], head[2], self.table, context)
+        batch = Batch.decode(head[0], head[1], head[2], self.table, context, self._lora_rows())
         batch.kv_rows = head[2]
-        pre = prefill_batch(prefill, self.table) if prefill else None
+        pre = self._prefill_batch(prefill) if prefill else None
         logits = self.decoder.forward_rows(batch, self.pool, self.row_kv.layers, reqs[-1].row + 1, pre)
         everyone = prefill + reqs
         ints, floats = sampling_rows(everyone, self.decoder.spec.vocab_size)
@@ -444,7 +491,7 @@ class Scheduler(EngineThread):
         if self.graphs is not None and self.graphs.bucket(len(reqs), context) is not None:
             logits = self.graphs.run(ints[:3], context)
         else:
-            batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context)
+            batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context, self._lora_rows())
             logits = self.decoder.forward(batch, self.pool)
         if not self.overlap or self._special:
             return self._sample(reqs, logits, (ints[4:], floats))
@@ -591,7 +638,7 @@ class Scheduler(EngineThread):
             n = len(req.tokens) - 1
             # with overlap a step in flight may hold one more slot (the last token's K/V): not cached
             if req.cache_epoch == self._cache_epoch and req.finish["type"] != "abort" and len(req.slots) >= n:
-                self.slots.insert(req.tokens[:n], req.slots[:n])
+                self.slots.insert(req.tokens[:n], req.slots[:n], namespace=req.lora)
             if req.return_routed_experts:  # rows of positions start..n-1 (cached ones included)
                 req.routed_experts = self.decoder.read_routing(req.slots[req.routed_experts_start_len : n])
             self._free(req)

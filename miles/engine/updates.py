@@ -194,6 +194,34 @@ PARALLELISM_INFO = {
 """SGLang's ParallelismInfo of the embedded engine's one rank."""
 
 
+class LoadLora(BaseModel):
+    """SGLang's LoadLoRAAdapterReqInput."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class LoadLoraTensors(BaseModel):
+    """SGLang's LoadLoRAAdapterFromTensorsReqInput (an existing name is replaced in place)."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    load_format: str | None = None
+    expected_checksums: dict[str, str] | None = None
+
+
+class UnloadLora(BaseModel):
+    """SGLang's UnloadLoRAAdapterReqInput."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+
+
 def checksum_reply(params: dict[str, torch.Tensor], skip: list[str]) -> dict[str, Any]:
     """SGLang's /weights_checker checksum reply over the stored tensors `params` (by HF name)."""
     sums = {n: checksum(t) for n, t in sorted(params.items()) if not any(s in n for s in skip)}
@@ -332,6 +360,66 @@ class WeightUpdater:
             torch.cuda.ipc_collect()
         return "Success"
 
+    # ---- LoRA adapters (miles/engine/lora.py), SGLang's routes ----
+    def _bank(self):
+        bank = self.scheduler.decoder.lora
+        if bank is None:
+            raise ValueError("LoRA adapters need the engine started with --enable-lora")
+        return bank
+
+    def load_lora(self, body: LoadLora) -> dict[str, Any]:
+        from miles.engine.lora import read_adapter
+
+        self._bank()
+        config, tensors = read_adapter(body.lora_path)
+        self.scheduler.load_lora(body.lora_name, config, tensors, body.lora_path)
+        return self._loaded()
+
+    def load_lora_tensors(self, body: LoadLoraTensors) -> dict[str, Any]:
+        from miles.engine.lora import AdapterConfig
+
+        bank = self._bank()
+        if len(body.serialized_named_tensors) != 1:
+            raise ValueError(
+                "serialized_named_tensors needs exactly one entry (the embedded engine has one TP rank), "
+                f"got {len(body.serialized_named_tensors)}"
+            )
+        try:
+            named = dict(deserialize(body.serialized_named_tensors[0]))
+        except (ValueError, TypeError, EOFError, pickle.UnpicklingError, binascii.Error) as e:
+            raise ValueError(f"serialized_named_tensors could not be decoded: {e}") from None
+        config = AdapterConfig.from_peft(body.config_dict)
+        self.scheduler.load_lora(body.lora_name, config, named, "__tensor__")
+        if body.expected_checksums:
+            stored = bank.stored(body.lora_name)
+            bad = sorted(
+                n
+                for n, want in body.expected_checksums.items()
+                if n not in stored or checksum(stored[n]) != want
+            )
+            if bad:
+                raise ValueError(
+                    f"adapter {body.lora_name!r}: stored bytes differ from the expected checksums of {bad[:5]}"
+                )
+        return self._loaded()
+
+    def unload_lora(self, body: UnloadLora) -> dict[str, Any]:
+        self._bank()
+        self.scheduler.unload_lora(body.lora_name)
+        return self._loaded()
+
+    def _loaded(self) -> dict[str, Any]:
+        return {"success": True, "error_message": None, "loaded_adapters": dict(self._bank().sources)}
+
+    async def _lora_call(self, fn: Callable[[Any], Any], body: Any) -> dict[str, Any] | JSONResponse:
+        try:
+            return await self.exclusive(fn, body)
+        except Exception as e:
+            log.warning("LoRA adapter call failed: %s", e)
+            return JSONResponse(
+                {"success": False, "error_message": str(e), "loaded_adapters": None}, status_code=400
+            )
+
     def get_by_name(self, body: GetWeightsByName) -> list:
         try:
             t = self.scheduler.decoder.get(body.name)
@@ -344,7 +432,11 @@ class WeightUpdater:
             raise ValueError(
                 f"Unsupported action={body.action!r}: the embedded engine serves action='checksum' only"
             )
-        return checksum_reply(self.scheduler.decoder.params, body.skip_tensor_list or [])
+        tensors = dict(self.scheduler.decoder.params)
+        bank = self.scheduler.decoder.lora
+        for name in bank.slots if bank is not None else []:  # adapters under "<adapter>/<PEFT name>"
+            tensors.update({f"{name}/{n}": t for n, t in bank.stored(name).items()})
+        return checksum_reply(tensors, body.skip_tensor_list or [])
 
     # ---- one at a time, bounded ----
     async def exclusive(self, fn: Callable[[Any], Any], body: Any) -> Any:
@@ -418,6 +510,12 @@ class WeightUpdater:
         }
         for route, (model, fn, what) in threaded.items():
             _register(app, route, model, read_body, lambda body, fn=fn, what=what: self._call(what, fn, body))
+        for route, model, fn in (
+            ("/load_lora_adapter", LoadLora, self.load_lora),
+            ("/load_lora_adapter_from_tensors", LoadLoraTensors, self.load_lora_tensors),
+            ("/unload_lora_adapter", UnloadLora, self.unload_lora),
+        ):
+            _register(app, route, model, read_body, lambda body, fn=fn: self._lora_call(fn, body))
         for route, model, fn in (
             ("/begin_weight_update", BeginUpdate, self.begin),
             ("/end_weight_update", EndUpdate, self.end),

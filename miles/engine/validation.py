@@ -56,6 +56,7 @@ class GenerateReqInput(BaseModel):
     stream: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: Int64 = 0
+    lora_path: str | list[str | None] | None = None
 
 
 def _too_large(size: int, limit: int, declared: bool) -> HTTPError:

@@ -37,7 +37,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles.train.quant import engine_quant_argv
 from miles.cluster.environment import JobEnvironment
 from miles.cluster.rendezvous import write_atomic
 from miles.config import ConfigError, Plan, read_plan
@@ -52,6 +51,7 @@ from miles.eval.modes import (
 )
 from miles.eval.snapshot import eval_dir, find_snapshot
 from miles.processes import child_options, free_port, stop_processes
+from miles.train.quant import engine_quant_argv
 
 log = logging.getLogger("miles.eval")
 

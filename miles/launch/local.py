@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.train.quant import engine_quant_argv
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.engine import check_external_engines
 from miles.config.loading import apply_overrides
@@ -34,6 +33,7 @@ from miles.launch.rundir import RunDirLock, prepare_run_dir
 from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
 from miles.metrics import ProgressBar
 from miles.processes import child_options, free_port, stop_processes
+from miles.train.quant import engine_quant_argv
 
 log = logging.getLogger("miles.launch")
 

@@ -40,7 +40,9 @@ from miles.quant import int4, mx
 FORMATS = ("int4", "mxfp8", "nvfp4")
 Modules = Literal["experts", "linear"]
 
-_DENSE = re.compile(r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
+_DENSE = re.compile(
+    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
+)
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$")
 NV_TENSOR_FLOOR = 1e-12
 
@@ -103,11 +105,17 @@ class Format:
         if self.name == "int4":
             q, s = int4.quantize(w, self.group_size, scale_dtype)
             shape = torch.tensor(list(w.shape), dtype=torch.int64, device=w.device)
-            return {"weight_packed": int4.pack(q), "weight_scale": s.to(scale_dtype or w.dtype), "weight_shape": shape}
+            return {
+                "weight_packed": int4.pack(q),
+                "weight_scale": s.to(scale_dtype or w.dtype),
+                "weight_shape": shape,
+            }
         if self.name == "mxfp8":
             scales, q = mx.mxfp8_quantize(w)
             return {"weight": q, "weight_scale": scales}
-        g = (w.detach().float().abs().amax().clamp(min=NV_TENSOR_FLOOR) / (mx.E2M1_MAX * mx.E4M3_MAX)).reshape(())
+        g = (
+            w.detach().float().abs().amax().clamp(min=NV_TENSOR_FLOOR) / (mx.E2M1_MAX * mx.E4M3_MAX)
+        ).reshape(())
         scales, packed = mx.nvfp4_quantize(w, g)
         return {"weight": packed, "weight_scale": scales, "weight_scale_2": g}
 
@@ -143,7 +151,11 @@ class Format:
         return {
             "int4": {"weight_packed": torch.int32, "weight_scale": model_dtype, "weight_shape": torch.int64},
             "mxfp8": {"weight": torch.float8_e4m3fn, "weight_scale": torch.uint8},
-            "nvfp4": {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_scale_2": torch.float32},
+            "nvfp4": {
+                "weight": torch.uint8,
+                "weight_scale": torch.float8_e4m3fn,
+                "weight_scale_2": torch.float32,
+            },
         }[self.name]
 
     def check_parts(self, base: str, parts: dict[str, Tensor], model_dtype: torch.dtype) -> None:
@@ -166,7 +178,9 @@ class Format:
         """config.json's `quantization_config` of a checkpoint in this format."""
         targets = _EXPERT_TARGET if modules == "experts" else ["Linear"]
         if self.name == "int4":
-            return int4.quantization_config(self.group_size, targets=targets, ignore=["lm_head", "re:.*mlp.gate$"])
+            return int4.quantization_config(
+                self.group_size, targets=targets, ignore=["lm_head", "re:.*mlp.gate$"]
+            )
         return {
             "quant_method": "miles",
             "format": self.name,
@@ -206,7 +220,7 @@ class Scheme:
         return [f"{base}.{suffix}" for suffix in self.fmt.suffixes]
 
     def base_of(self, part: str) -> str | None:
-        """"X.weight" for a part name "X.<suffix>" of a covered weight; None for anything else."""
+        """ "X.weight" for a part name "X.<suffix>" of a covered weight; None for anything else."""
         for suffix in self.fmt.suffixes:
             if part.endswith("." + suffix):
                 name = part[: -len(suffix)] + "weight"
@@ -228,7 +242,9 @@ def scheme_from_config(qc: dict[str, Any] | None) -> Scheme | None:
     if qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "pack-quantized":
         groups = list((qc.get("config_groups") or {}).values())
         if len(groups) != 1:
-            raise ValueError("quantization_config: the engine loads pack-quantized checkpoints of one config group")
+            raise ValueError(
+                "quantization_config: the engine loads pack-quantized checkpoints of one config group"
+            )
         w = groups[0].get("weights") or {}
         if (w.get("num_bits"), w.get("symmetric"), w.get("strategy")) != (4, True, "group"):
             raise ValueError(

@@ -107,7 +107,7 @@ def unpack(packed: Tensor, shape: tuple[int, int] | torch.Size) -> Tensor:
     data = packed.contiguous().view(torch.uint8)  # [out, in / 2]
     nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(packed.shape[0], -1)
     out, cols = int(shape[0]), int(shape[1])
-    return (nibbles[:out, :cols].to(torch.int8) - 8)
+    return nibbles[:out, :cols].to(torch.int8) - 8
 
 
 def compress(

@@ -156,12 +156,11 @@ def install_fake_quant(model: nn.Module, contract: str | Scheme) -> int:
     for _, module in layers:
         module.fake_quant_fn = fn
         module.forward = types.MethodType(_fake_quant_forward, module)
-    for _, module in stacks:
+    if stacks:
         fmt = contract.fmt  # type: ignore[union-attr]
-        module.forward = _swapped_forward(
-            module.forward,
-            {"gate_up_proj": lambda w: fmt.fake_quant_rows(w, pieces=2), "down_proj": fmt.fake_quant_rows},
-        )
+        swaps = {"gate_up_proj": lambda w: fmt.fake_quant_rows(w, pieces=2), "down_proj": fmt.fake_quant_rows}
+        for _, module in stacks:
+            module.forward = _swapped_forward(module.forward, swaps)
     return len(layers) + len(stacks)
 
 

@@ -56,6 +56,14 @@ def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def serialize_inline(named: list[tuple[str, torch.Tensor]]) -> str:
+    """The same payload with the tensors' bytes inside (a plain pickle of host copies): for small
+    tensors (LoRA adapters) sent to an engine on any host, not only this one."""
+    return base64.b64encode(pickle.dumps([(n, t.detach().cpu().contiguous()) for n, t in named])).decode(
+        "ascii"
+    )
+
+
 def deserialize(text: str) -> list[tuple[str, torch.Tensor]]:
     """Inverse of serialize, in the receiving process (opens the IPC handles / shared memory).
 

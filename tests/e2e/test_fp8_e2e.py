@@ -25,7 +25,11 @@ def _run(tmp_path: Path, tiny_model: str, quantization: str, engine: dict | None
     data = deep_update(
         data,
         {
-            "run": {"name": f"{tag}-{quantization}", "runs_root": str(tmp_path / "runs"), "tensorboard": False},
+            "run": {
+                "name": f"{tag}-{quantization}",
+                "runs_root": str(tmp_path / "runs"),
+                "tensorboard": False,
+            },
             "model": {"path": tiny_model, "init_tiny_if_missing": False},
             "engine": engine or {},
             "train": {"steps": STEPS, "quantization": quantization},

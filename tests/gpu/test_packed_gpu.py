@@ -33,7 +33,9 @@ PROMPT = list(range(5, 5 + 200, 3))  # 67 tokens
 def model(tmp_path_factory) -> str:
     from miles.models.tiny import init_tiny
 
-    return str(init_tiny(tmp_path_factory.mktemp("packed") / "m", arch="qwen2", num_key_value_heads=2, **SIZES))
+    return str(
+        init_tiny(tmp_path_factory.mktemp("packed") / "m", arch="qwen2", num_key_value_heads=2, **SIZES)
+    )
 
 
 def _logprobs(dec: Decoder, tokens: list[int]) -> torch.Tensor:
@@ -49,12 +51,16 @@ def _logprobs(dec: Decoder, tokens: list[int]) -> torch.Tensor:
 
 def _reference(path: str, scheme: Scheme) -> torch.Tensor:
     weights = load_weights(path)
-    fake = {n: scheme.fmt.fake_quant(w.cuda().bfloat16()) if scheme.covers(n) else w for n, w in weights.items()}
+    fake = {
+        n: scheme.fmt.fake_quant(w.cuda().bfloat16()) if scheme.covers(n) else w for n, w in weights.items()
+    }
     return _logprobs(Decoder(ModelSpec.from_dir(path), fake, "cuda", torch.bfloat16), PROMPT)
 
 
 def _packed(path: str, scheme: Scheme, max_rows: int) -> PackedDecoder:
-    return PackedDecoder(ModelSpec.from_dir(path), load_weights(path), "cuda", torch.bfloat16, scheme, max_rows)
+    return PackedDecoder(
+        ModelSpec.from_dir(path), load_weights(path), "cuda", torch.bfloat16, scheme, max_rows
+    )
 
 
 def test_int4_gemm_and_dequantised_path_against_the_fake_quant_values(model):
@@ -63,16 +69,29 @@ def test_int4_gemm_and_dequantised_path_against_the_fake_quant_values(model):
     assert dequantised._int4 == {}
     err_dq = float((_logprobs(dequantised, PROMPT) - ref).abs().max())
     gemm = _packed(model, INT4, 1 << 30)
-    assert set(gemm._int4) == {f"model.layers.{i}.{x}" for i in range(2) for x in (
-        "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")}
+    assert set(gemm._int4) == {
+        f"model.layers.{i}.{x}"
+        for i in range(2)
+        for x in (
+            "self_attn.qkv_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    }
     err_gemm = float((_logprobs(gemm, PROMPT) - ref).abs().max())
-    print(f"int4 on CUDA vs fake-quant bf16 max |log-prob diff|: dequantised {err_dq:.2e}, tinygemm {err_gemm:.2e}")
+    print(
+        f"int4 on CUDA vs fake-quant bf16 max |log-prob diff|: dequantised {err_dq:.2e}, tinygemm {err_gemm:.2e}"
+    )
     assert err_dq <= 1e-3 and err_gemm <= INT4_GEMM_TOL
     # an update of the packed parts lands in the GEMM's tile layout in place (captured graphs stay valid)
     name = "model.layers.1.mlp.down_proj.weight"
     key = name
     before = gemm._int4[key].data_ptr()
-    new = torch.randn(SIZES["hidden_size"], SIZES["intermediate_size"], device="cuda", dtype=torch.bfloat16) * 0.05
+    new = (
+        torch.randn(SIZES["hidden_size"], SIZES["intermediate_size"], device="cuda", dtype=torch.bfloat16)
+        * 0.05
+    )
     gemm.load(dict(INT4.encode(name, new)))
     assert gemm._int4[key].data_ptr() == before
     x = torch.randn(3, SIZES["intermediate_size"], device="cuda", dtype=torch.bfloat16)
@@ -91,7 +110,9 @@ def test_graph_decode_equals_eager_decode(model, fmt, tmp_path):
     outputs = []
     for flags in ([], ["--disable-cuda-graph"]):
         args = ["--quantization", fmt, "--quant-modules", "linear", "--int4-group-size", "128", *flags]
-        with start_engine(model, device="cuda", log_path=tmp_path / f"e{len(flags)}.log", extra_args=args) as e:
+        with start_engine(
+            model, device="cuda", log_path=tmp_path / f"e{len(flags)}.log", extra_args=args
+        ) as e:
             body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
             resp = httpx.post(e.url + "/generate", json=body, timeout=300)
             assert resp.status_code == 200, resp.text
@@ -102,7 +123,9 @@ def test_graph_decode_equals_eager_decode(model, fmt, tmp_path):
 def test_moe_int4_experts_on_cuda(tmp_path):
     from miles.models.tiny import init_tiny
 
-    path = str(init_tiny(tmp_path / "moe", arch="qwen3_moe", seed=2, hidden_size=128, moe_intermediate_size=128))
+    path = str(
+        init_tiny(tmp_path / "moe", arch="qwen3_moe", seed=2, hidden_size=128, moe_intermediate_size=128)
+    )
     scheme = Scheme(Format("int4", 128), "experts")
     err = float((_logprobs(_packed(path, scheme, 64), PROMPT) - _reference(path, scheme)).abs().max())
     assert err <= 1e-3
@@ -110,7 +133,9 @@ def test_moe_int4_experts_on_cuda(tmp_path):
 
 # ---- Megatron ---------------------------------------------------------------------------------------
 
-needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+needs_megatron = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
+)
 
 
 def _megatron(path: str, root: str, quant: str, scheme: Scheme):
@@ -166,7 +191,9 @@ def test_megatron_fake_quant_forward_and_export(tmp_path, arch, scheme, quant):
         plain = hf(ids).logits.float()
     err = ((ours - want).norm() / want.norm()).item()
     gap = ((plain - want).norm() / want.norm()).item()
-    print(f"megatron {scheme.name}/{scheme.modules} vs HF holding the engine's values: {err:.2e}; plain: {gap:.2e}")
+    print(
+        f"megatron {scheme.name}/{scheme.modules} vs HF holding the engine's values: {err:.2e}; plain: {gap:.2e}"
+    )
     assert err < 1e-4 < gap
     exported = {n: t for bucket in b.export_weights(1 << 30) for n, t in bucket}
     hf_named = dict(pair for n, t in hf.state_dict().items() for pair in checkpoint_names(n, t))
@@ -174,4 +201,6 @@ def test_megatron_fake_quant_forward_and_export(tmp_path, arch, scheme, quant):
     assert covered
     for name in covered:
         for part, t in scheme.encode(name, hf_named[name]):
-            assert torch.equal(exported[part].cpu().reshape(-1).view(torch.uint8), t.cpu().reshape(-1).view(torch.uint8)), part
+            assert torch.equal(
+                exported[part].cpu().reshape(-1).view(torch.uint8), t.cpu().reshape(-1).view(torch.uint8)
+            ), part

@@ -86,7 +86,10 @@ def test_moe_experts_only(moe_model, scheme):
     expert = "model.layers.1.mlp.experts.0.gate_proj.weight"
     for part, want in experts.encode(expert, weights[expert]):
         assert dec.params[part].dtype == want.dtype and torch.equal(_bytes(dec.params[part]), _bytes(want))
-    assert torch.equal(dec.params["model.layers.1.self_attn.q_proj.weight"], weights["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(
+        dec.params["model.layers.1.self_attn.q_proj.weight"],
+        weights["model.layers.1.self_attn.q_proj.weight"],
+    )
     reference = Decoder(spec, _fake(experts, weights), "cpu", torch.float32)
     assert (_logits(dec) - _logits(reference)).abs().max() <= 1e-5
 

@@ -44,8 +44,13 @@ def _engine_logits(path: str, tensors: dict[str, torch.Tensor], scheme: Scheme) 
     n = IDS.shape[1]
     ar = torch.arange(n)
     batch = Batch(
-        input_ids=IDS[0], positions=ar, write_slots=ar + 1, query_index=ar[None], query_pos=ar[None],
-        context_slots=(ar + 1)[None], last_index=torch.tensor([n - 1]),
+        input_ids=IDS[0],
+        positions=ar,
+        write_slots=ar + 1,
+        query_index=ar[None],
+        query_pos=ar[None],
+        context_slots=(ar + 1)[None],
+        last_index=torch.tensor([n - 1]),
     )
     return dec.forward(batch, dec.new_kv_pool(n + 1))[0]
 
@@ -66,7 +71,9 @@ def test_trainer_forward_equals_the_engine_fed_by_the_export(tiny_model, moe_mod
     # straight-through: every covered weight gets the gradient of the quantised forward
     trained.square().sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "experts" in n or "q_proj" in n)
+    assert all(
+        g is not None and g.abs().sum() > 0 for n, g in grads.items() if "experts" in n or "q_proj" in n
+    )
 
 
 def test_int4_parts_are_about_four_times_smaller_than_bf16():
@@ -86,9 +93,25 @@ def test_int4_qat_config_rules(tiny_model, moe_model):
     base = {"model": {"path": tiny_model}, "engine": {"quantization": "int4", "int4_group_size": 32}}
     plan = resolve(base | {"train": {"quantization": "int4_qat"}})
     assert engine_scheme(plan) == Scheme(Format("int4", 32), "linear")  # auto: a dense model
-    assert engine_quant_argv(plan)[-6:] == ["--quant-modules", "linear", "--int4-group-size", "32", "--int4-max-rows", "4"]
+    assert engine_quant_argv(plan)[-6:] == [
+        "--quant-modules",
+        "linear",
+        "--int4-group-size",
+        "32",
+        "--int4-max-rows",
+        "4",
+    ]
     moe = resolve(base | {"model": {"path": moe_model}, "train": {"quantization": "int4_qat"}})
     assert engine_scheme(moe).modules == "experts"  # auto: upstream's default on a MoE model
     with pytest.raises(ConfigError, match="engine.quantization=int4"):
-        resolve({"model": {"path": tiny_model}, "engine": {"quantization": "mxfp8"}, "train": {"quantization": "int4_qat"}})
-    assert engine_scheme(resolve({"model": {"path": tiny_model}, "engine": {"quantization": "nvfp4"}})).name == "nvfp4"
+        resolve(
+            {
+                "model": {"path": tiny_model},
+                "engine": {"quantization": "mxfp8"},
+                "train": {"quantization": "int4_qat"},
+            }
+        )
+    assert (
+        engine_scheme(resolve({"model": {"path": tiny_model}, "engine": {"quantization": "nvfp4"}})).name
+        == "nvfp4"
+    )

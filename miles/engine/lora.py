@@ -1,0 +1,238 @@
+"""LoRA adapters in the embedded engine, served unmerged as SGLang serves them.
+
+An adapter (PEFT format: `adapter_config.json` with `r`, `lora_alpha`, `target_modules`, and tensors
+`base_model.model.<module>.lora_A.weight` [r, in] / `lora_B.weight` [out, r]) adds to each target
+linear layer y = W x the low-rank term s * B (A x), s = lora_alpha / r. Up to `max_loras` adapters
+live in slots of one bank; a forward multiplies every slot at once:
+
+    h = x @ A_all^T                  A_all [S * R, in]: slot k's A in rows k R .. k R + r_k (zero beyond)
+    h = h * M                        M [T, S * R]: s_k on the columns of token t's slot k, 0 elsewhere
+    y = y + h @ B_all^T              B_all [out, S * R]: slot k's B in the same columns
+
+so a batch mixing adapters (and the base model: no slot, M = 0) runs two GEMMs a layer, without
+gathers or host synchronisation (a CUDA graph captures it), and each token gets exactly its own
+adapter's term: the other slots' columns contribute exact zeros. R is the bank's `max_rank`; an
+adapter of lower rank pads with zeros. A token's slot comes from its request (`lora_path`), per
+scheduler row (`rows`, a device tensor the decode graph reads in place) or per prefill token.
+
+Loading an adapter under a name already loaded replaces its tensors in place in its slot ("upsert",
+what a trainer pushing a new adapter version each step needs: SGLang would refuse the name, and
+unloading first waits for the requests in flight). Unloading frees the slot; an adapter still used
+by running requests is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_TENSOR = re.compile(
+    r"^(?:base_model\.model\.)?(model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+_proj))\.lora_([AB])(?:\.default)?\.weight$"
+)
+
+
+class LoraError(ValueError):
+    """A request or adapter the bank refuses; the message names what to change (an HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_peft(cls, cfg: dict) -> AdapterConfig:
+        """From a PEFT adapter_config.json (LoRA, no rsLoRA / DoRA)."""
+        if cfg.get("peft_type", "LORA") != "LORA":
+            raise LoraError(f"adapter peft_type {cfg.get('peft_type')!r}: only LORA adapters are served")
+        if cfg.get("use_dora") or cfg.get("use_rslora"):
+            raise LoraError("DoRA and rsLoRA adapters are not served (use_dora / use_rslora must be false)")
+        targets = cfg.get("target_modules") or []
+        if isinstance(targets, str):
+            targets = TARGETS if targets == "all-linear" else [targets]
+        bad = [t for t in targets if t not in TARGETS]
+        if bad:
+            raise LoraError(f"adapter target_modules {bad} are not served; targets: {', '.join(TARGETS)}")
+        return cls(int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"])), tuple(targets))
+
+
+def read_adapter(path: str | Path) -> tuple[AdapterConfig, dict[str, torch.Tensor]]:
+    """(config, tensors) of a PEFT adapter directory."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise LoraError(
+            f"{path} is not a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)"
+        )
+    return AdapterConfig.from_peft(json.loads(cfg_file.read_text())), load_file(str(weights))
+
+
+class LoraBank:
+    """Adapter slots of one decoder (module docstring)."""
+
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, int]],
+        max_loras: int,
+        max_rank: int,
+        targets: tuple[str, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_rows: int,
+    ):
+        """`shapes`: HF module name (model.layers.N.self_attn.q_proj, ...) -> (out, in) of every linear
+        layer an adapter may target; `max_rows`: scheduler rows (the per-row slot table's size)."""
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError("--max-loras-per-batch and --max-lora-rank must be >= 1")
+        self.max_loras, self.max_rank, self.targets = max_loras, max_rank, targets
+        self.device, self.dtype = device, dtype
+        self.shapes = dict(shapes)
+        self.modules = {m: s for m, s in shapes.items() if m.rsplit(".", 1)[-1] in targets}
+        width = max_loras * max_rank
+        self.A = {m: torch.zeros(width, i, device=device, dtype=dtype) for m, (o, i) in self.modules.items()}
+        self.B = {m: torch.zeros(o, width, device=device, dtype=dtype) for m, (o, i) in self.modules.items()}
+        self.scale = torch.zeros(max_loras, device=device, dtype=torch.float32)
+        self.column_slot = torch.arange(width, device=device) // max_rank
+        self.rows = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=device)
+        """Scheduler row -> slot of its request's adapter (-1: the base model); one spare row at the end."""
+        self.slots: dict[str, int] = {}
+        self.configs: dict[str, AdapterConfig] = {}
+        self.sources: dict[str, str] = {}
+        self.in_use: dict[str, int] = {}
+        self.tokens: torch.Tensor | None = None
+        """Slot of each token of the current forward (set by the decoder), or None: no adapter at all."""
+        self._mask: torch.Tensor | None = None
+
+    # ---- adapters ----------------------------------------------------------------------------------
+
+    def load(self, name: str, config: AdapterConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Store an adapter under `name`, replacing in place one already there (module docstring)."""
+        if config.rank > self.max_rank:
+            raise LoraError(
+                f"adapter {name!r} has rank {config.rank}, above the server's --max-lora-rank {self.max_rank}"
+            )
+        outside = [t for t in config.targets if t not in self.targets]
+        if outside:
+            raise LoraError(
+                f"adapter {name!r} targets {outside}, which the server was not started for "
+                f"(--lora-target-modules {' '.join(self.targets)})"
+            )
+        pairs = self._pairs(name, tensors, config)
+        slot = self.slots.get(name)
+        if slot is None:
+            free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
+            if not free:
+                raise LoraError(
+                    f"all {self.max_loras} adapter slots are taken ({', '.join(self.slots)}): unload one "
+                    "or start the server with a larger --max-loras-per-batch"
+                )
+            slot = free[0]
+        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for module in self.modules:
+            self.A[module][cols].zero_()
+            self.B[module][:, cols].zero_()
+        for module, (a, b) in pairs.items():
+            r = a.shape[0]
+            self.A[module][cols][:r].copy_(a)
+            self.B[module][:, cols][:, :r].copy_(b)
+        self.scale[slot] = config.scaling
+        self.slots[name], self.configs[name], self.sources[name] = slot, config, source
+
+    def _pairs(self, name: str, tensors: dict[str, torch.Tensor], config: AdapterConfig) -> dict:
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            m = _TENSOR.match(key)
+            if m is None:
+                raise LoraError(
+                    f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a served layer"
+                )
+            module, kind = m.group(1), m.group(3)
+            if module not in self.modules:
+                raise LoraError(f"adapter {name!r}: {module} is not a layer the server's adapters may target")
+            found.setdefault(module, {})[kind] = t
+        pairs = {}
+        for module, ab in found.items():
+            if set(ab) != {"A", "B"}:
+                raise LoraError(
+                    f"adapter {name!r}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing"
+                )
+            out, inp = self.modules[module]
+            a, b = ab["A"], ab["B"]
+            if a.shape != (config.rank, inp) or b.shape != (out, config.rank):
+                raise LoraError(
+                    f"adapter {name!r}: {module} lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit "
+                    f"rank {config.rank} on a {out}x{inp} layer"
+                )
+            pairs[module] = (a, b)
+        if not pairs:
+            raise LoraError(f"adapter {name!r} holds no LoRA tensors")
+        return pairs
+
+    def unload(self, name: str) -> None:
+        if name not in self.slots:
+            raise LoraError(
+                f"no adapter named {name!r} is loaded (loaded: {', '.join(self.slots) or 'none'})"
+            )
+        if self.in_use.get(name):
+            raise LoraError(
+                f"adapter {name!r} is used by {self.in_use[name]} running requests; unload it after they "
+                "finish, or load the new version under the same name (it is replaced in place)"
+            )
+        slot = self.slots.pop(name)
+        del self.configs[name], self.sources[name]
+        self.scale[slot] = 0.0
+
+    def slot_of(self, name: str | None) -> int:
+        """The slot of adapter `name` (-1 for None: the base model); LoraError naming an unknown one."""
+        if name is None:
+            return -1
+        slot = self.slots.get(name)
+        if slot is None:
+            raise LoraError(
+                f"lora_path {name!r} is not a loaded adapter (loaded: {', '.join(self.slots) or 'none'})"
+            )
+        return slot
+
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors of adapter `name` as stored (PEFT names, the bank's dtype): what checksums hash."""
+        slot, rank = self.slots[name], self.configs[name].rank
+        cols = slice(slot * self.max_rank, slot * self.max_rank + rank)
+        out = {}
+        for module in self.modules:
+            a, b = self.A[module][cols], self.B[module][:, cols]
+            if a.any() or b.any():
+                out[f"base_model.model.{module}.lora_A.weight"] = a
+                out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+        return out
+
+    # ---- the forward ---------------------------------------------------------------------------------
+
+    def begin(self, token_slots: torch.Tensor | None) -> None:
+        """Set the slots of the next forward's tokens (None: no token has an adapter)."""
+        self.tokens = token_slots
+        if token_slots is None:
+            self._mask = None
+            return
+        hit = self.column_slot[None, :] == token_slots[:, None]
+        self._mask = hit.to(torch.float32) * self.scale[self.column_slot][None, :]
+
+    def delta(self, x: torch.Tensor, module: str) -> torch.Tensor | None:
+        """s B (A x) of each token's adapter for HF module `module` (None: no adapter targets it)."""
+        if self._mask is None or module not in self.modules:
+            return None
+        lead = x.shape[:-1]
+        h = x.reshape(-1, x.shape[-1]) @ self.A[module].t()
+        h = (h.float() * self._mask).to(x.dtype)
+        return (h @ self.B[module].t()).view(*lead, -1)
