@@ -20,6 +20,10 @@ SGLang's FP8 checkpoint), each covered weight quantised once by the contract the
 config.json's `quantization_config` saying so: the directory the embedded engine (or, for int4 and FP8,
 an SGLang server) loads as it is, whose values are the trainer's fake-quant forward's.
 
+A LoRA run (train.lora, FSDP) exports its adapter in PEFT's format (`adapter_config.json` +
+`adapter_model.safetensors`, which `peft.PeftModel.from_pretrained(base, OUT)` loads), or with `--merge`
+the base model with the adapter merged into its weights, as a plain Hugging Face directory.
+
 The checkpoint is verified against its `.complete` record first (without --step: the newest one
 that verifies). Every parameter of the model must come from the checkpoint: a missing or unexpected
 name is an error that lists them.
@@ -44,7 +48,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    out = export_run(args.run_dir, args.out, step=args.step, quantized=args.quantized)
+    out = export_run(args.run_dir, args.out, step=args.step, quantized=args.quantized, merge=args.merge)
     print(f"wrote {out}")
     return 0
 
@@ -64,11 +68,20 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write the weights in the run's engine.quantization format (int4, mxfp8, nvfp4, fp8_*)",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: the base model with the adapter merged (else the adapter)",
+    )
     p.set_defaults(func=_cmd_export)
 
 
 def export_run(
-    run_dir: str | Path, out: str | Path, step: int | None = None, quantized: bool = False
+    run_dir: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    quantized: bool = False,
+    merge: bool = False,
 ) -> Path:
     """Write the HF directory of the checkpoint of `step` (None: the newest that verifies) to `out`;
     `quantized`: in the run's engine format (module docstring)."""
@@ -83,6 +96,10 @@ def export_run(
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty: name a new directory for the export")
     plan = read_plan(run_dir / "plan.yaml")
+    if merge and plan.train.lora is None:
+        raise ConfigError(
+            f"miles export --merge: {run_dir} did not train a LoRA adapter (train.lora); drop --merge"
+        )
     contract = None
     if quantized:
         from miles.train.quant import engine_contract
@@ -101,6 +118,12 @@ def export_run(
         raise ConfigError(f"miles export: {e}") from e
     src = step_dir(run_dir, step)
     model = _empty_model(plan.model.path)
+    if plan.train.lora is not None:
+        from peft import get_peft_model
+
+        from miles.train.fsdp.lora import peft_config
+
+        model = get_peft_model(model, peft_config(plan.train.lora))
     if (src / "megatron").is_dir():
         state = megatron_state(src / "megatron", model.config)
     elif (src / "state").is_dir():
@@ -108,6 +131,10 @@ def export_run(
     else:
         raise ConfigError(f"{src} holds neither state/ (FSDP) nor megatron/ (Megatron) checkpoint files")
     _load_strict(model, _stack_experts(state, model.state_dict()), src)
+    if plan.train.lora is not None and not merge:
+        return _write_adapter(model, plan.model.path, plan.model.dtype, out, step)
+    if plan.train.lora is not None:
+        model = model.merge_and_unload()
     _write(model, plan.model.path, plan.model.dtype, out, step)
     if contract is not None:
         _write_quantized(model, out, contract)
@@ -248,7 +275,8 @@ def _load_strict(model: Any, state: dict[str, Any], src: Path) -> None:
     import torch
 
     own = model.state_dict()
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    tie = getattr(model.config, "tie_word_embeddings", False)
+    tied = {k for k in own if k.endswith("lm_head.weight")} if tie else set()
     missing = sorted(k for k in own if k not in state and k not in tied)
     unexpected = sorted(k for k in state if k not in own)
     if missing or unexpected:
@@ -296,6 +324,18 @@ def _write_quantized(model: Any, out: Path, contract: Any) -> None:
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     log.info("wrote the %s weights of %s", getattr(contract, "name", contract), out)
+
+
+def _write_adapter(model: Any, model_path: str, dtype: str, out: Path, step: int) -> Path:
+    """The PEFT adapter directory of a LoRA run (adapter_config.json, adapter_model.safetensors)."""
+    import torch
+
+    model = model.to(getattr(torch, _DTYPES[dtype]))
+    out.mkdir(parents=True, exist_ok=True)
+    model.peft_config["default"].base_model_name_or_path = model_path
+    model.save_pretrained(out, safe_serialization=True)
+    log.info("exported the adapter of step %d to %s", step, out)
+    return out
 
 
 def _write(model: Any, model_path: str, dtype: str, out: Path, step: int) -> Path:

@@ -127,9 +127,9 @@ def run(run_dir: Path, resume: bool) -> int:
         and plan.engine.release_memory_in_train
     )
     try:
-        if state.step > 0:
+        if state.step > 0 or plan.train.lora is not None:  # LoRA: the engines need the adapter at step 0
             push_weights(state, plan, backend, side, rank0)
-        elif plan.eval.every_steps > 0:
+        if state.step == 0 and plan.eval.every_steps > 0:
             row = evaluate_weights(plan, backend, side, evals, 0, rank0)
             if rank0:
                 state.log(0, row)

@@ -39,8 +39,8 @@ from miles.cluster.rendezvous import (
     wait_for_engines,
 )
 from miles.config import Plan, read_plan
+from miles.launch.engine_argv import engine_argv
 from miles.processes import child_options, stop_processes
-from miles.train.quant import engine_quant_argv
 
 
 def _facts(run_dir: Path) -> tuple[Plan, dict[str, Any]]:
@@ -132,7 +132,7 @@ def _start_engine(
         ]
         argv += ["--device", e.device, "--max-running-requests", str(e.max_running_requests)]
         argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(seed)]
-        argv += engine_quant_argv(plan)
+        argv += engine_argv(plan)
         if plan.train.routing_replay == "rollout" and role == "rollout":  # R3: the rollout's routing
             argv.append("--enable-return-routed-experts")
         proc = _spawn([*argv, "--url-file", str(url_file)], log)

@@ -20,7 +20,7 @@ from miles.config.engine import check_external_engines
 from miles.config.layout import check_layout
 from miles.config.loading import apply_overrides, deep_merge, read_yaml
 from miles.config.plan import Plan
-from miles.config.train import check_distill, check_quantization
+from miles.config.train import check_distill, check_lora, check_quantization
 
 log = logging.getLogger("miles.config")
 
@@ -71,6 +71,7 @@ def _check(plan: Plan) -> None:
     check_external_engines(plan)
     check_quantization(plan)
     check_distill(plan)
+    check_lora(plan)
     if plan.launch.layout == "colocated" and plan.weights.transport == "distributed":
         raise ConfigError(
             "launch.layout=colocated puts engines on the trainer's GPUs, where NCCL cannot broadcast "

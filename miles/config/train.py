@@ -66,6 +66,27 @@ class DistillConfig(Section):
     samples are spread over the teachers in turn."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The default targets; `lm_head` may be added (an adapter on the output projection)."""
+
+
+class LoraConfig(Section):
+    """LoRA training (docs/lora.md): the base weights stay frozen, only the adapters' A and B train
+    (and only they have optimiser state); each weight push sends only the adapter, which the engines
+    serve unmerged under `name` (every rollout request names it as its `lora_path`)."""
+
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0.0)
+    """Scaling alpha / rank of the low-rank term."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[
+        Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    ] = list(LORA_TARGETS)
+    """Linear layers that get an adapter (dense attention and MLP projections, and the LM head)."""
+    name: str = Field("policy", pattern=r"^[A-Za-z0-9_.-]+$")
+    """The adapter's name in the engines."""
+
+
 class CriticConfig(Section):
     """The value function of PPO (train.loss.advantage = ppo; miles/train/critic.py): the policy's
     architecture with a scalar value head, trained beside the policy on the same ranks."""
@@ -150,6 +171,8 @@ class TrainConfig(Section):
     offload_require_local: bool = True
     """Refuse an offload_dir on a network filesystem (NFS, Lustre, GPFS, ...)."""
     loss: LossConfig = LossConfig()
+    lora: LoraConfig | None = None
+    """LoRA training instead of full-parameter training (None: off)."""
     critic: CriticConfig = CriticConfig()
     """The value function, trained only with train.loss.advantage = ppo."""
     distill: DistillConfig | None = None
@@ -185,6 +208,29 @@ class TrainConfig(Section):
     quantisation-aware training); fake_quant also serves `mxfp8` and `nvfp4` engines (emulated). `none`:
     the forward runs in model.dtype (with a quantised engine: low-precision rollout whose mismatch only
     TIS/MIS correct)."""
+
+
+def check_lora(plan: Plan) -> None:
+    """What train.lora is built for (ConfigError naming the key to change)."""
+    if plan.train.lora is None:
+        return
+    if plan.train.backend != "fsdp":
+        raise ConfigError(
+            f"train.lora is built for train.backend=fsdp (got {plan.train.backend}); set train.backend=fsdp "
+            "or remove train.lora"
+        )
+    if plan.train.quantization != "none" or plan.engine.quantization != "none":
+        raise ConfigError(
+            "train.lora runs on bf16/fp32 weights: set train.quantization=none and engine.quantization=none"
+        )
+    if plan.train.loss.advantage == "ppo":
+        raise ConfigError(
+            "train.lora does not train a critic: use train.loss.advantage=grpo (or another critic-free one)"
+        )
+    if plan.weights.transport == "disk":
+        raise ConfigError(
+            "train.lora pushes adapters through /load_lora_adapter_from_tensors: set weights.transport=distributed or tensor"
+        )
 
 
 def check_distill(plan: Plan) -> None:

@@ -197,7 +197,8 @@ def _start_lora(args: argparse.Namespace, decoder) -> list:
         raise SystemExit(
             f"--lora-target-modules {bad}: the engine's LoRA layers are {', '.join(TARGETS)} (or all)"
         )
-    spec, shapes = decoder.spec, {}
+    spec = decoder.spec
+    shapes = {"lm_head": (spec.vocab_size, spec.hidden_size)}
     for i in range(spec.num_layers):
         sparse = spec.moe is not None and i in spec.moe.sparse_layers
         for sub, names in (("self_attn", "qkvo"), ("mlp", () if sparse else ("gate", "up", "down"))):

@@ -1,7 +1,8 @@
 """LoRA adapters in the embedded engine, served unmerged as SGLang serves them.
 
 An adapter (PEFT format: `adapter_config.json` with `r`, `lora_alpha`, `target_modules`, and tensors
-`base_model.model.<module>.lora_A.weight` [r, in] / `lora_B.weight` [out, r]) adds to each target
+`base_model.model.<module>.lora_A.weight` [r, in], module a layer's q/k/v/o or gate/up/down
+projection or the LM head / `lora_B.weight` [out, r]) adds to each target
 linear layer y = W x the low-rank term s * B (A x), s = lora_alpha / r. Up to `max_loras` adapters
 live in slots of one bank; a forward multiplies every slot at once:
 
@@ -30,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 _TENSOR = re.compile(
-    r"^(?:base_model\.model\.)?(model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+_proj))\.lora_([AB])(?:\.default)?\.weight$"
+    r"^(?:base_model\.model\.)?(model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+_proj)|lm_head)"
+    r"\.lora_([AB])(?:\.default)?\.weight$"
 )
 
 
@@ -101,8 +103,25 @@ class LoraBank:
         self.shapes = dict(shapes)
         self.modules = {m: s for m, s in shapes.items() if m.rsplit(".", 1)[-1] in targets}
         width = max_loras * max_rank
-        self.A = {m: torch.zeros(width, i, device=device, dtype=dtype) for m, (o, i) in self.modules.items()}
-        self.B = {m: torch.zeros(o, width, device=device, dtype=dtype) for m, (o, i) in self.modules.items()}
+        self.A: dict[str, torch.Tensor] = {}
+        self.B: dict[str, torch.Tensor] = {}
+        self.groups: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        """Fused name (a layer's qkv_proj / gate_up_proj) -> (A [n W, in], block-diagonal B [sum out, n W],
+        n) over its targeted members, whose A / B above are views into them: the fused forward runs one
+        pair of GEMMs for the group."""
+        for head, leaf, members in _fused_members(self.modules):
+            outs = [self.modules[m][0] for m in members]
+            a = torch.zeros(len(members) * width, self.modules[members[0]][1], device=device, dtype=dtype)
+            b = torch.zeros(sum(outs), len(members) * width, device=device, dtype=dtype)
+            for k, m in enumerate(members):
+                r0 = sum(outs[:k])
+                self.A[m] = a[k * width : (k + 1) * width]
+                self.B[m] = b[r0 : r0 + outs[k], k * width : (k + 1) * width]
+            self.groups[f"{head}.{leaf}"] = (a, b, len(members))
+        for m, (o, i) in self.modules.items():
+            if m not in self.A:
+                self.A[m] = torch.zeros(width, i, device=device, dtype=dtype)
+                self.B[m] = torch.zeros(o, width, device=device, dtype=dtype)
         self.scale = torch.zeros(max_loras, device=device, dtype=torch.float32)
         self.column_slot = torch.arange(width, device=device) // max_rank
         self.rows = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=device)
@@ -114,6 +133,7 @@ class LoraBank:
         self.tokens: torch.Tensor | None = None
         """Slot of each token of the current forward (set by the decoder), or None: no adapter at all."""
         self._mask: torch.Tensor | None = None
+        self._masks: dict[int, torch.Tensor] = {}
 
     # ---- adapters ----------------------------------------------------------------------------------
 
@@ -226,13 +246,51 @@ class LoraBank:
             self._mask = None
             return
         hit = self.column_slot[None, :] == token_slots[:, None]
-        self._mask = hit.to(torch.float32) * self.scale[self.column_slot][None, :]
+        self._mask = (hit.to(torch.float32) * self.scale[self.column_slot][None, :]).to(self.dtype)
+        self._masks = {n: self._mask.repeat(1, n) for n in {g[2] for g in self.groups.values()}}
 
-    def delta(self, x: torch.Tensor, module: str) -> torch.Tensor | None:
-        """s B (A x) of each token's adapter for HF module `module` (None: no adapter targets it)."""
+    def delta(self, x: torch.Tensor, module: str, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """s B (A x) of each token's adapter for HF module `module` (None: no adapter targets it);
+        `rows`: which of the forward's tokens `x` holds (the LM head sees the last ones only)."""
         if self._mask is None or module not in self.modules:
             return None
-        lead = x.shape[:-1]
+        mask = self._mask if rows is None else self._mask[rows]
         h = x.reshape(-1, x.shape[-1]) @ self.A[module].t()
-        h = (h.float() * self._mask).to(x.dtype)
-        return (h @ self.B[module].t()).view(*lead, -1)
+        h.mul_(mask)  # the scale of each token's slot; 0 on the other slots' columns
+        return (h @ self.B[module].t()).view(*x.shape[:-1], -1)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, module: str) -> bool:
+        """y += the adapters' term of HF module `module` in place (a GEMM, the mask, a GEMM-accumulate);
+        False when no adapter targets it."""
+        if self._mask is None or module not in self.modules:
+            return False
+        h = x.reshape(-1, x.shape[-1]) @ self.A[module].t()
+        h.mul_(self._mask)
+        y.view(-1, y.shape[-1]).addmm_(h, self.B[module].t())
+        return True
+
+    def add_fused(self, y: torch.Tensor, x: torch.Tensor, fused: str) -> bool:
+        """y += the adapters' terms of fused layer `fused` (model.layers.N.self_attn.qkv_proj, ...) in
+        two GEMMs and a mask over its members; False when no adapter targets any member."""
+        group = self.groups.get(fused)
+        if group is None or self._mask is None:
+            return False
+        a, b, n = group
+        h = x.reshape(-1, x.shape[-1]) @ a.t()
+        h.mul_(self._masks[n])
+        y.view(-1, y.shape[-1]).addmm_(h, b.t())
+        return True
+
+
+def _fused_members(modules: dict[str, tuple[int, int]]):
+    """(layer prefix, fused leaf, targeted members in row order) of the fused q/k/v and gate/up layers
+    with at least two targeted members (a single one stays its own)."""
+    layers = sorted({m.rsplit(".", 1)[0] for m in modules if m.startswith("model.layers.")})
+    for head in layers:
+        for leaf, parts in (
+            ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            ("gate_up_proj", ("gate_proj", "up_proj")),
+        ):
+            members = [f"{head}.{p}" for p in parts]
+            if all(m in modules for m in members):
+                yield head, leaf, members

@@ -508,8 +508,7 @@ class Decoder:
         self._take_routing(
             d.write_slots if prefill is None else torch.cat((prefill.write_slots, d.write_slots))
         )
-        x = self._norm(x[last], self.params["model.norm.weight"])
-        return F.linear(x, self.get("lm_head.weight")).float()
+        return self._logits(self._norm(x[last], self.params["model.norm.weight"]), last)
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
@@ -547,8 +546,10 @@ class Decoder:
         head, _, leaf = module.rpartition(".")
         members = self._FUSED_MEMBERS.get(leaf)
         if members is None:
-            delta = self.lora.delta(x, module)
-            return y if delta is None else y + delta
+            self.lora.add(y, x, module)
+            return y
+        if self.lora.add_fused(y, x, module):  # one GEMM pair for all members
+            return y
         deltas = [self.lora.delta(x, f"{head}.{m}") for m in members]
         if all(d is None for d in deltas):
             return y
@@ -586,7 +587,9 @@ class Decoder:
                 i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]).to(self.dtype)
             )
         self._take_routing(b.write_slots)
-        return self._logits(self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype))
+        return self._logits(
+            self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype), b.last_index
+        )
 
     def new_routing_table(self, num_slots: int) -> None:
         """With `record_routing`, a zeroed `routing_table` beside a KV pool of `num_slots` slots."""
@@ -616,11 +619,16 @@ class Decoder:
             out[:, list(m.sparse_layers)] = self.routing_table[index].cpu().to(torch.int32)
         return out
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of the hidden states `x`, which are the forward's tokens `rows` (None: all of
+        them, in order), for the LoRA adapters' lm_head term."""
         head = self.get("lm_head.weight")
         if x.is_cuda and x.dtype != torch.float32:  # logits kept in fp32, not rounded to bf16
-            return torch.mm(x, head.t(), out_dtype=torch.float32)
-        return F.linear(x, head).float()
+            logits = torch.mm(x, head.t(), out_dtype=torch.float32)
+        else:
+            logits = F.linear(x, head).float()
+        delta = None if self.lora is None else self.lora.delta(x, "lm_head", rows)
+        return logits if delta is None else logits + delta.float()
 
     def _forward_fused(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """`forward` on CUDA in ~10 kernels a layer: the fp32 residual add fused with the next norm,
@@ -653,4 +661,5 @@ class Decoder:
             h = add_rms_norm_(x, mlp, w[next_norm], eps, self.dtype)
         self._take_routing(b.write_slots)
         # decode (one query per request) packs exactly the last tokens, in order; the norm is per row
-        return self._logits(h if b.query_index.shape[1] == 1 else h[b.last_index])
+        decode = b.query_index.shape[1] == 1
+        return self._logits(h if decode else h[b.last_index], None if decode else b.last_index)

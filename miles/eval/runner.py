@@ -50,8 +50,8 @@ from miles.eval.modes import (
     evaluate_step,
 )
 from miles.eval.snapshot import eval_dir, find_snapshot
+from miles.launch.engine_argv import engine_argv
 from miles.processes import child_options, free_port, stop_processes
-from miles.train.quant import engine_quant_argv
 
 log = logging.getLogger("miles.eval")
 
@@ -233,7 +233,7 @@ class EvalService:
             seed=self.plan.run.seed + 1000 + i,
             log_path=self.run_dir / "logs" / f"eval-engine-{i}.log",
             startup_timeout_s=e.startup_timeout_s,
-            extra_args=engine_quant_argv(self.plan),
+            extra_args=engine_argv(self.plan),
             env={"OMP_NUM_THREADS": str(len(cpus))} if cpus else None,
             cpus=cpus or None,
         )

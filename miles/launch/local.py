@@ -27,13 +27,13 @@ from typing import Any
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.engine import check_external_engines
 from miles.config.loading import apply_overrides
+from miles.launch.engine_argv import engine_argv
 from miles.launch.external import check_external_servers, publish_external
 from miles.launch.prepare import check_rollout_inputs, check_teacher_model, ensure_model
 from miles.launch.rundir import RunDirLock, prepare_run_dir
 from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
 from miles.metrics import ProgressBar
 from miles.processes import child_options, free_port, stop_processes
-from miles.train.quant import engine_quant_argv
 
 log = logging.getLogger("miles.launch")
 
@@ -178,7 +178,7 @@ def start_engine_process(plan: Plan, run_dir: Path, i: int, gpu: str | None, inc
         env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
         extra_args=(["--enable-fault-injection"] if e.fault_injection else [])
         + (["--enable-return-routed-experts"] if plan.train.routing_replay == "rollout" else [])
-        + engine_quant_argv(plan),
+        + engine_argv(plan),
     )
     publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", incarnation)
     return eng

@@ -73,6 +73,10 @@ def sglang_server_command(
         cmd.append("--enable-return-routed-experts")
     if e.quantization != "none":  # an FP8 checkpoint's own config gives its layout; packed formats need
         cmd += ["--quantization", SGLANG_QUANTIZATION[e.quantization]]  # a packed checkpoint (miles export)
+    if plan.train.lora is not None:  # the run's adapter, pushed each step by name
+        lora = plan.train.lora
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora.rank), "--max-loras-per-batch", "4"]
+        cmd += ["--lora-target-modules", *lora.target_modules]
     return cmd + list(s.extra_args)
 
 

@@ -166,6 +166,10 @@ class RolloutSide:
         self.urls, self.router = list(urls), router
         self.admins = [SGLangClient(u, max_connections=conns) for u in urls]
         self.generator.set_clients([SGLangClient(router, max_connections=conns)] if router else self.admins)
+        if self.plan.train.lora is not None:  # every generation runs the policy's adapter, once pushed
+            for client in [*self.admins, *self.generator.clients]:
+                client.lora_path = self.plan.train.lora.name
+            self.generator.ready.clear()
         self.transport = self._transport(urls)
 
     def _setup(self) -> None:
@@ -185,8 +189,14 @@ class RolloutSide:
         from miles.weights import get_transport
 
         w = self.plan.weights
-        cls = get_transport(w.transport)
         mode = None if w.pause_mode == "none" else w.pause_mode
+        if self.plan.train.lora is not None:
+            from miles.train.fsdp.lora import adapter_config
+            from miles.weights.lora import LoraTransport
+
+            config = adapter_config(self.plan.train.lora, self.plan.model.path)
+            return LoraTransport(self.admins, self.plan.train.lora.name, config, pause_mode=mode)
+        cls = get_transport(w.transport)
         if w.transport == "disk":
             return cls(
                 self.admins,
@@ -328,7 +338,10 @@ class RolloutSide:
         `weights/checksum_mismatch` (quantised engines: tensors whose bytes differ, by checksums)."""
         from miles.weights import check_checksums, check_weights
 
-        if engine_contract(self.plan) is None:
+        if self.plan.train.lora is not None:  # the adapter, as the engines store it under its name
+            name = self.plan.train.lora.name
+            buckets = [[(f"{name}/{n}", t) for n, t in bucket] for bucket in buckets]
+        elif engine_contract(self.plan) is None:
             worst = 0.0
             for bucket in buckets:
                 bad = self.call(check_weights(self.admins, bucket))

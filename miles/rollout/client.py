@@ -186,6 +186,9 @@ class SGLangClient:
         self.max_connections = max_connections
         self.routing_key: str | None = None
         """Sent as ROUTING_KEY_HEADER on every request of this client (None: no header)."""
+        self.lora_path: str | None = None
+        """The LoRA adapter every /generate of this client runs with, unless its body names one
+        (train.lora: the policy's adapter; None: the base model)."""
         self._conns = _Connections(self.timeout, max_connections)
         self._is_view = False
 
@@ -218,6 +221,13 @@ class SGLangClient:
         (else the client's own, if bound) goes in the ROUTING_KEY_HEADER header."""
         attempts = 1 + (self.retries if retry else 0)
         headers = self._headers(routing_key)
+        if (
+            self.lora_path is not None
+            and route == "/generate"
+            and isinstance(body, dict)
+            and "lora_path" not in body
+        ):
+            body = {**body, "lora_path": self.lora_path}
         last = ""
         for attempt in range(attempts):
             try:

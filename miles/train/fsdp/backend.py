@@ -120,7 +120,15 @@ class FSDPBackend:
         self.estimator = get_estimator(t.loss.advantage)
         dtype = _DTYPES[plan.model.dtype]
         prepare = self._quantization(plan)
-        self.model = load_sharded(plan.model.path, self.device, dtype, trainable=True, prepare=prepare)
+        if t.lora is not None:
+            from miles.train.fsdp import lora
+
+            self.model = load_sharded(
+                plan.model.path, self.device, dtype, trainable=True, prepare=prepare,
+                build=lora.build(t.lora), freeze=lora.freeze_base,
+            )  # fmt: skip
+        else:
+            self.model = load_sharded(plan.model.path, self.device, dtype, trainable=True, prepare=prepare)
         if t.loss.kl_coef > 0:
             self.ref_model = load_sharded(
                 plan.model.path, self.device, dtype, trainable=False, prepare=prepare
@@ -134,7 +142,8 @@ class FSDPBackend:
                 f"train.routing_replay=rollout but model {plan.model.path} has no mixture-of-experts "
                 "router to replay; set train.routing_replay=off"
             )
-        self.optimizer = build_optimizer(self.model.parameters(), t, rank=self.rank)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapter only
+        self.optimizer = build_optimizer(trained, t, rank=self.rank)
         self.scheduler = build_scheduler(self.optimizer, t)
         if self.estimator.critic:
             self.critic = Critic(plan, self.device, dtype, self.rank)
@@ -459,6 +468,10 @@ class FSDPBackend:
         engine's layout (the FP8 pair `X.weight` + `X.weight_scale_inv`, or a packed format's parts),
         quantised from the model.dtype tensor (the values a fake-quant forward computes with)."""
         dtype = _DTYPES[self.plan.model.dtype]
+        if self.plan.train.lora is not None:  # the adapter alone, under PEFT's names
+            from miles.train.fsdp import lora
+
+            return bucketize(lora.adapter_tensors(self.model, dtype), bucket_bytes, keep=self.rank == 0)
         named = quant.export_pairs(iter_full_tensors(self.model, dtype), quant.engine_contract(self.plan))
         return bucketize(named, bucket_bytes, keep=self.rank == 0)
 

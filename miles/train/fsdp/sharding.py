@@ -24,6 +24,7 @@ def load_sharded(
     trainable: bool,
     prepare: Callable[[nn.Module], Any] | None = None,
     build: Callable[[str], nn.Module] = causal_lm,
+    freeze: Callable[[nn.Module], Any] | None = None,
 ) -> nn.Module:
     """`build(path)` (default: the causal LM), moved to `device`, `prepare` applied (e.g. the
     fake-quant forward of miles/train/quant.py), then sharded: with a bf16 `compute_dtype` FSDP keeps
@@ -34,6 +35,8 @@ def load_sharded(
     if prepare is not None:
         prepare(model)
     model.requires_grad_(trainable)
+    if trainable and freeze is not None:  # e.g. LoRA: only the adapter trains
+        freeze(model)
     model.train(trainable)
     mp = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32

@@ -1,0 +1,70 @@
+"""LoraTransport: each push sends only the LoRA adapter, replacing it in place in every engine.
+
+One `/load_lora_adapter_from_tensors` per engine per version, under the run's adapter name: the
+embedded engine replaces an adapter of the same name in place (miles/engine/lora.py), so nothing is
+unloaded first (an unload waits for the requests in flight, which never finish while generation is
+paused). The tensors travel inside the request (a few MB: host copies pickled inline, so any host's
+engine can take them), with `expected_checksums`, which the engine checks against the bytes it stored
+before answering. Then `/update_weight_version` gives the engines the new version, which the samples
+record. `pause_mode` pauses generation around the load as the other transports do; with None the
+adapter changes between two engine steps while requests run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from miles.quant.fp8 import checksum
+from miles.weights.tensor import serialize_inline
+from miles.weights.transport import Bucket, check_pause_mode
+
+
+class LoraTransport:
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        name: str,
+        config: dict[str, Any],
+        *,
+        pause_mode: str | None = "in_place",
+    ):
+        check_pause_mode(pause_mode)
+        self.engines = list(engines)
+        self.name = name
+        self.config = config
+        self.pause_mode = pause_mode
+        self.bytes_sent = 0
+
+    async def setup(self) -> None:
+        return None
+
+    async def push(self, buckets: Iterable[Bucket], version: str) -> None:
+        named = [(n, t.detach().cpu()) for bucket in buckets for n, t in bucket]
+        body = {
+            "lora_name": self.name,
+            "config_dict": self.config,
+            "serialized_named_tensors": [serialize_inline(named)],
+            "expected_checksums": {n: checksum(t) for n, t in named},
+        }
+        self.bytes_sent = sum(t.numel() * t.element_size() for _, t in named)
+        if self.pause_mode:
+            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
+        try:
+            await asyncio.gather(*(_load(e, body) for e in self.engines))
+            await asyncio.gather(*(e.update_weight_version(str(version)) for e in self.engines))
+        finally:
+            if self.pause_mode:
+                await asyncio.gather(*(e.continue_generation() for e in self.engines))
+
+    async def close(self) -> None:
+        return None
+
+
+async def _load(engine: Any, body: dict[str, Any]) -> None:
+    reply = (await engine.request("POST", "/load_lora_adapter_from_tensors", body, retry=False)).json()
+    if not reply.get("success"):
+        raise RuntimeError(
+            f"{engine.url}: loading adapter {body['lora_name']!r} failed: {reply.get('error_message')}"
+        )
