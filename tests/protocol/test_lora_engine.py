@@ -154,3 +154,47 @@ def test_bad_adapters_and_requests_are_400s_that_name_them(engine, adapters):
     assert r.status_code == 400 and "'nope'" in r.text and "item 1" in r.text
     r = _post(engine, "/unload_lora_adapter", {"lora_name": "nope"})
     assert r.status_code == 400 and "'nope'" in r.text
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort", None])
+def test_replacing_in_place_while_requests_run_never_deadlocks(engine, adapters, mode):
+    """A request decodes with adapter `a` while the adapter is replaced (as the trainer pushes each
+    step), under every pause mode and without a pause: the load answers, the request ends (aborted
+    only under `abort`), and the engine serves the new tensors."""
+    import json
+    import threading
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(adapters["a"]) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(adapters["a"]) / "adapter_model.safetensors"))
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 1.0},
+            "lora_path": "a"}  # fmt: skip
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(reply=_post(engine, "/generate", body)))
+    worker.start()
+    try:
+        for _ in range(500):  # until the request runs
+            state = httpx.get(engine.url + "/server_info", timeout=10).json()["internal_states"][0]
+            if state["num_running_reqs"] >= 1:
+                break
+            threading.Event().wait(0.005)
+        if mode is not None:
+            assert _post(engine, "/pause_generation", {"mode": mode}).status_code == 200
+        push = {"lora_name": "a", "config_dict": cfg,
+                "serialized_named_tensors": [serialize_inline([(n, t * 1.5) for n, t in tensors.items()])]}  # fmt: skip
+        r = _post(engine, "/load_lora_adapter_from_tensors", push)
+        assert r.status_code == 200, r.text
+        if mode is not None:
+            assert _post(engine, "/continue_generation", {}).status_code == 200
+    finally:
+        worker.join(timeout=120)
+    assert not worker.is_alive(), "the request never finished"
+    reply = result["reply"]
+    assert reply.status_code == 200, reply.text
+    finish = reply.json()["meta_info"]["finish_reason"]["type"]
+    assert finish == ("abort" if mode == "abort" else "length")
+    # put the original back for the other tests
+    push["serialized_named_tensors"] = [serialize_inline(list(tensors.items()))]
+    assert _post(engine, "/load_lora_adapter_from_tensors", push).status_code == 200

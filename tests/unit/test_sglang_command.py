@@ -62,20 +62,30 @@ def _const(node: ast.expr | None):
     return node.value if isinstance(node, ast.Constant) else None
 
 
-def _explicit_flags(func: ast.FunctionDef) -> dict[str, bool]:
-    """`parser.add_argument("--x", ...)` calls in add_cli_args: flag -> takes no value."""
-    flags: dict[str, bool] = {}
+MANY = "many"
+"""A flag taking one or more values (argparse nargs "*" / "+")."""
+
+
+def _arity(call: ast.Call, switch: bool) -> bool | str:
+    """True: a switch; False: one value; MANY: a list of values."""
+    return MANY if _const(_kw(call, "nargs")) in ("*", "+") else switch
+
+
+def _explicit_flags(func: ast.FunctionDef) -> dict[str, bool | str]:
+    """`parser.add_argument("--x", ...)` calls in add_cli_args: flag -> True (no value), False (one
+    value) or MANY."""
+    flags: dict[str, bool | str] = {}
     for node in ast.walk(func):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
             names = [a.value for a in node.args if isinstance(_const(a), str) and a.value.startswith("--")]
             switch = _const(_kw(node, "action")) in ("store_true", "store_false")
-            flags.update(dict.fromkeys(names, switch))
+            flags.update(dict.fromkeys(names, _arity(node, switch)))
     return flags
 
 
-def _field_flags(cls: ast.ClassDef) -> dict[str, bool]:
+def _field_flags(cls: ast.ClassDef) -> dict[str, bool | str]:
     """Flags derived from `A[T, "help" | Arg(...)]` dataclass fields (SGLang >= 0.5.17)."""
-    flags: dict[str, bool] = {}
+    flags: dict[str, bool | str] = {}
     for node in cls.body:
         ann = getattr(node, "annotation", None)
         if not (isinstance(node, ast.AnnAssign) and isinstance(ann, ast.Subscript)):
@@ -104,11 +114,12 @@ def _field_flags(cls: ast.ClassDef) -> dict[str, bool]:
             action = _kw(arg, "action")
             if action is not None:
                 switch = _const(action) in ("store_true", "store_false")
+            switch = _arity(arg, switch)
         flags.update(dict.fromkeys([name, *aliases], switch))
     return flags
 
 
-def server_flags(source: str) -> dict[str, bool]:
+def server_flags(source: str) -> dict[str, bool | str]:
     """Every flag `ServerArgs.add_cli_args` registers in this server_args.py: flag -> takes no value."""
     tree = ast.parse(source)
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
@@ -119,7 +130,7 @@ def server_flags(source: str) -> dict[str, bool]:
     return flags
 
 
-def check_command(argv: list[str], flags: dict[str, bool]) -> list[str]:
+def check_command(argv: list[str], flags: dict[str, bool | str]) -> list[str]:
     """Problems of a `python -m sglang.launch_server ...` argv against a version's flags."""
     assert argv[1:3] == ["-m", "sglang.launch_server"], argv[:3]
     problems, args, i = [], argv[3:], 0
@@ -129,6 +140,11 @@ def check_command(argv: list[str], flags: dict[str, bool]) -> list[str]:
             problems.append(f"stray value {flag!r}")
         elif flag not in flags:
             problems.append(f"unknown flag {flag}")
+        elif flags[flag] == MANY:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                problems.append(f"{flag} needs a value")
+            while i + 1 < len(args) and not args[i + 1].startswith("--"):
+                i += 1
         elif flags[flag]:
             pass  # a switch: the next token is the next flag
         elif i + 1 >= len(args) or args[i + 1].startswith("--"):
