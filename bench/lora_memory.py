@@ -37,7 +37,10 @@ def measure(model_path: str, lora: dict | None, workdir: str) -> dict:
     backend = get_backend("fsdp")()
     try:
         backend.setup(plan)
-        samples = [Sample(0, i, [5, 6, 7, 8], [9, 10, 11], [1, 1, 1], [-1.0] * 3, reward=float(i % 2)) for i in range(4)]
+        samples = [
+            Sample(0, i, [5, 6, 7, 8], [9, 10, 11], [1, 1, 1], [-1.0] * 3, reward=float(i % 2))
+            for i in range(4)
+        ]
         backend.train(samples)
         params = [p for p in backend.model.parameters()]
         grads = [p.grad for p in params if p.grad is not None]
@@ -68,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     lora = {"rank": args.rank, "alpha": 2 * args.rank}
     rows = {"full": measure(str(path), None, work), "lora": measure(str(path), lora, work)}
     mib = 2**20
-    print(f"bench.lora_memory --shape {args.shape} --rank {args.rank} (one gloo rank, CPU, fp32 master weights)")
-    print("| training | trainable parameters | parameters MiB | gradients MiB | AdamW state MiB | total MiB |")
+    print(
+        f"bench.lora_memory --shape {args.shape} --rank {args.rank} (one gloo rank, CPU, fp32 master weights)"
+    )
+    print(
+        "| training | trainable parameters | parameters MiB | gradients MiB | AdamW state MiB | total MiB |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         total = r["params_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]

@@ -229,6 +229,8 @@ class _Sampling(_Body):
     ebnf: str | None = None
     json_schema: str | None = None
     rid: str | None = None
+    lora_path: str | list[str | None] | None = None
+    """SGLang's extension: the LoRA adapter to run with (also `model: "<base>:<adapter>"`, which wins)."""
     return_token_ids: bool = False
     """Each choice carries the prompt's and its output's token ids."""
     # OpenAI fields not honoured (UNSUPPORTED_FIELDS): accepted as null only
@@ -536,6 +538,8 @@ class ModelCard(_Reply):
     created: int = Field(default_factory=_now)
     owned_by: str = "miles"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (SGLang's field); None for the base model itself."""
     max_model_len: int | None = None
 
 

@@ -260,6 +260,7 @@ class _Chat:
             return_logprob=req.logprobs or req.return_meta_info,
             top_logprobs_num=req.top_logprobs or 0,
             rid=req.rid,
+            lora_path=lora_of(state, req),
         )
 
     def parse(self, text: str) -> ParsedToolCalls:
@@ -451,6 +452,18 @@ def _prompts(state: EngineState, prompt: Any) -> list[list[int]]:
     return [state.tokenizer.encode(p) for p in prompt]
 
 
+def lora_of(state: EngineState, req: Any) -> Any:
+    """The request's LoRA adapter as SGLang resolves it: `model: "<base>:<adapter>"` (the served model
+    name, or anything before the first colon, as the base) before the `lora_path` field."""
+    model = req.model or ""
+    if ":" in model and model != state.model_path:
+        base = state.model_path if model.startswith(f"{state.model_path}:") else model.split(":", 1)[0]
+        adapter = model[len(base) + 1 :].strip()
+        if adapter:
+            return adapter
+    return req.lora_path
+
+
 async def completions(state: EngineState, request: Request) -> Response:
     req = await _read(request, oa.CompletionRequest)
     prompts = _prompts(state, req.prompt)
@@ -461,6 +474,7 @@ async def completions(state: EngineState, request: Request) -> Response:
         return_logprob=req.logprobs is not None,
         top_logprobs_num=req.logprobs or 0,
         rid=req.rid,
+        lora_path=lora_of(state, req),
     )
     text = _token_bytes(state) if req.logprobs is not None else None
     items = await _start(state, body)
@@ -567,10 +581,15 @@ def add_openai_routes(app: FastAPI, state: EngineState, error: Any = None) -> No
         return await completions(state, request)
 
     async def _models(request: Request) -> Response:
-        card = oa.ModelCard(
-            id=state.model_path, root=state.model_path, max_model_len=state.scheduler.max_context
-        )
-        return Response(_json(oa.ModelList(data=[card])), media_type="application/json")
+        cards = [
+            oa.ModelCard(
+                id=state.model_path, root=state.model_path, max_model_len=state.scheduler.max_context
+            )
+        ]
+        bank = state.scheduler.decoder.lora
+        for name, source in (bank.sources if bank is not None else {}).items():  # as SGLang lists adapters
+            cards.append(oa.ModelCard(id=name, root=source, parent=state.model_path, max_model_len=None))
+        return Response(_json(oa.ModelList(data=cards)), media_type="application/json")
 
     app.add_api_route("/v1/chat/completions", _handled(_chat), methods=["POST"])
     app.add_api_route("/v1/completions", _handled(_completions), methods=["POST"])

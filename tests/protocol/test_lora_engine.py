@@ -198,3 +198,26 @@ def test_replacing_in_place_while_requests_run_never_deadlocks(engine, adapters,
     # put the original back for the other tests
     push["serialized_named_tensors"] = [serialize_inline(list(tensors.items()))]
     assert _post(engine, "/load_lora_adapter_from_tensors", push).status_code == 200
+
+
+def test_openai_client_selects_an_adapter(engine, tiny_model):
+    """The `openai` package against the engine: `model: "<base>:<adapter>"` and `extra_body.lora_path`
+    give the adapter's completions; /v1/models lists the adapters under their base."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=engine.url + "/v1", api_key="none")
+    models = client.models.list().data
+    base = models[0].id
+    assert any(m.id == "a" and getattr(m, "parent", None) == base for m in models)
+    args = dict(prompt=PROMPT, max_tokens=8, temperature=0.0)
+    plain = client.completions.create(model=base, **args).choices[0].text
+    by_model = client.completions.create(model=f"{base}:a", **args).choices[0].text
+    by_field = client.completions.create(model=base, extra_body={"lora_path": "a"}, **args).choices[0].text
+    native = _post(engine, "/generate", {"input_ids": PROMPT, "lora_path": "a",
+                                         "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}).json()  # fmt: skip
+    assert by_model == by_field == native["text"]
+    assert by_model != plain
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="nope"):
+        client.completions.create(model=f"{base}:nope", **args)
