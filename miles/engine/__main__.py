@@ -247,10 +247,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
         if args.quantization in FORMATS:
             scheme = Scheme(Format(args.quantization, args.int4_group_size), args.quant_modules)
         decoder = build_decoder(
-            spec, model_dir, device, dtype, args.quantization, args.fp8_min_tokens, scheme
+            spec, model_dir, device, dtype, args.quantization, args.fp8_min_tokens, scheme, args.int4_max_rows
         )
-        if scheme is not None:
-            decoder.int4_max_rows = max(args.int4_max_rows, 0)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if args.enable_return_routed_experts and spec.moe is None:

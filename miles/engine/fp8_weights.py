@@ -119,6 +119,7 @@ def build_decoder(
     quantization: str,
     min_tokens: int,
     scheme: Scheme | None = None,
+    int4_max_rows: int | None = None,
 ) -> Decoder:
     """The engine's decoder for `engine.quantization`: the plain Decoder for none, Fp8Decoder for an FP8
     layout, PackedDecoder for a packed format (whose Scheme `scheme` gives; default: every linear
@@ -128,11 +129,12 @@ def build_decoder(
             f"engine.quantization {quantization!r} is unknown; known: {', '.join(QUANTIZATIONS)}"
         )
     if quantization in FORMATS:
-        from miles.engine.packed_weights import PackedDecoder
+        from miles.engine.packed_weights import DEFAULT_INT4_MAX_ROWS, PackedDecoder
 
         scheme = scheme or Scheme(Format(quantization))
         weights = load_checkpoint(model_dir, quantization, scheme)
-        return PackedDecoder(spec, weights, device, dtype, scheme)
+        rows = DEFAULT_INT4_MAX_ROWS if int4_max_rows is None else max(int4_max_rows, 0)
+        return PackedDecoder(spec, weights, device, dtype, scheme, rows)
     weights = load_checkpoint(model_dir, quantization)
     if quantization == "none":
         return Decoder(spec, weights, device, dtype)
