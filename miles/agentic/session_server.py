@@ -486,10 +486,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--url-file", default=None)
+    p.add_argument(
+        "--lora-path", default=None, help="LoRA adapter every generation runs with (default: none)"
+    )
     args = p.parse_args(argv)
 
     async def serve() -> None:
         clients = [SGLangClient(u) for u in args.engine]
+        for c in clients:
+            c.lora_path = args.lora_path
         server = SessionServer(
             clients, args.tokenizer, host=args.host, port=args.port, template_family=args.template_family
         )
