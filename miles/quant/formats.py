@@ -57,6 +57,11 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def straight_through(w: Tensor, fn: Any) -> Tensor:
+    """fn(w) computed without autograd, with the identity as its gradient to w."""
+    return _StraightThrough.apply(w, fn)
+
+
 @dataclass(frozen=True)
 class Format:
     """One packed format: `encode` a 2-D weight into its parts (suffix -> tensor), `decode` them back."""
@@ -135,7 +140,7 @@ class Format:
 
     def fake_quant(self, w: Tensor) -> Tensor:
         """The stored weight's value in w's dtype, with the identity as its gradient (straight-through)."""
-        return _StraightThrough.apply(w, self.quant_dequant)
+        return straight_through(w, self.quant_dequant)
 
     def fake_quant_rows(self, w: Tensor, pieces: int = 1) -> Tensor:
         """fake_quant of a stack whose last dimension is the input one: `w` [..., rows, in] made of

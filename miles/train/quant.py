@@ -117,8 +117,9 @@ def _fake_quant_forward(self: nn.Linear, x: Tensor) -> Tensor:
     return F.linear(x, self.fake_quant_fn(self.weight), self.bias)
 
 
-def _swapped_forward(forward: Any, swaps: dict[str, Any]) -> Any:
-    """A forward that runs with each parameter `name` replaced by `fn(parameter)` for its duration."""
+def swapped_forward(forward: Any, swaps: dict[str, Any]) -> Any:
+    """A module's bound `forward` that runs with each parameter `name` replaced by `fn(parameter)` for
+    its duration only (names, state dict and optimiser keep the real parameter)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         module = forward.__self__
@@ -160,7 +161,7 @@ def install_fake_quant(model: nn.Module, contract: str | Scheme) -> int:
         fmt = contract.fmt  # type: ignore[union-attr]
         swaps = {"gate_up_proj": lambda w: fmt.fake_quant_rows(w, pieces=2), "down_proj": fmt.fake_quant_rows}
         for _, module in stacks:
-            module.forward = _swapped_forward(module.forward, swaps)
+            module.forward = swapped_forward(module.forward, swaps)
     return len(layers) + len(stacks)
 
 

@@ -27,7 +27,6 @@ configures it).
 from __future__ import annotations
 
 import re
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -35,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from miles.quant.formats import Scheme
+from miles.quant.formats import Scheme, straight_through
 from miles.quant.fp8 import fake_quant
 from miles.train.megatron import convert
+from miles.train.quant import swapped_forward
 
 _COVERED = re.compile(
     r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|"
@@ -90,19 +90,6 @@ def fake_quant_local(
     return convert.tp_shard(name, out, tp_rank, tp_size, s).contiguous()
 
 
-class _StraightThrough(torch.autograd.Function):
-    """Forward: fn(w) without autograd; backward: the incoming gradient unchanged."""
-
-    @staticmethod
-    def forward(ctx: Any, w: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
-        with torch.no_grad():
-            return fn(w.detach())
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
 def covered_modules(
     gpt: nn.Module, layer_offset: int, contract: str | Scheme = "fp8_block"
 ) -> list[tuple[str, nn.Module]]:
@@ -149,17 +136,7 @@ def install_fake_quant(
         def quantised(w: Tensor, name: str = name) -> Tensor:
             return fake_quant_local(name, w, fn, s, tp_rank, tp_size, group)
 
-        module.forward = types.MethodType(_swapped_forward(module.forward, quantised), module)
+        module.forward = swapped_forward(
+            module.forward, {"weight": lambda w, q=quantised: straight_through(w, q)}
+        )
     return len(modules)
-
-
-def _swapped_forward(forward: Callable[..., Any], quantised: Callable[[Tensor], Tensor]):
-    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        weight = self._parameters["weight"]
-        self._parameters["weight"] = _StraightThrough.apply(weight, quantised)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            self._parameters["weight"] = weight
-
-    return run
