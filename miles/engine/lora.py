@@ -225,6 +225,24 @@ class LoraBank:
             )
         return slot
 
+    # ---- requests ------------------------------------------------------------------------------------
+
+    def bind(self, row: int, name: str | None) -> None:
+        """Scheduler row `row` runs adapter `name` (None: the base model) until `unbind`."""
+        self.rows[row] = self.slot_of(name)
+        if name is not None:
+            self.in_use[name] = self.in_use.get(name, 0) + 1
+
+    def unbind(self, row: int, name: str | None) -> None:
+        self.rows[row] = -1
+        if name is not None:
+            self.in_use[name] -= 1
+
+    def token_slots(self, names: list[str | None], counts: list[int]) -> torch.Tensor:
+        """The slot of each packed token of requests running `names`, with `counts` new tokens each."""
+        slots = torch.tensor([self.slot_of(n) for n in names], device=self.device)
+        return torch.repeat_interleave(slots, torch.tensor(counts, device=self.device))
+
     def stored(self, name: str) -> dict[str, torch.Tensor]:
         """The tensors of adapter `name` as stored (PEFT names, the bank's dtype): what checksums hash."""
         slot, rank = self.slots[name], self.configs[name].rank

@@ -40,109 +40,13 @@ Left out: rope scaling variants (llama3/yarn), sliding window, shared experts, t
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from miles.engine import moe
+from miles.engine.spec import QK_NORM_ARCHS, SUPPORTED_ARCHS, Batch, ModelSpec, load_weights
 
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
-QK_NORM_ARCHS = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a decoder, read from an HF config.json."""
-
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    moe: moe.MoeSpec | None = None
-    """The mixture-of-experts shape (Qwen3MoeForCausalLM), None for dense models."""
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelSpec:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        arch = (cfg.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"model architecture {arch!r} is not supported; known: {sorted(SUPPORTED_ARCHS)}"
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
-        eos = cfg.get("eos_token_id")
-        heads = cfg["num_attention_heads"]
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-            moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if "Moe" in arch else None,
-        )
-
-
-@dataclass
-class Batch:
-    """One forward's inputs: packed new tokens plus where each request's keys live in the pool."""
-
-    input_ids: torch.Tensor  # [T] new tokens of all requests, packed
-    positions: torch.Tensor  # [T] absolute positions of those tokens
-    write_slots: torch.Tensor  # [T] pool slots the new tokens' K/V go to
-    query_index: torch.Tensor  # [B, Qmax] index into the packed tokens (padding points at 0)
-    query_pos: torch.Tensor  # [B, Qmax] positions of the queries (padding: -1, sees nothing but key 0)
-    context_slots: torch.Tensor  # [B, Lmax] pool slots of each request's context (padding: slot 0)
-    last_index: torch.Tensor  # [B] index of each request's last new token in the packed tokens
-    kv_rows: torch.Tensor | None = None  # CPU decode: [B] ascending RowKV row of each request, else None
-    lora_slots: torch.Tensor | None = None  # [T] LoRA slot of each new token (-1: base); None: all base
-
-    @classmethod
-    def decode(
-        cls,
-        input_ids,
-        positions,
-        rows,
-        table: torch.Tensor,
-        context_len: int,
-        lora_rows: torch.Tensor | None = None,
-    ) -> Batch:
-        """One new token per request; `table[row, p]` is the slot of a request's token at position p;
-        `lora_rows[row]` the LoRA slot of its adapter (miles/engine/lora.py).
-
-        Built on the device from tensors alone (no host values), so it can run inside a CUDA graph.
-        """
-        index = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return cls(
-            input_ids=input_ids,
-            positions=positions,
-            write_slots=table[rows, positions],
-            query_index=index[:, None],
-            query_pos=positions[:, None],
-            context_slots=table[rows, :context_len],
-            last_index=index,
-            lora_slots=None if lora_rows is None else lora_rows[rows],
-        )
+__all__ = ["SUPPORTED_ARCHS", "Batch", "Decoder", "ModelSpec", "load_weights"]
 
 
 def _token_slots(b: Batch) -> torch.Tensor:
@@ -150,17 +54,6 @@ def _token_slots(b: Batch) -> torch.Tensor:
     if b.lora_slots is not None:
         return b.lora_slots
     return torch.full_like(b.input_ids, -1)
-
-
-def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the HF safetensors files in a directory, by HF name."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
 
 
 def _gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

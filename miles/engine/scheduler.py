@@ -22,6 +22,8 @@ k's tokens read back and recorded, so the host's per-request work runs while the
 A request that finishes at step k has already been put into step k+1; that extra token is dropped
 and its slot freed (stream order keeps the slot's later owner safe). Anything else (admitting,
 prefill, pause, weight updates, memory release) first lands the step in flight (`_land`).
+The calls that change what the engine holds (weights, LoRA adapters, memory) are in
+miles/engine/control.py.
 On CPU a decode step reads keys from the RowKV (miles/engine/kv_cache.py) in place; a request takes
 the lowest free row, so the running rows stay packed at the front and the attention span is short.
 
@@ -42,6 +44,7 @@ from typing import Any
 
 import torch
 
+from miles.engine.control import HoldingsControl
 from miles.engine.cuda_graph import DecodeGraphs
 from miles.engine.engine_thread import EngineThread
 from miles.engine.kv_cache import RowKV, SlotAllocator
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class Scheduler(EngineThread):
+class Scheduler(HoldingsControl, EngineThread):
     """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body.
 
     The pool has one slot more than `max_total_tokens` (the scratch slot) and the slot table one row
@@ -178,85 +181,20 @@ class Scheduler(EngineThread):
     def _lora_rows(self) -> torch.Tensor | None:
         return None if self.decoder.lora is None else self.decoder.lora.rows
 
-    def _lora_slot(self, req: Request) -> int | None:
-        """The adapter slot of a request being admitted (-1: base); None after finishing it as aborted
-        when its adapter was unloaded while it waited."""
-        if self.decoder.lora is None:
-            return -1
-        try:
-            return self.decoder.lora.slot_of(req.lora)
-        except ValueError as e:
-            self.waiting.popleft()
-            self._finish(req, {"type": "abort", "message": str(e)})
-            return None
+    def _lora_gone(self, req: Request) -> bool:
+        """Whether the adapter of a waiting request was unloaded meanwhile (it is then finished, aborted)."""
+        if req.lora is None or self.decoder.lora is None or req.lora in self.decoder.lora.slots:
+            return False
+        self.waiting.popleft()
+        self._finish(req, {"type": "abort", "message": f"LoRA adapter {req.lora!r} was unloaded"})
+        return True
 
     def _prefill_batch(self, group: list[Request]):
         batch = prefill_batch(group, self.table)
         if self.decoder.lora is not None:
-            slots = torch.tensor([self.decoder.lora.slot_of(r.lora) for r in group], device=self.table.device)
-            counts = torch.tensor([r.num_tokens - r.kv_len for r in group], device=self.table.device)
-            batch.lora_slots = torch.repeat_interleave(slots, counts)
+            counts = [r.num_tokens - r.kv_len for r in group]
+            batch.lora_slots = self.decoder.lora.token_slots([r.lora for r in group], counts)
         return batch
-
-    def load_lora(self, name: str, config: Any, tensors: dict[str, torch.Tensor], source: str) -> None:
-        """Load or replace (in place) adapter `name` between two steps; its cached prefixes are dropped."""
-
-        def run() -> None:
-            self.decoder.lora.load(name, config, tensors, source)
-            self.slots.flush(name, only=True)
-
-        self._on_engine_thread(run)
-
-    def unload_lora(self, name: str) -> None:
-        self._on_engine_thread(lambda: (self.decoder.lora.unload(name), self.slots.flush(name, only=True)))
-
-    def update_weights(self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> None:
-        """Load tensors by HF name between two steps; invalidates the prefix cache."""
-        self._on_engine_thread(lambda: self._update_weights(weights, version, abort_all))
-
-    def _update_weights(self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> None:
-        if abort_all:
-            self._drain_inbox()
-            self._abort_all("aborted for a weight update")
-        self.decoder.load(weights)
-        self._flush_locked()
-        if version is not None:
-            self.weight_version = str(version)
-
-    def flush_cache(self) -> None:
-        self._on_engine_thread(self._flush_locked)
-
-    def release_memory(self) -> None:
-        """Free the device memory: KV pool, slot table, CUDA graphs, and the weights (kept in pinned
-        host memory, where weight updates keep landing). Running requests are retracted first."""
-        self._on_engine_thread(self._release_memory)
-
-    def _release_memory(self) -> None:
-        if self.released:
-            return
-        for req in reversed(self.running):
-            self._retract(req)
-        self._flush_locked()
-        self.released = True
-        if self.graphs is not None:
-            self.graphs.clear()
-        self.graphs, self.pool, self.table, self.row_kv = None, [], torch.empty(0), None
-        self.decoder.routing_table = None
-        self._staging = None
-        self.decoder.offload()
-        if self.decoder.device.type == "cuda":
-            torch.cuda.synchronize(self.decoder.device)
-            torch.cuda.empty_cache()
-
-    def resume_memory(self) -> None:
-        """Weights back on the device, a fresh (empty) KV pool; graphs are captured again on use."""
-        self._on_engine_thread(self._resume_memory)
-
-    def _resume_memory(self) -> None:
-        if self.released:
-            self.decoder.onload()
-            self._alloc_memory()
-            self.released = False
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -350,8 +288,7 @@ class Scheduler(EngineThread):
             if req.opts is not None and waits(req):
                 break
             tokens = req.tokens
-            lora_slot = self._lora_slot(req)
-            if lora_slot is None:
+            if self._lora_gone(req):
                 continue
             matched = self.slots.match(
                 tokens, limit=len(tokens) - 1 if req.opts is None else match_limit(req), namespace=req.lora
@@ -373,9 +310,7 @@ class Scheduler(EngineThread):
             req.cache_epoch = self._cache_epoch
             req.row = heapq.heappop(self._free_rows)
             if self.decoder.lora is not None:
-                self.decoder.lora.rows[req.row] = lora_slot
-                if req.lora is not None:
-                    self.decoder.lora.in_use[req.lora] = self.decoder.lora.in_use.get(req.lora, 0) + 1
+                self.decoder.lora.bind(req.row, req.lora)
             self._special += req.opts is not None and req.opts.per_step
             self._rows += req.opts is not None and req.opts.wants_rows
             if self.row_kv is not None:
@@ -409,9 +344,7 @@ class Scheduler(EngineThread):
 
     def _free(self, req: Request) -> None:
         if req.row >= 0 and self.decoder.lora is not None:
-            self.decoder.lora.rows[req.row] = -1
-            if req.lora is not None:
-                self.decoder.lora.in_use[req.lora] -= 1
+            self.decoder.lora.unbind(req.row, req.lora)
         if req.row >= 0:
             self.slots.release(req.slots)
             heapq.heappush(self._free_rows, req.row)
