@@ -22,7 +22,9 @@ an SGLang server) loads as it is, whose values are the trainer's fake-quant forw
 
 A LoRA run (train.lora, FSDP) exports its adapter in PEFT's format (`adapter_config.json` +
 `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained(base, OUT)` loads), or with `--merge`
-the base model with the adapter merged into its weights, as a plain Hugging Face directory.
+the base model with the adapter merged into its weights, as a plain Hugging Face directory. A run of
+several adapters (train.lora.adapters) writes OUT/<adapter>/ for each, or with `--adapter NAME` that
+one at OUT (which `--merge` needs).
 
 The checkpoint is verified against its `.complete` record first (without --step: the newest one
 that verifies). Every parameter of the model must come from the checkpoint: a missing or unexpected
@@ -48,7 +50,9 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    out = export_run(args.run_dir, args.out, step=args.step, quantized=args.quantized, merge=args.merge)
+    out = export_run(
+        args.run_dir, args.out, step=args.step, quantized=args.quantized, merge=args.merge, adapter=args.adapter
+    )
     print(f"wrote {out}")
     return 0
 
@@ -73,6 +77,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="LoRA runs: the base model with the adapter merged (else the adapter)",
     )
+    p.add_argument("--adapter", help="runs of several LoRA adapters: the one to write (default: each)")
     p.set_defaults(func=_cmd_export)
 
 
@@ -82,6 +87,7 @@ def export_run(
     step: int | None = None,
     quantized: bool = False,
     merge: bool = False,
+    adapter: str | None = None,
 ) -> Path:
     """Write the HF directory of the checkpoint of `step` (None: the newest that verifies) to `out`;
     `quantized`: in the run's engine format (module docstring)."""
@@ -96,10 +102,15 @@ def export_run(
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty: name a new directory for the export")
     plan = read_plan(run_dir / "plan.yaml")
-    if merge and plan.train.lora is None:
+    lora = plan.train.lora
+    if (merge or adapter) and lora is None:
         raise ConfigError(
-            f"miles export --merge: {run_dir} did not train a LoRA adapter (train.lora); drop --merge"
+            f"miles export --merge/--adapter: {run_dir} did not train a LoRA adapter (train.lora); drop them"
         )
+    if adapter is not None and adapter not in lora.names:
+        raise ConfigError(f"miles export --adapter {adapter}: {run_dir} trained {', '.join(lora.names)}")
+    if merge and adapter is None and len(lora.names) > 1:
+        raise ConfigError(f"miles export --merge: name one of {', '.join(lora.names)} with --adapter")
     contract = None
     if quantized:
         from miles.train.quant import engine_contract
@@ -118,12 +129,10 @@ def export_run(
         raise ConfigError(f"miles export: {e}") from e
     src = step_dir(run_dir, step)
     model = _empty_model(plan.model.path)
-    if plan.train.lora is not None:
-        from peft import get_peft_model
+    if lora is not None:
+        from miles.train.fsdp.lora import wrap
 
-        from miles.train.fsdp.lora import peft_config
-
-        model = get_peft_model(model, peft_config(plan.train.lora))
+        model = wrap(model, lora)
     if (src / "megatron").is_dir():
         state = megatron_state(src / "megatron", model.config)
     elif (src / "state").is_dir():
@@ -131,9 +140,10 @@ def export_run(
     else:
         raise ConfigError(f"{src} holds neither state/ (FSDP) nor megatron/ (Megatron) checkpoint files")
     _load_strict(model, _stack_experts(state, model.state_dict()), src)
-    if plan.train.lora is not None and not merge:
-        return _write_adapter(model, plan.model.path, plan.model.dtype, out, step)
-    if plan.train.lora is not None:
+    if lora is not None and not merge:
+        return _write_adapters(model, lora.names, adapter, plan.model.path, plan.model.dtype, out, step)
+    if lora is not None:
+        model.set_adapter(adapter or lora.names[0])
         model = model.merge_and_unload()
     _write(model, plan.model.path, plan.model.dtype, out, step)
     if contract is not None:
@@ -326,15 +336,22 @@ def _write_quantized(model: Any, out: Path, contract: Any) -> None:
     log.info("wrote the %s weights of %s", getattr(contract, "name", contract), out)
 
 
-def _write_adapter(model: Any, model_path: str, dtype: str, out: Path, step: int) -> Path:
-    """The PEFT adapter directory of a LoRA run (adapter_config.json, adapter_model.safetensors)."""
+def _write_adapters(
+    model: Any, names: list[str], adapter: str | None, model_path: str, dtype: str, out: Path, step: int
+) -> Path:
+    """PEFT adapter directories (adapter_config.json, adapter_model.safetensors): the run's one adapter
+    or `adapter` at `out`, else each adapter at out/<name>."""
     import torch
 
+    from miles.train.fsdp.lora import write_adapter
+
     model = model.to(getattr(torch, _DTYPES[dtype]))
-    out.mkdir(parents=True, exist_ok=True)
-    model.peft_config["default"].base_model_name_or_path = model_path
-    model.save_pretrained(out, safe_serialization=True)
-    log.info("exported the adapter of step %d to %s", step, out)
+    if adapter is not None or len(names) == 1:
+        names = [adapter or names[0]]
+    for name in names:
+        where = out if len(names) == 1 else out / name
+        write_adapter(model, name, model_path, where)
+        log.info("exported adapter %s of step %d to %s", name, step, where)
     return out
 
 

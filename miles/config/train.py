@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from miles.config.base import ConfigError, Section
+from miles.config.rollout import TaskConfig
 
 if TYPE_CHECKING:
     from miles.config.plan import Plan
@@ -70,6 +71,19 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The default targets; `lm_head` may be added (an adapter on the output projection)."""
 
 
+_ADAPTER_NAME = r"^[A-Za-z0-9_-]+$"
+
+
+class LoraAdapterConfig(Section):
+    """One adapter of a several-adapter run (train.lora.adapters)."""
+
+    name: str = Field(pattern=_ADAPTER_NAME)
+    """Its name in the engines (the `lora_path` of its requests) and in checkpoints and exports."""
+    task: TaskConfig
+    """Where its prompts come from (rollout.task's schema); every adapter shares rollout.reward, which
+    can tell them apart by `sample.metadata["lora_path"]`."""
+
+
 class LoraConfig(Section):
     """LoRA training (docs/lora.md): the base weights stay frozen, only the adapters' A and B train
     (and only they have optimiser state); each weight push sends only the adapter, which the engines
@@ -83,8 +97,17 @@ class LoraConfig(Section):
         Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     ] = list(LORA_TARGETS)
     """Linear layers that get an adapter (dense attention and MLP projections, and the LM head)."""
-    name: str = Field("policy", pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field("policy", pattern=_ADAPTER_NAME)
     """The adapter's name in the engines."""
+    adapters: list[LoraAdapterConfig] = []
+    """Several adapters trained in one job, each on its own task with its own optimiser and LR
+    schedule, all served by the same engines under their own names (empty: one adapter, `name`, on
+    rollout.task). rank, alpha, dropout and target_modules are shared."""
+
+    @property
+    def names(self) -> list[str]:
+        """The adapters this run trains, in order."""
+        return [a.name for a in self.adapters] or [self.name]
 
 
 class CriticConfig(Section):
@@ -231,6 +254,25 @@ def check_lora(plan: Plan) -> None:
         raise ConfigError(
             "train.lora pushes adapters through /load_lora_adapter_from_tensors: set weights.transport=distributed or tensor"
         )
+    if plan.eval.every_steps and plan.eval.mode != "shared":
+        raise ConfigError(
+            f"train.lora evaluates the adapters on the rollout engines: set eval.mode=shared (got "
+            f"{plan.eval.mode}), or eval.every_steps=0"
+        )
+    adapters = plan.train.lora.adapters
+    if not adapters:
+        return
+    names = [a.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"train.lora.adapters: names must differ (got {', '.join(names)})")
+    r = plan.rollout
+    if r.generate_fn or r.agent_fn:
+        raise ConfigError(
+            "train.lora.adapters trains single-request rollouts; remove rollout.generate_fn / rollout.agent_fn "
+            "or train one adapter (train.lora without adapters)"
+        )
+    if plan.train.optimizer_offload != "none":
+        raise ConfigError("train.lora.adapters keeps one AdamW per adapter: set train.optimizer_offload=none")
 
 
 def check_distill(plan: Plan) -> None:

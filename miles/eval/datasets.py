@@ -38,7 +38,7 @@ from miles.config import ConfigError, Plan
 from miles.config.eval import EvalDatasetConfig
 from miles.config.rollout import TaskConfig
 from miles.eval.scoring import Scorer, load_scorer
-from miles.rollout.tasks import TASKS, Prompt, Task, build_task, read_rows
+from miles.rollout.tasks import TASKS, AdapterTasks, Prompt, Task, build_task, plan_task, read_rows
 
 BOXED_INSTRUCTION = "{prompt}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 """The prompt template of the aime sources (the usual one for reasoning models)."""
@@ -194,7 +194,7 @@ def _source_prompts(name: str, cfg: EvalDatasetConfig, plan: Plan, task: Task | 
     """The raw prompts of one dataset's source (before template and size)."""
     key = f"eval.datasets.{name}"
     if cfg.source == "held_out":
-        return (task or build_task(plan.rollout.task, plan.run.seed)).eval_prompts()
+        return (task or plan_task(plan)).eval_prompts()
     if cfg.source in ("jsonl", "parquet"):
         rows = load_rows(str(cfg.path), f"{key}.path")
         columns = list(rows[0])
@@ -269,7 +269,14 @@ def build_suites(plan: Plan, task: Task | None = None) -> list[EvalSuite]:
     when the caller has it built already."""
     if not plan.eval.datasets:
         e, r = plan.eval, plan.rollout
-        prompts = (task or build_task(r.task, plan.run.seed)).eval_prompts()
+        task = task or plan_task(plan)
         sampling = {"temperature": e.temperature, "max_new_tokens": r.max_new_tokens}
-        return [EvalSuite(DEFAULT_NAME, prompts, e.samples_per_prompt, sampling, None, r.group_requests)]
+        if isinstance(task, AdapterTasks):  # several LoRA adapters: one held-out set each, named after it
+            sets = [(name, task.eval_prompts_of(name)) for name, _ in task.parts]
+        else:
+            sets = [(DEFAULT_NAME, task.eval_prompts())]
+        return [
+            EvalSuite(name, prompts, e.samples_per_prompt, sampling, None, r.group_requests)
+            for name, prompts in sets
+        ]
     return [build_suite(name, cfg, plan, task) for name, cfg in plan.eval.datasets.items()]

@@ -300,10 +300,10 @@ class EvalService:
         from miles.eval.datasets import build_suites
         from miles.rollout.generate import PromptEncoder
         from miles.rollout.rewards import load_reward
-        from miles.rollout.tasks import build_task
+        from miles.rollout.tasks import plan_task
 
         start, r = time.monotonic(), self.plan.rollout
-        self.suites = build_suites(self.plan, build_task(r.task, self.plan.run.seed))
+        self.suites = build_suites(self.plan, plan_task(self.plan))
         self.encoder = PromptEncoder(self.plan.model.path)
         self.reward = load_reward(r.reward)
         log.info("eval datasets, tokenizer and reward loaded in %.1fs", time.monotonic() - start)

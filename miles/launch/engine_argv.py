@@ -7,6 +7,11 @@ from typing import Any
 from miles.train.quant import engine_quant_argv
 
 
+def lora_slots(lora: Any) -> int:
+    """Adapter slots a LoRA run's engines keep: every adapter it trains, and at least 4."""
+    return max(4, len(lora.names))
+
+
 def engine_lora_argv(plan: Any) -> list[str]:
     """--enable-lora with room for the run's adapter (train.lora); none without LoRA training."""
     lora = plan.train.lora
@@ -19,7 +24,7 @@ def engine_lora_argv(plan: Any) -> list[str]:
         "--lora-target-modules",
         *lora.target_modules,
         "--max-loras-per-batch",
-        "4",
+        str(lora_slots(lora)),
     ]
 
 

@@ -36,9 +36,9 @@ def check_rollout_inputs(plan: Plan) -> None:
     external function), so that a bad option, path or function is a ConfigError before any process
     starts (and not a traceback in the trainer's log, or a skipped evaluation at its first step)."""
     from miles.rollout.rewards import load_reward
-    from miles.rollout.tasks import build_task
+    from miles.rollout.tasks import plan_task
 
-    task = build_task(plan.rollout.task, plan.run.seed)
+    task = plan_task(plan)
     load_reward(plan.rollout.reward)
     _check_episode_plugins(plan)
     if not plan.eval.every_steps:

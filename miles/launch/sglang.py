@@ -8,6 +8,7 @@ executes what these functions return, and golden tests pin their text.
 from __future__ import annotations
 
 from miles.config import Plan
+from miles.launch.engine_argv import lora_slots
 from miles.rollout.router import policy_args
 
 # Ports of one job live in [BASE, BASE + SPAN * 1000): derived from the job id so that two jobs on
@@ -75,7 +76,7 @@ def sglang_server_command(
         cmd += ["--quantization", SGLANG_QUANTIZATION[e.quantization]]  # a packed checkpoint (miles export)
     if plan.train.lora is not None:  # the run's adapter, pushed each step by name
         lora = plan.train.lora
-        cmd += ["--enable-lora", "--max-lora-rank", str(lora.rank), "--max-loras-per-batch", "4"]
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora.rank), "--max-loras-per-batch", str(lora_slots(lora))]
         cmd += ["--lora-target-modules", *lora.target_modules]
     return cmd + list(s.extra_args)
 

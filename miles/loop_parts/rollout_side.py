@@ -29,7 +29,7 @@ from miles.rollout.client import SGLangClient
 from miles.rollout.generate import Generator, PromptEncoder
 from miles.rollout.producer import Producer
 from miles.rollout.rewards import load_reward
-from miles.rollout.tasks import build_task
+from miles.rollout.tasks import plan_task
 from miles.rollout.teacher import Teacher, check_tokenizer
 from miles.sample import Sample, Status
 from miles.train.quant import engine_contract
@@ -102,7 +102,7 @@ class RolloutSide:
         self.incarnation = JobEnvironment.from_env().incarnation
         urls, router = engine_urls(run_dir, plan.engine.startup_timeout_s)
         r = plan.rollout
-        self.task = build_task(r.task, plan.run.seed)
+        self.task = plan_task(plan)
         encoder = PromptEncoder(plan.model.path)
         self.generator = Generator.from_config([], encoder, load_reward(r.reward), r)
         self.generator.on_unreachable = self._on_unreachable
@@ -166,9 +166,11 @@ class RolloutSide:
         self.urls, self.router = list(urls), router
         self.admins = [SGLangClient(u, max_connections=conns) for u in urls]
         self.generator.set_clients([SGLangClient(router, max_connections=conns)] if router else self.admins)
-        if self.plan.train.lora is not None:  # every generation runs the policy's adapter, once pushed
-            for client in [*self.admins, *self.generator.clients]:
-                client.lora_path = self.plan.train.lora.name
+        lora = self.plan.train.lora
+        if lora is not None:  # every generation runs the policy's adapter, once pushed
+            if not lora.adapters:  # (several adapters: each prompt names its own)
+                for client in [*self.admins, *self.generator.clients]:
+                    client.lora_path = lora.name
             self.generator.ready.clear()
         self.transport = self._transport(urls)
 
@@ -195,7 +197,7 @@ class RolloutSide:
             from miles.weights.lora import LoraTransport
 
             config = adapter_config(self.plan.train.lora, self.plan.model.path)
-            return LoraTransport(self.admins, self.plan.train.lora.name, config, pause_mode=mode)
+            return LoraTransport(self.admins, config, pause_mode=mode)
         cls = get_transport(w.transport)
         if w.transport == "disk":
             return cls(
@@ -335,13 +337,11 @@ class RolloutSide:
 
     def check_metrics(self, buckets: Iterable[Any]) -> dict[str, float]:
         """The post-push check as a metric: `weights/check_max_diff` (bf16 engines, by values) or
-        `weights/checksum_mismatch` (quantised engines: tensors whose bytes differ, by checksums)."""
+        `weights/checksum_mismatch` (quantised engines and LoRA adapters, stored by the engines as
+        `<adapter>/<name>`: tensors whose bytes differ, by checksums)."""
         from miles.weights import check_checksums, check_weights
 
-        if self.plan.train.lora is not None:  # the adapter, as the engines store it under its name
-            name = self.plan.train.lora.name
-            buckets = [[(f"{name}/{n}", t) for n, t in bucket] for bucket in buckets]
-        elif engine_contract(self.plan) is None:
+        if self.plan.train.lora is None and engine_contract(self.plan) is None:
             worst = 0.0
             for bucket in buckets:
                 bad = self.call(check_weights(self.admins, bucket))

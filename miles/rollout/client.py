@@ -268,10 +268,12 @@ class SGLangClient:
         rid: str | None = None,
         routing_key: str | None = None,
         return_routed_experts: bool = False,
+        lora_path: str | None = None,
     ) -> GenerateResult:
         """One /generate; `routing_key` (else the client's bound one) keeps a session on one worker
         behind sglang-router's `manual` policy; `return_routed_experts` asks an MoE engine for its
-        expert choice per position (GenerateResult.routed_experts)."""
+        expert choice per position (GenerateResult.routed_experts); `lora_path` names the adapter
+        (else the client's own, if set)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -281,6 +283,8 @@ class SGLangClient:
             body["return_routed_experts"] = True
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         return GenerateResult.from_reply(await self._post("/generate", body, routing_key=routing_key))
 
     async def tokenize(self, prompt: str, add_special_tokens: bool = False) -> list[int]:

@@ -5,7 +5,8 @@ token ids and per-token log-probs come back, so training sees exactly the sample
 engine reports the weight version of every output token; with `in_place` weight updates a sample
 can therefore carry several versions. A task may set per-prompt sampling overrides in
 `prompt.metadata["sampling"]` (e.g. a length budget). A request aborted by a weight update (`abort` pause mode) is
-sent again from scratch with the new weights, up to `max_attempts` times.
+sent again from scratch with the new weights, up to `max_attempts` times. A prompt's
+`metadata["lora_path"]` names the LoRA adapter its requests run with (train.lora.adapters).
 
 Engine loss: a request that finds its engine unreachable (no connection, or 503: the engine reports
 itself unhealthy) calls `on_unreachable(url)` and waits at the `ready` gate before it is sent again.
@@ -174,7 +175,12 @@ class Generator:
             client = self.clients[pick]
             self.active += 1
             try:
-                r = await client.generate(input_ids, params, return_routed_experts=self.routed_experts)
+                r = await client.generate(
+                    input_ids,
+                    params,
+                    return_routed_experts=self.routed_experts,
+                    lora_path=s.metadata.get("lora_path"),
+                )
             except EngineError as e:
                 if e.status is not None and 400 <= e.status < 500:
                     raise  # the request itself is wrong: repeating it cannot help
@@ -214,6 +220,8 @@ async def sample_group(
     body = {"input_ids": [prompt_ids] * n, "sampling_params": params, "return_logprob": True}
     if gen.routed_experts:
         body["return_routed_experts"] = True
+    if "lora_path" in prompt.metadata:  # the prompt's adapter (train.lora.adapters)
+        body["lora_path"] = prompt.metadata["lora_path"]
     await gen.ready.wait()
     client = gen.clients[next(gen._next)]
     try:

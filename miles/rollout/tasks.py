@@ -351,6 +351,42 @@ TASKS: dict[str, Callable[[TaskConfig, int], Task]] = {
 }
 
 
+class AdapterTasks:
+    """The prompt stream of a several-adapter LoRA run (train.lora.adapters): prompt i is prompt i // N
+    of adapter i % N's task, so every adapter gets every N-th prompt and checkpoints still hold one
+    integer. Each prompt carries its adapter's name as `metadata["lora_path"]`, which the generator
+    sends with its requests and the trainer sorts samples by."""
+
+    name = "adapters"
+
+    def __init__(self, parts: list[tuple[str, Task]]) -> None:
+        self.parts = parts
+
+    @staticmethod
+    def _tag(prompt: Prompt, name: str, index: int) -> Prompt:
+        return Prompt(index, prompt.text, prompt.answer, {**prompt.metadata, "lora_path": name})
+
+    def train_prompt(self, index: int) -> Prompt:
+        name, task = self.parts[index % len(self.parts)]
+        return self._tag(task.train_prompt(index // len(self.parts)), name, index)
+
+    def eval_prompts_of(self, name: str) -> list[Prompt]:
+        """The held-out prompts of adapter `name`'s task, tagged with it."""
+        task = dict(self.parts)[name]
+        return [self._tag(p, name, p.index) for p in task.eval_prompts()]
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [p for name, _ in self.parts for p in self.eval_prompts_of(name)]
+
+
+def plan_task(plan: Any) -> Task:
+    """The run's prompt stream: rollout.task, or one task per adapter of train.lora.adapters."""
+    lora = plan.train.lora
+    if lora is not None and lora.adapters:
+        return AdapterTasks([(a.name, build_task(a.task, plan.run.seed)) for a in lora.adapters])
+    return build_task(plan.rollout.task, plan.run.seed)
+
+
 def build_task(cfg: TaskConfig, seed: int) -> Task:
     """The task named by `rollout.task.name`; an unknown name lists the known ones."""
     if cfg.name not in TASKS:

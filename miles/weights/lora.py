@@ -1,13 +1,14 @@
-"""LoraTransport: each push sends only the LoRA adapter, replacing it in place in every engine.
+"""LoraTransport: each push sends only the LoRA adapters, replacing each in place in every engine.
 
-One `/load_lora_adapter_from_tensors` per engine per version, under the run's adapter name: the
-embedded engine replaces an adapter of the same name in place (miles/engine/lora.py), so nothing is
-unloaded first (an unload waits for the requests in flight, which never finish while generation is
-paused). The tensors travel inside the request (a few MB: host copies pickled inline, so any host's
-engine can take them), with `expected_checksums`, which the engine checks against the bytes it stored
-before answering. Then `/update_weight_version` gives the engines the new version, which the samples
-record. `pause_mode` pauses generation around the load as the other transports do; with None the
-adapter changes between two engine steps while requests run.
+The trainer exports `<adapter>/<PEFT saved name>` tensors (miles/train/fsdp/lora.py). Per adapter and
+engine, one `/load_lora_adapter_from_tensors` under the adapter's name: the embedded engine replaces an
+adapter of the same name in place (miles/engine/lora.py), so nothing is unloaded first (an unload waits
+for the requests in flight, which never finish while generation is paused). The tensors travel inside
+the request (a few MB: host copies pickled inline, so any host's engine can take them), with
+`expected_checksums`, which the engine checks against the bytes it stored before answering. Then
+`/update_weight_version` gives the engines the new version, which the samples record. `pause_mode`
+pauses generation once around all the loads, as the other transports do; with None the adapters change
+between two engine steps while requests run.
 """
 
 from __future__ import annotations
@@ -23,16 +24,10 @@ from miles.weights.transport import Bucket, check_pause_mode
 
 class LoraTransport:
     def __init__(
-        self,
-        engines: Sequence[Any],
-        name: str,
-        config: dict[str, Any],
-        *,
-        pause_mode: str | None = "in_place",
+        self, engines: Sequence[Any], config: dict[str, Any], *, pause_mode: str | None = "in_place"
     ):
         check_pause_mode(pause_mode)
         self.engines = list(engines)
-        self.name = name
         self.config = config
         self.pause_mode = pause_mode
         self.bytes_sent = 0
@@ -41,18 +36,25 @@ class LoraTransport:
         return None
 
     async def push(self, buckets: Iterable[Bucket], version: str) -> None:
-        named = [(n, t.detach().cpu()) for bucket in buckets for n, t in bucket]
-        body = {
-            "lora_name": self.name,
-            "config_dict": self.config,
-            "serialized_named_tensors": [serialize_inline(named)],
-            "expected_checksums": {n: checksum(t) for n, t in named},
-        }
-        self.bytes_sent = sum(t.numel() * t.element_size() for _, t in named)
+        adapters: dict[str, list[tuple[str, Any]]] = {}
+        for bucket in buckets:
+            for name, t in bucket:
+                adapter, _, saved = name.partition("/")
+                adapters.setdefault(adapter, []).append((saved, t.detach().cpu()))
+        bodies = [
+            {
+                "lora_name": adapter,
+                "config_dict": self.config,
+                "serialized_named_tensors": [serialize_inline(named)],
+                "expected_checksums": {n: checksum(t) for n, t in named},
+            }
+            for adapter, named in adapters.items()
+        ]
+        self.bytes_sent = sum(t.numel() * t.element_size() for n in adapters.values() for _, t in n)
         if self.pause_mode:
             await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
         try:
-            await asyncio.gather(*(_load(e, body) for e in self.engines))
+            await asyncio.gather(*(_load(e, body) for e in self.engines for body in bodies))
             await asyncio.gather(*(e.update_weight_version(str(version)) for e in self.engines))
         finally:
             if self.pause_mode:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -96,10 +97,12 @@ class FSDPBackend:
     _samples: list[Sample]
     critic: Critic | None
     """PPO's value model (train.loss.advantage = ppo), else None."""
+    adapters: Any
+    """train.lora.adapters: the adapters' own optimisers and schedules (lora.AdapterSet), else None."""
 
     def __init__(self) -> None:
         self.ref_model = None
-        self.critic = None
+        self.critic = self.adapters = None
         self.routing = self._ref_routing = None
         self._samples = []
         self.step = 0
@@ -142,9 +145,16 @@ class FSDPBackend:
                 f"train.routing_replay=rollout but model {plan.model.path} has no mixture-of-experts "
                 "router to replay; set train.routing_replay=off"
             )
-        trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapter only
-        self.optimizer = build_optimizer(trained, t, rank=self.rank)
-        self.scheduler = build_scheduler(self.optimizer, t)
+        if t.lora is not None and t.lora.adapters:  # several adapters: an optimiser and schedule each
+            from miles.train.fsdp.lora import AdapterSet
+
+            self.adapters = AdapterSet(self.model, t.lora, t, self.rank)
+            first = t.lora.names[0]
+            self.optimizer, self.scheduler = self.adapters.optimizers[first], self.adapters.schedulers[first]
+        else:
+            trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapter only
+            self.optimizer = build_optimizer(trained, t, rank=self.rank)
+            self.scheduler = build_scheduler(self.optimizer, t)
         if self.estimator.critic:
             self.critic = Critic(plan, self.device, dtype, self.rank)
 
@@ -166,6 +176,34 @@ class FSDPBackend:
             raise RuntimeError("train() while offloaded: call onload() first")
         if not samples:
             raise ValueError("train() needs at least one sample")
+        metrics = self._train(samples) if self.adapters is None else self._train_adapters(samples)
+        self.step += 1
+        return metrics
+
+    def _train_adapters(self, samples: list[Sample]) -> dict[str, float]:
+        """train.lora.adapters: each adapter's samples train it alone (it is the active adapter, its
+        optimiser steps, its gradients are clipped alone); metrics per adapter (`<name>/<key>`) and,
+        unprefixed, their means over the adapters trained."""
+        from miles.train.fsdp.lora import activate
+
+        per: dict[str, dict[str, float]] = {}
+        for name, part in self.adapters.split(samples).items():
+            self.optimizer, self.scheduler = self.adapters.optimizers[name], self.adapters.schedulers[name]
+            if not part:  # no prompt of its task finished in time: its schedule keeps the run's step
+                with warnings.catch_warnings():  # (torch warns of a schedule step with no optimiser step)
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.scheduler.step()
+                continue
+            activate(self.model, name)
+            self.model.zero_grad(set_to_none=True)  # no other adapter's gradient enters its clip
+            per[name] = self._train(part)
+        out = {f"{n}/{k}": v for n, m in per.items() for k, v in m.items()}
+        for key in {k for m in per.values() for k in m}:
+            values = [m[key] for m in per.values() if key in m]
+            out[key] = sum(values) / len(values)
+        return out
+
+    def _train(self, samples: list[Sample]) -> dict[str, float]:
         start = time.perf_counter()
         check_samples(samples)
         self._samples = samples
@@ -196,7 +234,6 @@ class FSDPBackend:
                 measure = k == 0 and t.loss.old_logprobs != "recompute"
                 grad_norms.append(self._update(samples, rank_plan, adv, old, ref, stats, measure))
             self.scheduler.step()
-        self.step += 1
         stats = stats.to(self.device)
         dist.all_reduce(stats)
         metrics = self._metrics(stats.cpu(), plans, grad_norms, lr, start, rewards)
@@ -468,7 +505,7 @@ class FSDPBackend:
         engine's layout (the FP8 pair `X.weight` + `X.weight_scale_inv`, or a packed format's parts),
         quantised from the model.dtype tensor (the values a fake-quant forward computes with)."""
         dtype = _DTYPES[self.plan.model.dtype]
-        if self.plan.train.lora is not None:  # the adapter alone, under PEFT's names
+        if self.plan.train.lora is not None:  # the adapters alone, as <adapter>/<PEFT's saved name>
             from miles.train.fsdp import lora
 
             return bucketize(lora.adapter_tensors(self.model, dtype), bucket_bytes, keep=self.rank == 0)
@@ -479,16 +516,22 @@ class FSDPBackend:
         """Checkpoint the full training state under <run_dir>/checkpoints/step_<step>/."""
         ckpt = self.plan.train.checkpoint
         critic = self.critic.parts() if self.critic is not None else None
+        optimizer, scheduler = self._training_state()
         out = checkpoint.save_checkpoint(
-            self.plan.run_dir, step, self.model, self.optimizer, self.scheduler, extra, ckpt.keep_last, critic
+            self.plan.run_dir, step, self.model, optimizer, scheduler, extra, ckpt.keep_last, critic
         )
         return str(out)
+
+    def _training_state(self) -> tuple[Any, Any]:
+        """The optimiser(s) and LR schedule(s) a checkpoint holds."""
+        return (self.optimizer, self.scheduler) if self.adapters is None else self.adapters.state()
 
     def load(self, step: int | None = None) -> dict[str, Any]:
         """Restore a checkpoint (None: the latest complete one); returns the caller's `extra`."""
         critic = self.critic.parts() if self.critic is not None else None
+        optimizer, scheduler = self._training_state()
         self.step, extra = checkpoint.load_checkpoint(
-            self.plan.run_dir, step, self.model, self.optimizer, self.scheduler, critic
+            self.plan.run_dir, step, self.model, optimizer, scheduler, critic
         )
         return extra
 
@@ -519,7 +562,8 @@ class FSDPBackend:
                 model.to(target)
         # only state that lived on the accelerator moves; an offloading optimiser keeps its own
         if target.type == "cpu":
-            optimizers = [self.optimizer] + ([critic.optimizer] if critic else [])
+            own = [self.optimizer] if self.adapters is None else list(self.adapters.optimizers.values())
+            optimizers = own + ([critic.optimizer] if critic else [])
             self._moved = [
                 (state, key)
                 for optimizer in optimizers

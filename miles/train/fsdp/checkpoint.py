@@ -71,7 +71,7 @@ def save_checkpoint(
     run_dir: str | Path,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...],
     scheduler: Any,
     extra: dict[str, Any] | None = None,
     keep_last: int = 2,
@@ -99,7 +99,7 @@ def save_checkpoint(
     return out
 
 
-def _save_modules(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _save_modules(out: Path, model: nn.Module, optimizer: Any) -> None:
     if _has_own_state(optimizer):
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(out / "state"))
         optimizer.save_state(str(out / "optimizer"))
@@ -108,7 +108,7 @@ def _save_modules(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out / "state"))
 
 
-def _load_modules(src: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _load_modules(src: Path, model: nn.Module, optimizer: Any) -> None:
     if _has_own_state(optimizer):
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(src / "state"))
@@ -125,7 +125,7 @@ def load_checkpoint(
     run_dir: str | Path,
     step: int | None,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...],
     scheduler: Any,
     critic: tuple[nn.Module, torch.optim.Optimizer, Any] | None = None,
 ) -> tuple[int, dict[str, Any]]:
@@ -149,7 +149,7 @@ def load_checkpoint(
 def _load_files(
     src: Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...],
     scheduler: Any,
     critic: tuple[nn.Module, torch.optim.Optimizer, Any] | None,
 ) -> dict:
