@@ -13,6 +13,10 @@ the standard one over the 989 TFLOP/s datasheet peak with the LM head on the pos
 and the older all-positions figure over the measured 790 TFLOP/s). `--tag` gives repeated runs their
 own run directories.
 
+`--lora R` trains rank-R LoRA adapters (alpha 2R) on every attention and MLP projection instead of every
+parameter: each push then carries the adapter alone (weights/push_bytes, weights/push_s), loaded into
+the engine's adapter slot by reference (CUDA IPC), and every request runs unmerged with the adapter.
+
 `--advantage ppo` trains with a critic (train.loss.advantage=ppo, GAE); `--teacher 1.5b` adds
 on-policy distillation from a random-initialised teacher of Qwen2.5-1.5B shapes (same tokenizer) on an
 embedded engine beside the student's, scoring each group while others generate (time/teacher_s).
@@ -51,6 +55,7 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
             + (f"-{args.micro_batch_layout}" if getattr(args, "micro_batch_layout", "auto") != "auto" else "")
             + (f"-{args.advantage}" if getattr(args, "advantage", "grpo") != "grpo" else "")
             + (f"-teacher{args.teacher}" if getattr(args, "teacher", None) else "")
+            + (f"-lora{args.lora}" if getattr(args, "lora", None) else "")
             + (f"-{args.tag}" if args.tag else ""),
             "runs_root": str(runs_root),
             "tensorboard": False,
@@ -104,6 +109,9 @@ def recipe(args: argparse.Namespace, model: Path, runs_root: Path) -> dict:
     }
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def summarize(run_dir: Path, warmup: int) -> dict:
     from miles.metrics import read_metrics
 
@@ -116,7 +124,8 @@ def summarize(run_dir: Path, warmup: int) -> dict:
         return statistics.median(vals) if vals else float("nan")
 
     keys = ["time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/engine_release_s"]
-    keys += ["time/engine_resume_s", "weights/push_s", "train/logprob_mismatch", "train/step_time_s"]
+    keys += ["time/engine_resume_s", "weights/push_s", "weights/push_bytes", "train/logprob_mismatch"]
+    keys += ["train/step_time_s"]
     optional = ["time/teacher_s", "critic/value_loss", "train/distill_reverse_kl"]
     out = {k: med(k) for k in keys}
     out.update({k: med(k) for k in optional if any(k in r for r in rows)})
@@ -158,6 +167,7 @@ def main() -> int:
     p.add_argument("--advantage", choices=["grpo", "ppo"], default="grpo")
     p.add_argument("--teacher", choices=["1.5b"], default=None, help="distil from a teacher of these shapes")
     p.add_argument("--distill-mode", choices=["logprob", "topk_reverse_kl"], default="logprob")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK", help="train LoRA adapters of this rank")
     args = p.parse_args()
 
     from miles.launch.local import train_main
@@ -180,6 +190,8 @@ def main() -> int:
                              intermediate_size=128)  # fmt: skip
             init_random(teacher, shape=shape, vocab_size=2000 if args.tiny else 151_936)
         data["train"]["distill"] = {"teacher_model": str(teacher), "coef": 1.0, "mode": args.distill_mode}
+    if args.lora:
+        data["train"]["lora"] = {"rank": args.lora, "alpha": 2 * args.lora, "target_modules": LORA_TARGETS}
     if args.tiny:
         data["rollout"]["task"]["options"]["high"] = 2000
         data["engine"]["max_total_tokens"] = 8192
@@ -207,7 +219,7 @@ def main() -> int:
         summary["train_mfu"] = mfu_figures(args.backend, lengths, responses, summary["time/train_s"])
     print(f"\n{args.layout} / {args.backend}: {summary['steps_timed']} timed steps (median)")
     for key in ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/engine_release_s",
-                "time/engine_resume_s", "weights/push_s", "train/logprob_mismatch", "time/teacher_s",
+                "time/engine_resume_s", "weights/push_s", "weights/push_bytes", "train/logprob_mismatch", "time/teacher_s",
                 "critic/value_loss"):  # fmt: skip
         if key in summary:
             print(f"  {key:26s} {summary[key]:.4f}")

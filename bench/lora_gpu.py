@@ -5,9 +5,9 @@
 
 1. decode: the engine in this process (bench/fp8_gpu.py's in-process Scheduler, CUDA graphs, bf16,
    temperature 1, ignore_eos) on Qwen2.5-0.5B shapes, 256 requests, prompt 128, 128 new tokens. Arms:
-   `base` (no LoRA bank); `bank, no adapter` (a bank of 8 slots, rank 16, every attention and MLP
-   projection, every request on the base model); `1 adapter` (every request on one); `4 adapters` and
-   `8 adapters` (requests spread round-robin). Adapters are random (A, B ~ N(0, 0.02)). One untimed run
+   `base` (no LoRA bank); banks of 1, 4 or 8 slots (--max-loras-per-batch), rank 16, every attention
+   and MLP projection, with every request on the base model, on one adapter, or spread round-robin
+   over 4 or 8 adapters. Adapters are random (A, B ~ N(0, 0.02)). One untimed run
    per arm, then `--rounds` rounds, arms rotated; vs base = tok/s / base tok/s of the same round.
 2. push: Qwen2.5-0.5B and -7B shapes: bytes of a rank-16 adapter on every projection against the whole
    model in bf16, and the time to move each into an engine in process: the full weights by
@@ -67,14 +67,17 @@ def decode_part(args, device: str) -> list[dict]:
     batch, prompt, new = (4, 8, 4) if args.smoke else (256, 128, 128)
     spec = ModelSpec.from_dir(path)
     plain = build_decoder(spec, path, device, dtype, "none", 1024)
-    lora = build_decoder(spec, path, device, dtype, "none", 1024)
-    lora.lora = _bank(lora, 8, batch)
     config = AdapterConfig(RANK, 2.0 * RANK, TARGETS)
-    for k in range(8):
-        lora.lora.load(f"a{k}", config, _adapter(lora.lora, k), "random")
+    banks = {}
+    for size in (1, 4, 8):  # a bank of `size` slots, each holding an adapter
+        banks[size] = build_decoder(spec, path, device, dtype, "none", 1024)
+        banks[size].lora = _bank(banks[size], size, batch)
+        for k in range(size):
+            banks[size].lora.load(f"a{k}", config, _adapter(banks[size].lora, k), "random")
     slots = batch * (prompt + new) + 4096
-    arms = {"base": (plain, 0), "bank, no adapter": (lora, 0), "1 adapter": (lora, 1), "4 adapters": (lora, 4),
-            "8 adapters": (lora, 8)}  # fmt: skip
+    arms = {"base": (plain, 0), "bank of 8, no adapter": (banks[8], 0), "1 adapter, bank of 1": (banks[1], 1),
+            "1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
+            "8 adapters, bank of 8": (banks[8], 8)}  # fmt: skip
     scheds = {a: Scheduler(d, batch, slots) for a, (d, _) in arms.items()}
     rng = random.Random(args.seed)
 

@@ -104,6 +104,8 @@ def resolve(
     the same check_layout once the profile's GPUs per node are known.
     """
     data = read_yaml(recipe) if isinstance(recipe, (str, Path)) else dict(recipe or {})
+    if isinstance(recipe, (str, Path)):
+        data = _recipe_relative(data, Path(recipe))
     data = deep_merge(profile_defaults or {}, data)
     data = apply_overrides(data, overrides or [])
     try:
@@ -122,6 +124,15 @@ def resolve(
         if before.get(key) != value:
             log.info("derived %s = %r", key, value)
     return plan
+
+
+def _recipe_relative(data: dict[str, Any], recipe: Path) -> dict[str, Any]:
+    """A relative `model.base_recipe` names a recipe beside this one: made absolute here."""
+    model = data.get("model")
+    base = model.get("base_recipe") if isinstance(model, dict) else None
+    if isinstance(base, str) and not os.path.isabs(base):
+        data = {**data, "model": {**model, "base_recipe": str((recipe.parent / base).resolve())}}
+    return data
 
 
 def write_plan(plan: Plan, path: str | Path) -> None:

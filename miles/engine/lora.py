@@ -12,7 +12,9 @@ live in slots of one bank; a forward multiplies every slot at once:
 
 so a batch mixing adapters (and the base model: no slot, M = 0) runs two GEMMs a layer, without
 gathers or host synchronisation (a CUDA graph captures it), and each token gets exactly its own
-adapter's term: the other slots' columns contribute exact zeros. R is the bank's `max_rank`; an
+adapter's term: the other slots' columns contribute exact zeros. A layer's q/k/v (and gate/up) share
+one A GEMM and one B GEMM over a block-diagonal B. On CUDA the three kernels of a group (A GEMM, mask,
+B GEMM-accumulate) are one Triton kernel (miles/engine/triton_lora.py) where the shapes allow. R is the bank's `max_rank`; an
 adapter of lower rank pads with zeros. A token's slot comes from its request (`lora_path`), per
 scheduler row (`rows`, a device tensor the decode graph reads in place) or per prefill token.
 
@@ -134,6 +136,25 @@ class LoraBank:
         """Slot of each token of the current forward (set by the decoder), or None: no adapter at all."""
         self._mask: torch.Tensor | None = None
         self._masks: dict[int, torch.Tensor] = {}
+        self.blocks = self._kernel_blocks(width)
+        """Group or module -> the member of each column block, for the fused kernel (CUDA only)."""
+
+    def _kernel_blocks(self, width: int) -> dict[str, torch.Tensor]:
+        if self.device.type != "cuda":
+            return {}
+        from miles.engine.triton_lora import fits, member_blocks
+
+        out = {}
+        for name, (a, b, n) in self.groups.items():
+            outs = [self.modules[m][0] for m in _members_of(name, n)]
+            blocks = member_blocks(outs) if fits(self.max_rank, self.max_loras, a.shape[1]) else None
+            if blocks is not None:
+                out[name] = blocks.to(self.device)
+        for module, (o, i) in self.modules.items():
+            blocks = member_blocks([o]) if fits(self.max_rank, self.max_loras, i) else None
+            if blocks is not None and module != "lm_head":
+                out[module] = blocks.to(self.device)
+        return out
 
     # ---- adapters ----------------------------------------------------------------------------------
 
@@ -282,6 +303,9 @@ class LoraBank:
         False when no adapter targets it."""
         if self._mask is None or module not in self.modules:
             return False
+        if module in self.blocks:
+            self._kernel(y, x, self.A[module], self.B[module], self.blocks[module])
+            return True
         h = x.reshape(-1, x.shape[-1]) @ self.A[module].t()
         h.mul_(self._mask)
         y.view(-1, y.shape[-1]).addmm_(h, self.B[module].t())
@@ -294,10 +318,27 @@ class LoraBank:
         if group is None or self._mask is None:
             return False
         a, b, n = group
+        if fused in self.blocks:
+            self._kernel(y, x, a, b, self.blocks[fused])
+            return True
         h = x.reshape(-1, x.shape[-1]) @ a.t()
         h.mul_(self._masks[n])
         y.view(-1, y.shape[-1]).addmm_(h, b.t())
         return True
+
+
+    def _kernel(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: torch.Tensor):
+        from miles.engine.triton_lora import lora_add_
+
+        assert self.tokens is not None
+        lora_add_(y, x, a, b, blocks, self.tokens, self.scale, self.max_rank, self.max_loras * self.max_rank)
+
+
+def _members_of(fused: str, n: int) -> list[str]:
+    """The member modules of fused group `fused` (model.layers.N.self_attn.qkv_proj -> q/k/v_proj)."""
+    head, _, leaf = fused.rpartition(".")
+    parts = ("q_proj", "k_proj", "v_proj") if leaf == "qkv_proj" else ("gate_proj", "up_proj")
+    return [f"{head}.{p}" for p in parts][:n]
 
 
 def _fused_members(modules: dict[str, tuple[int, int]]):

@@ -292,7 +292,7 @@ def train_main(
     check_rollout_inputs(plan)
     with RunDirLock.acquire(plan.run_dir):
         run_dir = _prepare_run_dir(plan, bool(resume), overwrite)
-        ensure_model(plan)
+        ensure_model(plan, train_base=True)
         check_teacher_model(plan)
         if plan.engine.urls:
             check_external_servers(plan, bool(resume))

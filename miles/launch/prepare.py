@@ -7,7 +7,8 @@ before `sbatch`, so a job (every array task, every requeue) only ever reads a co
   is a ConfigError now, not a traceback in a job's log; so are the evaluation's datasets
   (`eval.datasets`) and, in `external` mode, `eval.external_fn`;
 - `model.path` (weights, config and tokenizer) must exist; with `model.init_tiny_if_missing` a tiny
-  random model is created there. It is written into a temporary sibling directory and renamed into
+  random model is created there; with `model.base_recipe` (local runs) that recipe is trained and
+  its last checkpoint exported there. It is written into a temporary sibling directory and renamed into
   place (a reader sees no model or a whole one), under a lock file beside it so that concurrent
   submissions create it once: the others wait for the lock and then find it.
 
@@ -20,6 +21,7 @@ import fcntl
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,14 +87,25 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_model(plan: Plan, *, required: bool = True) -> Path:
-    """Make sure `model.path` exists, creating the tiny model when `model.init_tiny_if_missing` is set.
+def ensure_model(plan: Plan, *, required: bool = True, train_base: bool = False) -> Path:
+    """Make sure `model.path` exists, creating the tiny model when `model.init_tiny_if_missing` is set,
+    or with `train_base` (a local run) training `model.base_recipe` and exporting it there.
 
-    A missing model without init_tiny_if_missing is a ConfigError when `required` (else only logged:
-    the path may exist only where the job runs, e.g. inside a container image).
+    A missing model without either is a ConfigError when `required` (else only logged: the path may
+    exist only where the job runs, e.g. inside a container image).
     """
     path = Path(plan.model.path)
     if path.exists():
+        return path
+    if plan.model.base_recipe is not None:
+        if not train_base:
+            raise ConfigError(
+                f"model.path={str(path)!r} does not exist: make it first with `miles train "
+                f"{plan.model.base_recipe}` on this host (model.base_recipe is trained only by local runs)"
+            )
+        with _locked(path.parent / f".{path.name}.lock"):
+            if not path.exists():
+                _train_base(path, plan.model.base_recipe, plan.model.base_overrides, plan.run.runs_root)
         return path
     if not plan.model.init_tiny_if_missing:
         message = f"model.path={str(path)!r} does not exist; set model.init_tiny_if_missing=true or fix it"
@@ -117,6 +130,28 @@ def _create_tiny(path: Path, tiny: TinyModelConfig, seed: int) -> None:
     print(f"miles: creating a tiny random model at {path} ({tiny.arch})", file=sys.stderr)
     try:
         init_tiny(tmp, arch=tiny.arch, seed=seed, vocab_size=tiny.vocab_size, **tiny.sizes)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _train_base(path: Path, recipe: str, overrides: list[str], runs_root: str) -> None:
+    """`miles train RECIPE --set OVERRIDES` (a child process, in `runs_root`), then its last checkpoint
+    exported into a temporary sibling of `path` and renamed into place."""
+    from miles.config import resolve
+    from miles.export import export_run
+
+    overrides = [*overrides, f"run.runs_root={runs_root}"]
+    base = resolve(recipe, overrides)
+    print(f"miles: training the base model {path} with {recipe} (model.base_recipe)", file=sys.stderr)
+    sets = [x for o in overrides for x in ("--set", o)]
+    cmd = [sys.executable, "-m", "miles.cli", "train", recipe, *sets, "--overwrite"]
+    if subprocess.run(cmd).returncode != 0:
+        raise ConfigError(f"model.base_recipe {recipe}: its run failed (see {base.run_dir}/logs)")
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export_run(base.run_dir, tmp)
         os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

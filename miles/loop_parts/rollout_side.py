@@ -192,12 +192,13 @@ class RolloutSide:
 
         w = self.plan.weights
         mode = None if w.pause_mode == "none" else w.pause_mode
+        local = all(urlparse(u).hostname in ("127.0.0.1", "localhost") for u in urls)
         if self.plan.train.lora is not None:
             from miles.train.fsdp.lora import adapter_config
             from miles.weights.lora import LoraTransport
 
             config = adapter_config(self.plan.train.lora, self.plan.model.path)
-            return LoraTransport(self.admins, config, pause_mode=mode)
+            return LoraTransport(self.admins, config, pause_mode=mode, local=local)
         cls = get_transport(w.transport)
         if w.transport == "disk":
             return cls(
@@ -209,7 +210,6 @@ class RolloutSide:
             )
         if w.transport == "tensor":
             return cls(self.admins, pause_mode=mode)
-        local = all(urlparse(u).hostname in ("127.0.0.1", "localhost") for u in urls)
         addr = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
         device = self.plan.train.device
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())

@@ -4,8 +4,9 @@ The trainer exports `<adapter>/<PEFT saved name>` tensors (miles/train/fsdp/lora
 engine, one `/load_lora_adapter_from_tensors` under the adapter's name: the embedded engine replaces an
 adapter of the same name in place (miles/engine/lora.py), so nothing is unloaded first (an unload waits
 for the requests in flight, which never finish while generation is paused). The tensors travel inside
-the request (a few MB: host copies pickled inline, so any host's engine can take them), with
-`expected_checksums`, which the engine checks against the bytes it stored before answering. Then
+the request: by reference when every engine is on this host (`local`: CUDA IPC handles or shared
+memory of one packed buffer per dtype, as TensorTransport sends full weights), else as host copies
+pickled inline (a few MB, which any host's engine can take); with `expected_checksums`, which the engine checks against the bytes it stored before answering. Then
 `/update_weight_version` gives the engines the new version, which the samples record. `pause_mode`
 pauses generation once around all the loads, as the other transports do; with None the adapters change
 between two engine steps while requests run.
@@ -18,16 +19,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from miles.quant.fp8 import checksum
-from miles.weights.tensor import serialize_inline
+from miles.weights.tensor import pack, serialize, serialize_inline
 from miles.weights.transport import Bucket, check_pause_mode
 
 
 class LoraTransport:
     def __init__(
-        self, engines: Sequence[Any], config: dict[str, Any], *, pause_mode: str | None = "in_place"
+        self,
+        engines: Sequence[Any],
+        config: dict[str, Any],
+        *,
+        pause_mode: str | None = "in_place",
+        local: bool = False,
     ):
         check_pause_mode(pause_mode)
-        self.engines = list(engines)
+        self.engines, self.local = list(engines), local
         self.config = config
         self.pause_mode = pause_mode
         self.bytes_sent = 0
@@ -40,12 +46,14 @@ class LoraTransport:
         for bucket in buckets:
             for name, t in bucket:
                 adapter, _, saved = name.partition("/")
-                adapters.setdefault(adapter, []).append((saved, t.detach().cpu()))
+                adapters.setdefault(adapter, []).append((saved, t.detach()))
+        if self.local:  # one buffer per adapter and dtype, alive until every engine has answered
+            adapters = {a: pack(named) for a, named in adapters.items()}
         bodies = [
             {
                 "lora_name": adapter,
                 "config_dict": self.config,
-                "serialized_named_tensors": [serialize_inline(named)],
+                "serialized_named_tensors": [serialize(named) if self.local else serialize_inline(named)],
                 "expected_checksums": {n: checksum(t) for n, t in named},
             }
             for adapter, named in adapters.items()

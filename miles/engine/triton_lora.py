@@ -1,0 +1,94 @@
+"""One kernel per layer group for the LoRA adapters' term of the CUDA decoder (miles/engine/lora.py).
+
+The bank's unmerged term of a group (a layer's fused q/k/v or gate/up, or one projection) is, for
+token t of slot s_t with scale c_s (0 columns and no term for the base model, s_t = -1):
+
+    y[t, n] += sum_j ((x[t] . A[m(n)][j]) * c_{s_t} * [j // r == s_t]) * B[n, m(n)][j]
+
+where m(n) is the member (q, k or v; gate or up) output column n belongs to, A[m] its [S r, in] stacked
+slots and B[n, m] its row of the [S r] columns of the member's slots. PyTorch runs it as three kernels
+(the A GEMM over every member, the mask, the B GEMM-accumulate over the block-diagonal B). Here one
+program takes BT tokens and BN output columns of one member: it computes those tokens' x A[m]^T on the
+tensor cores (recomputed by each column block: a few MFLOP, cheaper than a kernel boundary), masks and
+scales it per token, multiplies it by the block's B columns and adds the result to y in place (fp32
+sums, one rounding). Grids depend on shapes alone, so it is captured in CUDA graphs; the tests run it
+on the CPU under Triton's interpreter against the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BT, BN, BI = 64, 128, 64
+
+
+@triton.jit
+def _lora_add_kernel(
+    x_ptr, a_ptr, b_ptr, y_ptr, slot_ptr, scale_ptr, member_ptr,
+    T, IN, stride_x, stride_a, stride_b, stride_y,
+    R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
+):  # fmt: skip
+    pid_t, pid_n = tl.program_id(0), tl.program_id(1)
+    m = tl.load(member_ptr + pid_n)
+    t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
+    live = t < T
+    j = tl.arange(0, SR)
+    rows = m * SR + j  # this member's slot columns
+    h = tl.zeros((BT, SR), dtype=tl.float32)
+    for i0 in range(0, IN, BI):
+        i = i0 + tl.arange(0, BI)
+        inside = i < IN
+        x = tl.load(x_ptr + t[:, None] * stride_x + i[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+        a = tl.load(a_ptr + rows[None, :] * stride_a + i[:, None], mask=inside[:, None], other=0.0)
+        h += tl.dot(x, a)
+    slot = tl.load(slot_ptr + t, mask=live, other=-1)
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
+    mine = (j[None, :] // R) == slot[:, None]
+    h = tl.where(mine, h * scale[:, None], 0.0).to(x_ptr.dtype.element_ty)
+    n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    b = tl.load(b_ptr + n[None, :] * stride_b + rows[:, None])
+    out = tl.dot(h, b)
+    where = y_ptr + t[:, None] * stride_y + n[None, :]
+    y = tl.load(where, mask=live[:, None], other=0.0).to(tl.float32)
+    tl.store(where, (y + out).to(y_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def member_blocks(outs: list[int], block: int = BN) -> torch.Tensor | None:
+    """The member of each BN-column block of a group with these member output sizes (int32), or None
+    when a member's size is not a multiple of the block (the PyTorch path then runs)."""
+    if any(o % block for o in outs):
+        return None
+    return torch.tensor([k for k, o in enumerate(outs) for _ in range(o // block)], dtype=torch.int32)
+
+
+def fits(rank: int, slots: int, width_in: int) -> bool:
+    """Whether the kernel takes a bank of `slots` x `rank` over inputs of `width_in` (tensor-core tiles
+    need 16 slot columns and a power of two)."""
+    sr = rank * slots
+    return sr >= 16 and sr & (sr - 1) == 0 and sr <= 256 and width_in >= 16
+
+
+def lora_add_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    members: torch.Tensor,
+    token_slots: torch.Tensor,
+    scale: torch.Tensor,
+    rank: int,
+    width: int,
+) -> None:
+    """y [T, sum out] += the adapters' term of one group in place (module docstring): x [T, in], a
+    [n width, in], b [sum out, n width] (block-diagonal over the n members; width = S r), members:
+    member_blocks() on y's device, token_slots [T] (-1: base), scale [S] fp32."""
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    T, IN = x2.shape
+    grid = (triton.cdiv(T, BT), members.numel())
+    _lora_add_kernel[grid](
+        x2, a, b, y2, token_slots, scale, members, T, IN,
+        x2.stride(0), a.stride(0), b.stride(0), y2.stride(0),
+        R=rank, SR=width, BT=BT, BN=BN, BI=BI,
+    )  # fmt: skip
