@@ -7,7 +7,8 @@
    temperature 1, ignore_eos) on Qwen2.5-0.5B shapes, 256 requests, prompt 128, 128 new tokens. Arms:
    `base` (no LoRA bank); banks of 1, 4 or 8 slots (--max-loras-per-batch), rank 16, every attention
    and MLP projection, with every request on the base model, on one adapter, or spread round-robin
-   over 4 or 8 adapters. Adapters are random (A, B ~ N(0, 0.02)). One untimed run
+   over 4 or 8 adapters; and the bank of 1 without the fused Triton kernel (miles/engine/triton_lora.py),
+   as the CPU computes it (A GEMM, mask, B GEMM-accumulate). Adapters are random (A, B ~ N(0, 0.02)). One untimed run
    per arm, then `--rounds` rounds, arms rotated; vs base = tok/s / base tok/s of the same round.
 2. push: Qwen2.5-0.5B and -7B shapes: bytes of a rank-16 adapter on every projection against the whole
    model in bf16, and the time to move each into an engine in process: the full weights by
@@ -74,9 +75,13 @@ def decode_part(args, device: str) -> list[dict]:
         banks[size].lora = _bank(banks[size], size, batch)
         for k in range(size):
             banks[size].lora.load(f"a{k}", config, _adapter(banks[size].lora, k), "random")
+    torch_path = build_decoder(spec, path, device, dtype, "none", 1024)  # the same, without the fused kernel
+    torch_path.lora = _bank(torch_path, 1, batch)
+    torch_path.lora.load("a0", config, _adapter(torch_path.lora, 0), "random")
+    torch_path.lora.blocks = {}
     slots = batch * (prompt + new) + 4096
     arms = {"base": (plain, 0), "bank of 8, no adapter": (banks[8], 0), "1 adapter, bank of 1": (banks[1], 1),
-            "1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
+            "1 adapter, bank of 1, PyTorch path": (torch_path, 1), "1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
             "8 adapters, bank of 8": (banks[8], 8)}  # fmt: skip
     scheds = {a: Scheduler(d, batch, slots) for a, (d, _) in arms.items()}
     rng = random.Random(args.seed)

@@ -7,11 +7,11 @@ token t of slot s_t with scale c_s (0 columns and no term for the base model, s_
 
 where m(n) is the member (q, k or v; gate or up) output column n belongs to, A[m] its [S r, in] stacked
 slots and B[n, m] its row of the [S r] columns of the member's slots. PyTorch runs it as three kernels
-(the A GEMM over every member, the mask, the B GEMM-accumulate over the block-diagonal B). Here one
-program takes BT tokens and BN output columns of one member: it computes those tokens' x A[m]^T on the
-tensor cores (recomputed by each column block: a few MFLOP, cheaper than a kernel boundary), masks and
-scales it per token, multiplies it by the block's B columns and adds the result to y in place (fp32
-sums, one rounding). Grids depend on shapes alone, so it is captured in CUDA graphs; the tests run it
+(the A GEMM over every member, the mask, the B GEMM-accumulate over the block-diagonal B). Here they
+are two: the A GEMM h = x A^T (cuBLAS, every member and slot at once), then one Triton kernel whose
+programs each take BT tokens and BN output columns of one member: they mask and scale those tokens'
+h columns of that member, multiply them by the block's B columns (the zero blocks of the
+block-diagonal B are never read) and add the result to y in place (fp32 sums, one rounding). Grids depend on shapes alone, so it is captured in CUDA graphs; the tests run it
 on the CPU under Triton's interpreter against the PyTorch path.
 """
 
@@ -21,34 +21,28 @@ import torch
 import triton
 import triton.language as tl
 
-BT, BN, BI = 64, 128, 64
+BT, BN = 64, 128
 
 
 @triton.jit
-def _lora_add_kernel(
-    x_ptr, a_ptr, b_ptr, y_ptr, slot_ptr, scale_ptr, member_ptr,
-    T, IN, stride_x, stride_a, stride_b, stride_y,
-    R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr,
+def _lora_expand_kernel(
+    h_ptr, b_ptr, y_ptr, slot_ptr, scale_ptr, member_ptr,
+    T, stride_h, stride_b, stride_y,
+    R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     m = tl.load(member_ptr + pid_n)
     t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
     live = t < T
     j = tl.arange(0, SR)
-    rows = m * SR + j  # this member's slot columns
-    h = tl.zeros((BT, SR), dtype=tl.float32)
-    for i0 in range(0, IN, BI):
-        i = i0 + tl.arange(0, BI)
-        inside = i < IN
-        x = tl.load(x_ptr + t[:, None] * stride_x + i[None, :], mask=live[:, None] & inside[None, :], other=0.0)
-        a = tl.load(a_ptr + rows[None, :] * stride_a + i[:, None], mask=inside[:, None], other=0.0)
-        h += tl.dot(x, a)
+    cols = m * SR + j  # this member's slot columns of h and B
+    h = tl.load(h_ptr + t[:, None] * stride_h + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     slot = tl.load(slot_ptr + t, mask=live, other=-1)
     scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
     mine = (j[None, :] // R) == slot[:, None]
-    h = tl.where(mine, h * scale[:, None], 0.0).to(x_ptr.dtype.element_ty)
+    h = tl.where(mine, h * scale[:, None], 0.0).to(b_ptr.dtype.element_ty)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    b = tl.load(b_ptr + n[None, :] * stride_b + rows[:, None])
+    b = tl.load(b_ptr + n[None, :] * stride_b + cols[:, None])
     out = tl.dot(h, b)
     where = y_ptr + t[:, None] * stride_y + n[None, :]
     y = tl.load(where, mask=live[:, None], other=0.0).to(tl.float32)
@@ -85,10 +79,10 @@ def lora_add_(
     [n width, in], b [sum out, n width] (block-diagonal over the n members; width = S r), members:
     member_blocks() on y's device, token_slots [T] (-1: base), scale [S] fp32."""
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-    T, IN = x2.shape
+    h = x2 @ a.t()
+    T = x2.shape[0]
     grid = (triton.cdiv(T, BT), members.numel())
-    _lora_add_kernel[grid](
-        x2, a, b, y2, token_slots, scale, members, T, IN,
-        x2.stride(0), a.stride(0), b.stride(0), y2.stride(0),
-        R=rank, SR=width, BT=BT, BN=BN, BI=BI,
+    _lora_expand_kernel[grid](
+        h, b, y2, token_slots, scale, members, T, h.stride(0), b.stride(0), y2.stride(0),
+        R=rank, SR=width, BT=BT, BN=BN,
     )  # fmt: skip
