@@ -181,13 +181,15 @@ class LoraBank:
                 )
             slot = free[0]
         cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        for module in self.modules:
-            self.A[module][cols].zero_()
-            self.B[module][:, cols].zero_()
-        for module, (a, b) in pairs.items():
-            r = a.shape[0]
-            self.A[module][cols][:r].copy_(a)
-            self.B[module][:, cols][:, :r].copy_(b)
+        for module in self.modules:  # the adapter's tensors; zeros where it has none or a lower rank
+            a, b = pairs.get(module, (None, None))
+            r = 0 if a is None else a.shape[0]
+            if r:
+                self.A[module][cols][:r].copy_(a)
+                self.B[module][:, cols][:, :r].copy_(b)
+            if r < self.max_rank:
+                self.A[module][cols][r:].zero_()
+                self.B[module][:, cols][:, r:].zero_()
         self.scale[slot] = config.scaling
         self.slots[name], self.configs[name], self.sources[name] = slot, config, source
 

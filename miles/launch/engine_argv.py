@@ -8,8 +8,9 @@ from miles.train.quant import engine_quant_argv
 
 
 def lora_slots(lora: Any) -> int:
-    """Adapter slots a LoRA run's engines keep: every adapter it trains, and at least 4."""
-    return max(4, len(lora.names))
+    """Adapter slots a LoRA run's engines keep: one per adapter it trains (every slot of the bank is
+    multiplied at every step, so a bank no larger than needed decodes fastest: bench/RESULTS.md)."""
+    return len(lora.names)
 
 
 def engine_lora_argv(plan: Any) -> list[str]:

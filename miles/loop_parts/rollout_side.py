@@ -198,7 +198,7 @@ class RolloutSide:
             from miles.weights.lora import LoraTransport
 
             config = adapter_config(self.plan.train.lora, self.plan.model.path)
-            return LoraTransport(self.admins, config, pause_mode=mode, local=local)
+            return LoraTransport(self.admins, config, pause_mode=mode, local=local, check=w.check)
         cls = get_transport(w.transport)
         if w.transport == "disk":
             return cls(

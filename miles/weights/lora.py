@@ -6,7 +6,9 @@ adapter of the same name in place (miles/engine/lora.py), so nothing is unloaded
 for the requests in flight, which never finish while generation is paused). The tensors travel inside
 the request: by reference when every engine is on this host (`local`: CUDA IPC handles or shared
 memory of one packed buffer per dtype, as TensorTransport sends full weights), else as host copies
-pickled inline (a few MB, which any host's engine can take); with `expected_checksums`, which the engine checks against the bytes it stored before answering. Then
+pickled inline (a few MB, which any host's engine can take). With `check` (weights.check) they come
+with `expected_checksums`, which the engine checks against the bytes it stored before answering
+(hashing every tensor on both sides costs about as much as the rest of the push). Then
 `/update_weight_version` gives the engines the new version, which the samples record. `pause_mode`
 pauses generation once around all the loads, as the other transports do; with None the adapters change
 between two engine steps while requests run.
@@ -31,9 +33,10 @@ class LoraTransport:
         *,
         pause_mode: str | None = "in_place",
         local: bool = False,
+        check: bool = False,
     ):
         check_pause_mode(pause_mode)
-        self.engines, self.local = list(engines), local
+        self.engines, self.local, self.check = list(engines), local, check
         self.config = config
         self.pause_mode = pause_mode
         self.bytes_sent = 0
@@ -54,7 +57,7 @@ class LoraTransport:
                 "lora_name": adapter,
                 "config_dict": self.config,
                 "serialized_named_tensors": [serialize(named) if self.local else serialize_inline(named)],
-                "expected_checksums": {n: checksum(t) for n, t in named},
+                "expected_checksums": {n: checksum(t) for n, t in named} if self.check else None,
             }
             for adapter, named in adapters.items()
         ]
