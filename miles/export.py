@@ -51,7 +51,12 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 def _cmd_export(args: argparse.Namespace) -> int:
     out = export_run(
-        args.run_dir, args.out, step=args.step, quantized=args.quantized, merge=args.merge, adapter=args.adapter
+        args.run_dir,
+        args.out,
+        step=args.step,
+        quantized=args.quantized,
+        merge=args.merge,
+        adapter=args.adapter,
     )
     print(f"wrote {out}")
     return 0

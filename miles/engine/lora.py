@@ -145,7 +145,7 @@ class LoraBank:
         from miles.engine.triton_lora import fits, member_blocks
 
         out = {}
-        for name, (a, b, n) in self.groups.items():
+        for name, (a, _, n) in self.groups.items():
             outs = [self.modules[m][0] for m in _members_of(name, n)]
             blocks = member_blocks(outs) if fits(self.max_rank, self.max_loras, a.shape[1]) else None
             if blocks is not None:
@@ -328,8 +328,9 @@ class LoraBank:
         y.view(-1, y.shape[-1]).addmm_(h, b.t())
         return True
 
-
-    def _kernel(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: torch.Tensor):
+    def _kernel(
+        self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: torch.Tensor
+    ):
         from miles.engine.triton_lora import lora_add_
 
         assert self.tokens is not None

@@ -76,7 +76,13 @@ def sglang_server_command(
         cmd += ["--quantization", SGLANG_QUANTIZATION[e.quantization]]  # a packed checkpoint (miles export)
     if plan.train.lora is not None:  # the run's adapter, pushed each step by name
         lora = plan.train.lora
-        cmd += ["--enable-lora", "--max-lora-rank", str(lora.rank), "--max-loras-per-batch", str(lora_slots(lora))]
+        cmd += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(lora.rank),
+            "--max-loras-per-batch",
+            str(lora_slots(lora)),
+        ]
         cmd += ["--lora-target-modules", *lora.target_modules]
     return cmd + list(s.extra_args)
 

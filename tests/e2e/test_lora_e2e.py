@@ -94,7 +94,10 @@ def test_two_adapters_train_on_their_own_tasks_in_one_run(recipe, tiny_model, tm
     from miles.cluster.distributed import teardown_distributed
     from miles.train.fsdp.lora import activate
 
-    tasks = {op: {"name": "digits", "options": {"op": op, "num_digits": 2}, "eval_size": 4} for op in ("last", "first")}
+    tasks = {
+        op: {"name": "digits", "options": {"op": op, "num_digits": 2}, "eval_size": 4}
+        for op in ("last", "first")
+    }
     path, run_dir = recipe(
         run={"name": "lora2"},
         rollout={"schedule": "async"},

@@ -21,7 +21,10 @@ GOOD, BAD = [50, 60, 70, 80], [90, 100, 110]
 TARGETS = ["q_proj", "v_proj"]
 ADAPTERS = [
     {"name": "last", "task": {"name": "digits", "options": {"op": "last", "num_digits": 2}, "eval_size": 4}},
-    {"name": "first", "task": {"name": "digits", "options": {"op": "first", "num_digits": 2}, "eval_size": 3}},
+    {
+        "name": "first",
+        "task": {"name": "digits", "options": {"op": "first", "num_digits": 2}, "eval_size": 3},
+    },
 ]
 
 
@@ -32,7 +35,9 @@ def _process_group():
 
 
 def _recipe(**lora):
-    return {"train": {"lora": {"rank": 4, "alpha": 8, "target_modules": TARGETS, "adapters": ADAPTERS, **lora}}}
+    return {
+        "train": {"lora": {"rank": 4, "alpha": 8, "target_modules": TARGETS, "adapters": ADAPTERS, **lora}}
+    }
 
 
 def _backend(tiny_model: str, run_dir):
@@ -56,7 +61,10 @@ def _group(group_id: int, adapter: str) -> list[Sample]:
 def _adapter(backend, name: str) -> dict[str, torch.Tensor]:
     """Adapter `name`'s tensors as the trainer exports them."""
     return {
-        n: t.clone() for bucket in backend.export_weights(1 << 20) for n, t in bucket if n.startswith(name + "/")
+        n: t.clone()
+        for bucket in backend.export_weights(1 << 20)
+        for n, t in bucket
+        if n.startswith(name + "/")
     }
 
 
@@ -94,7 +102,9 @@ def test_checkpoint_restores_every_adapter_and_optimizer(tiny_model, tmp_path):
     backend.train(_group(0, "last") + _group(1, "first"))
     backend.save(1)
     saved = {n: _adapter(backend, n) for n in ("last", "first")}
-    moments = {n: [s["exp_avg"].clone() for s in o.state.values()] for n, o in backend.adapters.optimizers.items()}
+    moments = {
+        n: [s["exp_avg"].clone() for s in o.state.values()] for n, o in backend.adapters.optimizers.items()
+    }
     backend.train(_group(0, "last") + _group(1, "first"))
     backend.load(1)
     assert backend.step == 1

@@ -65,7 +65,9 @@ def measured() -> dict:
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return {k: v for line in out.stdout.splitlines() if line.startswith("{") for k, v in json.loads(line).items()}
+    return {
+        k: v for line in out.stdout.splitlines() if line.startswith("{") for k, v in json.loads(line).items()
+    }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
