@@ -134,17 +134,25 @@ def export_run(
         raise ConfigError(f"miles export: {e}") from e
     src = step_dir(run_dir, step)
     model = _empty_model(plan.model.path)
-    if lora is not None:
-        from miles.train.fsdp.lora import wrap
-
-        model = wrap(model, lora)
     if (src / "megatron").is_dir():
         state = megatron_state(src / "megatron", model.config)
+        adapters = {k: state.pop(k) for k in [k for k in state if ".lora_" in k]}
+        _load_strict(model, _stack_experts(state, model.state_dict()), src)
+        if lora is not None:  # the base as loaded, then the adapter under PEFT's saved names
+            from peft import set_peft_model_state_dict
+
+            from miles.train.fsdp.lora import wrap
+
+            model = wrap(model, lora)
+            set_peft_model_state_dict(model, adapters, adapter_name=lora.names[0])
     elif (src / "state").is_dir():
-        state = fsdp_state(src / "state", model)
+        if lora is not None:
+            from miles.train.fsdp.lora import wrap
+
+            model = wrap(model, lora)
+        _load_strict(model, _stack_experts(fsdp_state(src / "state", model), model.state_dict()), src)
     else:
         raise ConfigError(f"{src} holds neither state/ (FSDP) nor megatron/ (Megatron) checkpoint files")
-    _load_strict(model, _stack_experts(state, model.state_dict()), src)
     if lora is not None and not merge:
         return _write_adapters(model, lora.names, adapter, plan.model.path, plan.model.dtype, out, step)
     if lora is not None:
@@ -219,8 +227,14 @@ def megatron_state(mg_dir: Path, hf_cfg: Any) -> dict[str, Any]:
         offset += stage_layers
     if shapes.tied:
         full.pop("output_layer.weight", None)  # the last stage's copy of the tied embedding
+    from miles.train.megatron.lora import peft_name
+
+    adapters = {}  # LoRA (miles/train/megatron/lora.py): PEFT's saved names
+    for name in [k for k in full if ".lora_" in k]:
+        module, _, leaf = name.rpartition(".")
+        adapters[peft_name(module, leaf, 0)] = full.pop(name)
     try:
-        return convert.megatron_to_hf(full, shapes)
+        return {**convert.megatron_to_hf(full, shapes), **adapters}
     except KeyError as e:
         raise ConfigError(f"{mg_dir}: {e.args[0]}; is plan.model.path the model this run trained?") from e
 

@@ -237,11 +237,8 @@ def check_lora(plan: Plan) -> None:
     """What train.lora is built for (ConfigError naming the key to change)."""
     if plan.train.lora is None:
         return
-    if plan.train.backend != "fsdp":
-        raise ConfigError(
-            f"train.lora is built for train.backend=fsdp (got {plan.train.backend}); set train.backend=fsdp "
-            "or remove train.lora"
-        )
+    if plan.train.backend == "megatron":
+        _check_megatron_lora(plan)
     if plan.train.quantization != "none" or plan.engine.quantization != "none":
         raise ConfigError(
             "train.lora runs on bf16/fp32 weights: set train.quantization=none and engine.quantization=none"
@@ -273,6 +270,28 @@ def check_lora(plan: Plan) -> None:
         )
     if plan.train.optimizer_offload != "none":
         raise ConfigError("train.lora.adapters keeps one AdamW per adapter: set train.optimizer_offload=none")
+
+
+def _check_megatron_lora(plan: Plan) -> None:
+    """What Megatron LoRA (miles/train/megatron/lora.py) is built for."""
+    t, lora = plan.train, plan.train.lora
+    assert lora is not None
+    if (t.tensor_parallel, t.pipeline_parallel, t.expert_parallel) != (1, 1, 1):
+        raise ConfigError(
+            "train.lora with train.backend=megatron runs on one tensor-, pipeline- and expert-parallel rank "
+            "(data parallelism only): set train.tensor_parallel, train.pipeline_parallel and "
+            "train.expert_parallel to 1, or train.backend=fsdp"
+        )
+    if lora.dropout > 0:
+        raise ConfigError(
+            "train.lora.dropout must be 0 with train.backend=megatron (or use train.backend=fsdp)"
+        )
+    if "lm_head" in lora.target_modules:
+        raise ConfigError(
+            "train.lora.target_modules: lm_head is adapted by train.backend=fsdp only; remove it or switch backend"
+        )
+    if lora.adapters:
+        raise ConfigError("train.lora.adapters (several adapters) runs with train.backend=fsdp")
 
 
 def check_distill(plan: Plan) -> None:

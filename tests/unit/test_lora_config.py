@@ -30,16 +30,20 @@ def test_lora_plan_and_engine_flags():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"train": {"backend": "megatron"}}, "train.backend=fsdp"),
+        ({"train": {"backend": "megatron", "tensor_parallel": 2}}, "train.tensor_parallel"),
+        ({"train": {"backend": "megatron"}, "_lora": {"dropout": 0.1}}, "dropout must be 0"),
         ({"engine": {"quantization": "fp8_row"}}, "engine.quantization=none"),
         ({"train": {"loss": {"advantage": "ppo"}}}, "advantage=grpo"),
         ({"weights": {"transport": "disk"}}, "weights.transport=distributed"),
     ],
 )
 def test_lora_refuses_what_it_is_not_built_for(extra, message):
-    recipe = {"train": {"lora": LORA}}
+    recipe = {"train": {"lora": dict(LORA)}}
     for section, values in extra.items():
-        recipe.setdefault(section, {}).update(values)
+        if section == "_lora":
+            recipe["train"]["lora"].update(values)
+        else:
+            recipe.setdefault(section, {}).update(values)
     with pytest.raises(ConfigError, match=message):
         resolve(recipe)
 

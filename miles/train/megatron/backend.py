@@ -179,6 +179,10 @@ class MegatronBackend:
         gpt.cuda(torch.cuda.current_device())
         hf_state = M.read_hf_state(self.plan.model.path)
         M.load_hf_into(gpt, hf_state, self.hf_cfg)
+        if t.lora is not None:  # frozen base, adapters on the dense projections (lora.py)
+            from miles.train.megatron import lora
+
+            lora.install(gpt, t.lora, M.shapes_of(self.hf_cfg), self.hf_cfg)
         replay = t.routing_replay == "rollout"
         self.moe = MoERouting(gpt, self.hf_cfg, M.layer_offset(gpt), replay) if tf.num_moe_experts else None
         wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
@@ -555,6 +559,14 @@ class MegatronBackend:
         """
         from miles.train.quant import engine_contract
 
+        if self.plan.train.lora is not None:  # the adapter alone, under PEFT's saved names
+            from miles.train.megatron import lora
+
+            dtype = torch.bfloat16 if self.plan.model.dtype == "bfloat16" else torch.float32
+            named = lora.adapter_tensors(self.gpt, self.plan.train.lora.name, M.layer_offset(self.gpt), dtype)
+            if dist.get_rank() == 0:  # the adapters are the same on every rank: nothing collective
+                yield from weights.bucketize(named, bucket_bytes)
+            return
         contract = engine_contract(self.plan)
         for bucket in weights.export_buckets(self.gpt, self.hf_cfg, bucket_bytes, contract):
             yield bucket if dist.get_rank() == 0 else []
