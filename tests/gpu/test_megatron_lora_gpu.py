@@ -33,6 +33,9 @@ def _backend(path: str, root: str):
     })  # fmt: skip
     b = MegatronBackend()
     b.setup(plan)
+    from miles.config.resolve import write_plan
+
+    write_plan(plan, f"{root}/megatron-lora/plan.yaml")  # what `miles export` reads
     return b
 
 
