@@ -204,6 +204,7 @@ class FSDPBackend:
         return out
 
     def _train(self, samples: list[Sample]) -> dict[str, float]:
+        """One step over `samples` with the current optimiser and LR schedule; its metrics."""
         start = time.perf_counter()
         check_samples(samples)
         self._samples = samples

@@ -9,6 +9,7 @@ Layout of `<run_dir>/checkpoints/step_<N>/`:
     critic/         PPO only: the critic's model and optimiser state (DCP, same rules; an offloading
                     optimiser's own files in critic/optimizer/); its LR schedule is in trainer.pt
     trainer.pt      rank 0: step, LR-scheduler state, the caller's `extra` (loop state, data position)
+                    (several LoRA adapters: every adapter's AdamW is in state/, every schedule here)
     rng_rank<r>.pt  per rank: torch (CPU and CUDA) and Python RNG states
     .complete       written last, by rank 0, after every rank has finished writing: the size and
                     SHA-256 of every file above (miles/train/checkpoint.py)
