@@ -99,10 +99,14 @@ def ensure_model(plan: Plan, *, required: bool = True, train_base: bool = False)
         return path
     if plan.model.base_recipe is not None:
         if not train_base:
-            raise ConfigError(
+            message = (
                 f"model.path={str(path)!r} does not exist: make it first with `miles train "
-                f"{plan.model.base_recipe}` on this host (model.base_recipe is trained only by local runs)"
+                f"{plan.model.base_recipe}` and `miles export` (model.base_recipe is trained only by local runs)"
             )
+            if required:
+                raise ConfigError(message)
+            log.warning("%s (not checked further: the job may see another filesystem)", message)
+            return path
         with _locked(path.parent / f".{path.name}.lock"):
             if not path.exists():
                 _train_base(path, plan.model.base_recipe, plan.model.base_overrides, plan.run.runs_root)

@@ -113,3 +113,23 @@ def test_eval_inputs_are_checked_only_when_evaluation_runs(tmp_path: Path) -> No
     (tmp_path / "good.jsonl").write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
     good = {"aime": {"source": "aime", "path": str(tmp_path / "good.jsonl")}}
     check_rollout_inputs(resolve({"eval": {"mode": "dedicated", "datasets": good}}))
+
+
+def test_base_recipe_is_resolved_beside_its_recipe_and_trained_only_locally(tmp_path: Path) -> None:
+    """model.base_recipe: a relative path is the naming recipe's sibling; a submission does not train
+    it (an error on the submit host, a warning for a job's own filesystem); a base run that fails is a
+    ConfigError naming the recipe, and leaves no model behind."""
+    (tmp_path / "recipes").mkdir()
+    base = tmp_path / "recipes" / "base.yaml"
+    base.write_text(yaml.safe_dump({"rollout": {"reward": "no.such:reward"}}))  # its run fails at once
+    recipe = tmp_path / "recipes" / "adapt.yaml"
+    model = tmp_path / "models" / "base"
+    recipe.write_text(yaml.safe_dump({"model": {"path": str(model), "base_recipe": "base.yaml"}}))
+    plan = resolve(str(recipe), [f"run.runs_root={tmp_path / 'runs'}"])
+    assert plan.model.base_recipe == str(base.resolve())
+    with pytest.raises(ConfigError, match="make it first"):
+        ensure_model(plan)
+    assert ensure_model(plan, required=False) == model and not model.exists()
+    with pytest.raises(ConfigError, match="base.yaml: its run failed"):
+        ensure_model(plan, train_base=True)
+    assert not model.exists() and not any(p.name.startswith(".base.tmp") for p in model.parent.iterdir())
