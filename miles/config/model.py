@@ -56,10 +56,9 @@ class ModelConfig(Section):
     tiny: TinyModelConfig = TinyModelConfig()
     """Architecture and sizes of that tiny model."""
     base_recipe: str | None = None
-    """If `path` does not exist, `miles train` first runs this recipe (a relative path is taken from
-    the directory of the recipe that names it) (in the same runs root) and
-    exports its last checkpoint to `path`: a base that has learnt something, for a run that adapts
-    it (recipes/lora-tiny.yaml). Takes precedence over init_tiny_if_missing; `miles submit` does not
-    run it (make the base first)."""
+    """If `path` does not exist, `miles train` first runs this recipe in the same runs root and exports
+    its last checkpoint to `path`: a base that has learnt something, for a run that adapts it
+    (recipes/lora-tiny.yaml). A relative path is taken from the directory of the recipe that names it.
+    Takes precedence over init_tiny_if_missing; `miles submit` does not run it (make the base first)."""
     base_overrides: list[str] = []
     """`KEY=VALUE` overrides of that base run (as `miles train --set`)."""

@@ -107,9 +107,9 @@ class LoraBank:
         width = max_loras * max_rank
         self.A: dict[str, torch.Tensor] = {}
         self.B: dict[str, torch.Tensor] = {}
-        self.groups: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.groups: dict[str, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
         """Fused name (a layer's qkv_proj / gate_up_proj) -> (A [n W, in], block-diagonal B [sum out, n W],
-        n) over its targeted members, whose A / B above are views into them: the fused forward runs one
+        the n members) over its targeted members, whose A / B above are views into them: the fused forward runs one
         pair of GEMMs for the group."""
         for head, leaf, members in _fused_members(self.modules):
             outs = [self.modules[m][0] for m in members]
@@ -119,7 +119,7 @@ class LoraBank:
                 r0 = sum(outs[:k])
                 self.A[m] = a[k * width : (k + 1) * width]
                 self.B[m] = b[r0 : r0 + outs[k], k * width : (k + 1) * width]
-            self.groups[f"{head}.{leaf}"] = (a, b, len(members))
+            self.groups[f"{head}.{leaf}"] = (a, b, members)
         for m, (o, i) in self.modules.items():
             if m not in self.A:
                 self.A[m] = torch.zeros(width, i, device=device, dtype=dtype)
@@ -145,8 +145,8 @@ class LoraBank:
         from miles.engine.triton_lora import fits, member_blocks
 
         out = {}
-        for name, (a, _, n) in self.groups.items():
-            outs = [self.modules[m][0] for m in _members_of(name, n)]
+        for name, (a, _, members) in self.groups.items():
+            outs = [self.modules[m][0] for m in members]
             blocks = member_blocks(outs) if fits(self.max_rank, self.max_loras, a.shape[1]) else None
             if blocks is not None:
                 out[name] = blocks.to(self.device)
@@ -288,7 +288,7 @@ class LoraBank:
             return
         hit = self.column_slot[None, :] == token_slots[:, None]
         self._mask = (hit.to(torch.float32) * self.scale[self.column_slot][None, :]).to(self.dtype)
-        self._masks = {n: self._mask.repeat(1, n) for n in {g[2] for g in self.groups.values()}}
+        self._masks = {n: self._mask.repeat(1, n) for n in {len(g[2]) for g in self.groups.values()}}
 
     def delta(self, x: torch.Tensor, module: str, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """s B (A x) of each token's adapter for HF module `module` (None: no adapter targets it);
@@ -305,12 +305,7 @@ class LoraBank:
         False when no adapter targets it."""
         if self._mask is None or module not in self.modules:
             return False
-        if module in self.blocks:
-            self._kernel(y, x, self.A[module], self.B[module], self.blocks[module])
-            return True
-        h = x.reshape(-1, x.shape[-1]) @ self.A[module].t()
-        h.mul_(self._mask)
-        y.view(-1, y.shape[-1]).addmm_(h, self.B[module].t())
+        self._accumulate(y, x, self.A[module], self.B[module], module, self._mask)
         return True
 
     def add_fused(self, y: torch.Tensor, x: torch.Tensor, fused: str) -> bool:
@@ -319,29 +314,25 @@ class LoraBank:
         group = self.groups.get(fused)
         if group is None or self._mask is None:
             return False
-        a, b, n = group
-        if fused in self.blocks:
-            self._kernel(y, x, a, b, self.blocks[fused])
-            return True
-        h = x.reshape(-1, x.shape[-1]) @ a.t()
-        h.mul_(self._masks[n])
-        y.view(-1, y.shape[-1]).addmm_(h, b.t())
+        a, b, members = group
+        self._accumulate(y, x, a, b, fused, self._masks[len(members)])
         return True
 
-    def _kernel(
-        self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: torch.Tensor
-    ):
-        from miles.engine.triton_lora import lora_add_
+    def _accumulate(
+        self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, key: str, mask: torch.Tensor
+    ) -> None:
+        """y += ((x a^T) * mask) b^T in place: on CUDA the A GEMM and one Triton kernel where `key` (a
+        module or group) fits it, else a GEMM, the mask and a GEMM-accumulate."""
+        if key in self.blocks:
+            from miles.engine.triton_lora import lora_add_
 
-        assert self.tokens is not None
-        lora_add_(y, x, a, b, blocks, self.tokens, self.scale, self.max_rank, self.max_loras * self.max_rank)
-
-
-def _members_of(fused: str, n: int) -> list[str]:
-    """The member modules of fused group `fused` (model.layers.N.self_attn.qkv_proj -> q/k/v_proj)."""
-    head, _, leaf = fused.rpartition(".")
-    parts = ("q_proj", "k_proj", "v_proj") if leaf == "qkv_proj" else ("gate_proj", "up_proj")
-    return [f"{head}.{p}" for p in parts][:n]
+            assert self.tokens is not None
+            width = self.max_loras * self.max_rank
+            lora_add_(y, x, a, b, self.blocks[key], self.tokens, self.scale, self.max_rank, width)
+            return
+        h = x.reshape(-1, x.shape[-1]) @ a.t()
+        h.mul_(mask)
+        y.view(-1, y.shape[-1]).addmm_(h, b.t())
 
 
 def _fused_members(modules: dict[str, tuple[int, int]]):

@@ -8,7 +8,7 @@ executes what these functions return, and golden tests pin their text.
 from __future__ import annotations
 
 from miles.config import Plan
-from miles.launch.engine_argv import lora_slots
+from miles.launch.engine_argv import engine_lora_argv
 from miles.rollout.router import policy_args
 
 # Ports of one job live in [BASE, BASE + SPAN * 1000): derived from the job id so that two jobs on
@@ -74,16 +74,7 @@ def sglang_server_command(
         cmd.append("--enable-return-routed-experts")
     if e.quantization != "none":  # an FP8 checkpoint's own config gives its layout; packed formats need
         cmd += ["--quantization", SGLANG_QUANTIZATION[e.quantization]]  # a packed checkpoint (miles export)
-    if plan.train.lora is not None:  # the run's adapter, pushed each step by name
-        lora = plan.train.lora
-        cmd += [
-            "--enable-lora",
-            "--max-lora-rank",
-            str(lora.rank),
-            "--max-loras-per-batch",
-            str(lora_slots(lora)),
-        ]
-        cmd += ["--lora-target-modules", *lora.target_modules]
+    cmd += engine_lora_argv(plan)  # the run's adapters, pushed each step by name (SGLang's own flags)
     return cmd + list(s.extra_args)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from miles.quant.fp8 import checksum
 from miles.weights.tensor import pack, serialize, serialize_inline
-from miles.weights.transport import Bucket, check_pause_mode
+from miles.weights.transport import Bucket, check_pause_mode, paused
 
 
 class LoraTransport:
@@ -62,14 +62,9 @@ class LoraTransport:
             for adapter, named in adapters.items()
         ]
         self.bytes_sent = sum(t.numel() * t.element_size() for n in adapters.values() for _, t in n)
-        if self.pause_mode:
-            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
-        try:
+        async with paused(self.engines, self.pause_mode):
             await asyncio.gather(*(_load(e, body) for e in self.engines for body in bodies))
             await asyncio.gather(*(e.update_weight_version(str(version)) for e in self.engines))
-        finally:
-            if self.pause_mode:
-                await asyncio.gather(*(e.continue_generation() for e in self.engines))
 
     async def close(self) -> None:
         return None

@@ -20,7 +20,8 @@ it), so this room does not depend on how HTTP is spoken.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -101,9 +102,7 @@ async def push_paused(
 ) -> None:
     """The push contract around a transport's `send(bucket, version or None)`: pause every engine,
     send each bucket (the last one carries the version), continue even when a send failed."""
-    if pause_mode:
-        await asyncio.gather(*(e.pause_generation(pause_mode) for e in engines))
-    try:
+    async with paused(engines, pause_mode):
         # an engine that fails to open its session (e.g. it just died) must not leave the others' open:
         # those are ended below, so that the next push (after a repair) can begin again
         began = await asyncio.gather(*(_session(e, "begin") for e in engines), return_exceptions=True)
@@ -116,6 +115,16 @@ async def push_paused(
                 await send(bucket, str(version) if last else None)
         finally:
             await asyncio.gather(*(_session(e, "end") for e in opened), return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def paused(engines: Sequence[EngineAdmin], pause_mode: str | None) -> AsyncIterator[None]:
+    """Generation paused on every engine for the block (`pause_mode` None: not paused), and continued
+    after it even when the block failed."""
+    if pause_mode:
+        await asyncio.gather(*(e.pause_generation(pause_mode) for e in engines))
+    try:
+        yield
     finally:
         if pause_mode:
             await asyncio.gather(*(e.continue_generation() for e in engines))

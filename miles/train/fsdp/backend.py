@@ -123,15 +123,14 @@ class FSDPBackend:
         self.estimator = get_estimator(t.loss.advantage)
         dtype = _DTYPES[plan.model.dtype]
         prepare = self._quantization(plan)
-        if t.lora is not None:
+        adapters: dict[str, Any] = {}
+        if t.lora is not None:  # the causal LM wrapped by PEFT, only the adapters trainable
             from miles.train.fsdp import lora
 
-            self.model = load_sharded(
-                plan.model.path, self.device, dtype, trainable=True, prepare=prepare,
-                build=lora.build(t.lora), freeze=lora.freeze_base,
-            )  # fmt: skip
-        else:
-            self.model = load_sharded(plan.model.path, self.device, dtype, trainable=True, prepare=prepare)
+            adapters = {"build": lora.build(t.lora), "freeze": lora.freeze_base}
+        self.model = load_sharded(
+            plan.model.path, self.device, dtype, trainable=True, prepare=prepare, **adapters
+        )
         if t.loss.kl_coef > 0:
             self.ref_model = load_sharded(
                 plan.model.path, self.device, dtype, trainable=False, prepare=prepare

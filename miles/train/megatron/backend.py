@@ -562,8 +562,7 @@ class MegatronBackend:
         if self.plan.train.lora is not None:  # the adapter alone, under PEFT's saved names
             from miles.train.megatron import lora
 
-            dtype = torch.bfloat16 if self.plan.model.dtype == "bfloat16" else torch.float32
-            named = lora.adapter_tensors(self.gpt, self.plan.train.lora.name, M.layer_offset(self.gpt), dtype)
+            named = lora.adapter_tensors(self.gpt, self.plan.train.lora.name, M.layer_offset(self.gpt))
             if dist.get_rank() == 0:  # the adapters are the same on every rank: nothing collective
                 yield from weights.bucketize(named, bucket_bytes)
             return

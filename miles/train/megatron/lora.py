@@ -113,18 +113,13 @@ def install(gpt: nn.Module, lora: Any, s: convert.Shapes, hf_cfg: Any) -> int:
     return n
 
 
-def adapter_tensors(
-    gpt: nn.Module, name: str, layer_offset: int, dtype: Any = None
-) -> Iterator[tuple[str, Tensor]]:
-    """(`<adapter>/<PEFT saved name>`, tensor) of every adapter parameter of this stage (global layers)."""
+def adapter_tensors(gpt: nn.Module, name: str, layer_offset: int) -> Iterator[tuple[str, Tensor]]:
+    """(`<adapter>/<PEFT saved name>`, tensor in the model's dtype) of every adapter parameter of this
+    stage (global layers)."""
     for pname, p in gpt.named_parameters():
         mod, _, leaf = pname.rpartition(".")
-        if not leaf.startswith(("lora_A_", "lora_B_")):
-            continue
-        yield (
-            f"{name}/{peft_name(mod, leaf, layer_offset)}",
-            p.detach() if dtype is None else p.detach().to(dtype),
-        )
+        if leaf.startswith(("lora_A_", "lora_B_")):
+            yield f"{name}/{peft_name(mod, leaf, layer_offset)}", p.detach()
 
 
 def peft_name(module: str, leaf: str, layer_offset: int) -> str:
