@@ -118,6 +118,8 @@ class Model:
     """Key of LAYERS: the per-layer shapes (the tiny ones in --smoke)."""
     quantization: str = "none"
     min_tokens: None = None
+    experts: str = "fused"
+    """miles/engine/moe.py's CUDA_PATH while this arm runs (an MoE's expert kernels)."""
 
     def shape(self, smoke: bool) -> dict:
         layer = TINY_LAYER if smoke else LAYERS[self.layer]
@@ -130,8 +132,11 @@ class Model:
         }
 
 
-def decode_models(layers: int) -> list[Model]:
-    return [Model("MoE", "qwen3_moe", layers), Model("dense, same active", "qwen3", layers)]
+def decode_models(layers: int, grouped: bool) -> list[Model]:
+    """The MoE (fused expert kernels), the dense model of the same active size, and with `grouped`
+    the MoE through torch._grouped_mm (the fused kernels' anchor)."""
+    models = [Model("MoE", "qwen3_moe", layers), Model("dense, same active", "qwen3", layers)]
+    return models + ([Model("MoE, grouped GEMM", "qwen3_moe", layers, experts="grouped")] if grouped else [])
 
 
 def workloads(smoke: bool) -> list[Workload]:
@@ -176,10 +181,16 @@ def param_counts(model_dir: Path) -> dict[str, int]:
 
 def decode_part(args, device: str) -> list[dict]:
     """tok/s of both models on both workloads over `args.rounds` rounds; one row per model x workload."""
+    from miles.engine import moe
+
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    models, loads = decode_models(args.layers), workloads(args.smoke)
+    models, loads = decode_models(args.layers, args.grouped), workloads(args.smoke)
     paths = {m: make_model(args, m) for m in models}
     engines = {m: build_engines(paths[m], [m], loads, device, dtype)[m] for m in models}
+
+    def run(m: Model, batch: list[list[int]], w: Workload, engines=engines) -> float:
+        moe.CUDA_PATH = m.experts  # the expert path while this arm prefills and captures its graphs
+        return engine_run(engines[m], m, batch, w, device)
 
     def prompts(w: Workload, seed: int) -> list[list[int]]:
         rng = random.Random(seed)
@@ -187,13 +198,13 @@ def decode_part(args, device: str) -> list[dict]:
 
     for w in loads:
         for m in models:  # untimed: graph captures, allocator growth
-            engine_run(engines[m], m, prompts(w, 10_000), w, device)
+            run(m, prompts(w, 10_000), w)
     tok_s: dict[tuple[str, Model], list[float]] = {(w.name, m): [] for w in loads for m in models}
     for r in range(args.rounds):
         for w in loads:
             batch = prompts(w, r)
             for m in rotated(models, r):
-                tok_s[(w.name, m)].append(engine_run(engines[m], m, batch, w, device))
+                tok_s[(w.name, m)].append(run(m, batch, w))
                 print(
                     f"decode {w.name} round {r + 1} {m.label}: {tok_s[(w.name, m)][-1]:.0f} tok/s", flush=True
                 )
@@ -351,6 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mm-completion", type=int, default=128)
     p.add_argument("--micro-tokens", type=int, default=8192, help="train.max_tokens_per_microbatch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--grouped", action="store_true", help="decode also the MoE through torch._grouped_mm (the anchor)"
+    )
     p.add_argument("--workdir", default="runs/bench_moe", help="models, recipes and run directories")
     p.add_argument("--out", default=None, help="JSON file for the raw numbers")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny MoE, small sizes: checks the plumbing")

@@ -13,11 +13,14 @@ in-memory layout — and the per-expert HF names of checkpoints (`mlp.experts.E.
 what `save_pretrained` writes and published checkpoints hold) are views into them. Loading accepts
 either naming.
 
-Three exact expert paths, one result:
+Four exact expert paths, one result:
+  - `experts_fused`: the rows sorted by expert in block-aligned ranges and one Triton launch per
+    projection (miles/engine/triton_moe.py): no host synchronisation, shapes fixed by T*k, so decode
+    steps are captured in CUDA graphs. The CUDA path (`CUDA_PATH`).
   - `experts_looped`: tokens sorted by expert, one GEMM pair per expert hit (host-synchronising: CPU).
   - `experts_grouped`: the same sorted layout through `torch._grouped_mm` with device offsets — no
     host synchronisation and no data-dependent shapes ([T*k] rows always), so a decode step runs
-    inside a CUDA graph. Used on CUDA where the kernel takes the shapes (bf16, dims multiple of 8).
+    inside a CUDA graph. The earlier CUDA path, kept as the fused kernels' anchor (bench/moe_gpu.py).
   - `experts_gathered`: each (token, slot) gathers its expert's weights and runs a batched matmul —
     also free of host syncs, the CUDA fallback for small batches (decode) without grouped GEMM.
 Left out: shared experts (Qwen2-MoE; the Qwen3-MoE config has none), expert parallelism, the
@@ -31,6 +34,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+CUDA_PATH = "fused"
+"""The expert path on CUDA: "fused" (Triton), "grouped" (torch._grouped_mm where it takes the shapes)
+or "gathered"; the looped path takes what the chosen one cannot."""
 
 GATHER_MAX_ROWS = 256
 """CUDA without grouped GEMM: the largest T*k the gathered path takes (each row copies one expert's
@@ -156,6 +163,14 @@ def experts_gathered(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor)
     return _combine(x, y, weights)
 
 
+def experts_fused(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The sorted rows through one Triton GEMM per projection (miles/engine/triton_moe.py)."""
+    from miles.engine import triton_fused, triton_moe
+
+    y = triton_moe.experts_fused(x, ids, gate_up, down, triton_fused.silu_mul)
+    return _combine(x, y, weights)
+
+
 @functools.cache
 def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
@@ -173,7 +188,9 @@ def grouped_available(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
 
 def experts(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The sparse MLP's expert sum by the best exact path for the device (module docstring)."""
-    if x.is_cuda and grouped_available(x, gate_up):
+    if x.is_cuda and CUDA_PATH == "fused":
+        return experts_fused(x, ids, weights, gate_up, down)
+    if x.is_cuda and CUDA_PATH == "grouped" and grouped_available(x, gate_up):
         return experts_grouped(x, ids, weights, gate_up, down)
     if x.is_cuda and ids.numel() <= GATHER_MAX_ROWS:
         return experts_gathered(x, ids, weights, gate_up, down)

@@ -1,5 +1,5 @@
-"""The engine's Qwen3-MoE layer on CUDA in bf16: the grouped-GEMM expert path against the looped and
-gathered ones, without host synchronisation; the decoder's logits against its own fp32 CPU forward;
+"""The engine's Qwen3-MoE layer on CUDA in bf16: the fused (Triton) and grouped-GEMM expert paths
+against the looped and gathered ones, without host synchronisation, at decode and prefill sizes; the decoder's logits against its own fp32 CPU forward;
 a decode step replayed from a CUDA graph equal to the eager one, routing table included; and a GPU
 engine process returning routed experts that agree with transformers' router. Skipped without CUDA."""
 
@@ -49,9 +49,10 @@ def _prefill(tokens: torch.Tensor, device: str) -> Batch:
     return Batch(**{k: v.to(device) for k, v in vars(b).items() if v is not None})
 
 
-def test_expert_paths_agree_and_grouped_does_not_sync():
+@pytest.mark.parametrize("T", [37, 1, 700])
+def test_expert_paths_agree_and_do_not_sync(T):
     g = torch.Generator(device="cuda").manual_seed(0)
-    T, H, inter, E, k = 37, 256, 128, 8, 2
+    H, inter, E, k = 256, 128, 8, 2
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     gate = torch.randn(E, H, device="cuda", generator=g).bfloat16()
     gate_up = (torch.randn(E, 2 * inter, H, device="cuda", generator=g) / 16).bfloat16()
@@ -61,13 +62,17 @@ def test_expert_paths_agree_and_grouped_does_not_sync():
     scale = float(ref.abs().max())
     if not moe.grouped_available(x, gate_up):
         pytest.skip("torch._grouped_mm does not take bf16 on this GPU (needs sm90+)")
+    moe.experts_fused(x, ids, weights, gate_up, down)  # compiles the kernels outside the sync check
     torch.cuda.set_sync_debug_mode("error")
     try:
+        fused = moe.experts_fused(x, ids, weights, gate_up, down)
         grouped = moe.experts_grouped(x, ids, weights, gate_up, down)
-        gathered = moe.experts_gathered(x, ids, weights, gate_up, down)
+        gathered = (
+            moe.experts_gathered(x, ids, weights, gate_up, down) if T * k <= moe.GATHER_MAX_ROWS else fused
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for name, out in (("grouped", grouped), ("gathered", gathered)):
+    for name, out in (("fused", fused), ("grouped", grouped), ("gathered", gathered)):
         err = float((out.float() - ref).abs().max())
         assert err <= 2e-2 * scale, f"{name}: {err} against {scale}"
 
@@ -83,7 +88,7 @@ def test_cuda_logits_match_the_fp32_cpu_forward(model):
 
 
 def test_decode_graph_replay_equals_eager_with_routing(model):
-    """A captured decode step of an MoE model (grouped experts, routing recorded into the table)
+    """A captured decode step of an MoE model (the default CUDA expert path, routing recorded into the table)
     replays with new inputs to the eager step's logits and routing."""
     from miles.engine.cuda_graph import DecodeGraphs
 
