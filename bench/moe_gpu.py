@@ -208,7 +208,7 @@ def decode_part(args, device: str) -> list[dict]:
                 print(
                     f"decode {w.name} round {r + 1} {m.label}: {tok_s[(w.name, m)][-1]:.0f} tok/s", flush=True
                 )
-    del engines
+    del engines, run
     free_memory()
     rows = []
     for w in loads:
