@@ -105,6 +105,14 @@ def run_in_process(model: Path, prompts, args, cuda_graph: bool) -> dict:
         with cProfile.Profile() as host:
             go(128)
         pstats.Stats(host).sort_stats("tottime").print_stats(18)
+        from torch.profiler import ProfilerActivity, profile
+
+        sched.slots.flush()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            go(64)  # whole steps: the host's operator calls and every kernel, graph replays included
+        table = prof.key_averages()
+        print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        print(table.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
     if sched.graphs is not None:
         out["graph_step_gpu_ms"] = graph_gpu_time(sched, args)
         if args.profile:

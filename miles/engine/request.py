@@ -94,20 +94,21 @@ def sampling_rows(reqs: list[Request], vocab: int, head: list[list[int]] | None 
 
 def prefill_groups(reqs: list[Request]) -> list[list[Request]]:
     """Split prefills so that padding each group to its longest member at most doubles the
-    attention work (query x key pairs); small prefills stay in one forward."""
-    reqs = sorted(reqs, key=lambda r: r.num_tokens, reverse=True)
+    attention work (query x key pairs); small prefills stay in one forward. One pass over the
+    requests, longest first (each group's running longest query and useful work kept as it grows)."""
     groups: list[list[Request]] = []
-    for req in reqs:
+    q_max = l_max = useful = 0
+    for req in sorted(reqs, key=lambda r: r.num_tokens, reverse=True):
+        n = req.num_tokens
+        q = n - req.kv_len
         if groups:
-            group = groups[-1]
-            head = group[0]
-            q_max, l_max = max(g.num_tokens - g.kv_len for g in group + [req]), head.num_tokens
-            padded = (len(group) + 1) * q_max * l_max
-            useful = sum((g.num_tokens - g.kv_len) * g.num_tokens for g in group + [req])
-            if padded <= max(2 * useful, 1 << 22):
-                group.append(req)
+            padded = (len(groups[-1]) + 1) * max(q_max, q) * l_max
+            if padded <= max(2 * (useful + q * n), 1 << 22):
+                groups[-1].append(req)
+                q_max, useful = max(q_max, q), useful + q * n
                 continue
         groups.append([req])
+        q_max, l_max, useful = q, n, q * n
     return groups
 
 

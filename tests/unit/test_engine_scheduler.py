@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.engine.request import prefill_groups
 from miles.engine.sampling import SamplingParams
 from miles.engine.scheduler import Request, Scheduler
 
@@ -305,3 +306,24 @@ def test_failing_steps_in_a_row_end_the_thread_and_later_requests_fail_at_once(t
         assert "died" in late.finish["message"]
     finally:
         sched.stop()
+
+
+def test_prefill_groups_bound_the_padding_and_keep_every_request():
+    """Each group padded to its longest query and key costs at most twice its useful query x key work
+    (or falls under the small-prefill floor), every request is in exactly one group, longest first."""
+    rng = random.Random(0)
+    for _ in range(50):
+        reqs = []
+        for i in range(rng.randrange(1, 60)):
+            n = rng.choice([rng.randrange(1, 40), rng.randrange(1, 4000)])
+            r = Request(str(i), [1] * n, SamplingParams(), i, frozenset())
+            r.kv_len = rng.randrange(0, n)
+            reqs.append(r)
+        groups = prefill_groups(reqs)
+        assert sorted(id(r) for g in groups for r in g) == sorted(id(r) for r in reqs)
+        lengths = [r.num_tokens for g in groups for r in g]
+        assert lengths == sorted(lengths, reverse=True)
+        for g in groups:
+            padded = len(g) * max(r.num_tokens - r.kv_len for r in g) * g[0].num_tokens
+            useful = sum((r.num_tokens - r.kv_len) * r.num_tokens for r in g)
+            assert len(g) == 1 or padded <= max(2 * useful, 1 << 22)
