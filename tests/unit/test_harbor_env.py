@@ -1,7 +1,7 @@
 """The `harbor` environment in real bubblewrap sandboxes, played with scripted assistant turns: tool
 calls in the compact and JSON forms act in /app, the verifier's reward ends the episode, an episode
 without a tool call is graded by the tests, a failed verifier masks the episode, and the options are
-checked."""
+checked; sandboxes started ahead by the pool, and the container backend's command line."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ from pathlib import Path
 import pytest
 
 from miles.agentic.envs.base import make_env
+from miles.agentic.harbor import sandboxes
+from miles.agentic.harbor.episode import Episode
+from miles.agentic.harbor.generate import make_task
+from miles.agentic.harbor.sandboxes import episode_settings, make_sandbox, task_image
+from miles.agentic.harbor.task import load_task
+from miles.agentic.sandbox.base import SandboxStartError
+from miles.agentic.sandbox.container import ContainerSandboxConfig
 from miles.rollout.tasks import EVAL_OFFSET
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -107,3 +114,61 @@ def test_options_are_checked() -> None:
         make_env("harbor")
     with pytest.raises(ValueError, match="exactly one of options.tasks"):
         make_env("harbor", tasks=str(SHIPPED), generate=True)
+    with pytest.raises(ValueError, match="start_ahead"):
+        make_env("harbor", generate=True, start_ahead=5, max_live=2)
+    with pytest.raises(ValueError, match="runtime"):
+        make_env("harbor", generate=True, backend={"runtime": "docker"})
+
+
+def test_episodes_take_sandboxes_started_ahead_and_leave_nothing() -> None:
+    """With start_ahead 2 an episode after the first finds its sandbox already created by the pool;
+    every sandbox (used or only started) is gone once the episodes and the pool are closed."""
+    env = make_env("harbor", generate=True, max_turns=2, start_ahead=2)
+
+    async def go():
+        paths, from_ready = [], []
+        for index in range(4):
+            pools = sandboxes._pools.get(asyncio.get_running_loop(), {})
+            await asyncio.sleep(0.2)  # the background starts of the previous hand-out
+            ready = [sb for pool in pools.values() for sb in pool._ready]
+            obs = await env.reset(env.make_task(1, index))
+            assert obs.info["sandbox_start_s"] >= 0
+            from_ready.append(env.episode.sandbox in ready)
+            paths.append(env.episode.sandbox.path)
+            result = await env.step("<tool_call>submit</tool_call>")
+            assert result.done and result.reward == 0.0
+            await env.close()
+            assert not paths[-1].exists(), "an episode's sandbox outlived it"
+        (pool,) = sandboxes._pools[asyncio.get_running_loop()].values()
+        started = [sb.path for sb in pool._ready]
+        assert len(started) == 2 and all(p.exists() for p in started)
+        await pool.close()
+        return from_ready, started
+
+    from_ready, started = asyncio.run(go())
+    assert from_ready == [False, True, True, True]
+    assert not any(p.exists() for p in started), "a sandbox started ahead outlived the pool"
+
+
+def test_container_backend_runs_the_task_image_with_harbor_directories(tmp_path) -> None:
+    """The apptainer backend's command line for a generated task: the Dockerfile's FROM image, the
+    episode's /app, /tests, /logs, /solution bound in, /app as working directory, no network; on a
+    host without apptainer the episode fails to start with a message naming it."""
+
+    task = load_task(make_task(tmp_path, 0, 0))
+    backend = ContainerSandboxConfig(runtime="apptainer")
+    assert task_image(task) == "docker://debian:bookworm-slim"
+    sb = make_sandbox(task, episode_settings(task), backend)
+    argv = sb._command("/node/sb-1", ["bash", "-c", "ls"])
+    assert argv[:2] == ["apptainer", "exec"] and "docker://debian:bookworm-slim" in argv
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
+    assert binds == ["/node/sb-1:/sandbox", "/node/sb-1/app:/app", "/node/sb-1/tests:/tests",
+                     "/node/sb-1/logs:/logs", "/node/sb-1/solution:/solution"]  # fmt: skip
+    assert argv[argv.index("--pwd") + 1] == "/app" and argv[argv.index("--network") + 1] == "none"
+    assert argv[-3:] == ["bash", "-c", "ls"]
+    enroot = make_sandbox(task, episode_settings(task), backend.model_copy(update={"runtime": "enroot"}))
+    argv = enroot._command("/node/sb-2", ["ls"])
+    assert "--mount" in argv and "/node/sb-2/app:/app" in argv and "/app" in argv[argv.index("sh") :]
+    if shutil.which("apptainer") is None:
+        with pytest.raises(SandboxStartError, match="apptainer not found"):
+            asyncio.run(Episode(task, backend=backend).start())

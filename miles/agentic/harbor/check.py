@@ -13,8 +13,11 @@ import asyncio
 from dataclasses import dataclass
 
 from miles.agentic.harbor.episode import Episode, VerifierResult
+from miles.agentic.harbor.sandboxes import prepare_image
 from miles.agentic.harbor.task import Task, TaskError
+from miles.agentic.sandbox.base import SandboxStartError
 from miles.agentic.sandbox.bwrap import BwrapSettings
+from miles.agentic.sandbox.container import ContainerSandboxConfig
 
 
 @dataclass
@@ -36,28 +39,36 @@ class TaskCheck:
         return oracle_ok and self.nothing.reward == 0.0
 
 
-async def check_task(task: Task, settings: BwrapSettings | None = None) -> TaskCheck:
+async def check_task(
+    task: Task, settings: BwrapSettings | None = None, backend: ContainerSandboxConfig | None = None
+) -> TaskCheck:
     try:
+        await prepare_image(task, backend)
         oracle = None
         if task.solution_dir is not None:
-            async with Episode(task, settings) as ep:
+            async with Episode(task, settings, backend=backend) as ep:
                 await ep.run_solution()
                 oracle = await ep.verify()
-        async with Episode(task, settings) as ep:
+        async with Episode(task, settings, backend=backend) as ep:
             nothing = await ep.verify()
         return TaskCheck(task.name, oracle, nothing)
     except TaskError as e:
         return TaskCheck(task.name, None, None, str(e))
+    except SandboxStartError as e:
+        return TaskCheck(task.name, None, None, f"no sandbox: {e}")
 
 
 async def check_tasks(
-    tasks: list[Task], jobs: int = 2, settings: BwrapSettings | None = None
+    tasks: list[Task],
+    jobs: int = 2,
+    settings: BwrapSettings | None = None,
+    backend: ContainerSandboxConfig | None = None,
 ) -> list[TaskCheck]:
     gate = asyncio.Semaphore(jobs)
 
     async def one(t: Task) -> TaskCheck:
         async with gate:
-            return await check_task(t, settings)
+            return await check_task(t, settings, backend)
 
     return list(await asyncio.gather(*(one(t) for t in tasks)))
 

@@ -16,7 +16,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except TaskError as e:
         print(f"miles: error: {e}", file=sys.stderr)
         return 2
-    table, ok = report(asyncio.run(check_tasks(tasks, jobs=args.jobs)))
+    from miles.agentic.sandbox.container import ContainerSandboxConfig
+
+    backend = None if args.runtime == "local" else ContainerSandboxConfig(runtime=args.runtime)
+    table, ok = report(asyncio.run(check_tasks(tasks, jobs=args.jobs, backend=backend)))
     print(table)
     return 0 if ok else 1
 
@@ -39,6 +42,12 @@ def add_tasks_command(sub: argparse._SubParsersAction) -> None:
     )
     q.add_argument("paths", nargs="+", help="task directories or folders of tasks")
     q.add_argument("--jobs", type=int, default=2, help="tasks checked at once")
+    q.add_argument(
+        "--runtime",
+        choices=("local", "apptainer", "enroot"),
+        default="local",
+        help="local: bubblewrap with this host's toolchain; apptainer / enroot: each task's own image",
+    )
     q.set_defaults(func=_cmd_check)
     q = tsub.add_parser("generate", help="write procedural tasks small enough for a tiny model")
     q.add_argument("out", help="dataset folder to write")

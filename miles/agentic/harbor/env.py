@@ -19,6 +19,12 @@ task's verifier runs and its reward is the episode's. A verifier that times out 
 reward marks the sample masked (`info["masked"]`): the producer leaves it out of its group and counts
 it (`rollout/masked_samples`), it is not trained on as reward 0.
 
+Sandboxes: `backend` None runs episodes in bubblewrap on this host; `backend: {runtime: apptainer}`
+(or enroot, with the fields of miles/agentic/sandbox/container.py's ContainerSandboxConfig) runs them
+in each task's own image. Episodes take their sandboxes from per-process pools that keep `start_ahead`
+of them started (miles/agentic/harbor/sandboxes.py); `agent/sandbox_start_s` is what an episode
+waited for its sandbox and the Dockerfile's replay.
+
 Task choice: with `tasks` (task directories or dataset folders) training episode `index` plays task
 `index mod n` and held-out episodes (indices from EVAL_OFFSET) play `eval_tasks` (default: the same
 tasks); with `generate` every index is its own task from miles/agentic/harbor/generate.py, written
@@ -27,8 +33,10 @@ once into a cache directory outside the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +44,9 @@ from miles.agentic.envs.base import Action, Message, StepResult
 from miles.agentic.envs.toolenv import ToolEnv
 from miles.agentic.envs.tools import Tool, ToolError, ToolOutcome
 from miles.agentic.harbor.episode import OUTPUT_LIMIT, Episode
+from miles.agentic.harbor.sandboxes import episode_settings, pool_for, prepare_image
 from miles.agentic.harbor.task import Task, load_dataset, load_task
+from miles.agentic.sandbox.container import ContainerSandboxConfig
 from miles.rollout.tasks import EVAL_OFFSET
 
 SYSTEM = (
@@ -67,8 +77,16 @@ class HarborEnv(ToolEnv):
         bash_timeout_s: float = 10.0,
         output_limit: int = OUTPUT_LIMIT,
         system_prompt: str = SYSTEM,
+        backend: dict[str, Any] | None = None,
+        start_ahead: int = 2,
+        max_live: int = 256,
     ) -> None:
         super().__init__(max_turns)
+        if not 0 <= start_ahead <= max_live:
+            raise ValueError(f"harbor: options.start_ahead={start_ahead} must be in 0..max_live={max_live}")
+        self.backend = ContainerSandboxConfig.model_validate(backend) if backend is not None else None
+        self.start_ahead, self.max_live = int(start_ahead), int(max_live)
+        self._held = contextlib.AsyncExitStack()
         if (tasks is None) == (not generate):
             raise ValueError(
                 "harbor: give exactly one of options.tasks (task folders) and options.generate: true"
@@ -129,14 +147,18 @@ class HarborEnv(ToolEnv):
 
     async def setup(self) -> None:
         self._submitted, self.outcome = False, {}
-        self.episode = Episode(_cached(self.task["path"]), output_limit=self.output_limit)
+        t0 = time.monotonic()
+        task = _cached(self.task["path"])
+        await prepare_image(task, self.backend)
+        pool = pool_for(task, episode_settings(task), self.backend, self.start_ahead, self.max_live)
+        sandbox = await self._held.enter_async_context(pool.acquire())  # closed and wiped by close()
+        self.episode = Episode(task, output_limit=self.output_limit, sandbox=sandbox)
         await self.episode.start()
-        self.outcome["sandbox_start_s"] = self.episode.start_s
+        self.outcome["sandbox_start_s"] = time.monotonic() - t0
 
     async def close(self) -> None:
-        if self.episode is not None:
-            episode, self.episode = self.episode, None
-            await episode.sandbox.close()
+        self.episode = None
+        await self._held.aclose()
 
     async def reset(self, task: dict[str, Any]):  # type: ignore[override]
         obs = await super().reset(task)

@@ -6,8 +6,9 @@ toolchain read-only and the episode's own directories at `/app` (the working dir
 environment/Dockerfile is replayed instead of built: WORKDIR (under /app), COPY/ADD of the build
 context's files, ENV, and RUN commands run in the sandbox without network. A RUN that fails (the
 image would have installed what the host lacks) refuses the task with TaskUnsupported naming the line;
-so does a task that has only a `docker_image`. Cluster backends run the image itself (apptainer /
-enroot, miles/agentic/sandbox/container.py).
+so does a task that has only a `docker_image`. Container backends (apptainer / enroot) run every
+command in the task's image itself with the same directories bound in, and replay the Dockerfile's
+steps after FROM inside it (miles/agentic/harbor/sandboxes.py).
 
 Verification, as Harbor defines it: /tests and /logs are emptied (nothing the agent planted there
 counts), tests/ is copied to /tests, `bash /tests/test.sh` runs under [verifier] timeout_sec with
@@ -22,15 +23,15 @@ import json
 import shlex
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
+from miles.agentic.harbor.sandboxes import APP, episode_settings, make_sandbox
 from miles.agentic.harbor.task import Task, TaskError
-from miles.agentic.sandbox.base import ExecResult
-from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings
+from miles.agentic.sandbox.base import ExecResult, Sandbox
+from miles.agentic.sandbox.bwrap import BwrapSettings
+from miles.agentic.sandbox.container import ContainerSandbox, ContainerSandboxConfig
 
-BINDS = (("app", "/app"), ("tests", "/tests"), ("logs", "/logs"), ("solution", "/solution"))
-APP = "/app"
 OUTPUT_LIMIT = 8192
 """Characters of a tool's output shown to the model (the rest is cut, and the cut is said)."""
 
@@ -61,24 +62,24 @@ def truncate(text: str, limit: int = OUTPUT_LIMIT) -> str:
 
 class Episode:
     """One task in its own sandbox (async context manager): `bash`, `read_file`, `write_file`,
-    `str_replace` for the agent, `run_solution` for the oracle, `verify` at the end."""
+    `str_replace` for the agent, `run_solution` for the oracle, `verify` at the end. The sandbox is
+    made here from `settings` and `backend` (miles/agentic/harbor/sandboxes.py), or handed in by a
+    pool (`sandbox`, made with `episode_settings(task)`), already created or not."""
 
     def __init__(
-        self, task: Task, settings: BwrapSettings | None = None, output_limit: int = OUTPUT_LIMIT
+        self,
+        task: Task,
+        settings: BwrapSettings | None = None,
+        output_limit: int = OUTPUT_LIMIT,
+        backend: ContainerSandboxConfig | None = None,
+        sandbox: Sandbox | None = None,
     ) -> None:
-        env = task.config.environment
-        base = settings or BwrapSettings()
-        limits = replace(
-            base.limits,
-            mem_mb=max(base.limits.mem_mb, env.memory_mb),
-            fsize_mb=max(base.limits.fsize_mb, min(env.storage_mb, 1024)),
-            cpu_s=max(base.limits.cpu_s, 60),
-            nproc=max(base.limits.nproc, 64 * env.cpus),
-        )
         self.task = task
-        self.settings = replace(base, binds=BINDS, chdir=APP, limits=limits)
-        self.sandbox = BwrapSandbox(self.settings)
-        self.env: dict[str, str] = dict(env.env)
+        self.settings = episode_settings(task, settings)
+        self.sandbox = sandbox if sandbox is not None else make_sandbox(task, self.settings, backend)
+        self.in_image = isinstance(self.sandbox, ContainerSandbox)
+        """Commands run in the task's own image (a container backend)."""
+        self.env: dict[str, str] = dict(task.config.environment.env)
         self.cwd = APP
         self.output_limit = output_limit
         self.start_s = 0.0
@@ -93,12 +94,13 @@ class Episode:
 
     async def start(self) -> None:
         t0 = time.monotonic()
-        if not self.task.steps and self.task.config.environment.docker_image:
+        if not self.in_image and not self.task.steps and self.task.config.environment.docker_image:
             raise TaskUnsupported(
                 f"{self.task.path}: only [environment] docker_image={self.task.base_image!r} describes the "
                 "environment; the local backend needs environment/Dockerfile (or run it with a container backend)"
             )
-        await self.sandbox.create()
+        if self.sandbox.path is None:  # type: ignore[attr-defined]  (a pool's sandbox comes created)
+            await self.sandbox.create()
         try:
             await self._replay()
         except BaseException:
@@ -123,12 +125,17 @@ class Episode:
                 timeout = self.task.config.environment.build_timeout_sec
                 res = await self._exec(step.args[0], timeout)
                 if not res.ok:
+                    fix = (
+                        "the sandbox has no network: bake these steps into an image and name it in "
+                        "[environment] docker_image"
+                        if self.in_image
+                        else f"the task's image ({self.task.base_image}) provides what this host's toolchain "
+                        "lacks: run it with a container backend"
+                    )
                     raise TaskUnsupported(
                         f"{where}: RUN {step.args[0]!r} failed here (exit {res.returncode}"
                         f"{', ' + res.killed_reason if res.killed_reason else ''}): "
-                        f"{(res.stderr or res.stdout).strip()[-300:]!r}. The task's image "
-                        f"({self.task.base_image}) provides what this host's toolchain lacks: run it with a "
-                        "container backend"
+                        f"{(res.stderr or res.stdout).strip()[-300:]!r}; {fix}"
                     )
 
     def _under_app(self, path: str, where: str) -> str:
@@ -136,7 +143,7 @@ class Episode:
         norm = str(Path(absolute))
         if norm != APP and not norm.startswith(APP + "/"):
             raise TaskUnsupported(
-                f"{where}: {path!r} is outside /app, the only directory the local backend serves"
+                f"{where}: {path!r} is outside /app, the only directory of the image an episode writes to"
             )
         return norm
 

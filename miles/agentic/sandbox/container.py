@@ -50,14 +50,16 @@ class ContainerSandboxConfig(Section):
     """Further runtime flags, placed before the image (e.g. --nv to see GPUs)."""
 
 
-def sandbox_image(profile: Profile, cfg: ContainerSandboxConfig) -> str:
-    image = cfg.image or profile.container.image
-    if not image:
-        raise ValueError(
-            f"profile {profile.name!r} has no container image for sandboxes: set container.image in "
-            f"profiles/{profile.name}.yaml or the sandbox config's `image`"
-        )
-    return image
+def sandbox_image(profile: Profile | None, cfg: ContainerSandboxConfig) -> str:
+    image = cfg.image or (profile.container.image if profile is not None else None)
+    if image:
+        return image
+    if profile is None:
+        raise ValueError("no container image for sandboxes: set the sandbox config's `image`")
+    raise ValueError(
+        f"profile {profile.name!r} has no container image for sandboxes: set container.image in "
+        f"profiles/{profile.name}.yaml or the sandbox config's `image`"
+    )
 
 
 def enroot_name(image: str) -> str:
@@ -66,35 +68,56 @@ def enroot_name(image: str) -> str:
     return "miles-sandbox-" + stem.removesuffix(".sqsh").replace(":", "+").replace("/", "+")
 
 
-def enroot_create_argv(profile: Profile, cfg: ContainerSandboxConfig) -> list[str]:
+def enroot_create_argv(profile: Profile | None, cfg: ContainerSandboxConfig) -> list[str]:
     """Once per node before enroot sandboxes start: unpack the image into a named container."""
     image = sandbox_image(profile, cfg)
     return ["enroot", "create", "--force", "--name", enroot_name(image), image]
 
 
 def container_argv(
-    profile: Profile, cfg: ContainerSandboxConfig, workdir: str, cmd: list[str], limits: Limits
+    profile: Profile | None,
+    cfg: ContainerSandboxConfig,
+    workdir: str,
+    cmd: list[str],
+    limits: Limits,
+    binds: tuple[tuple[str, str], ...] = (),
+    chdir: str = INSIDE,
 ) -> list[str]:
-    """The command line running `cmd` in a container with `workdir` at /sandbox (pure)."""
+    """The command line running `cmd` in a container with `workdir` at /sandbox (pure); `binds` also
+    puts sub-directories of `workdir` at absolute paths inside (Harbor's /app, /tests, /logs) and
+    `chdir` is the commands' working directory."""
     image = sandbox_image(profile, cfg)
     inner = [*prlimit_argv(cfg.prlimit, limits), *cmd]
+    mounts = [f"{workdir}:{INSIDE}", *(f"{workdir}/{sub}:{dest}" for sub, dest in binds)]
     if cfg.runtime == "apptainer":
         argv = ["apptainer", "exec", "--containall", "--no-home", "--cleanenv", "--no-privs"]
         if cfg.network == "none":
             argv += ["--net", "--network", "none"]
-        argv += ["--writable-tmpfs", "--bind", f"{workdir}:{INSIDE}", "--pwd", INSIDE]
+        argv += ["--writable-tmpfs", *(x for m in mounts for x in ("--bind", m)), "--pwd", chdir]
         argv += ["--env", f"HOME={INSIDE}", *cfg.extra_args, image]
         return argv + inner
+    if chdir != INSIDE:  # enroot start has no working-directory flag
+        inner = ["/bin/sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", chdir, *inner]
     argv = ["unshare", "--user", "--map-current-user", "--net", "--"] if cfg.network == "none" else []
-    argv += ["enroot", "start", "--mount", f"{workdir}:{INSIDE}", "--env", f"HOME={INSIDE}"]
+    argv += ["enroot", "start", *(x for m in mounts for x in ("--mount", m)), "--env", f"HOME={INSIDE}"]
     return argv + [*cfg.extra_args, enroot_name(image)] + inner
 
 
 class ContainerSandbox(BwrapSandbox):
     """A sandbox whose commands run in the cluster's container runtime (see the module docstring)."""
 
-    def __init__(self, profile: Profile, cfg: ContainerSandboxConfig, limits: Limits | None = None) -> None:
-        super().__init__(BwrapSettings(root=cfg.root, limits=limits or Limits(), bwrap=cfg.runtime))
+    def __init__(
+        self,
+        profile: Profile | None,
+        cfg: ContainerSandboxConfig,
+        limits: Limits | None = None,
+        binds: tuple[tuple[str, str], ...] = (),
+        chdir: str = INSIDE,
+    ) -> None:
+        settings = BwrapSettings(
+            root=cfg.root, limits=limits or Limits(), bwrap=cfg.runtime, binds=binds, chdir=chdir
+        )
+        super().__init__(settings)
         self.profile, self.cfg = profile, cfg
 
     def _check_runtime(self) -> None:
@@ -103,4 +126,5 @@ class ContainerSandbox(BwrapSandbox):
         sandbox_image(self.profile, self.cfg)
 
     def _command(self, workdir: str, cmd: list[str]) -> list[str]:
-        return container_argv(self.profile, self.cfg, workdir, cmd, self.settings.limits)
+        s = self.settings
+        return container_argv(self.profile, self.cfg, workdir, cmd, s.limits, s.binds, s.chdir)

@@ -1,0 +1,115 @@
+"""Where a Harbor episode's sandbox comes from: the backend, the task's image, pools that start ahead.
+
+Backends (`backend` option of the `harbor` environment and `miles tasks check --runtime`):
+- local (None): bubblewrap with the host's toolchain (miles/agentic/sandbox/bwrap.py); the task's
+  Dockerfile is replayed on it (miles/agentic/harbor/episode.py).
+- container ({runtime: apptainer | enroot, ...}, miles/agentic/sandbox/container.py's settings): every
+  command runs in the task's own image, `docker://` + [environment] docker_image or the Dockerfile's
+  FROM, with the episode's /app, /tests, /logs and /solution bound in and no network; the Dockerfile's
+  remaining steps are replayed inside it. enroot needs each image unpacked once per node
+  (`enroot create`), which `prepare_image` does the first time an image is met in the process.
+
+Pools: episodes draw their sandboxes from a SandboxPool (miles/agentic/sandbox/pool.py) per event
+loop, backend, image and limits, which keeps `start_ahead` sandboxes created in the background, so an
+episode does not wait for a start (a container's start takes far longer than bubblewrap's few
+milliseconds). A sandbox still serves one episode only, and is wiped when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import weakref
+from dataclasses import replace
+
+from miles.agentic.harbor.task import Task
+from miles.agentic.sandbox.base import Sandbox, SandboxStartError
+from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings
+from miles.agentic.sandbox.container import (
+    ContainerSandbox,
+    ContainerSandboxConfig,
+    enroot_create_argv,
+)
+from miles.agentic.sandbox.pool import SandboxPool
+
+BINDS = (("app", "/app"), ("tests", "/tests"), ("logs", "/logs"), ("solution", "/solution"))
+APP = "/app"
+
+
+def episode_settings(task: Task, base: BwrapSettings | None = None) -> BwrapSettings:
+    """The sandbox settings of one of `task`'s episodes: Harbor's directories, /app as working
+    directory, limits raised to what [environment] asks for."""
+    env = task.config.environment
+    base = base or BwrapSettings()
+    limits = replace(
+        base.limits,
+        mem_mb=max(base.limits.mem_mb, env.memory_mb),
+        fsize_mb=max(base.limits.fsize_mb, min(env.storage_mb, 1024)),
+        cpu_s=max(base.limits.cpu_s, 60),
+        nproc=max(base.limits.nproc, 64 * env.cpus),
+    )
+    return replace(base, binds=BINDS, chdir=APP, limits=limits)
+
+
+def task_image(task: Task) -> str:
+    """The image a container backend runs `task` in (docker:// unless the name says its source)."""
+    image = task.config.environment.docker_image or task.base_image
+    if not image:
+        raise SandboxStartError(
+            "no_image", f"{task.path}: no FROM in environment/Dockerfile and no docker_image"
+        )
+    return image if "://" in image else f"docker://{image}"
+
+
+def make_sandbox(task: Task, settings: BwrapSettings, backend: ContainerSandboxConfig | None) -> Sandbox:
+    """A new (not yet created) sandbox for one episode of `task`."""
+    if backend is None:
+        return BwrapSandbox(settings)
+    cfg = backend.model_copy(update={"image": task_image(task)})
+    return ContainerSandbox(None, cfg, settings.limits, settings.binds, settings.chdir)
+
+
+_prepared: set[str] = set()
+
+
+async def prepare_image(task: Task, backend: ContainerSandboxConfig | None) -> None:
+    """enroot: unpack the task's image into its named container once per process (apptainer pulls
+    and caches images itself; the local backend has none)."""
+    if backend is None or backend.runtime != "enroot":
+        return
+    cfg = backend.model_copy(update={"image": task_image(task)})
+    if cfg.image in _prepared:
+        return
+    argv = enroot_create_argv(None, cfg)
+    try:
+        done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxStartError("enroot_create", f"{' '.join(argv)}: {e}") from e
+    if done.returncode != 0:
+        raise SandboxStartError(
+            "enroot_create", f"{' '.join(argv)} exited {done.returncode}: {done.stderr[-300:]}"
+        )
+    _prepared.add(cfg.image)
+
+
+_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, SandboxPool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def pool_for(
+    task: Task,
+    settings: BwrapSettings,
+    backend: ContainerSandboxConfig | None,
+    start_ahead: int,
+    max_live: int,
+) -> SandboxPool:
+    """This event loop's pool of sandboxes for episodes like `task`'s (same backend, image, limits)."""
+    image = task_image(task) if backend is not None else None
+    key = (backend.model_dump_json() if backend is not None else None, image, settings, start_ahead, max_live)
+    pools = _pools.setdefault(asyncio.get_running_loop(), {})
+    if key not in pools:
+        pools[key] = SandboxPool(
+            lambda: make_sandbox(task, settings, backend), max_live=max_live, start_ahead=start_ahead
+        )
+    return pools[key]
