@@ -11,11 +11,9 @@ and slots of lower rank than the bank's (zero padding)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from interpreted import run_cases
 
 pytest.importorskip("triton", reason="Triton is not installed (it ships with PyTorch's CUDA builds)")
 
@@ -60,14 +58,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {
-        k: v for line in out.stdout.splitlines() if line.startswith("{") for k, v in json.loads(line).items()
-    }
+    return run_cases(__file__)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
