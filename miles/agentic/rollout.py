@@ -14,7 +14,13 @@ template renders it after the assistant turn, tokenised once (mask 0, log-prob 0
 of the turn before it, so a group's staleness is that of its oldest generated token). The episode
 ends when the environment says done, at `rollout.env.max_turns` turns or at
 `rollout.env.max_episode_tokens` tokens (then truncated; so does a later turn the engine refuses, e.g.
-past its context length). The sample's reward is the episode's return. No observation is appended
+past its context length). With `rollout.env.demonstrations` = d, the first d samples of each training group are played by
+the environment's `demonstration(task)` (a list of assistant turns) instead of the engine: each turn's
+text is tokenised (plus the end-of-turn token), scored by the engine for its log-probs under the
+current weights, and appended like a generated turn (mask 1); the environment then steps as usual,
+so the verifier scores the demonstration. `sample.metadata["demonstration"]` marks them, `agent/demonstrations` is their
+share of the step's episodes and `agent/success` leaves them out. Held-out episodes are always the model's.
+The sample's reward is the episode's return. No observation is appended
 after the last allowed turn, so a sample ends on a model turn (but for the token cap) and the routed
 experts of its last request (`return_routed_experts`, MoE routing replay) cover all of its tokens.
 
@@ -42,7 +48,7 @@ from miles.config import ConfigError
 from miles.config.plugins import load_function
 from miles.rollout.client import EngineError
 from miles.rollout.generate import Generator, parse_version
-from miles.rollout.tasks import Prompt
+from miles.rollout.tasks import EVAL_OFFSET, Prompt
 from miles.sample import Sample, Status
 
 _MARK = "\u2063MILES-TURN\u2063"
@@ -103,6 +109,24 @@ def _env_settings(gen: Generator) -> tuple[str, dict[str, Any], int | None, int]
         raise ConfigError("rollout.generate_fn=miles.agentic.rollout:env_generate needs rollout.env.name")
     e = cfg.env
     return e.name, dict(e.options), e.max_turns, e.max_episode_tokens
+
+
+def _demonstration(gen: Generator, env: Any, prompt: Prompt, s: Sample) -> list[str] | None:
+    """The environment's demonstration turns when this sample is one (module docstring), else None."""
+    wanted = gen.config.env.demonstrations if gen.config is not None else 0
+    episode = prompt.metadata.get("episode")
+    held_out = isinstance(episode, dict) and int(episode["index"]) >= EVAL_OFFSET
+    if s.index >= wanted or held_out:
+        return None
+    if gen.routed_experts:
+        raise ConfigError("rollout.env.demonstrations with train.routing_replay=rollout: not supported")
+    make = getattr(env, "demonstration", None)
+    turns = make() if make is not None else None
+    if turns is None and make is None:
+        raise ConfigError(
+            f"rollout.env.demonstrations: environment {type(env).__name__} has no demonstration()"
+        )
+    return turns
 
 
 def _episode_task(env: Any, prompt: Prompt) -> dict[str, Any]:
@@ -168,7 +192,14 @@ async def env_generate(gen: Generator, prompt: Prompt, s: Sample, sampling: dict
         history = list(obs.messages)
         s.prompt_ids = renderer.opening(history, tools)
         s.prompt = history[-1].get("content", "") if history else ""
-        await _play(gen, env, ep, history, sampling, renderer, tools, max_turns, max_tokens)
+        demo = _demonstration(gen, env, prompt, s)
+        if gen.config is not None and gen.config.env.demonstrations:
+            ep.facts["demonstrations"] = float(demo is not None)  # agent/demonstrations: their share
+        if demo is not None:
+            s.metadata["demonstration"] = True
+        await _play(gen, env, ep, history, sampling, renderer, tools, max_turns, max_tokens, demo)
+        if demo is not None:  # agent/success stays the model's own
+            ep.facts.pop("success", None)
     finally:
         await env.close()
     s.response = gen.encoder.decode(s.response_ids)
@@ -186,8 +217,10 @@ async def _play(
     tools: Any,
     max_turns: int | None,
     max_tokens: int,
+    demo: list[str] | None = None,
 ) -> None:
-    """Turns until the environment is done or a limit is hit; sets the sample's status and reward."""
+    """Turns until the environment is done or a limit is hit; sets the sample's status and reward.
+    With `demo`, its turns take the engine's place (module docstring)."""
     s = ep.s
     turns = min(t for t in (max_turns, getattr(env, "max_turns", None), 1 << 30) if t is not None)
     slot = hash((s.group_id, s.index))
@@ -199,7 +232,13 @@ async def _play(
         params = {**sampling, "max_new_tokens": min(int(sampling.get("max_new_tokens", left)), left)}
         t0 = time.monotonic()
         try:
-            r = await gen.call_engine(s, s.prompt_ids + s.response_ids, params, slot=slot)
+            if demo is not None:
+                if turn >= len(demo):
+                    break
+                forced = (renderer.encode_text(demo[turn]) + [renderer.eos_id])[:left]
+                r = await gen.call_forced(s, s.prompt_ids + s.response_ids, forced, slot=slot)
+            else:
+                r = await gen.call_engine(s, s.prompt_ids + s.response_ids, params, slot=slot)
         except EngineError as e:
             if not s.response_ids:
                 raise  # the first turn's request is refused: a configuration error, not an episode's

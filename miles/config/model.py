@@ -30,6 +30,9 @@ class TinyModelConfig(Section):
     """Model family (qwen3_moe: a mixture of experts, by default 4 experts, top-2, layer 0 dense)."""
     vocab_size: int = 384
     """Vocabulary of the locally trained BPE tokenizer."""
+    corpus: Literal["default", "coding"] = "default"
+    """Text the tokenizer is trained on: `coding` adds the procedural coding tasks' text and makes
+    `<tool_call>` / `</tool_call>` single tokens (miles/models/tiny.py)."""
     sizes: dict[str, int | list[int]] = {}
     """Config sizes over the family's tiny defaults (hidden 64, 2 layers, 4 heads, ...), e.g.
     {hidden_size: 128}; `mlp_only_layers` is a list of layer indices."""

@@ -41,6 +41,12 @@ class EnvConfig(Section):
     max_episode_tokens: int = 1024
     """Cap on an episode's tokens after the prompt (model turns plus observations); past it the
     episode ends truncated. `rollout.max_new_tokens` caps each turn."""
+    demonstrations: int = Field(default=0, ge=0)
+    """Per training group, this many episodes are played by the environment's own demonstration
+    (its `demonstration(task)` turns, e.g. a Harbor task's solution/solve.sh as one bash call) instead
+    of the model: off-policy guidance for tasks a policy would never solve by chance. Their tokens are
+    trained with the group's advantages like any sample, with the current policy's log-probs (one
+    scoring call to the engine per turn); held-out episodes never get one. 0: none."""
 
 
 class RolloutConfig(Section):

@@ -133,7 +133,9 @@ def _create_tiny(path: Path, tiny: TinyModelConfig, seed: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"miles: creating a tiny random model at {path} ({tiny.arch})", file=sys.stderr)
     try:
-        init_tiny(tmp, arch=tiny.arch, seed=seed, vocab_size=tiny.vocab_size, **tiny.sizes)
+        init_tiny(
+            tmp, arch=tiny.arch, seed=seed, vocab_size=tiny.vocab_size, corpus=tiny.corpus, **tiny.sizes
+        )
         os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,6 +3,11 @@
 The result is an ordinary Hugging Face directory (config.json, model.safetensors, tokenizer.json),
 loadable by transformers' Auto classes, used by tests and by the default CPU run. Digits are single
 tokens so that arithmetic tasks have one token per digit. Nothing is downloaded.
+
+The `coding` corpus (`model.tiny.corpus`) trains the BPE on text of the procedural coding tasks
+(miles/agentic/harbor/generate.py: their instructions, shell commands and compact tool calls) beside
+the default text, and makes `<tool_call>` and `</tool_call>` single tokens, as real chat models'
+tokenizers do: a tool call of such a task is then about ten tokens instead of forty.
 """
 
 from __future__ import annotations
@@ -44,8 +49,18 @@ def _corpus(n_lines: int, seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 384, seed: int = 0):
-    """A byte-level BPE tokenizer with single-digit tokens and a ChatML template."""
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+
+
+def _coding_corpus(n_lines: int, seed: int) -> list[str]:
+    from miles.agentic.harbor.generate import corpus_lines
+
+    return corpus_lines(n_lines, seed)
+
+
+def build_tokenizer(vocab_size: int = 384, seed: int = 0, corpus: str = "default"):
+    """A byte-level BPE tokenizer with single-digit tokens and a ChatML template (`corpus`: module
+    docstring)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -54,13 +69,17 @@ def build_tokenizer(vocab_size: int = 384, seed: int = 0):
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
+    if corpus not in ("default", "coding"):
+        raise ValueError(f"tiny tokenizer corpus {corpus!r}: use default or coding")
+    coding = corpus == "coding"
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    text = _corpus(4000, seed) + (_coding_corpus(4000, seed) if coding else [])
+    tok.train_from_iterator(text, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -70,6 +89,8 @@ def build_tokenizer(vocab_size: int = 384, seed: int = 0):
         additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
     )
     fast.chat_template = CHAT_TEMPLATE
+    if coding:  # plain added tokens: kept when decoding, where the environment parses the call
+        fast.add_tokens(TOOL_TOKENS)
     return fast
 
 
@@ -117,10 +138,15 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **sizes: 
 
 
 def init_tiny(
-    out_dir: str | Path, arch: str = "qwen2", seed: int = 0, vocab_size: int = 384, **sizes: int
+    out_dir: str | Path,
+    arch: str = "qwen2",
+    seed: int = 0,
+    vocab_size: int = 384,
+    corpus: str = "default",
+    **sizes: int,
 ) -> Path:
     """Create the tiny model directory (fp32 safetensors + tokenizer); returns its path."""
-    tok = build_tokenizer(vocab_size, seed)
+    tok = build_tokenizer(vocab_size, seed, corpus)
     cfg = model_config(arch, len(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
     return _write(Path(out_dir), cfg, tok, seed, "float32", "cpu")
 

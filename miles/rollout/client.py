@@ -287,6 +287,30 @@ class SGLangClient:
             body["lora_path"] = lora_path
         return GenerateResult.from_reply(await self._post("/generate", body, routing_key=routing_key))
 
+    async def score(
+        self, input_ids: list[int], start: int, routing_key: str | None = None, lora_path: str | None = None
+    ) -> tuple[list[float], str]:
+        """(log-probs of input_ids[start:] under the served weights, their weight version): one
+        /generate of max_new_tokens 0 with SGLang's `logprob_start_len` (a prefill, nothing sampled).
+        The rows start one position early: the first row of `input_token_logprobs` carries no log-prob."""
+        if not 0 < start <= len(input_ids):
+            raise ValueError(f"score: start={start} must be in 1..{len(input_ids)}")
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+        }
+        if lora_path is not None:
+            body["lora_path"] = lora_path
+        meta = (await self._post("/generate", body, routing_key=routing_key)).get("meta_info", {})
+        rows = meta.get("input_token_logprobs") or []
+        if len(rows) != len(input_ids) - start + 1:
+            raise EngineError(
+                self.url, f"score: {len(rows)} log-prob rows for {len(input_ids) - start + 1} positions"
+            )
+        return [float(r[0]) for r in rows[1:]], str(meta.get("weight_version", ""))
+
     async def tokenize(self, prompt: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `prompt` by the server's own tokenizer (SGLang's /tokenize)."""
         body = {"prompt": prompt, "add_special_tokens": add_special_tokens}

@@ -196,6 +196,31 @@ class Generator:
             return r
         return None
 
+    async def call_forced(
+        self, s: Sample, prefix: list[int], forced: list[int], slot: int | None = None
+    ) -> GenerateResult:
+        """A turn whose tokens are given (a demonstration) as if the engine had produced them: their
+        log-probs under the served weights from one scoring call (SGLang's logprob_start_len)."""
+        for attempt in range(1, self.max_attempts + 1):
+            await self.ready.wait()
+            client = self.clients[next(self._next) if slot is None else slot % len(self.clients)]
+            try:
+                logprobs, version = await client.score(
+                    prefix + forced, len(prefix), lora_path=s.metadata.get("lora_path")
+                )
+            except EngineError as e:
+                if (e.status is not None and 400 <= e.status < 500) or attempt == self.max_attempts:
+                    raise
+                if not self.unreachable(e):
+                    await asyncio.sleep(0.2 * attempt)
+                continue
+            return GenerateResult(
+                rid="", output_ids=list(forced), logprobs=logprobs, finish_reason="stop",
+                weight_version=version, weight_versions=[version] * len(forced),
+                prompt_tokens=len(prefix), completion_tokens=len(forced), cached_tokens=0,
+            )  # fmt: skip
+        raise AssertionError("unreachable")
+
     async def fill(self, s: Sample, r: GenerateResult) -> None:
         """Copy one engine answer into the sample and score it."""
         s.status = _FINISH.get(r.finish_reason, Status.FAILED)

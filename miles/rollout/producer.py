@@ -51,6 +51,7 @@ AGENT_KEYS = (
     "sandbox_failed",
     "verifier_s",
     "success",
+    "demonstrations",
 )
 """Per-episode facts of `sample.metadata["agent"]` reported as means (agent/<key>, times as *_time_s);
 a fact no episode of the step recorded is left out."""

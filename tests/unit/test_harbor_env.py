@@ -32,7 +32,7 @@ def _solve_generated(instruction: str) -> str:
     m = re.match(r"Create the file (\S+) in /app containing (\S+)\.", instruction)
     if m:
         return f"<tool_call>bash echo {m.group(2)} > {m.group(1)}</tool_call>"
-    m = re.match(r"Change the mode in /app/settings.txt to (\S+)\.", instruction)
+    m = re.match(r"Set mode=(\S+) in /app/settings.txt\.", instruction)
     assert m, instruction
     call = {"name": "bash", "arguments": {"command": f"sed -i s/^mode=.*/mode={m.group(1)}/ settings.txt"}}
     return f"<tool_call>{json.dumps(call)}</tool_call>"

@@ -133,3 +133,22 @@ def test_base_recipe_is_resolved_beside_its_recipe_and_trained_only_locally(tmp_
     with pytest.raises(ConfigError, match="base.yaml: its run failed"):
         ensure_model(plan, train_base=True)
     assert not model.exists() and not any(p.name.startswith(".base.tmp") for p in model.parent.iterdir())
+
+
+def test_coding_corpus_tokenizer_makes_tool_calls_short_and_keeps_them_in_text(tmp_path: Path) -> None:
+    """model.tiny.corpus=coding: <tool_call> / </tool_call> are single tokens that survive decoding (the
+    environment parses them), and a generated task's solving call is about ten tokens."""
+    from miles.launch.prepare import _create_tiny
+    from miles.models.tiny import build_tokenizer
+
+    cfg = resolve({"model": {"path": str(tmp_path / "m"), "tiny": {"corpus": "coding", "vocab_size": 512}}})
+    _create_tiny(tmp_path / "m", cfg.model.tiny, 0)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    call = "<tool_call>bash echo dog > beta.txt</tool_call>"
+    ids = tok.encode(call, add_special_tokens=False)
+    assert len(ids) <= 10 and tok.convert_ids_to_tokens(ids)[0] == "<tool_call>"
+    assert tok.decode(ids) == call
+    default = build_tokenizer(512, 0)
+    assert len(default.encode(call, add_special_tokens=False)) > 2 * len(ids)

@@ -143,6 +143,17 @@ class HarborEnv(ToolEnv):
             {"role": "user", "content": _cached(task["path"]).instruction.strip()},
         ]
 
+    def demonstration(self) -> list[str] | None:
+        """The current task's oracle as assistant turns (`rollout.env.demonstrations`): the body of
+        solution/solve.sh as one compact bash call (it runs in /app, as the verifier's oracle does),
+        then submit; None when the task has no solution."""
+        task = _cached(self.task["path"])
+        if task.solution_dir is None:
+            return None
+        lines = (task.solution_dir / "solve.sh").read_text().splitlines()
+        body = "\n".join(x for x in lines if x.strip() and not x.startswith("#!")).strip()
+        return [f"<tool_call>bash {body}</tool_call>", "<tool_call>submit</tool_call>"]
+
     # ---- episode -----------------------------------------------------------------------------------
 
     async def setup(self) -> None:

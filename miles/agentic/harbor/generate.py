@@ -4,7 +4,7 @@ Two kinds, drawn per index from a seeded generator (the same seed and index give
 
 - `create`: "Create the file NAME.txt in /app containing WORD." The tests compare the file's content
   (surrounding whitespace ignored) with WORD.
-- `edit`: /app/settings.txt holds `mode=OLD`; "Change the mode in /app/settings.txt to NEW." The tests
+- `edit`: /app/settings.txt holds `mode=OLD`; "Set mode=NEW in /app/settings.txt." The tests
   look for the line `mode=NEW` and no `mode=OLD`.
 
 Each task is a complete Harbor directory (task.toml, instruction.md, environment/Dockerfile, tests/test.sh,
@@ -48,34 +48,68 @@ def _write(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
-def make_task(out: Path, seed: int, index: int) -> Path:
-    """Write task `index` of `seed` into out/<kind>-<index> and return its directory."""
+def _draw(seed: int, index: int) -> tuple[str, str, str, dict[str, str]]:
+    """(kind, instruction, solution command run in /app, the task's other files) of task `index`."""
     rng = random.Random(seed * 1_000_003 + index)
     kind = rng.choice(("create", "edit"))
-    root = out / f"{kind}-{index:04d}"
     if kind == "create":
         name, word = rng.choice(NAMES), rng.choice(WORDS)
-        files = {
-            "instruction.md": f"Create the file {name}.txt in /app containing {word}.\n",
-            "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\n",
-            "tests/test.sh": TEST_HEAD
-            + f'if [ "$(tr -d "[:space:]" < /app/{name}.txt 2>/dev/null)" = "{word}" ]; then\n'
-            + "  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n",
-            "solution/solve.sh": f"#!/bin/bash\necho {word} > /app/{name}.txt\n",
-        }
-    else:
-        old, new = rng.sample(WORDS, 2)
-        files = {
-            "instruction.md": f"Change the mode in /app/settings.txt to {new}.\n",
+        instruction = f"Create the file {name}.txt in /app containing {word}."
+        check = f'[ "$(tr -d "[:space:]" < /app/{name}.txt 2>/dev/null)" = "{word}" ]'
+        return (
+            kind,
+            instruction,
+            f"echo {word} > {name}.txt",
+            {
+                "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\n",
+                "tests/test.sh": _test(check),
+            },
+        )
+    old, new = rng.sample(WORDS, 2)
+    instruction = f"Set mode={new} in /app/settings.txt."
+    check = f"grep -qx 'mode={new}' /app/settings.txt && ! grep -q 'mode={old}' /app/settings.txt"
+    return (
+        kind,
+        instruction,
+        f"sed -i s/^mode=.*/mode={new}/ settings.txt",
+        {
             "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY settings.txt /app/settings.txt\n",
             "environment/settings.txt": f"name=demo\nmode={old}\nlevel=3\n",
-            "tests/test.sh": TEST_HEAD
-            + f"if grep -qx 'mode={new}' /app/settings.txt && ! grep -q 'mode={old}' /app/settings.txt; then\n"
-            + "  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n",
-            "solution/solve.sh": f"#!/bin/bash\nsed -i 's/^mode=.*/mode={new}/' /app/settings.txt\n",
-        }
+            "tests/test.sh": _test(check),
+        },
+    )
+
+
+def _test(check: str) -> str:
+    return (
+        TEST_HEAD
+        + f"if {check}; then\n  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n"
+    )
+
+
+def make_task(out: Path, seed: int, index: int) -> Path:
+    """Write task `index` of `seed` into out/<kind>-<index> and return its directory."""
+    kind, instruction, solution, files = _draw(seed, index)
+    root = out / f"{kind}-{index:04d}"
+    files = {
+        "instruction.md": instruction + "\n",
+        "solution/solve.sh": f"#!/bin/bash\n{solution}\n",
+        **files,
+    }
     _write(root, {"task.toml": TOML.format(kind=kind), **files})
     return root
+
+
+def corpus_lines(n: int, seed: int) -> list[str]:
+    """Text of `n` tasks (instruction, the compact tool calls solving it, tool output) for training a
+    tiny model's tokenizer (miles/models/tiny.py's `coding` corpus)."""
+    lines = []
+    for i in range(n):
+        _, instruction, solution, _ = _draw(seed, i)
+        lines.append(
+            f"{instruction} <tool_call>bash {solution}</tool_call> [exit code 0] <tool_call>submit</tool_call>"
+        )
+    return lines
 
 
 def generate(out: str | Path, n: int, seed: int = 0, start: int = 0) -> list[Path]:
