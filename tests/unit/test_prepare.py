@@ -137,7 +137,7 @@ def test_base_recipe_is_resolved_beside_its_recipe_and_trained_only_locally(tmp_
 
 def test_coding_corpus_tokenizer_makes_tool_calls_short_and_keeps_them_in_text(tmp_path: Path) -> None:
     """model.tiny.corpus=coding: <tool_call> / </tool_call> are single tokens that survive decoding (the
-    environment parses them), and a generated task's solving call is about ten tokens."""
+    environment parses them), and a generated task's solving call is about a dozen tokens."""
     from miles.launch.prepare import _create_tiny
     from miles.models.tiny import build_tokenizer
 
@@ -148,7 +148,19 @@ def test_coding_corpus_tokenizer_makes_tool_calls_short_and_keeps_them_in_text(t
     tok = AutoTokenizer.from_pretrained(tmp_path / "m")
     call = "<tool_call>bash echo dog > beta.txt</tool_call>"
     ids = tok.encode(call, add_special_tokens=False)
-    assert len(ids) <= 10 and tok.convert_ids_to_tokens(ids)[0] == "<tool_call>"
+    assert len(ids) <= 13 and tok.convert_ids_to_tokens(ids)[0] == "<tool_call>"
     assert tok.decode(ids) == call
     default = build_tokenizer(512, 0)
     assert len(default.encode(call, add_special_tokens=False)) > 2 * len(ids)
+
+
+def test_coding_tokenizer_gives_each_task_word_one_token_in_every_context() -> None:
+    from miles.agentic.harbor.generate import NAMES, WORDS
+    from miles.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(512, 0, "coding")
+    for word in NAMES + WORDS:
+        alone = tok.encode(word, add_special_tokens=False)
+        assert len(alone) == 1, word
+        for context in (f"containing {word}.", f"mode={word}/", f"echo {word} > x"):
+            assert alone[0] in tok.encode(context, add_special_tokens=False), (word, context)
