@@ -120,13 +120,11 @@ def _demonstration(gen: Generator, env: Any, prompt: Prompt, s: Sample) -> list[
         return None
     if gen.routed_experts:
         raise ConfigError("rollout.env.demonstrations with train.routing_replay=rollout: not supported")
-    make = getattr(env, "demonstration", None)
-    turns = make() if make is not None else None
-    if turns is None and make is None:
+    if not hasattr(env, "demonstration"):
         raise ConfigError(
             f"rollout.env.demonstrations: environment {type(env).__name__} has no demonstration()"
         )
-    return turns
+    return env.demonstration()
 
 
 def _episode_task(env: Any, prompt: Prompt) -> dict[str, Any]:

@@ -168,19 +168,42 @@ class Generator:
         """One /generate for sample `s`, sent again while aborted or while the engine is unreachable
         (at most max_attempts times); None when it never finished (then `s.status` says why).
         `slot` pins the engine (the same one for every turn of an episode: its prefix cache)."""
+        lora = s.metadata.get("lora_path")
+        return await self._send(
+            s, slot,
+            lambda c: c.generate(input_ids, params, return_routed_experts=self.routed_experts, lora_path=lora),
+        )  # fmt: skip
+
+    async def call_forced(
+        self, s: Sample, prefix: list[int], forced: list[int], slot: int | None = None
+    ) -> GenerateResult | None:
+        """A turn whose tokens are given (a demonstration) as if the engine had produced them: their
+        log-probs under the served weights from one scoring call (SGLang's logprob_start_len); sent
+        again as `call_engine` is, None when it never got through."""
+
+        async def score(client: SGLangClient) -> GenerateResult:
+            logprobs, version = await client.score(
+                prefix + forced, len(prefix), lora_path=s.metadata.get("lora_path")
+            )
+            return GenerateResult(
+                rid="", output_ids=list(forced), logprobs=logprobs, finish_reason="stop",
+                weight_version=version, weight_versions=[version] * len(forced),
+                prompt_tokens=len(prefix), completion_tokens=len(forced), cached_tokens=0,
+            )  # fmt: skip
+
+        return await self._send(s, slot, score)
+
+    async def _send(
+        self, s: Sample, slot: int | None, request: Callable[[SGLangClient], Awaitable[GenerateResult]]
+    ) -> GenerateResult | None:
+        """`request` on the chosen engine, repeated while aborted or unreachable (call_engine)."""
         for attempt in range(1, self.max_attempts + 1):
             s.metadata["attempts"] = max(s.metadata.get("attempts", 0), attempt)  # the most any call took
             await self.ready.wait()
             pick = next(self._next) if slot is None else slot % len(self.clients)
-            client = self.clients[pick]
             self.active += 1
             try:
-                r = await client.generate(
-                    input_ids,
-                    params,
-                    return_routed_experts=self.routed_experts,
-                    lora_path=s.metadata.get("lora_path"),
-                )
+                r = await request(self.clients[pick])
             except EngineError as e:
                 if e.status is not None and 400 <= e.status < 500:
                     raise  # the request itself is wrong: repeating it cannot help
@@ -195,31 +218,6 @@ class Generator:
                 continue
             return r
         return None
-
-    async def call_forced(
-        self, s: Sample, prefix: list[int], forced: list[int], slot: int | None = None
-    ) -> GenerateResult:
-        """A turn whose tokens are given (a demonstration) as if the engine had produced them: their
-        log-probs under the served weights from one scoring call (SGLang's logprob_start_len)."""
-        for attempt in range(1, self.max_attempts + 1):
-            await self.ready.wait()
-            client = self.clients[next(self._next) if slot is None else slot % len(self.clients)]
-            try:
-                logprobs, version = await client.score(
-                    prefix + forced, len(prefix), lora_path=s.metadata.get("lora_path")
-                )
-            except EngineError as e:
-                if (e.status is not None and 400 <= e.status < 500) or attempt == self.max_attempts:
-                    raise
-                if not self.unreachable(e):
-                    await asyncio.sleep(0.2 * attempt)
-                continue
-            return GenerateResult(
-                rid="", output_ids=list(forced), logprobs=logprobs, finish_reason="stop",
-                weight_version=version, weight_versions=[version] * len(forced),
-                prompt_tokens=len(prefix), completion_tokens=len(forced), cached_tokens=0,
-            )  # fmt: skip
-        raise AssertionError("unreachable")
 
     async def fill(self, s: Sample, r: GenerateResult) -> None:
         """Copy one engine answer into the sample and score it."""

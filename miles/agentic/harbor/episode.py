@@ -82,8 +82,6 @@ class Episode:
         self.env: dict[str, str] = dict(task.config.environment.env)
         self.cwd = APP
         self.output_limit = output_limit
-        self.start_s = 0.0
-        """Seconds the sandbox took to start and replay the Dockerfile."""
 
     async def __aenter__(self) -> Episode:
         await self.start()
@@ -93,7 +91,6 @@ class Episode:
         await self.sandbox.close()
 
     async def start(self) -> None:
-        t0 = time.monotonic()
         if not self.in_image and not self.task.steps and self.task.config.environment.docker_image:
             raise TaskUnsupported(
                 f"{self.task.path}: only [environment] docker_image={self.task.base_image!r} describes the "
@@ -106,7 +103,6 @@ class Episode:
         except BaseException:
             await self.sandbox.close()
             raise
-        self.start_s = time.monotonic() - t0
 
     async def _replay(self) -> None:
         dockerfile = self.task.environment_dir / "Dockerfile"
