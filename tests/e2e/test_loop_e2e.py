@@ -78,7 +78,8 @@ def test_two_engines_behind_router(recipe) -> None:
 
 
 def test_preempt_file_checkpoints_exits_and_resumes(recipe) -> None:
-    path, run_dir = recipe(train={"steps": 6}, rollout={"schedule": "async"})
+    # far more steps than the run can take before the file is seen, however fast the machine
+    path, run_dir = recipe(train={"steps": 1000}, rollout={"schedule": "async"})
     proc = miles_train(str(path))
     try:
         wait_for_step(run_dir, 2, proc)
@@ -88,10 +89,15 @@ def test_preempt_file_checkpoints_exits_and_resumes(recipe) -> None:
     finally:
         stop(proc)
     stopped_at = steps_of(run_dir)[-1]
-    assert stopped_at < 6 and (run_dir / "checkpoints" / f"step_{stopped_at}" / ".complete").exists()
-    # continue on two trainer ranks: the checkpoint reshards, rank 0 feeds both the same batches
-    finish(miles_train(str(path), "--resume", str(run_dir), "--set", "train.num_ranks=2"))
-    assert steps_of(run_dir) == list(range(1, 7))
+    assert stopped_at >= 2 and (run_dir / "checkpoints" / f"step_{stopped_at}" / ".complete").exists()
+    # continue on two trainer ranks for two more steps: the checkpoint reshards, rank 0 feeds both
+    end = stopped_at + 2
+    finish(
+        miles_train(
+            str(path), "--resume", str(run_dir), "--set", "train.num_ranks=2", "--set", f"train.steps={end}"
+        )
+    )
+    assert steps_of(run_dir) == list(range(1, end + 1))
     assert not (run_dir / "control" / "preempt").exists()
     assert "resumed from checkpoint" in (run_dir / "logs" / "trainer-1.log").read_text()
 
