@@ -19,8 +19,11 @@ Megatron run's training MFU as well), the engine's decode throughput in process 
 
 CPU figures are ratios measured in one process, so that they travel between machines: packed-row
 attention (miles/train/varlen_attention.py) against right-padded rows on a long-tailed length mix,
-forward + backward (a T x T mask instead of sequence offsets shows here as a ratio far below 1), and
-the embedded engine against transformers' `generate` (bench/engine_decode.py, long-tailed workload).
+forward + backward (a T x T mask instead of sequence offsets shows here as a ratio far below 1), the
+embedded engine against transformers' `generate` (bench/engine_decode.py, long-tailed workload), and
+the engine's MoE layer (router + experts by its CPU path, miles/engine/moe.py) against transformers'
+eager Qwen3-MoE block on the same weights and tokens (a per-token or dense expert path shows as a
+ratio far below 1; the Triton kernels of the CUDA path have no CPU counterpart).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ RUNS: dict[str, dict[str, list[str]]] = {
     "cpu": {
         "attention": ["bench.guard", "--attention-probe"],
         "engine_cpu": ["bench.engine_decode", "--workload", "long-tailed", "--requests", "96"],
+        "moe_cpu": ["bench.guard", "--moe-probe"],
     },
 }
 FIGURES: dict[str, list[Figure]] = {
@@ -100,8 +104,20 @@ FIGURES: dict[str, list[Figure]] = {
         Figure(
             "engine_vs_generate", "engine_cpu", lambda r: r["long-tailed"]["engine_vs_generate"], True, "x"
         ),
+        Figure("moe_engine_vs_eager", "moe_cpu", lambda r: r["eager_s"] / r["engine_s"], True, "x"),
     ],
 }
+
+
+def _fastest(fn, rounds: int = 7) -> float:
+    """Seconds of the fastest of `rounds` timed calls after one untimed (the least disturbed by load)."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def attention_probe(out: Path) -> None:
@@ -128,18 +144,43 @@ def attention_probe(out: Path) -> None:
     def run_padded():
         F.scaled_dot_product_attention(*padded, is_causal=True).sum().backward()
 
-    def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    res = {"lengths": lengths, "packed_s": timed(run_packed), "padded_s": timed(run_padded)}
+    res = {"lengths": lengths, "packed_s": _fastest(run_packed), "padded_s": _fastest(run_padded)}
     out.write_text(json.dumps(res))
     print(json.dumps({k: v for k, v in res.items() if k != "lengths"}))
+
+
+def moe_probe(out: Path) -> None:
+    """The engine's sparse MLP (miles/engine/moe.py: route, then the CPU expert path) against
+    transformers' Qwen3MoeSparseMoeBlock with its eager experts, the same weights and 256 tokens: hidden
+    256, 32 experts of 128, top-4, fp32, forward only. The outputs must agree (else no figure)."""
+    import torch
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from miles.engine.moe import MoeSpec, sparse_mlp
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=256, moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4, norm_topk_prob=True
+    )
+    cfg._experts_implementation = "eager"
+    block = Qwen3MoeSparseMoeBlock(cfg).eval()
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.05)
+    spec = MoeSpec(num_experts=32, top_k=4, intermediate_size=128, norm_topk_prob=True, sparse_layers=(0,))
+    x = torch.randn(256, 256)
+    weights = (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj)
+
+    with torch.no_grad():
+        ours, theirs = sparse_mlp(x, *weights, spec)[0], block(x[None])[0]
+        if not torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4):
+            raise SystemExit(f"engine and transformers differ by {(ours - theirs).abs().max().item():.3g}")
+        res = {
+            "engine_s": _fastest(lambda: sparse_mlp(x, *weights, spec)),
+            "eager_s": _fastest(lambda: block(x[None])),
+        }
+    out.write_text(json.dumps(res))
+    print(json.dumps(res))
 
 
 def run_benchmark(argv: list[str], out: Path, log: Path) -> tuple[dict | None, float, str]:
@@ -203,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-baseline", action="store_true", help="store this run's figures as the baseline")
     p.add_argument("--commit", default=None, help="the code's commit, where this copy has no git history")
     p.add_argument("--attention-probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--moe-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.attention_probe:
-        attention_probe(Path(args.out))
+    if args.attention_probe or args.moe_probe:
+        (attention_probe if args.attention_probe else moe_probe)(Path(args.out))
         return 0
     mode = "cpu" if args.cpu else "gpu"
     runs = {k: v for k, v in RUNS[mode].items() if not args.only or k in args.only}

@@ -3,10 +3,13 @@
 
     OPENAI_BASE_URL=http://.../sessions/<id>/v1 python3 delegating_agent.py < task.txt
 
-It reads the task from standard input, delegates it to a sub-agent (a session of its own, opened with
-`POST {base_url}/subagents`), then asks its own model for the final answer given the sub-agent's reply,
-and prints that answer as its last line. Both conversations are recorded by Miles' session server and
-trained on as trajectories of one episode. Run by `miles.agentic.program:program_agent`.
+It reads the task from standard input and makes a first attempt, delegates the task to a sub-agent (a
+session of its own, opened with `POST {base_url}/subagents`), then compacts its context: the final
+question is the task and the sub-agent's reply, without its own first attempt. It prints the final
+answer as its last line. Miles' session server records all of it: the first attempt and the compacted
+history are two branches of the agent's session (an edited history forks), the sub-agent's conversation
+a third, and all three are trained on as trajectories of one episode. Run by
+`miles.agentic.program:program_agent`.
 """
 
 from __future__ import annotations
@@ -24,20 +27,23 @@ def main() -> int:
     task = sys.stdin.read().strip()
     base_url = os.environ["OPENAI_BASE_URL"]
     model = os.environ.get("AGENT_MODEL", "policy")
+    main_agent = OpenAI(base_url=base_url, api_key="unused")
+    first = main_agent.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": task}], max_tokens=MAX_TOKENS
+    )
+    attempt = first.choices[0].message.content or ""
     sub = httpx.post(f"{base_url}/subagents", json={"metadata": {"role": "solver"}}, timeout=30).json()
     solver = OpenAI(base_url=sub["base_url"], api_key="unused")
     draft = solver.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": task}], max_tokens=MAX_TOKENS
+        model=model,
+        messages=[{"role": "user", "content": f"{task}\nA first attempt says: {attempt}"}],
+        max_tokens=MAX_TOKENS,
     )
     hint = draft.choices[0].message.content or ""
-    main_agent = OpenAI(base_url=base_url, api_key="unused")
+    # compaction: the history is rewritten to the task and the helper's reply only
     final = main_agent.chat.completions.create(
         model=model,
-        messages=[
-            {"role": "user", "content": task},
-            {"role": "assistant", "content": "Asking a helper."},
-            {"role": "user", "content": f"The helper says: {hint}"},
-        ],
+        messages=[{"role": "user", "content": f"{task}\nThe helper says: {hint}"}],
         max_tokens=MAX_TOKENS,
     )
     print(final.choices[0].message.content or "")

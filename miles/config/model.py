@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from miles.config.base import Section
 
@@ -33,6 +33,10 @@ class TinyModelConfig(Section):
     corpus: Literal["default", "coding"] = "default"
     """Text the tokenizer is trained on: `coding` adds the procedural coding tasks' text and makes
     `<tool_call>` / `</tool_call>` single tokens (miles/models/tiny.py)."""
+    pretrain_steps: int = Field(0, ge=0)
+    """Causal-LM steps on the corpus's base text before the model is written: a base model instead of
+    a random one (coding: shell sessions and comments, never a task's instruction or a tool call;
+    ~50 s for 3000 steps on 2 cores). 0: random weights."""
     sizes: dict[str, int | list[int]] = {}
     """Config sizes over the family's tiny defaults (hidden 64, 2 layers, 4 heads, ...), e.g.
     {hidden_size: 128}; `mlp_only_layers` is a list of layer indices."""

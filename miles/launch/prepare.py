@@ -131,10 +131,17 @@ def _create_tiny(path: Path, tiny: TinyModelConfig, seed: int) -> None:
 
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"miles: creating a tiny random model at {path} ({tiny.arch})", file=sys.stderr)
+    what = f"base model ({tiny.pretrain_steps} pretraining steps)" if tiny.pretrain_steps else "random model"
+    print(f"miles: creating a tiny {what} at {path} ({tiny.arch})", file=sys.stderr)
     try:
         init_tiny(
-            tmp, arch=tiny.arch, seed=seed, vocab_size=tiny.vocab_size, corpus=tiny.corpus, **tiny.sizes
+            tmp,
+            arch=tiny.arch,
+            seed=seed,
+            vocab_size=tiny.vocab_size,
+            corpus=tiny.corpus,
+            pretrain_steps=tiny.pretrain_steps,
+            **tiny.sizes,
         )
         os.rename(tmp, path)
     finally:

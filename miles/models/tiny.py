@@ -10,6 +10,12 @@ the default text, makes `<tool_call>` and `</tool_call>` single tokens, as real 
 tokenizers do, and keeps spaces as tokens of their own, so that a word is one and the same token in
 an instruction and in a command (`containing red`, `mode=red`): a tool call of such a task is then
 about fifteen tokens instead of forty.
+
+`pretrain_steps` > 0 makes a base model instead of a random one: that many causal-LM steps (AdamW,
+batches of 32 documents) on the corpus's base text before the model is written. For `coding` that is
+shell sessions and comments (generate.py's `shell_text`, never a task's instruction or a tool call), so
+that RL starts, as it does with real models, from a model that has read some shell: a random model
+of this size needs thousands of examples before it copies a word from its prompt into its answer.
 """
 
 from __future__ import annotations
@@ -58,6 +64,34 @@ def _coding_corpus(n_lines: int, seed: int) -> list[str]:
     from miles.agentic.harbor.generate import corpus_lines
 
     return corpus_lines(n_lines, seed)
+
+
+def base_text(corpus: str, n_docs: int, seed: int) -> list[str]:
+    """Documents a base model of `corpus` is pretrained on (module docstring)."""
+    if corpus == "coding":
+        from miles.agentic.harbor.generate import shell_text
+
+        return shell_text(n_docs, seed)
+    return _corpus(n_docs, seed)
+
+
+def pretrain(model, tok, docs: list[str], steps: int, seed: int, lr: float = 3e-3, batch: int = 32) -> float:
+    """`steps` causal-LM steps on batches of `docs` drawn with `seed`; returns the last batch's loss."""
+    import torch
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        enc = tok(rng.sample(docs, batch), return_tensors="pt", padding=True)
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        loss = model(**enc, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    return loss.item()
 
 
 def build_tokenizer(vocab_size: int = 384, seed: int = 0, corpus: str = "default"):
@@ -151,22 +185,31 @@ def init_tiny(
     seed: int = 0,
     vocab_size: int = 384,
     corpus: str = "default",
+    pretrain_steps: int = 0,
     **sizes: int,
 ) -> Path:
-    """Create the tiny model directory (fp32 safetensors + tokenizer); returns its path."""
+    """Create the tiny model directory (fp32 safetensors + tokenizer), random or, with
+    `pretrain_steps`, a base (module docstring); returns its path."""
     tok = build_tokenizer(vocab_size, seed, corpus)
     cfg = model_config(arch, len(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
-    return _write(Path(out_dir), cfg, tok, seed, "float32", "cpu")
+    base = None
+    if pretrain_steps:
+        docs = base_text(corpus, 20_000, seed)
+        base = lambda model: pretrain(model, tok, docs, pretrain_steps, seed)  # noqa: E731
+    return _write(Path(out_dir), cfg, tok, seed, "float32", "cpu", base)
 
 
-def _write(out: Path, cfg, tok, seed: int, dtype: str, device: str) -> Path:
-    """Random-initialise `cfg` (seeded) and save it with the tokenizer as an HF model directory."""
+def _write(out: Path, cfg, tok, seed: int, dtype: str, device: str, before_save=None) -> Path:
+    """Random-initialise `cfg` (seeded), apply `before_save` to the model if given, and save it with
+    the tokenizer as an HF model directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    if before_save is not None:
+        before_save(model)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """A black-box agent end to end: `miles train` of the default task with `miles.agentic.program:program_agent`
-running examples/agents/delegating_agent.py, a separate program that knows only its OpenAI base_url and
-delegates each task to a sub-agent session. Both sessions' trajectories reach the trainer as one
-episode (two branches of weight 1/2 each) and the steps train."""
+running examples/agents/delegating_agent.py, a separate program that knows only its OpenAI base_url,
+delegates each task to a sub-agent session and compacts its own context. Its first attempt, its
+compacted history (a fork of its session) and the sub-agent's conversation reach the trainer as one
+episode (three branches of weight 1/3 each) and the steps train."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_an_external_program_with_a_sub_agent_trains(tmp_path, tiny_model) -> No
     steps = [r for r in read_metrics(tmp_path / "runs" / "blackbox") if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        # every episode: the program's own session and its sub-agent's, one trained call each
-        assert r["agent/branches"] == 2 and r["agent/turns"] >= 1
-        assert r["rollout/batch_samples"] == 2 * 4 * 2
+        # every episode: the program's first attempt, its compacted history and its sub-agent's call
+        assert r["agent/branches"] == 3 and r["agent/turns"] >= 1
+        assert r["rollout/batch_samples"] == 3 * 4 * 2
         assert r["train/tokens"] >= r["rollout/batch_samples"] and r["train/grad_norm"] > 0

@@ -1,5 +1,5 @@
 """bench/guard.py: a figure worse than its baseline by more than the tolerance fails the guard, named;
-the CPU attention probe runs and is judged against a baseline file."""
+the CPU probes (attention, MoE) run and are judged against a baseline file."""
 
 from __future__ import annotations
 
@@ -44,3 +44,16 @@ def test_cpu_probe_fails_against_an_unreachable_baseline_and_names_the_figure(tm
     assert stored["tolerance"] == 0.10 and stored["machine"]
     # a copy without the code's git history names the commit it was given
     assert stored["commit"] == json.loads(again.read_text())["commit"] == "abc1234"
+
+
+def test_cpu_moe_probe_compares_the_engine_layer_with_transformers(tmp_path, capsys) -> None:
+    """The MoE figure: the probe checks that both layers give one result before it times them."""
+    base = tmp_path / "baseline.json"
+    base.write_text(json.dumps({"cpu": {"moe_engine_vs_eager": {"value": 1e6}}}))
+    rc = guard.main(
+        ["--cpu", "--only", "moe_cpu", "--baseline", str(base), "--out", str(tmp_path / "g.json")]
+    )
+    assert rc == 1 and "guard FAILED: moe_engine_vs_eager" in capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "g.json").read_text())["figures"]
+    raw = json.loads((tmp_path / "g.json").read_text())["outputs"]["moe_cpu"]
+    assert row["verdict"] == "WORSE" and row["value"] == raw["eager_s"] / raw["engine_s"] > 0

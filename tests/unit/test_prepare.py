@@ -164,3 +164,32 @@ def test_coding_tokenizer_gives_each_task_word_one_token_in_every_context() -> N
         assert len(alone) == 1, word
         for context in (f"containing {word}.", f"mode={word}/", f"echo {word} > x"):
             assert alone[0] in tok.encode(context, add_special_tokens=False), (word, context)
+
+
+def test_pretrain_steps_make_a_base_that_writes_shell_and_the_text_holds_no_task(tmp_path: Path) -> None:
+    """model.tiny.pretrain_steps: the model written has been trained on the coding corpus's shell text
+    (its loss on unseen documents falls well below a random model's), and that text is shell only: no
+    task instruction, no tool call, no /app, so the tasks themselves are left to RL."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miles.agentic.harbor.generate import _draw, shell_text
+    from miles.launch.prepare import _create_tiny
+
+    docs = shell_text(2000, 0)
+    instructions = {_draw(0, i)[1].split(" in ")[0] for i in range(200)}  # "Create the file x.txt", "Set mode=y"
+    assert not any("<tool_call>" in d or "/app" in d or any(i in d for i in instructions) for d in docs)
+
+    def loss_on_unseen(path: Path) -> float:
+        tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+        enc = tok(shell_text(64, 7), return_tensors="pt", padding=True)
+        with torch.no_grad():
+            return model(**enc, labels=enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)).loss.item()
+
+    for name, steps in (("random", 0), ("base", 150)):
+        tiny = resolve({"model": {"tiny": {"corpus": "coding", "vocab_size": 512, "pretrain_steps": steps}}})
+        _create_tiny(tmp_path / name, tiny.model.tiny, 0)
+    random_loss, base_loss = loss_on_unseen(tmp_path / "random"), loss_on_unseen(tmp_path / "base")
+    assert random_loss > 5.0 and base_loss < 1.5, (random_loss, base_loss)
+    with pytest.raises(ConfigError, match="pretrain_steps"):
+        resolve({"model": {"tiny": {"pretrain_steps": -1}}})

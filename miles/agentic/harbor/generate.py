@@ -9,6 +9,11 @@ Two kinds, drawn per index from a seeded generator (the same seed and index give
 
 Each task is a complete Harbor directory (task.toml, instruction.md, environment/Dockerfile, tests/test.sh,
 solution/solve.sh): `miles tasks check` runs them like any other, and so would Harbor.
+
+`shell_text` is the other side: text a tiny base model is pretrained on (`model.tiny.pretrain_steps`),
+shell sessions and comments about files and a settings file in the tasks' vocabulary, as a real base
+model has read shell before it is trained as an agent. It never holds a task's instruction, the tool
+calls or `/app`: what the agent makes of an instruction, and how it calls a tool, is left to RL.
 """
 
 from __future__ import annotations
@@ -110,6 +115,50 @@ def corpus_lines(n: int, seed: int) -> list[str]:
             f"{instruction} <tool_call>bash {solution}</tool_call> [exit code 0] <tool_call>submit</tool_call>"
         )
     return lines
+
+
+# comments above a command in shell_text, in phrasings other than the tasks' instructions
+FILE_COMMENTS = (
+    "# {name}.txt holds {word}",
+    "# put {word} in {name}.txt",
+    "# write {word} into the file {name}.txt",
+    "# {name}.txt should say {word}",
+    "# a file {name}.txt with {word} in it",
+    "# save the word {word} as {name}.txt",
+    "# make {name}.txt contain {word}",
+)
+MODE_COMMENTS = (
+    "# mode {word}",
+    "# change the mode to {word}",
+    "# mode should be {word} in settings.txt",
+    "# switch settings.txt to mode={word}",
+    "# use mode={word}",
+)
+
+
+def shell_text(n: int, seed: int) -> list[str]:
+    """`n` short shell documents (module docstring): sessions that write, read and edit files, and
+    commands under a comment saying what they do."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        word, other = rng.sample(WORDS, 2)
+        name = rng.choice(NAMES)
+        echo, cat = f"$ echo {word} > {name}.txt", f"$ cat {name}.txt"
+        sed = f"$ sed -i s/^mode=.*/mode={word}/ settings.txt"
+        docs.append(
+            rng.choice(
+                (
+                    f"{echo}\n{cat}\n{word}",
+                    f"$ ls\n{name}.txt\n{cat}\n{word}",
+                    f"{cat}\n{other}\n{echo}\n{cat}\n{word}",
+                    rng.choice(FILE_COMMENTS).format(name=name, word=word) + f"\n{echo}",
+                    f"$ cat settings.txt\nmode={other}\n{sed}\n$ cat settings.txt\nmode={word}",
+                    rng.choice(MODE_COMMENTS).format(word=word) + f"\n{sed}",
+                )
+            )
+        )
+    return docs
 
 
 def generate(out: str | Path, n: int, seed: int = 0, start: int = 0) -> list[Path]:
