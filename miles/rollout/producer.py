@@ -96,7 +96,7 @@ class ProducerStats:
             "rollout/tokens_per_s": self.tokens / elapsed,
             "rollout/samples_per_s": self.samples / elapsed,
         }
-        if self.masked:
+        if self.masked or self.episodes:  # agentic runs log it every step, 0 included
             out["rollout/masked_samples"] = float(self.masked)
         for key, values in self.episodes.items():
             out[f"agent/{_AGENT_NAMES.get(key, key)}"] = sum(values) / len(values)

@@ -119,21 +119,43 @@ def corpus_lines(n: int, seed: int) -> list[str]:
 
 # comments above a command in shell_text, in phrasings other than the tasks' instructions
 FILE_COMMENTS = (
-    "# {name}.txt holds {word}",
-    "# put {word} in {name}.txt",
-    "# write {word} into the file {name}.txt",
-    "# {name}.txt should say {word}",
-    "# a file {name}.txt with {word} in it",
-    "# save the word {word} as {name}.txt",
-    "# make {name}.txt contain {word}",
+    "{name}.txt holds {word}",
+    "put {word} in {name}.txt",
+    "write {word} into the file {name}.txt",
+    "{name}.txt should say {word}",
+    "a file {name}.txt with {word} in it",
+    "save the word {word} as {name}.txt",
+    "make {name}.txt contain {word}",
+    "new file {name}.txt, content: {word}",
+    "the file {name}.txt with the text {word}",
+    "{name}.txt gets the word {word}",
+    "fill {name}.txt with {word}",
 )
 MODE_COMMENTS = (
-    "# mode {word}",
-    "# change the mode to {word}",
-    "# mode should be {word} in settings.txt",
-    "# switch settings.txt to mode={word}",
-    "# use mode={word}",
+    "mode {word}",
+    "change the mode to {word}",
+    "mode should be {word} in settings.txt",
+    "switch settings.txt to mode={word}",
+    "use mode={word}",
+    "in settings.txt the mode becomes {word}",
+    "settings.txt: mode={word}",
 )
+
+
+# other words of comments: a comment of random words around the name and the word (shell_text) makes
+# the word the thing to copy wherever it stands, whatever words precede it
+FILLER = ("the", "a", "with", "and", "then", "only", "here", "text", "line", "value", "as", "to", "of",
+          "is", "new", "first", "keep", "file", "for", "into")  # fmt: skip
+
+# what a comment may end with, so that a word is copied from wherever it stands in a sentence
+COMMENT_TAILS = ("", "", " in /tmp", " in /srv/data", " in this directory", " now", " for the test")
+
+
+def _comment(rng: random.Random, phrase: str) -> str:
+    text = phrase + rng.choice(COMMENT_TAILS)
+    if rng.random() < 0.5 and not text.startswith(NAMES + WORDS):  # a name or word keeps its case
+        text = text[0].upper() + text[1:]
+    return "# " + text + ("." if rng.random() < 0.5 else "")
 
 
 def shell_text(n: int, seed: int) -> list[str]:
@@ -146,15 +168,22 @@ def shell_text(n: int, seed: int) -> list[str]:
         name = rng.choice(NAMES)
         echo, cat = f"$ echo {word} > {name}.txt", f"$ cat {name}.txt"
         sed = f"$ sed -i s/^mode=.*/mode={word}/ settings.txt"
+        if rng.random() < 0.3:
+            words = [*rng.sample(FILLER, 3), f"{name}.txt", word]
+            rng.shuffle(words)
+            file_comment = _comment(rng, " ".join(words))
+        else:
+            file_comment = _comment(rng, rng.choice(FILE_COMMENTS).format(name=name, word=word))
+        mode_comment = _comment(rng, rng.choice(MODE_COMMENTS).format(word=word))
         docs.append(
             rng.choice(
                 (
                     f"{echo}\n{cat}\n{word}",
                     f"$ ls\n{name}.txt\n{cat}\n{word}",
                     f"{cat}\n{other}\n{echo}\n{cat}\n{word}",
-                    rng.choice(FILE_COMMENTS).format(name=name, word=word) + f"\n{echo}",
+                    f"{file_comment}\n{echo}",
                     f"$ cat settings.txt\nmode={other}\n{sed}\n$ cat settings.txt\nmode={word}",
-                    rng.choice(MODE_COMMENTS).format(word=word) + f"\n{sed}",
+                    f"{mode_comment}\n{sed}",
                 )
             )
         )
