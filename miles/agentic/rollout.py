@@ -107,8 +107,10 @@ def _env_settings(gen: Generator) -> tuple[str, dict[str, Any], int | None, int]
     cfg = gen.config
     if cfg is None or cfg.env.name is None:
         raise ConfigError("rollout.generate_fn=miles.agentic.rollout:env_generate needs rollout.env.name")
+    from miles.agentic.envs.base import env_options
+
     e = cfg.env
-    return e.name, dict(e.options), e.max_turns, e.max_episode_tokens
+    return e.name, env_options(e.name, e.options, e.sandbox), e.max_turns, e.max_episode_tokens
 
 
 def _demonstration(gen: Generator, env: Any, prompt: Prompt, s: Sample) -> list[str] | None:
@@ -365,10 +367,9 @@ def _agent_task(gen: Generator, prompt: Prompt) -> dict[str, Any]:
     cfg = gen.config
     episode = prompt.metadata.get("episode")
     if cfg is not None and cfg.env.name is not None and isinstance(episode, dict):
-        from miles.agentic.envs.base import make_env
+        from miles.agentic.envs.base import env_options, make_env
 
-        return make_env(cfg.env.name, **cfg.env.options).make_task(
-            int(episode["seed"]), int(episode["index"])
-        )
+        options = env_options(cfg.env.name, cfg.env.options, cfg.env.sandbox)
+        return make_env(cfg.env.name, **options).make_task(int(episode["seed"]), int(episode["index"]))
     meta = {k: v for k, v in prompt.metadata.items() if k != "sampling"}
     return {"prompt": prompt.text, "answer": prompt.answer, **meta}

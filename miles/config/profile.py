@@ -69,8 +69,26 @@ class NvmeProfile(Section):
     """Set train.optimizer_offload=nvme with train.offload_dir on the first path unless the recipe says otherwise."""
 
 
+class ContainerSandboxConfig(Section):
+    """How episode sandboxes run in a container runtime on a cluster's nodes (miles/agentic/sandbox/
+    container.py): a profile's `container.sandbox`, a run's `rollout.env.sandbox`."""
+
+    runtime: Literal["apptainer", "enroot"] = "apptainer"
+    """Container runtime on the compute nodes."""
+    image: str | None = None
+    """Image of the sandboxes (None: the profile's `container.image`; Harbor episodes: the task's own)."""
+    network: Literal["none", "host"] = "none"
+    """`none`: only a loopback inside; `host`: the node's network (tools that must download)."""
+    root: str = "/tmp/miles-sandbox"
+    """Node-local directory holding the per-episode directories (never the run directory)."""
+    prlimit: str = "/usr/bin/prlimit"
+    """prlimit inside the image."""
+    extra_args: list[str] = []
+    """Further runtime flags, placed before the image (e.g. --nv to see GPUs)."""
+
+
 class ContainerProfile(Section):
-    """The image every srun step runs in (pyxis / enroot)."""
+    """The image every srun step runs in (pyxis / enroot), and the runtime of episode sandboxes."""
 
     enabled: bool = False
     """Run steps in a container (srun --container-image ...)."""
@@ -82,6 +100,9 @@ class ContainerProfile(Section):
     """SRC:DST mounts; the run directory is always mounted at the same path."""
     workdir: str | None = None
     """Working directory inside the container."""
+    sandbox: ContainerSandboxConfig | None = None
+    """How agent episodes' sandboxes run on these nodes (e.g. {runtime: enroot}): jobs submitted with
+    this profile get it as `rollout.env.sandbox` unless the recipe sets one. None: bubblewrap."""
 
 
 class DetectRule(Section):
@@ -189,6 +210,8 @@ def profile_defaults(profile: Profile) -> dict[str, Any]:
     from miles.config.loading import deep_merge
 
     derived: dict[str, Any] = {"launch": {"profile": profile.name}}
+    if profile.container.sandbox is not None:
+        derived["rollout"] = {"env": {"sandbox": profile.container.sandbox.model_dump(mode="json")}}
     if profile.nvme.offload_by_default and profile.nvme.paths:
         derived["train"] = {
             "optimizer_offload": "nvme",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from miles.config.base import ConfigError, Section
+from miles.config.profile import ContainerSandboxConfig
 
 
 class TaskConfig(Section):
@@ -33,6 +34,11 @@ class EnvConfig(Section):
     """Environment name (`calculator`, `guess`, ...) or `module:Class`; see miles/agentic/envs."""
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""
+    sandbox: ContainerSandboxConfig | None = None
+    """Where the environment's episode sandboxes run, for environments that take a `backend` (harbor):
+    None, bubblewrap on this host; {runtime: apptainer | enroot, ...}, a container runtime of the
+    cluster's nodes (Harbor: each task's own image). `miles submit` sets it from the profile's
+    `container.sandbox` unless the recipe does."""
     max_turns: int | None = None
     """Cap on assistant turns per episode (None: the environment's own `max_turns`)."""
     render_tools: bool = True
@@ -47,6 +53,16 @@ class EnvConfig(Section):
     of the model: off-policy guidance for tasks a policy would never solve by chance. Their tokens are
     trained with the group's advantages like any sample, with the current policy's log-probs (one
     scoring call to the engine per turn); held-out episodes never get one. 0: none."""
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _scalar_options(cls, options: object) -> object:
+        if isinstance(options, dict):
+            for key, value in options.items():
+                if isinstance(value, (dict, list)):
+                    where = " (a sandbox backend goes in rollout.env.sandbox)" if key == "backend" else ""
+                    raise ValueError(f"option {key!r} must be a string, number or boolean{where}")
+        return options
 
 
 class RolloutConfig(Section):

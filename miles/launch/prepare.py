@@ -67,10 +67,10 @@ def _check_episode_plugins(plan: Plan) -> None:
 
         load_agent_fn(r.agent_fn)
     if r.env.name is not None:
-        from miles.agentic.envs.base import make_env
+        from miles.agentic.envs.base import env_options, make_env
 
         try:
-            make_env(r.env.name, **dict(r.env.options))
+            make_env(r.env.name, **env_options(r.env.name, r.env.options, r.env.sandbox))
         except ValueError as e:
             raise ConfigError(f"rollout.env: {e}") from None
 

@@ -172,3 +172,39 @@ def test_container_backend_runs_the_task_image_with_harbor_directories(tmp_path)
     if shutil.which("apptainer") is None:
         with pytest.raises(SandboxStartError, match="apptainer not found"):
             asyncio.run(Episode(task, backend=backend).start())
+
+
+def test_the_sandbox_backend_comes_from_the_profile_and_reaches_the_harbor_environment() -> None:
+    """`miles submit` with a profile whose container.sandbox says enroot gives the run
+    rollout.env.sandbox = enroot; the harbor environment gets it as its backend, an environment
+    without sandboxes does not; a recipe may set its own; a dict in rollout.env.options is refused
+    with a message naming where a backend goes."""
+    from miles.agentic.envs.base import env_options
+    from miles.config import resolve
+    from miles.config.base import ConfigError
+    from miles.config.profile import load_profile, profile_defaults
+
+    harbor = {"generate_fn": "miles.agentic.rollout:env_generate", "task": {"name": "env"},
+              "env": {"name": "harbor", "options": {"generate": True}}}  # fmt: skip
+    on_h200 = resolve({"rollout": harbor}, profile_defaults=profile_defaults(load_profile("h200")))
+    assert on_h200.rollout.env.sandbox.runtime == "enroot"
+    assert resolve({"rollout": harbor}).rollout.env.sandbox is None  # this host: bubblewrap
+    own = {**harbor, "env": {**harbor["env"], "sandbox": {"runtime": "apptainer", "network": "host"}}}
+    mine = resolve({"rollout": own}, profile_defaults=profile_defaults(load_profile("h200")))
+    assert (mine.rollout.env.sandbox.runtime, mine.rollout.env.sandbox.network) == ("apptainer", "host")
+    local = {**harbor, "env": {**harbor["env"], "sandbox": None}}
+    assert (
+        resolve(
+            {"rollout": local}, profile_defaults=profile_defaults(load_profile("h200"))
+        ).rollout.env.sandbox
+        is None
+    )
+
+    env = on_h200.rollout.env
+    env_ = make_env(env.name, **env_options(env.name, env.options, env.sandbox))
+    assert env_.backend is not None and env_.backend.runtime == "enroot"
+    assert "backend" not in env_options("calculator", {}, env.sandbox)
+    make_env("calculator", **env_options("calculator", {}, env.sandbox))
+    bad = {**harbor, "env": {**harbor["env"], "options": {"backend": {"runtime": "enroot"}}}}
+    with pytest.raises(ConfigError, match="a sandbox backend goes in rollout.env.sandbox"):
+        resolve({"rollout": bad})

@@ -151,3 +151,14 @@ def make_env(name_or_path: str, **options: Any) -> Environment:
         return cls(**options)
     except TypeError as e:
         raise ValueError(f"environment {name_or_path!r}: bad options {sorted(options)} ({e})") from e
+
+
+def env_options(name_or_path: str, options: dict[str, Any], sandbox: Any = None) -> dict[str, Any]:
+    """`rollout.env.options`, plus `rollout.env.sandbox` as the constructor option an environment
+    class names in its `sandbox_option` attribute (harbor: `backend`); environments without one have
+    no container sandboxes to place and get nothing."""
+    options = dict(options)
+    key = getattr(load_env_class(name_or_path), "sandbox_option", None) if sandbox is not None else None
+    if key is not None:
+        options[key] = sandbox
+    return options

@@ -19,9 +19,9 @@ task's verifier runs and its reward is the episode's. A verifier that times out 
 reward marks the sample masked (`info["masked"]`): the producer leaves it out of its group and counts
 it (`rollout/masked_samples`), it is not trained on as reward 0.
 
-Sandboxes: `backend` None runs episodes in bubblewrap on this host; `backend: {runtime: apptainer}`
-(or enroot, with the fields of miles/agentic/sandbox/container.py's ContainerSandboxConfig) runs them
-in each task's own image. Episodes take their sandboxes from per-process pools that keep `start_ahead`
+Sandboxes: `backend` (in a run: `rollout.env.sandbox`, by default the profile's `container.sandbox`)
+None runs episodes in bubblewrap on this host; {runtime: apptainer} or enroot (the fields of
+miles/config/profile.py's ContainerSandboxConfig) runs them in each task's own image. Episodes take their sandboxes from per-process pools that keep `start_ahead`
 of them started (miles/agentic/harbor/sandboxes.py); `agent/sandbox_start_s` is what an episode
 waited for its sandbox and the Dockerfile's replay.
 
@@ -66,6 +66,8 @@ class HarborEnv(ToolEnv):
     """Harbor tasks with sandboxed coding tools; see the module docstring."""
 
     name = "harbor"
+    sandbox_option = "backend"
+    """The constructor option `rollout.env.sandbox` is given as (miles/agentic/envs/base.py)."""
 
     def __init__(
         self,
@@ -77,7 +79,7 @@ class HarborEnv(ToolEnv):
         bash_timeout_s: float = 10.0,
         output_limit: int = OUTPUT_LIMIT,
         system_prompt: str = SYSTEM,
-        backend: dict[str, Any] | None = None,
+        backend: dict[str, Any] | ContainerSandboxConfig | None = None,
         start_ahead: int = 2,
         max_live: int = 256,
     ) -> None:

@@ -25,29 +25,10 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Literal
 
 from miles.agentic.sandbox.base import Limits, SandboxStartError
 from miles.agentic.sandbox.bwrap import INSIDE, BwrapSandbox, BwrapSettings, prlimit_argv
-from miles.config.base import Section
-from miles.config.profile import Profile
-
-
-class ContainerSandboxConfig(Section):
-    """How episode sandboxes run on a cluster's nodes (a candidate `container.sandbox` profile section)."""
-
-    runtime: Literal["apptainer", "enroot"] = "apptainer"
-    """Container runtime on the compute nodes."""
-    image: str | None = None
-    """Image of the sandboxes (None: the profile's `container.image`)."""
-    network: Literal["none", "host"] = "none"
-    """`none`: only a loopback inside; `host`: the node's network (tools that must download)."""
-    root: str = "/tmp/miles-sandbox"
-    """Node-local directory holding the per-episode directories (never the run directory)."""
-    prlimit: str = "/usr/bin/prlimit"
-    """prlimit inside the image."""
-    extra_args: list[str] = []
-    """Further runtime flags, placed before the image (e.g. --nv to see GPUs)."""
+from miles.config.profile import ContainerSandboxConfig, Profile
 
 
 def sandbox_image(profile: Profile | None, cfg: ContainerSandboxConfig) -> str:
