@@ -177,14 +177,16 @@ def test_pretrain_steps_make_a_base_that_writes_shell_and_the_text_holds_no_task
     from miles.launch.prepare import _create_tiny
 
     docs = shell_text(2000, 0)
-    instructions = {_draw(0, i)[1].split(" in ")[0] for i in range(200)}  # "Create the file x.txt", "Set mode=y"
+    # "Create the file x.txt", "Set mode=y"
+    instructions = {_draw(0, i)[1].split(" in ")[0] for i in range(200)}
     assert not any("<tool_call>" in d or "/app" in d or any(i in d for i in instructions) for d in docs)
 
     def loss_on_unseen(path: Path) -> float:
         tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
         enc = tok(shell_text(64, 7), return_tensors="pt", padding=True)
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
         with torch.no_grad():
-            return model(**enc, labels=enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)).loss.item()
+            return model(**enc, labels=labels).loss.item()
 
     for name, steps in (("random", 0), ("base", 150)):
         tiny = resolve({"model": {"tiny": {"corpus": "coding", "vocab_size": 512, "pretrain_steps": steps}}})
