@@ -20,6 +20,7 @@ of this size needs thousands of examples before it copies a word from its prompt
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -195,7 +196,7 @@ def init_tiny(
     base = None
     if pretrain_steps:
         docs = base_text(corpus, 20_000, seed)
-        base = lambda model: pretrain(model, tok, docs, pretrain_steps, seed)  # noqa: E731
+        base = functools.partial(pretrain, tok=tok, docs=docs, steps=pretrain_steps, seed=seed)
     return _write(Path(out_dir), cfg, tok, seed, "float32", "cpu", base)
 
 
