@@ -21,9 +21,10 @@ it (`rollout/masked_samples`), it is not trained on as reward 0.
 
 Sandboxes: `backend` (in a run: `rollout.env.sandbox`, by default the profile's `container.sandbox`)
 None runs episodes in bubblewrap on this host; {runtime: apptainer} or enroot (the fields of
-miles/config/profile.py's ContainerSandboxConfig) runs them in each task's own image. Episodes take their sandboxes from per-process pools that keep `start_ahead`
-of them started (miles/agentic/harbor/sandboxes.py); `agent/sandbox_start_s` is what an episode
-waited for its sandbox and the Dockerfile's replay.
+miles/config/profile.py's ContainerSandboxConfig) runs them in each task's own image. Episodes take
+their sandboxes from per-process pools that keep `start_ahead` of them started
+(miles/agentic/harbor/sandboxes.py); `agent/sandbox_start_s` is what an episode waited for its
+sandbox and the Dockerfile's replay.
 
 Task choice: with `tasks` (task directories or dataset folders) training episode `index` plays task
 `index mod n` and held-out episodes (indices from EVAL_OFFSET) play `eval_tasks` (default: the same

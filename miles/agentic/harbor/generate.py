@@ -147,7 +147,8 @@ MODE_COMMENTS = (
 FILLER = ("the", "a", "with", "and", "then", "only", "here", "text", "line", "value", "as", "to", "of",
           "is", "new", "first", "keep", "file", "for", "into")  # fmt: skip
 
-# what a comment may end with, so that a word is copied from wherever it stands in a sentence
+# what a comment may end with (nothing, twice as often as each tail), so that a word is copied from
+# wherever it stands in a sentence
 COMMENT_TAILS = ("", "", " in /tmp", " in /srv/data", " in this directory", " now", " for the test")
 
 
