@@ -1,8 +1,33 @@
-"""Shared fixtures: a tiny real model written once per test session."""
+"""Shared fixtures: a tiny real model written once per test session; the images of the apptainer
+sandbox backend."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
+
+IMAGES = Path(os.environ.get("MILES_TEST_IMAGES", "/var/cache/miles-images"))
+"""Images the shipped Harbor tasks name, as `apptainer pull` names them (containers/stand-in-images.sh)."""
+
+
+@pytest.fixture(scope="session")
+def apptainer_images() -> str:
+    """The image directory of the apptainer backend's tests. Skips where apptainer or the images are
+    missing, unless MILES_REQUIRE_APPTAINER=1 (CI installs both), where that is a failure."""
+    missing = []
+    if shutil.which("apptainer") is None:
+        missing.append("apptainer (bash containers/apptainer.sh)")
+    if not (IMAGES / "python_3.11-slim.sif").is_file():
+        missing.append(f"the test images in {IMAGES} (bash containers/stand-in-images.sh {IMAGES})")
+    if missing:
+        message = "needs " + " and ".join(missing)
+        if os.environ.get("MILES_REQUIRE_APPTAINER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return str(IMAGES)
 
 
 @pytest.fixture(scope="session")

@@ -77,6 +77,11 @@ class ContainerSandboxConfig(Section):
     """Container runtime on the compute nodes."""
     image: str | None = None
     """Image of the sandboxes (None: the profile's `container.image`; Harbor episodes: the task's own)."""
+    image_dir: str | None = None
+    """Directory of images pulled ahead (nodes without registry access): a registry image
+    `docker://NAME:TAG` is run from the file the runtime's own pull writes here, `NAME_TAG.sif`
+    (`apptainer pull`) or `NAME+TAG.sqsh` (`enroot import`), and a missing file is an error naming
+    the command that pulls it. None: straight from the registry."""
     network: Literal["none", "host"] = "none"
     """`none`: only a loopback inside; `host`: the node's network (tools that must download)."""
     root: str = "/tmp/miles-sandbox"

@@ -20,7 +20,7 @@ from miles.agentic.harbor.generate import make_task
 from miles.agentic.harbor.sandboxes import episode_settings, make_sandbox, task_image
 from miles.agentic.harbor.task import load_task
 from miles.agentic.sandbox.base import SandboxStartError
-from miles.agentic.sandbox.container import ContainerSandboxConfig
+from miles.agentic.sandbox.container import REAPER, ContainerSandboxConfig
 from miles.rollout.tasks import EVAL_OFFSET
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -160,8 +160,10 @@ def test_container_backend_runs_the_task_image_with_harbor_directories(tmp_path)
     assert task_image(task) == "docker://debian:bookworm-slim"
     sb = make_sandbox(task, episode_settings(task), backend)
     argv = sb._command("/node/sb-1", ["bash", "-c", "ls"])
-    assert argv[:2] == ["apptainer", "exec"] and "docker://debian:bookworm-slim" in argv
-    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
+    assert argv[1:3] == ["-I", REAPER]  # the runtime's forks die with the episode's owner
+    runtime = argv.index("apptainer")
+    assert argv[runtime + 1 : runtime + 3] == ["--silent", "exec"] and "docker://debian:bookworm-slim" in argv
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--bind", "--home")]
     assert binds == ["/node/sb-1:/sandbox", "/node/sb-1/app:/app", "/node/sb-1/tests:/tests",
                      "/node/sb-1/logs:/logs", "/node/sb-1/solution:/solution"]  # fmt: skip
     assert argv[argv.index("--pwd") + 1] == "/app" and argv[argv.index("--network") + 1] == "none"

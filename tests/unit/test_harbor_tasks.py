@@ -1,6 +1,7 @@
 """Harbor-format tasks: the reader (fields, defaults, malformed tasks named by file and field), the
-episode path in real bubblewrap sandboxes (tools, verification, masking, planted rewards, refusals),
-and `miles tasks check` on the shipped and generated tasks through the real CLI."""
+episode path in real sandboxes (tools, verification, masking, planted rewards, refusals, isolation) on
+both backends, bubblewrap with the host's toolchain and apptainer running each task's own image, and
+`miles tasks check` on the shipped and generated tasks through the real CLI."""
 
 from __future__ import annotations
 
@@ -15,9 +16,26 @@ import pytest
 from miles.agentic.harbor.episode import Episode, TaskUnsupported
 from miles.agentic.harbor.generate import generate
 from miles.agentic.harbor.task import TaskError, load_dataset, load_task
+from miles.agentic.sandbox.container import ContainerSandboxConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "tasks"
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+@pytest.fixture(params=["local", "apptainer"])
+def backend(request) -> ContainerSandboxConfig | None:
+    """The sandbox backend an episode runs on: None (bubblewrap) or apptainer with the test images."""
+    if request.param == "local":
+        if shutil.which("bwrap") is None:
+            pytest.skip("bubblewrap is not installed")
+        return None
+    return ContainerSandboxConfig(runtime="apptainer", image_dir=request.getfixturevalue("apptainer_images"))
+
+
+def runtime_args(backend: ContainerSandboxConfig | None) -> list[str]:
+    """`miles tasks check` arguments selecting `backend`."""
+    return [] if backend is None else ["--runtime", backend.runtime, "--image-dir", str(backend.image_dir)]
+
 
 TOML = """version = "1.0"
 [verifier]
@@ -27,7 +45,7 @@ memory = "1G"
 """
 
 
-def _task(root: Path, test_sh: str, toml: str | None = None, dockerfile: str = "FROM x\nWORKDIR /app\n",
+def _task(root: Path, test_sh: str, toml: str | None = None, dockerfile: str = "FROM debian:bookworm-slim\nWORKDIR /app\n",
           solve: str | None = None) -> Path:  # fmt: skip
     files = {
         "task.toml": toml or TOML.format(verifier=20),
@@ -50,7 +68,11 @@ def test_reader_fields_defaults_and_deprecated_sizes(tmp_path) -> None:
     t = load_task(_task(tmp_path / "t", REWARD_IF_DONE))
     assert t.config.schema_version == "1.0" and t.config.verifier.timeout_sec == 20
     assert t.config.environment.memory_mb == 1024 and t.config.environment.cpus == 1
-    assert t.config.agent.timeout_sec is None and t.base_image == "x" and t.instruction == "Do the thing.\n"
+    assert (
+        t.config.agent.timeout_sec is None
+        and t.base_image == "debian:bookworm-slim"
+        and t.instruction == "Do the thing.\n"
+    )
     assert [s.kind for s in t.steps] == ["workdir"] and t.solution_dir is None
     full = load_task(SHIPPED / "git-commit")
     envs = [s.args for s in full.steps if s.kind == "env"]
@@ -93,12 +115,11 @@ def test_datasets_are_folders_or_lists_of_tasks(tmp_path) -> None:
         load_dataset([tmp_path / "empty"])
 
 
-@needs_bwrap
-def test_tools_in_a_fresh_sandbox_and_nothing_left_after(tmp_path) -> None:
+def test_tools_in_a_fresh_sandbox_and_nothing_left_after(tmp_path, backend) -> None:
     task = load_task(SHIPPED / "fix-median")
 
     async def go():
-        async with Episode(task, output_limit=200) as ep:
+        async with Episode(task, output_limit=200, backend=backend) as ep:
             root = ep.sandbox.path
             listing = await ep.bash("ls /app /tests; pwd")
             long = await ep.bash("seq 1 500")
@@ -120,11 +141,10 @@ def test_tools_in_a_fresh_sandbox_and_nothing_left_after(tmp_path) -> None:
     assert not root.exists()
 
 
-@needs_bwrap
-def test_verification_reads_rewards_masks_failures_and_ignores_planted_ones(tmp_path) -> None:
+def test_verification_reads_rewards_masks_failures_and_ignores_planted_ones(tmp_path, backend) -> None:
     def verdict(root: Path, agent: str | None = None):
         async def go():
-            async with Episode(load_task(root)) as ep:
+            async with Episode(load_task(root), backend=backend) as ep:
                 if agent:
                     await ep.bash(agent)
                 return await ep.verify()
@@ -176,11 +196,13 @@ def test_tasks_the_host_cannot_run_are_refused_with_the_reason(tmp_path) -> None
         start(outside)
 
 
-@needs_bwrap
-def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_ones(tmp_path) -> None:
+def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_ones(
+    tmp_path, backend
+) -> None:
     generate(tmp_path / "gen", 4, seed=3)
+    check = [sys.executable, "-m", "miles", "tasks", "check", *runtime_args(backend)]
     out = subprocess.run(
-        [sys.executable, "-m", "miles", "tasks", "check", str(SHIPPED), str(tmp_path / "gen")],
+        [*check, str(SHIPPED), str(tmp_path / "gen")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
@@ -190,7 +212,7 @@ def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_o
         tmp_path / "bad" / "free-reward", "mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt\n"
     )
     out = subprocess.run(
-        [sys.executable, "-m", "miles", "tasks", "check", str(tmp_path / "bad")],
+        [*check, str(tmp_path / "bad")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 1 and "0/2 tasks passed" in out.stdout, out.stdout
@@ -199,18 +221,18 @@ def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_o
     assert rows[free.name].split()[1:4] == ["-", "1", "FAILED"]
 
 
-@needs_bwrap
-def test_episodes_are_isolated_and_runaway_commands_are_stopped_and_reported(tmp_path) -> None:
+def test_episodes_are_isolated_and_runaway_commands_are_stopped_and_reported(tmp_path, backend) -> None:
     """Two episodes at once: neither sees the other's files or the host's run directory; no network; a
     disk filler, a fork bomb and a memory hog are stopped and the tool output says so."""
     toml = TOML.format(verifier=20) + "storage_mb = 64\n"
-    task = load_task(_task(tmp_path / "iso", REWARD_IF_DONE, toml=toml))
+    image = "FROM python:3.11-slim\nWORKDIR /app\n"
+    task = load_task(_task(tmp_path / "iso", REWARD_IF_DONE, toml=toml, dockerfile=image))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoint.pt").write_text("weights")
 
     async def go():
-        async with Episode(task) as a, Episode(task) as b:
+        async with Episode(task, backend=backend) as a, Episode(task, backend=backend) as b:
             await a.write_file("secret.txt", "only a")
             seen = await b.bash(
                 f"cat /app/secret.txt; ls /tmp /sandbox; find / -name secret.txt 2>/dev/null; ls {run_dir}"

@@ -64,7 +64,7 @@ def test_isolation_flags_and_no_shared_mounts(runtime):
     profile = load_profile("h200")
     argv = container_argv(profile, ContainerSandboxConfig(runtime=runtime), WORKDIR, CMD, Limits(nproc=7))
     assert argv[-len(CMD) :] == CMD and "--nproc=7" in argv
-    binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--bind", "--mount")]
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--bind", "--mount", "--home")]
     assert binds == [f"{WORKDIR}:/sandbox"]  # the profile's mounts (the shared FS, run dirs) stay out
     if runtime == "apptainer":
         assert argv[argv.index("--network") + 1] == "none" and "--containall" in argv
@@ -86,6 +86,27 @@ def test_missing_image_names_the_key():
         container_argv(load_profile("local"), ContainerSandboxConfig(), WORKDIR, CMD, Limits())
     with pytest.raises(Exception, match="runtim"):
         ContainerSandboxConfig(runtime="docker")
+
+
+def test_images_pulled_ahead_are_found_by_the_runtimes_own_names(tmp_path):
+    from miles.agentic.sandbox.base import SandboxStartError
+    from miles.agentic.sandbox.container import ContainerSandboxConfig, pulled_name, resolve_image
+
+    assert pulled_name("docker://python:3.11-slim", "apptainer") == "python_3.11-slim.sif"
+    assert pulled_name("docker://ghcr.io/org/tool", "apptainer") == "tool_latest.sif"
+    assert (
+        pulled_name("docker://nvcr.io#nvidia/pytorch:24.01-py3", "enroot") == "nvidia+pytorch+24.01-py3.sqsh"
+    )
+    assert pulled_name("docker://python:3.11-slim", "enroot") == "python+3.11-slim.sqsh"
+    (tmp_path / "python_3.11-slim.sif").write_bytes(b"sif")
+    cfg = ContainerSandboxConfig(runtime="apptainer", image_dir=str(tmp_path))
+    assert resolve_image("docker://python:3.11-slim", cfg) == str(tmp_path / "python_3.11-slim.sif")
+    assert resolve_image("/shared/x.sif", cfg) == "/shared/x.sif"  # a file is used as it is
+    assert resolve_image("docker://rust:1", ContainerSandboxConfig()) == "docker://rust:1"  # no image_dir
+    with pytest.raises(
+        SandboxStartError, match=r"not in image_dir .*\(enroot import -o .*/rust\+1\.sqsh docker://rust:1\)"
+    ):
+        resolve_image("docker://rust:1", cfg.model_copy(update={"runtime": "enroot"}))
 
 
 def test_missing_runtime_is_a_counted_start_failure():

@@ -18,7 +18,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
         return 2
     from miles.agentic.sandbox.container import ContainerSandboxConfig
 
-    backend = None if args.runtime == "local" else ContainerSandboxConfig(runtime=args.runtime)
+    if args.image_dir and args.runtime == "local":
+        print(
+            "miles: error: --image-dir needs a container runtime (--runtime apptainer or enroot)",
+            file=sys.stderr,
+        )
+        return 2
+    backend = (
+        None
+        if args.runtime == "local"
+        else ContainerSandboxConfig(runtime=args.runtime, image_dir=args.image_dir)
+    )
     table, ok = report(asyncio.run(check_tasks(tasks, jobs=args.jobs, backend=backend)))
     print(table)
     return 0 if ok else 1
@@ -47,6 +57,11 @@ def add_tasks_command(sub: argparse._SubParsersAction) -> None:
         choices=("local", "apptainer", "enroot"),
         default="local",
         help="local: bubblewrap with this host's toolchain; apptainer / enroot: each task's own image",
+    )
+    q.add_argument(
+        "--image-dir",
+        help="run the tasks' images from files pulled ahead into this directory (NAME_TAG.sif for "
+        "apptainer, NAME+TAG.sqsh for enroot) instead of the registry",
     )
     q.set_defaults(func=_cmd_check)
     q = tsub.add_parser("generate", help="write procedural tasks small enough for a tiny model")

@@ -6,7 +6,8 @@ Backends (`backend` option of the `harbor` environment and `miles tasks check --
 - container ({runtime: apptainer | enroot, ...}, miles/agentic/sandbox/container.py's settings): every
   command runs in the task's own image, `docker://` + [environment] docker_image or the Dockerfile's
   FROM, with the episode's /app, /tests, /logs and /solution bound in and no network; the Dockerfile's
-  remaining steps are replayed inside it. enroot needs each image unpacked once per node
+  remaining steps are replayed inside it. With `image_dir` set, images come from files pulled there
+  ahead (compute nodes without registry access). enroot needs each image unpacked once per node
   (`enroot create`), which `prepare_image` does the first time an image is met in the process.
 
 Pools: episodes draw their sandboxes from a SandboxPool (miles/agentic/sandbox/pool.py) per event
@@ -29,6 +30,7 @@ from miles.agentic.sandbox.container import (
     ContainerSandbox,
     ContainerSandboxConfig,
     enroot_create_argv,
+    resolve_image,
 )
 from miles.agentic.sandbox.pool import SandboxPool
 
@@ -61,12 +63,18 @@ def task_image(task: Task) -> str:
     return image if "://" in image else f"docker://{image}"
 
 
+def task_backend(task: Task, backend: ContainerSandboxConfig) -> ContainerSandboxConfig:
+    """`backend` with the image `task`'s episodes run in (pulled ahead into `image_dir` if set)."""
+    return backend.model_copy(update={"image": resolve_image(task_image(task), backend)})
+
+
 def make_sandbox(task: Task, settings: BwrapSettings, backend: ContainerSandboxConfig | None) -> Sandbox:
     """A new (not yet created) sandbox for one episode of `task`."""
     if backend is None:
         return BwrapSandbox(settings)
-    cfg = backend.model_copy(update={"image": task_image(task)})
-    return ContainerSandbox(None, cfg, settings.limits, settings.binds, settings.chdir)
+    return ContainerSandbox(
+        None, task_backend(task, backend), settings.limits, settings.binds, settings.chdir
+    )
 
 
 _prepared: set[str] = set()
@@ -77,7 +85,7 @@ async def prepare_image(task: Task, backend: ContainerSandboxConfig | None) -> N
     and caches images itself; the local backend has none)."""
     if backend is None or backend.runtime != "enroot":
         return
-    cfg = backend.model_copy(update={"image": task_image(task)})
+    cfg = task_backend(task, backend)
     if cfg.image in _prepared:
         return
     argv = enroot_create_argv(None, cfg)
@@ -105,7 +113,7 @@ def pool_for(
     max_live: int,
 ) -> SandboxPool:
     """This event loop's pool of sandboxes for episodes like `task`'s (same backend, image, limits)."""
-    image = task_image(task) if backend is not None else None
+    image = task_backend(task, backend).image if backend is not None else None
     key = (backend.model_dump_json() if backend is not None else None, image, settings, start_ahead, max_live)
     pools = _pools.setdefault(asyncio.get_running_loop(), {})
     if key not in pools:

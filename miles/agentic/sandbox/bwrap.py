@@ -205,7 +205,7 @@ class BwrapSandbox:
                 lim.output_bytes,
                 self._started,
                 self._pgids.discard,
-                run_as(self.settings),
+                self._exec_user(),
             )
         except OSError as e:
             raise SandboxStartError("bwrap_exec", str(e)) from e
@@ -219,6 +219,10 @@ class BwrapSandbox:
         self._groups.add(pid)
         if self.closed:
             process.kill_group(pid)
+
+    def _exec_user(self) -> int | None:
+        """The uid the isolating program is started as (None: ours)."""
+        return run_as(self.settings)
 
     def _check_runtime(self) -> None:
         """Raise SandboxStartError when the program that isolates commands is missing."""

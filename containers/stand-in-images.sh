@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Build, without a registry, Apptainer images standing in for the public images the shipped Harbor
+# tasks name, under the file names `apptainer pull` gives them, so that the container sandbox backend
+# finds them with `image_dir: DIR` (miles/agentic/sandbox/container.py):
+#
+#   debian_bookworm-slim.sif          debian:bookworm-slim          Debian 12 minbase
+#   python_3.11-slim.sif              python:3.11-slim              Debian 12 minbase + python3 (3.11)
+#   buildpack-deps_bookworm-scm.sif   buildpack-deps:bookworm-scm   Debian 12 minbase + git, curl
+#
+# Each is debootstrap's minimal Debian 12 plus the packages named, which is what the public images are
+# built from (they differ in details, e.g. python:3.11-slim has its own CPython under /usr/local).
+# Where a registry is reachable, pull the real ones instead: apptainer pull DIR/NAME.sif docker://IMAGE.
+# Needs root, debootstrap and apptainer (containers/apptainer.sh). Images already there are kept.
+# Usage: bash containers/stand-in-images.sh DIR
+set -euo pipefail
+DIR=${1:?usage: containers/stand-in-images.sh DIR}
+MIRROR=${MIRROR:-http://deb.debian.org/debian}
+command -v debootstrap >/dev/null || { apt-get update -q && apt-get install -y -q debootstrap; }
+mkdir -p "$DIR/.debs"
+
+build() {  # build NAME PACKAGES
+  local sif="$DIR/$1.sif" root="$DIR/.rootfs-$1"
+  [ -s "$sif" ] && return 0
+  rm -rf "$root"
+  debootstrap --variant=minbase ${2:+--include=$2} --cache-dir="$(cd "$DIR/.debs" && pwd)" \
+    bookworm "$root" "$MIRROR" >"$DIR/.debootstrap-$1.log" 2>&1 \
+    || { echo "debootstrap failed, see $DIR/.debootstrap-$1.log" >&2; return 1; }
+  rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/archives/*.deb
+  apptainer --silent build --force "$sif.part" "$root"
+  mv "$sif.part" "$sif" && chmod 644 "$sif" && rm -rf "$root" "$DIR/.debootstrap-$1.log"
+  echo "built $sif"
+}
+
+build debian_bookworm-slim ""
+build python_3.11-slim python3
+build buildpack-deps_bookworm-scm git,curl,ca-certificates
+rm -rf "$DIR/.debs"

@@ -1,0 +1,113 @@
+"""The apptainer sandbox backend run for real (where apptainer and the test images are installed:
+containers/apptainer.sh, containers/stand-in-images.sh): commands run in the task's own image as an
+unprivileged user, and die with a killed owner. Isolation, limits and verification through this
+backend are tested with the local one in tests/unit/test_harbor_tasks.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.agentic.harbor.episode import Episode
+from miles.agentic.harbor.task import load_task
+from miles.agentic.sandbox.base import SandboxStartError
+from miles.agentic.sandbox.container import ContainerSandboxConfig
+
+TASK = """version = "1.0"
+[verifier]
+timeout_sec = 20
+"""
+
+
+def _task(root: Path, image: str) -> Path:
+    files = {
+        "task.toml": TASK,
+        "instruction.md": "Look around.\n",
+        "environment/Dockerfile": f"FROM {image}\nWORKDIR /app\n",
+        "tests/test.sh": "mkdir -p /logs/verifier; echo 0 > /logs/verifier/reward.txt\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def _bash(task_dir: Path, backend: ContainerSandboxConfig, command: str) -> str:
+    async def go():
+        async with Episode(load_task(task_dir), backend=backend) as ep:
+            return await ep.bash(command)
+
+    return asyncio.run(go())
+
+
+def test_commands_run_in_the_tasks_own_image_as_an_unprivileged_user(tmp_path, apptainer_images) -> None:
+    backend = ContainerSandboxConfig(runtime="apptainer", image_dir=apptainer_images)
+    probe = "command -v python3 || echo no-python; id -u; echo $HOME; pwd; ls /sandbox"
+    slim = _bash(_task(tmp_path / "slim", "debian:bookworm-slim"), backend, probe)
+    python = _bash(_task(tmp_path / "py", "python:3.11-slim"), backend, probe)
+    # the host has python3 (it runs these tests); the slim image has not, so the image is what runs
+    assert slim.startswith("no-python\n") and python.startswith("/usr/bin/python3\n"), (slim, python)
+    uid = "65534" if os.getuid() == 0 else str(os.getuid())
+    assert f"\n{uid}\n/sandbox\n/app\n" in python and python.endswith("[exit code 0]")
+
+
+def test_an_image_missing_from_the_image_dir_names_the_pull_command(tmp_path, apptainer_images) -> None:
+    backend = ContainerSandboxConfig(runtime="apptainer", image_dir=apptainer_images)
+    with pytest.raises(SandboxStartError, match=r"apptainer pull .*/rust_1\.80\.sif docker://rust:1\.80"):
+        _bash(_task(tmp_path / "rust", "rust:1.80"), backend, "true")
+
+
+def _pids_running(marker: str) -> list[int]:
+    pids = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if marker in open(f"/proc/{p}/cmdline").read():
+                    pids.append(int(p))
+            except OSError:
+                pass
+    return pids
+
+
+def test_container_commands_die_with_a_killed_owner(tmp_path, apptainer_images) -> None:
+    marker = f"78{os.getpid()}{id(tmp_path) % 10**6}"
+    task = _task(tmp_path / "t", "debian:bookworm-slim")
+    code = (
+        "import asyncio\n"
+        "from miles.agentic.harbor.episode import Episode\n"
+        "from miles.agentic.harbor.task import load_task\n"
+        "from miles.agentic.sandbox.container import ContainerSandboxConfig\n"
+        "async def main():\n"
+        f"    backend = ContainerSandboxConfig(runtime='apptainer', image_dir={apptainer_images!r})\n"
+        f"    async with Episode(load_task({str(task)!r}), backend=backend) as ep:\n"
+        "        print('started', flush=True)\n"
+        f"        await ep.bash('sleep {marker}', timeout_s=600)\n"
+        "asyncio.run(main())\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "started"
+        for _ in range(500):  # until the command itself runs inside the container
+            if any(open(f"/proc/{p}/cmdline").read().startswith("sleep\0") for p in _pids_running(marker)):
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the container command never started")
+    finally:
+        owner.send_signal(signal.SIGKILL)  # no close(), no finalizer: only the kernel cleans up
+        owner.wait()
+    for _ in range(250):
+        if not _pids_running(marker):
+            break
+        time.sleep(0.02)
+    left = _pids_running(marker)
+    for pid in left:  # on failure, do not leave this test's processes behind
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
