@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,20 @@ def test_commands_run_in_the_tasks_own_image_as_an_unprivileged_user(tmp_path, a
     assert f"\n{uid}\n/sandbox\n/app\n" in python and python.endswith("[exit code 0]")
 
 
+def test_runs_from_a_working_directory_the_sandbox_user_cannot_open(
+    tmp_path, apptainer_images, monkeypatch
+) -> None:
+    """`miles train` run from a private directory (mktemp -d is 0700): apptainer, run as uid 65534,
+    used to fail there with "Failed to open current working directory" and every verifier crashed."""
+    backend = ContainerSandboxConfig(runtime="apptainer", image_dir=apptainer_images)
+    task = _task(tmp_path / "t", "debian:bookworm-slim")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.chdir(private)
+    out = _bash(task, backend, "echo ran")
+    assert out.startswith("ran\n") and out.endswith("[exit code 0]"), out
+
+
 def test_an_image_missing_from_the_image_dir_names_the_pull_command(tmp_path, apptainer_images) -> None:
     backend = ContainerSandboxConfig(runtime="apptainer", image_dir=apptainer_images)
     with pytest.raises(SandboxStartError, match=r"apptainer pull .*/rust_1\.80\.sif docker://rust:1\.80"):
@@ -74,6 +89,46 @@ def _pids_running(marker: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def _holding(path: str) -> list[int]:
+    """Processes with `path` open (apptainer's FUSE helper holds the image it mounts)."""
+    pids = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{p}/fd/{fd}") == path for fd in os.listdir(f"/proc/{p}/fd")):
+                pids.append(int(p))
+        except OSError:
+            pass
+    return pids
+
+
+def _gone(pids: Callable[[], list[int]], wait_s: float = 5.0) -> list[int]:
+    """`pids()` once it is empty, or what is left after `wait_s` (killed, so as not to leak)."""
+    deadline = time.monotonic() + wait_s
+    while (left := pids()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_a_command_stopped_at_its_wall_time_leaves_nothing_running(tmp_path, apptainer_images) -> None:
+    """The wall-time kill reaches every process of the container: the command, apptainer's runtime
+    parent and the FUSE helper that mounts the image (which, orphaned, would live on forever)."""
+    marker = f"79{os.getpid()}{id(tmp_path) % 10**6}"
+    backend = ContainerSandboxConfig(runtime="apptainer", image_dir=apptainer_images)
+    image = os.path.join(apptainer_images, "debian_bookworm-slim.sif")
+    before = set(_holding(image))
+
+    async def go():
+        async with Episode(load_task(_task(tmp_path / "t", "debian:bookworm-slim")), backend=backend) as ep:
+            return await ep.bash(f"sleep {marker}", timeout_s=1.0)
+
+    out = asyncio.run(go())
+    assert out.endswith("[stopped: wall_time after 1 s]"), out
+    assert _gone(lambda: _pids_running(marker)) == []
+    assert _gone(lambda: [p for p in _holding(image) if p not in before]) == []
 
 
 def test_container_commands_die_with_a_killed_owner(tmp_path, apptainer_images) -> None:

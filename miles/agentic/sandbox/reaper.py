@@ -1,15 +1,21 @@
-"""Run a command so that everything it starts dies with the process that started this one.
+"""Run a command so that everything it starts dies with the process that started this one, or when
+this one is killed.
 
     python -I reaper.py [--uid N] CMD...
 
 A container runtime forks processes that leave the command's process tree (apptainer's runtime
-parent, its FUSE mounts), so a parent-death signal on the command alone does not stop a container
-whose owner was killed. This program is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): whatever
-the command starts stays its descendant. When its parent dies it gets SIGTERM (PR_SET_PDEATHSIG) and
-kills every descendant; when the command ends it waits briefly for the rest to finish, kills what
-is left, and exits with the command's status. With `--uid N` (when started as root) the command runs
-as uid and gid N, and this program, still root, can stop it. Standard library only, run in isolated mode (no site
-packages) so it starts in milliseconds; no Miles import.
+parent and its FUSE mount helper, which holds the image mounted and so never exits by itself once
+orphaned), so neither a parent-death signal on the command nor a SIGKILL to its process group stops
+all of a container. Two processes of this program do:
+- the front stays in the caller's process group, which the caller SIGKILLs at a wall-time limit or
+  on close; it has a parent-death signal (SIGKILL) and only relays the guardian's exit status;
+- the guardian leaves that group (setsid), is a child subreaper (prctl PR_SET_CHILD_SUBREAPER), so
+  whatever the command starts stays its descendant, and gets SIGTERM when the front dies
+  (PR_SET_PDEATHSIG): then it kills every descendant and exits. When the command ends by itself it
+  waits briefly for the rest, kills what is left and exits with the command's status.
+With `--uid N` (started as root) the command runs as uid and gid N, and the guardian, still root, can
+stop it. The command starts in `/`: apptainer fails in a working directory its user cannot open. Standard library only, run in isolated mode (no site packages) so that it starts in
+milliseconds; no Miles import.
 """
 
 from __future__ import annotations
@@ -61,6 +67,16 @@ def reap(block: bool = False) -> dict[int, int]:
         ended[pid] = status
 
 
+def exit_code(status: int) -> int:
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def armed(libc: ctypes.CDLL, sig: int, parent: int) -> bool:
+    """Arm the parent-death signal `sig`; False when the parent is already gone."""
+    libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    return os.getppid() == parent
+
+
 def main(argv: list[str]) -> int:
     uid = None
     if argv[:1] == ["--uid"] and len(argv) > 1:
@@ -69,21 +85,28 @@ def main(argv: list[str]) -> int:
         print("usage: reaper.py [--uid N] CMD...", file=sys.stderr)
         return 2
     libc = ctypes.CDLL(None, use_errno=True)
+    if not armed(libc, signal.SIGKILL, os.getppid()):
+        return 128 + signal.SIGKILL
+    front = os.getpid()
+    guardian = os.fork()
+    if guardian:  # the front
+        _, status = os.waitpid(guardian, 0)
+        return exit_code(status)
+    os.setsid()
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    parent = os.getppid()
 
-    def parent_died(*_: object) -> None:
+    def front_died(*_: object) -> None:
         kill_all()
         os._exit(128 + signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, parent_died)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the signal was armed
-        return 128 + signal.SIGTERM
+    signal.signal(signal.SIGTERM, front_died)
+    if not armed(libc, signal.SIGTERM, front):
+        front_died()
     command = os.fork()
     if command == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
+            os.chdir("/")  # the runtime must not depend on our directory, which uid N may not reach
             if uid is not None:
                 os.setgroups([])
                 os.setgid(uid)
@@ -91,7 +114,7 @@ def main(argv: list[str]) -> int:
             os.execvp(argv[0], argv)
         except OSError as e:
             print(f"reaper: cannot run {argv[0]}: {e}", file=sys.stderr)
-            os._exit(127)
+        os._exit(127)
     status = None
     while status is None:
         status = reap(block=True).get(command)
@@ -100,7 +123,7 @@ def main(argv: list[str]) -> int:
         reap()
         time.sleep(0.01)
     kill_all()
-    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    os._exit(exit_code(status))
 
 
 if __name__ == "__main__":
