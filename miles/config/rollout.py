@@ -109,6 +109,9 @@ class RolloutConfig(Section):
     """Buffer policy name (keep, drop_stale, retry_stale, dynamic_sampling) or `module:function`."""
     buffer_capacity_groups: int | None = None
     """Bound of the buffer in groups (default: 2 x prompts_per_step)."""
+    max_masked_groups: int = Field(default=64, ge=0)
+    """Groups in a row with every sample masked (unscorable: e.g. an environment's verifier that
+    crashes or times out) after which the run stops, naming the reason; 0: never stop."""
 
     @model_validator(mode="after")
     def _one_plugin_level(self) -> RolloutConfig:

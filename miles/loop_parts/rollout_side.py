@@ -119,6 +119,7 @@ class RolloutSide:
             r.max_concurrency_per_engine * len(urls),
             group_requests=r.group_requests,
             teacher=self._teacher(encoder),
+            max_masked_groups=r.max_masked_groups,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)

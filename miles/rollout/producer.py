@@ -120,6 +120,7 @@ class Producer:
         next_index: int = 0,
         group_requests: bool = False,
         teacher: Teacher | None = None,
+        max_masked_groups: int = 0,
     ) -> None:
         self.generator, self.task, self.buffer = generator, task, buffer
         self.teacher = teacher
@@ -133,6 +134,9 @@ class Producer:
         self.next_index = next_index
         """Index of the next fresh prompt: the data position a checkpoint stores."""
         self.inflight_groups = 0
+        self.max_masked_groups = max_masked_groups
+        """Groups in a row with every sample masked that stop the run (0: never)."""
+        self.masked_in_a_row = 0
         self.stats = ProducerStats()
         self.error: BaseException | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -191,8 +195,17 @@ class Producer:
                 self.stats.masked += len(masked)
                 group = [s for s in group if not s.metadata.get("masked")]
                 if not group:
-                    log.warning("group %d: every sample masked (%s)", group_id, masked[0].metadata["masked"])
+                    reason = masked[0].metadata["masked"]
+                    log.warning("group %d: every sample masked (%s)", group_id, reason)
+                    self.masked_in_a_row += 1
+                    if self.max_masked_groups and self.masked_in_a_row >= self.max_masked_groups:
+                        self.error = RuntimeError(
+                            f"the last {self.masked_in_a_row} groups had every sample masked ({reason}): no "
+                            "sample can be scored; check the environment (Harbor tasks: `miles tasks check`) "
+                            "or raise rollout.max_masked_groups"
+                        )
                     return
+            self.masked_in_a_row = 0
             self.buffer.put(group)
         except Exception as e:  # a reward function bug must stop the run, not hang it
             self.error = e

@@ -95,3 +95,22 @@ def test_masked_samples_leave_their_group_and_are_counted(engine, tiny_model) ->
     groups = buf.get(2, current_version=0, timeout_s=1)
     assert [sorted(s.index for s in g) for g in groups] == [[1, 3], [1, 3]]
     assert producer.stats.take()["rollout/masked_samples"] == 4.0
+
+
+async def all_masked_generate(gen, prompt, s, params):
+    """A generate function none of whose samples can be scored (a verifier that always crashes)."""
+    s.prompt_ids = gen.encoder.prompt_ids(prompt)
+    await gen.fill(s, await gen.call_engine(s, s.prompt_ids, params))
+    s.metadata["masked"] = "verifier crashed"
+    return s
+
+
+def test_a_stream_of_fully_masked_groups_stops_the_run_with_the_reason(engine, tiny_model) -> None:
+    """Nothing scorable would otherwise loop forever without a step (the sync fill never fills)."""
+    cfg = RolloutConfig(max_new_tokens=4, generate_fn="test_producer:all_masked_generate")
+    task = build_task(TaskConfig(name="longtail", options={"min_tokens": 2, "max_tokens": 4}), seed=0)
+    gen = Generator.from_config([SGLangClient(engine.url)], PromptEncoder(tiny_model), first_number, cfg)
+    producer = Producer(gen, task, RolloutBuffer(8), n_samples=2, max_inflight=4, max_masked_groups=3)
+    with pytest.raises(RuntimeError, match=r"last 3 groups had every sample masked \(verifier crashed\)"):
+        asyncio.run(producer.fill(2, timeout_s=120))
+    assert producer.stats.masked >= 6
