@@ -198,7 +198,8 @@ class Producer:
                     reason = masked[0].metadata["masked"]
                     log.warning("group %d: every sample masked (%s)", group_id, reason)
                     self.masked_in_a_row += 1
-                    if self.max_masked_groups and self.masked_in_a_row >= self.max_masked_groups:
+                    limit = self.max_masked_groups
+                    if limit and self.masked_in_a_row >= limit and self.error is None:
                         self.error = RuntimeError(
                             f"the last {self.masked_in_a_row} groups had every sample masked ({reason}): no "
                             "sample can be scored; check the environment (Harbor tasks: `miles tasks check`) "

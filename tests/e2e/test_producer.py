@@ -111,6 +111,15 @@ def test_a_stream_of_fully_masked_groups_stops_the_run_with_the_reason(engine, t
     task = build_task(TaskConfig(name="longtail", options={"min_tokens": 2, "max_tokens": 4}), seed=0)
     gen = Generator.from_config([SGLangClient(engine.url)], PromptEncoder(tiny_model), first_number, cfg)
     producer = Producer(gen, task, RolloutBuffer(8), n_samples=2, max_inflight=4, max_masked_groups=3)
+
+    async def fill() -> None:
+        try:
+            await producer.fill(2, timeout_s=120)
+        finally:
+            await producer.drain()
+            for client in gen.clients:
+                await client.aclose()
+
     with pytest.raises(RuntimeError, match=r"last 3 groups had every sample masked \(verifier crashed\)"):
-        asyncio.run(producer.fill(2, timeout_s=120))
+        asyncio.run(fill())
     assert producer.stats.masked >= 6
