@@ -272,3 +272,38 @@ def test_dead_engine_fails_the_job(tmp_path: Path, tiny_model: str) -> None:
     fail = run_status(run_dir)["failure"]
     assert fail["role"] == "rollout" and f"exited with -9; see {run_dir}/logs/engine-" in fail["error"], fail
     assert "rollout step exited with 1 before the actor step" in run_logs(run_dir)
+
+
+def test_harbor_episodes_run_in_the_profiles_container_runtime(tmp_path: Path, apptainer_images: str) -> None:
+    """A profile whose container.sandbox says apptainer: `miles submit` gives the run that backend and
+    the job's episodes run in each task's image. The task's verifier rewards the absence of python3,
+    which this host has and its image (debian:bookworm-slim) has not: reward 1 only in the container."""
+    assert shutil.which("python3") is not None
+    task = tmp_path / "tasks" / "in-image"
+    files = {
+        "task.toml": 'version = "1.0"\n[verifier]\ntimeout_sec = 60\n',
+        "instruction.md": "Submit.\n",
+        "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\n",
+        "tests/test.sh": "mkdir -p /logs/verifier\n"
+        "if command -v python3 >/dev/null; then echo 0; else echo 1; fi > /logs/verifier/reward.txt\n",
+    }
+    for rel, text in files.items():
+        (task / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task / rel).write_text(text)
+    profile = tmp_path / "local-apptainer.yaml"
+    profile.write_text(
+        (REPO / "profiles" / "local.yaml").read_text()
+        + f"container:\n  sandbox: {{runtime: apptainer, image_dir: {apptainer_images}}}\n"
+    )
+    overrides = [f"run.runs_root={tmp_path}", f"model.path={tmp_path / 'model'}", "model.tiny.pretrain_steps=0",
+                 "rollout.env.options.generate=false", f"rollout.env.options.tasks={tmp_path / 'tasks'}",
+                 "rollout.env.demonstrations=0", "train.steps=2", "eval.every_steps=0",
+                 "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2"]  # fmt: skip
+    sub = submit(str(REPO / "recipes" / "coding-tiny.yaml"), str(profile), overrides)
+    run_dir = Path(sub.run_dirs[0])
+    assert "runtime: apptainer" in (run_dir / "plan.yaml").read_text()
+    assert _wait(str(run_dir), ("COMPLETED", "FAILED", "CANCELLED"), 300) == "COMPLETED", run_logs(run_dir)
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rewards = [m["rollout/reward_mean"] for m in steps if "rollout/reward_mean" in m]
+    assert rewards and all(r == 1.0 for r in rewards), rewards
+    assert all(m.get("rollout/masked_samples", 0) == 0 for m in steps)
