@@ -85,12 +85,17 @@ async def masking_generate(gen, prompt, s, params):
     return s
 
 
-def test_masked_samples_leave_their_group_and_are_counted(engine, tiny_model) -> None:
-    cfg = RolloutConfig(max_new_tokens=8, generate_fn="test_producer:masking_generate")
+def short_producer(engine, tiny_model, generate_fn: str, buf: RolloutBuffer, **options) -> Producer:
+    """A producer of short samples (4-8 tokens) made by `generate_fn` of this module."""
+    cfg = RolloutConfig(max_new_tokens=8, generate_fn=f"test_producer:{generate_fn}")
     task = build_task(TaskConfig(name="longtail", options={"min_tokens": 4, "max_tokens": 8}), seed=0)
     gen = Generator.from_config([SGLangClient(engine.url)], PromptEncoder(tiny_model), first_number, cfg)
+    return Producer(gen, task, buf, **options)
+
+
+def test_masked_samples_leave_their_group_and_are_counted(engine, tiny_model) -> None:
     buf = RolloutBuffer(8)
-    producer = Producer(gen, task, buf, n_samples=4, max_inflight=8)
+    producer = short_producer(engine, tiny_model, "masking_generate", buf, n_samples=4, max_inflight=8)
     asyncio.run(producer.fill(2))
     groups = buf.get(2, current_version=0, timeout_s=1)
     assert [sorted(s.index for s in g) for g in groups] == [[1, 3], [1, 3]]
@@ -99,25 +104,29 @@ def test_masked_samples_leave_their_group_and_are_counted(engine, tiny_model) ->
 
 async def all_masked_generate(gen, prompt, s, params):
     """A generate function none of whose samples can be scored (a verifier that always crashes)."""
-    s.prompt_ids = gen.encoder.prompt_ids(prompt)
-    await gen.fill(s, await gen.call_engine(s, s.prompt_ids, params))
+    s = await masking_generate(gen, prompt, s, params)
     s.metadata["masked"] = "verifier crashed"
     return s
 
 
 def test_a_stream_of_fully_masked_groups_stops_the_run_with_the_reason(engine, tiny_model) -> None:
     """Nothing scorable would otherwise loop forever without a step (the sync fill never fills)."""
-    cfg = RolloutConfig(max_new_tokens=4, generate_fn="test_producer:all_masked_generate")
-    task = build_task(TaskConfig(name="longtail", options={"min_tokens": 2, "max_tokens": 4}), seed=0)
-    gen = Generator.from_config([SGLangClient(engine.url)], PromptEncoder(tiny_model), first_number, cfg)
-    producer = Producer(gen, task, RolloutBuffer(8), n_samples=2, max_inflight=4, max_masked_groups=3)
+    producer = short_producer(
+        engine,
+        tiny_model,
+        "all_masked_generate",
+        RolloutBuffer(8),
+        n_samples=2,
+        max_inflight=4,
+        max_masked_groups=3,
+    )
 
     async def fill() -> None:
         try:
             await producer.fill(2, timeout_s=120)
         finally:
             await producer.drain()
-            for client in gen.clients:
+            for client in producer.generator.clients:
                 await client.aclose()
 
     with pytest.raises(RuntimeError, match=r"last 3 groups had every sample masked \(verifier crashed\)"):

@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from owned_processes import left_after_owner_killed, pids_running
 
 from miles.agentic.harbor.episode import Episode
 from miles.agentic.harbor.task import load_task
@@ -79,18 +78,6 @@ def test_an_image_missing_from_the_image_dir_names_the_pull_command(tmp_path, ap
         _bash(_task(tmp_path / "rust", "rust:1.80"), backend, "true")
 
 
-def _pids_running(marker: str) -> list[int]:
-    pids = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                if marker in open(f"/proc/{p}/cmdline").read():
-                    pids.append(int(p))
-            except OSError:
-                pass
-    return pids
-
-
 def _holding(path: str) -> list[int]:
     """Processes with `path` open (apptainer's FUSE helper holds the image it mounts)."""
     pids = []
@@ -127,7 +114,7 @@ def test_a_command_stopped_at_its_wall_time_leaves_nothing_running(tmp_path, app
 
     out = asyncio.run(go())
     assert out.endswith("[stopped: wall_time after 1 s]"), out
-    assert _gone(lambda: _pids_running(marker)) == []
+    assert _gone(lambda: pids_running(marker)) == []
     assert _gone(lambda: [p for p in _holding(image) if p not in before]) == []
 
 
@@ -146,23 +133,4 @@ def test_container_commands_die_with_a_killed_owner(tmp_path, apptainer_images) 
         f"        await ep.bash('sleep {marker}', timeout_s=600)\n"
         "asyncio.run(main())\n"
     )
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert owner.stdout.readline().strip() == "started"
-        for _ in range(500):  # until the command itself runs inside the container
-            if any(open(f"/proc/{p}/cmdline").read().startswith("sleep\0") for p in _pids_running(marker)):
-                break
-            time.sleep(0.02)
-        else:
-            raise AssertionError("the container command never started")
-    finally:
-        owner.send_signal(signal.SIGKILL)  # no close(), no finalizer: only the kernel cleans up
-        owner.wait()
-    for _ in range(250):
-        if not _pids_running(marker):
-            break
-        time.sleep(0.02)
-    left = _pids_running(marker)
-    for pid in left:  # on failure, do not leave this test's processes behind
-        os.kill(pid, signal.SIGKILL)
-    assert left == []
+    assert left_after_owner_killed(code, marker) == []

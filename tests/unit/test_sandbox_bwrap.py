@@ -9,10 +9,10 @@ import shutil
 import socket
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from owned_processes import left_after_owner_killed, pids_running
 
 from miles.agentic.sandbox.base import Limits, SandboxError, SandboxStartError
 from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings, bwrap_argv
@@ -151,18 +151,6 @@ def test_process_limit(tmp_path):
     assert "Cannot fork" in r.stderr or "fork" in r.stderr.lower()
 
 
-def _pids_running(marker: str) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
-
-
 def test_nothing_left_after_close_even_after_an_exception(tmp_path):
     marker = f"{os.getpid()}{id(tmp_path)}"
     holder: list[BwrapSandbox] = []
@@ -173,10 +161,10 @@ def test_nothing_left_after_close_even_after_an_exception(tmp_path):
             await sb.write_file("data.bin", os.urandom(1024))
             asyncio.ensure_future(sb.exec(f"sleep {marker}"))
             for _ in range(500):  # wait until the command runs (a busy host may take seconds)
-                if _pids_running(marker):
+                if pids_running(marker):
                     break
                 await asyncio.sleep(0.02)
-            assert _pids_running(marker)
+            assert pids_running(marker)
             raise RuntimeError("the episode crashed")
 
     with pytest.raises(RuntimeError, match="crashed"):
@@ -184,7 +172,7 @@ def test_nothing_left_after_close_even_after_an_exception(tmp_path):
     sb = holder[0]
     assert sb.closed and not sb.path.exists()
     assert list((tmp_path / "sandboxes").iterdir()) == []
-    assert _pids_running(marker) == []
+    assert pids_running(marker) == []
     with pytest.raises(SandboxError, match="closed"):
         run(sb.exec("true"))
 
@@ -281,10 +269,6 @@ def test_pool_retries_then_drops_with_a_counted_reason(tmp_path):
 
 
 def test_sandboxes_die_with_a_killed_owner(tmp_path):
-    import signal
-    import subprocess
-    import sys
-
     marker = f"77{os.getpid()}{id(tmp_path) % 10**6}"
     code = (
         "import asyncio\n"
@@ -296,23 +280,4 @@ def test_sandboxes_die_with_a_killed_owner(tmp_path):
         f"    await sb.exec('sleep {marker}')\n"
         "asyncio.run(main())\n"
     )
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert owner.stdout.readline().strip() == "created"
-        for _ in range(500):  # until the command itself runs (bwrap's own cmdline holds the marker too)
-            if any(open(f"/proc/{p}/cmdline").read().startswith("sleep\0") for p in _pids_running(marker)):
-                break
-            time.sleep(0.02)
-        else:
-            raise AssertionError("the sandboxed command never started")
-    finally:
-        owner.send_signal(signal.SIGKILL)  # no close(), no finalizer: only the kernel cleans up
-        owner.wait()
-    for _ in range(250):
-        if not _pids_running(marker):
-            break
-        time.sleep(0.02)
-    left = _pids_running(marker)
-    for pid in left:  # on failure, do not leave this test's processes behind
-        os.kill(pid, signal.SIGKILL)
-    assert left == []
+    assert left_after_owner_killed(code, marker) == []
