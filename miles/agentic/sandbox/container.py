@@ -109,7 +109,7 @@ def container_argv(
     program = program or cfg.runtime
     image = sandbox_image(profile, cfg)
     inner = [*prlimit_argv(cfg.prlimit, limits), *cmd]
-    binds_ = [f"{workdir}/{sub}:{dest}" for sub, dest in binds]
+    bound = [f"{workdir}/{sub}:{dest}" for sub, dest in binds]
     if cfg.runtime == "apptainer":
         # --silent: only errors (its INFO lines would reach every tool output); the episode directory
         # is the home, which also sets HOME
@@ -117,12 +117,12 @@ def container_argv(
         if cfg.network == "none":
             argv += ["--net", "--network", "none"]
         argv += ["--writable-tmpfs", "--home", f"{workdir}:{INSIDE}"]
-        argv += [*(x for m in binds_ for x in ("--bind", m)), "--pwd", chdir, *cfg.extra_args, image]
+        argv += [*(x for m in bound for x in ("--bind", m)), "--pwd", chdir, *cfg.extra_args, image]
         return argv + inner
     if chdir != INSIDE:  # enroot start has no working-directory flag
         inner = ["/bin/sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", chdir, *inner]
     argv = ["unshare", "--user", "--map-current-user", "--net", "--"] if cfg.network == "none" else []
-    mounts = [f"{workdir}:{INSIDE}", *binds_]
+    mounts = [f"{workdir}:{INSIDE}", *bound]
     argv += [program, "start", *(x for m in mounts for x in ("--mount", m)), "--env", f"HOME={INSIDE}"]
     return argv + [*cfg.extra_args, enroot_name(image)] + inner
 
