@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -121,16 +123,23 @@ def test_a_command_stopped_at_its_wall_time_leaves_nothing_running(tmp_path, app
 def test_container_commands_die_with_a_killed_owner(tmp_path, apptainer_images) -> None:
     marker = f"78{os.getpid()}{id(tmp_path) % 10**6}"
     task = _task(tmp_path / "t", "debian:bookworm-slim")
+    # a killed owner leaves its episode directory behind (nobody is left to wipe it): keep it out of
+    # the shared sandbox root, in a world-searchable one of this test's own
+    root = Path(tempfile.mkdtemp(prefix="miles-sbtest-"))
+    root.chmod(0o755)
     code = (
         "import asyncio\n"
         "from miles.agentic.harbor.episode import Episode\n"
         "from miles.agentic.harbor.task import load_task\n"
         "from miles.agentic.sandbox.container import ContainerSandboxConfig\n"
         "async def main():\n"
-        f"    backend = ContainerSandboxConfig(runtime='apptainer', image_dir={apptainer_images!r})\n"
+        f"    backend = ContainerSandboxConfig(runtime='apptainer', image_dir={apptainer_images!r}, root={str(root)!r})\n"
         f"    async with Episode(load_task({str(task)!r}), backend=backend) as ep:\n"
         "        print('started', flush=True)\n"
         f"        await ep.bash('sleep {marker}', timeout_s=600)\n"
         "asyncio.run(main())\n"
     )
-    assert left_after_owner_killed(code, marker) == []
+    try:
+        assert left_after_owner_killed(code, marker) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
