@@ -15,7 +15,7 @@ import pytest
 from owned_processes import left_after_owner_killed, pids_running
 
 from miles.agentic.sandbox.base import Limits, SandboxError, SandboxStartError
-from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings, bwrap_argv
+from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings, bwrap_argv, owner_prefix, sweep_orphans
 from miles.agentic.sandbox.pool import SandboxPool
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -281,3 +281,27 @@ def test_sandboxes_die_with_a_killed_owner(tmp_path):
         "asyncio.run(main())\n"
     )
     assert left_after_owner_killed(code, marker) == []
+    # its episode directory outlived it (nothing was left to wipe it); the next sandbox made under
+    # that root, here by this process, removes it
+    root = tmp_path / "sandboxes"
+    [orphan] = list(root.iterdir())
+
+    async def next_one() -> None:
+        async with BwrapSandbox(settings(tmp_path)) as sb:
+            assert sb.path is not None and sb.path.name.startswith(owner_prefix() + "-")
+
+    run(next_one())
+    assert not orphan.exists() and list(root.iterdir()) == []
+
+
+def test_the_sweep_spares_live_owners_and_other_namespaces(tmp_path):
+    live = tmp_path / f"{owner_prefix(os.getppid())}-abc"  # the parent of this test process is alive
+    other_ns = tmp_path / "sb-1-999999999-abc"
+    gone = tmp_path / f"{owner_prefix(999999999)}-abc"  # above the kernel's pid_max
+    foreign = tmp_path / "notes"
+    for d in (live, other_ns, gone, foreign):
+        (d / "app").mkdir(parents=True)
+    assert sweep_orphans(tmp_path) == [gone.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, other_ns, foreign))
+    (tmp_path / f"{owner_prefix(999999999)}-def").mkdir()
+    assert sweep_orphans(tmp_path) == []  # once per root and process

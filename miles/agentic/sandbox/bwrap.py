@@ -166,7 +166,8 @@ class BwrapSandbox:
         self._check_runtime()
         try:
             root.mkdir(parents=True, exist_ok=True, mode=0o711)
-            path = tempfile.mkdtemp(prefix="sb-", dir=root)
+            sweep_orphans(root)
+            path = tempfile.mkdtemp(prefix=f"{owner_prefix()}-", dir=root)
             uid = run_as(self.settings)
             if uid is not None:
                 os.chown(path, uid, uid)
@@ -276,6 +277,50 @@ class BwrapSandbox:
         if target != base and base not in target.parents:
             raise SandboxError(f"path {path!r} leaves the sandbox directory")
         return target
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return "0"
+
+
+def owner_prefix(pid: int | None = None) -> str:
+    """The start of the names of the episode directories process `pid` (default: this one) creates:
+    its PID namespace and pid, so that a later process can tell whose they are."""
+    return f"sb-{_pid_namespace()}-{os.getpid() if pid is None else pid}"
+
+
+_swept: set[Path] = set()
+
+
+def sweep_orphans(root: Path) -> list[str]:
+    """Remove the episode directories under `root` whose creator is gone (a Miles process killed
+    with SIGKILL leaves them: nothing was left to wipe them), once per root and process. Only
+    directories of processes of this PID namespace are touched, and only when that pid is free."""
+    if root in _swept:
+        return []
+    _swept.add(root)
+    ns = f"sb-{_pid_namespace()}-"
+    removed = []
+    for entry in os.scandir(root):
+        pid = entry.name[len(ns) :].split("-", 1)[0]
+        if not entry.name.startswith(ns) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _check_searchable(path: Path, uid: int) -> None:
