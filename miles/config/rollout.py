@@ -36,9 +36,9 @@ class EnvConfig(Section):
     """Keyword arguments of the environment's constructor."""
     sandbox: ContainerSandboxConfig | None = None
     """Where the environment's episode sandboxes run, for environments that name the option it goes
-    to (`sandbox_option`; harbor: `backend`): None, bubblewrap on this host; {runtime: apptainer | enroot, ...}, a container runtime of the
-    cluster's nodes (Harbor: each task's own image). `miles submit` sets it from the profile's
-    `container.sandbox` unless the recipe does."""
+    to (`sandbox_option`; harbor: `backend`): None, bubblewrap on this host; {runtime: apptainer |
+    enroot, ...}, a container runtime of the cluster's nodes (Harbor: each task's own image).
+    `miles submit` sets it from the profile's `container.sandbox` unless the recipe does."""
     max_turns: int | None = None
     """Cap on assistant turns per episode (None: the environment's own `max_turns`)."""
     render_tools: bool = True

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 
 def pids_running(marker: str) -> list[int]:
@@ -39,8 +40,13 @@ def left_after_owner_killed(code: str, marker: str) -> list[int]:
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-    deadline = time.monotonic() + 5.0
-    while (left := pids_running(marker)) and time.monotonic() < deadline:
+    return left_after(lambda: pids_running(marker))
+
+
+def left_after(pids: Callable[[], list[int]], wait_s: float = 5.0) -> list[int]:
+    """`pids()` once it is empty, or what is left after `wait_s` (killed, so as not to leak)."""
+    deadline = time.monotonic() + wait_s
+    while (left := pids()) and time.monotonic() < deadline:
         time.sleep(0.02)
     for pid in left:
         os.kill(pid, signal.SIGKILL)

@@ -8,14 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from owned_processes import left_after_owner_killed, pids_running
+from owned_processes import left_after, left_after_owner_killed, pids_running
 
 from miles.agentic.harbor.episode import Episode
 from miles.agentic.harbor.task import load_task
@@ -92,16 +89,6 @@ def _holding(path: str) -> list[int]:
     return pids
 
 
-def _gone(pids: Callable[[], list[int]], wait_s: float = 5.0) -> list[int]:
-    """`pids()` once it is empty, or what is left after `wait_s` (killed, so as not to leak)."""
-    deadline = time.monotonic() + wait_s
-    while (left := pids()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    return left
-
-
 def test_a_command_stopped_at_its_wall_time_leaves_nothing_running(tmp_path, apptainer_images) -> None:
     """The wall-time kill reaches every process of the container: the command, apptainer's runtime
     parent and the FUSE helper that mounts the image (which, orphaned, would live on forever)."""
@@ -116,8 +103,8 @@ def test_a_command_stopped_at_its_wall_time_leaves_nothing_running(tmp_path, app
 
     out = asyncio.run(go())
     assert out.endswith("[stopped: wall_time after 1 s]"), out
-    assert _gone(lambda: pids_running(marker)) == []
-    assert _gone(lambda: [p for p in _holding(image) if p not in before]) == []
+    assert left_after(lambda: pids_running(marker)) == []
+    assert left_after(lambda: [p for p in _holding(image) if p not in before]) == []
 
 
 def test_container_commands_die_with_a_killed_owner(tmp_path, apptainer_images) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from miles.agentic.sandbox import process
 from miles.agentic.sandbox.base import ExecResult, Limits, SandboxError, SandboxStartError
+from miles.launch.rundir import pid_alive
 
 CLOSE_WAIT_S = 5.0
 """How long close() waits for killed processes to disappear before wiping anyway."""
@@ -306,21 +307,11 @@ def sweep_orphans(root: Path) -> list[str]:
     removed = []
     for entry in os.scandir(root):
         pid = entry.name[len(ns) :].split("-", 1)[0]
-        if not entry.name.startswith(ns) or not pid.isdigit() or _alive(int(pid)):
+        if not entry.name.startswith(ns) or not pid.isdigit() or pid_alive(int(pid)):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _check_searchable(path: Path, uid: int) -> None:

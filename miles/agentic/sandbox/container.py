@@ -19,12 +19,12 @@ What each runtime line does:
   read-only, so episodes never see each other's writes.
 Limits are set by `prlimit` inside the image (util-linux, present in Debian-based images), as
 locally. The runtime runs as the user Miles runs as (as uid 65534 when Miles runs as root, like the
-local backend), under reaper.py, which kills what the runtime forked when its owner dies. Nodes without registry access run images pulled ahead
-into `image_dir` (`resolve_image`).
+local backend), under reaper.py, which kills all the runtime forked at a wall-time kill or when its
+owner dies. Nodes without registry access run images pulled ahead into `image_dir` (`resolve_image`).
 
-The apptainer lines run in the tests (tests/e2e/test_apptainer.py, on hosts with apptainer:
-containers/apptainer.sh installs it on Debian 12, CI does); the enroot lines are rendered and checked
-only (enroot has no Debian package).
+The apptainer lines run in the tests (tests/unit/test_sandbox_apptainer.py and the episode tests of
+tests/unit/test_harbor_tasks.py, on hosts with apptainer: containers/apptainer.sh installs it on
+Debian 12, CI does); the enroot lines are rendered and checked only (enroot has no Debian package).
 """
 
 from __future__ import annotations

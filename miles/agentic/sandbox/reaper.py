@@ -14,8 +14,9 @@ all of a container. Two processes of this program do:
   (PR_SET_PDEATHSIG): then it kills every descendant and exits. When the command ends by itself it
   waits briefly for the rest, kills what is left and exits with the command's status.
 With `--uid N` (started as root) the command runs as uid and gid N, and the guardian, still root, can
-stop it. The command starts in `/`: apptainer fails in a working directory its user cannot open. Standard library only, run in isolated mode (no site packages) so that it starts in
-milliseconds; no Miles import.
+stop it. The command starts in `/`: apptainer fails in a working directory its user cannot open.
+Standard library only, run in isolated mode (no site packages) so that it starts in milliseconds; no
+Miles import.
 """
 
 from __future__ import annotations
@@ -71,12 +72,6 @@ def exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
-def armed(libc: ctypes.CDLL, sig: int, parent: int) -> bool:
-    """Arm the parent-death signal `sig`; False when the parent is already gone."""
-    libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    return os.getppid() == parent
-
-
 def main(argv: list[str]) -> int:
     uid = None
     if argv[:1] == ["--uid"] and len(argv) > 1:
@@ -85,8 +80,7 @@ def main(argv: list[str]) -> int:
         print("usage: reaper.py [--uid N] CMD...", file=sys.stderr)
         return 2
     libc = ctypes.CDLL(None, use_errno=True)
-    if not armed(libc, signal.SIGKILL, os.getppid()):
-        return 128 + signal.SIGKILL
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the front dies with its caller
     front = os.getpid()
     guardian = os.fork()
     if guardian:  # the front
@@ -100,7 +94,8 @@ def main(argv: list[str]) -> int:
         os._exit(128 + signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, front_died)
-    if not armed(libc, signal.SIGTERM, front):
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != front:  # the front died before the signal was armed
         front_died()
     command = os.fork()
     if command == 0:
