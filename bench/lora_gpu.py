@@ -38,13 +38,7 @@ RANK = 16
 def _bank(decoder, slots: int, max_rows: int):
     from miles.engine.lora import LoraBank
 
-    spec, shapes = decoder.spec, {}
-    for i in range(spec.num_layers):
-        for sub, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down"))):
-            for x in names:
-                m = f"model.layers.{i}.{sub}.{x}_proj"
-                shapes[m] = tuple(decoder.get(m + ".weight").shape)
-    return LoraBank(shapes, slots, RANK, TARGETS, decoder.device, decoder.dtype, max_rows)
+    return LoraBank.for_decoder(decoder, slots, RANK, TARGETS, max_rows)
 
 
 def _adapter(bank, seed: int) -> dict[str, torch.Tensor]:

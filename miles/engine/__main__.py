@@ -197,22 +197,8 @@ def _start_lora(args: argparse.Namespace, decoder) -> list:
         raise SystemExit(
             f"--lora-target-modules {bad}: the engine's LoRA layers are {', '.join(TARGETS)} (or all)"
         )
-    spec = decoder.spec
-    shapes = {"lm_head": (spec.vocab_size, spec.hidden_size)}
-    for i in range(spec.num_layers):
-        sparse = spec.moe is not None and i in spec.moe.sparse_layers
-        for sub, names in (("self_attn", "qkvo"), ("mlp", () if sparse else ("gate", "up", "down"))):
-            for x in names:
-                module = f"model.layers.{i}.{sub}.{x}_proj"
-                shapes[module] = tuple(decoder.get(module + ".weight").shape)
-    decoder.lora = LoraBank(
-        shapes,
-        args.max_loras_per_batch,
-        rank,
-        tuple(targets),
-        decoder.device,
-        decoder.dtype,
-        args.max_running_requests,
+    decoder.lora = LoraBank.for_decoder(
+        decoder, args.max_loras_per_batch, rank, tuple(targets), args.max_running_requests
     )
     return adapters
 

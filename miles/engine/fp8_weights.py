@@ -294,6 +294,10 @@ class Fp8Decoder(Decoder):
     def _stored(self, name: str) -> torch.Tensor:
         return self.storage[name] if name in self._fused else self.params[name]
 
+    def widen(self, key: str, rows: int) -> None:
+        """None: this engine's GEMMs are not over the stored tensors alone, so the LoRA bank keeps its A apart."""
+        return None
+
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         members = self._split.get(name)
         if members is not None:  # an unfused FP8 group: one GEMM per member, outputs side by side

@@ -13,8 +13,10 @@ live in slots of one bank; a forward multiplies every slot at once:
 so a batch mixing adapters (and the base model: no slot, M = 0) runs two GEMMs a layer, without
 gathers or host synchronisation (a CUDA graph captures it), and each token gets exactly its own
 adapter's term: the other slots' columns contribute exact zeros. A layer's q/k/v (and gate/up) share
-one A GEMM and one B GEMM over a block-diagonal B. On CUDA the three kernels of a group (A GEMM, mask,
-B GEMM-accumulate) are one Triton kernel (miles/engine/triton_lora.py) where the shapes allow. R is the bank's `max_rank`; an
+one A GEMM and one B GEMM over a block-diagonal B. On CUDA, where the shapes allow, a group's A lives in
+rows stacked under the layer's own weight (`Decoder.widen`), so the layer's GEMM yields x W^T and
+x A^T in one launch, and one Triton kernel (miles/engine/triton_lora.py) masks, multiplies by B and
+adds: the adapters cost one kernel a layer group over the base model. R is the bank's `max_rank`; an
 adapter of lower rank pads with zeros. A token's slot comes from its request (`lora_path`), per
 scheduler row (`rows`, a device tensor the decode graph reads in place) or per prefill token.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,9 +98,12 @@ class LoraBank:
         device: torch.device,
         dtype: torch.dtype,
         max_rows: int,
+        home: Callable[[str, int], torch.Tensor | None] | None = None,
     ):
         """`shapes`: HF module name (model.layers.N.self_attn.q_proj, ...) -> (out, in) of every linear
-        layer an adapter may target; `max_rows`: scheduler rows (the per-row slot table's size)."""
+        layer an adapter may target; `max_rows`: scheduler rows (the per-row slot table's size);
+        `home(key, rows)`: zero rows stacked under the weight of layer or group `key` to keep its A in
+        (`Decoder.widen`), or None where it cannot."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError("--max-loras-per-batch and --max-lora-rank must be >= 1")
         self.max_loras, self.max_rank, self.targets = max_loras, max_rank, targets
@@ -109,21 +115,32 @@ class LoraBank:
         self.B: dict[str, torch.Tensor] = {}
         self.groups: dict[str, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
         """Fused name (a layer's qkv_proj / gate_up_proj) -> (A [n W, in], block-diagonal B [sum out, n W],
-        the n members) over its targeted members, whose A / B above are views into them: the fused forward runs one
-        pair of GEMMs for the group."""
-        for head, leaf, members in _fused_members(self.modules):
+        the n members) over its targeted members, whose A / B above are views into them: the fused
+        forward runs one pair of GEMMs for the group."""
+        self.blocks = self._kernel_blocks(width)
+        """Group or module -> the member of each column block, for the fused kernel (CUDA only)."""
+        self.stacked: set[str] = set()
+        """Groups and modules whose A is stacked under the layer's weight (`split` finishes their GEMM)."""
+        self._a: dict[str, torch.Tensor] = {}
+        """Group or lone module -> its A, which `_views` splits into `A` and `groups`."""
+        members_of = {f"{h}.{leaf}": ms for h, leaf, ms in _fused_members(self.modules)}
+        lone = [m for m in self.modules if not any(m in ms for ms in members_of.values())]
+        for key, members in [*members_of.items(), *((m, [m]) for m in lone)]:
             outs = [self.modules[m][0] for m in members]
-            a = torch.zeros(len(members) * width, self.modules[members[0]][1], device=device, dtype=dtype)
-            b = torch.zeros(sum(outs), len(members) * width, device=device, dtype=dtype)
+            rows, width_in = len(members) * width, self.modules[members[0]][1]
+            a = home(key, rows) if home is not None and key in self.blocks else None
+            if a is None:
+                a = torch.zeros(rows, width_in, device=device, dtype=dtype)
+            else:
+                self.stacked.add(key)
+            self._a[key] = a
+            b = torch.zeros(sum(outs), rows, device=device, dtype=dtype)
             for k, m in enumerate(members):
                 r0 = sum(outs[:k])
-                self.A[m] = a[k * width : (k + 1) * width]
                 self.B[m] = b[r0 : r0 + outs[k], k * width : (k + 1) * width]
-            self.groups[f"{head}.{leaf}"] = (a, b, members)
-        for m, (o, i) in self.modules.items():
-            if m not in self.A:
-                self.A[m] = torch.zeros(width, i, device=device, dtype=dtype)
-                self.B[m] = torch.zeros(o, width, device=device, dtype=dtype)
+            if key in members_of:
+                self.groups[key] = (a, b, members)
+        self._views()
         self.scale = torch.zeros(max_loras, device=device, dtype=torch.float32)
         self.column_slot = torch.arange(width, device=device) // max_rank
         self.rows = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=device)
@@ -136,8 +153,44 @@ class LoraBank:
         """Slot of each token of the current forward (set by the decoder), or None: no adapter at all."""
         self._mask: torch.Tensor | None = None
         self._masks: dict[int, torch.Tensor] = {}
-        self.blocks = self._kernel_blocks(width)
-        """Group or module -> the member of each column block, for the fused kernel (CUDA only)."""
+
+    @classmethod
+    def for_decoder(
+        cls, decoder, max_loras: int, max_rank: int, targets: tuple[str, ...], max_rows: int
+    ) -> LoraBank:
+        """The bank of `decoder` (miles/engine/model.py) over every projection an adapter may target
+        (a sparse MoE layer's experts take none), its A stacked under the decoder's weights."""
+        spec = decoder.spec
+        shapes = {"lm_head": (spec.vocab_size, spec.hidden_size)}
+        for i in range(spec.num_layers):
+            sparse = spec.moe is not None and i in spec.moe.sparse_layers
+            for sub, names in (("self_attn", "qkvo"), ("mlp", () if sparse else ("gate", "up", "down"))):
+                for x in names:
+                    module = f"model.layers.{i}.{sub}.{x}_proj"
+                    shapes[module] = tuple(decoder.get(module + ".weight").shape)
+        return cls(
+            shapes, max_loras, max_rank, targets, decoder.device, decoder.dtype, max_rows,
+            home=lambda key, rows: decoder.widen(key + ".weight", rows),
+        )  # fmt: skip
+
+    def _views(self) -> None:
+        """`A` of every module (a group member's: rows of its group's A) and `groups`, from `_a`."""
+        width = self.max_loras * self.max_rank
+        for key, a in self._a.items():
+            if key in self.groups:
+                _, b, members = self.groups[key]
+                self.groups[key] = (a, b, members)
+                for k, m in enumerate(members):
+                    self.A[m] = a[k * width : (k + 1) * width]
+            else:
+                self.A[key] = a
+
+    def rehome(self, rows_of: Callable[[str], torch.Tensor]) -> None:
+        """Point the stacked A at `rows_of(key)`, the rows under the decoder's weight where its tensors
+        moved (back on the device after an offload: the values moved with them)."""
+        for key in self.stacked:
+            self._a[key] = rows_of(key)
+        self._views()
 
     def _kernel_blocks(self, width: int) -> dict[str, torch.Tensor]:
         if self.device.type != "cuda":
@@ -145,11 +198,11 @@ class LoraBank:
         from miles.engine.triton_lora import fits, member_blocks
 
         out = {}
-        for name, (a, _, members) in self.groups.items():
-            outs = [self.modules[m][0] for m in members]
-            blocks = member_blocks(outs) if fits(self.max_rank, self.max_loras, a.shape[1]) else None
+        for head, leaf, members in _fused_members(self.modules):
+            outs, width_in = [self.modules[m][0] for m in members], self.modules[members[0]][1]
+            blocks = member_blocks(outs) if fits(self.max_rank, self.max_loras, width_in) else None
             if blocks is not None:
-                out[name] = blocks.to(self.device)
+                out[f"{head}.{leaf}"] = blocks.to(self.device)
         for module, (o, i) in self.modules.items():
             blocks = member_blocks([o]) if fits(self.max_rank, self.max_loras, i) else None
             if blocks is not None and module != "lm_head":
@@ -299,6 +352,20 @@ class LoraBank:
         h = x.reshape(-1, x.shape[-1]) @ self.A[module].t()
         h.mul_(mask)  # the scale of each token's slot; 0 on the other slots' columns
         return (h @ self.B[module].t()).view(*x.shape[:-1], -1)
+
+    def stacks(self, key: str) -> bool:
+        """Whether the forward should run layer or group `key` as one GEMM over its weight with the A
+        stacked under it, then `split`."""
+        return self.tokens is not None and key in self.stacked and key in self.blocks
+
+    def split(self, both: torch.Tensor, key: str) -> torch.Tensor:
+        """y = x W^T + the adapters' term of `key`, from both = [x W^T | x A^T] (one kernel)."""
+        from miles.engine.triton_lora import lora_split
+
+        assert self.tokens is not None
+        b = self.groups[key][1] if key in self.groups else self.B[key]
+        width = self.max_loras * self.max_rank
+        return lora_split(both, b, self.blocks[key], self.tokens, self.scale, self.max_rank, width)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, module: str) -> bool:
         """y += the adapters' term of HF module `module` in place (a GEMM, the mask, a GEMM-accumulate);

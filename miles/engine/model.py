@@ -114,6 +114,10 @@ class Decoder:
         self._dtypes: dict[str, torch.dtype] = {}  # storage dtypes other than `dtype` (FP8 weights, scales)
         self.lora = None
         """The LoRA adapter bank (miles/engine/lora.py: LoraBank), None without --enable-lora."""
+        self.wide: dict[str, torch.Tensor] = {}
+        """Stored name -> the tensor its storage is the top rows of, where `widen` stacked the LoRA
+        bank's A under a weight (and zeros under its bias)."""
+        self._narrow: dict[str, int] = {}  # rows of each widened stored tensor
         self.load(weights, strict=True)
         half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
         self.inv_freq = (1.0 / spec.rope_theta**half).float()
@@ -170,12 +174,34 @@ class Decoder:
         self._bind()
 
     def _bind(self) -> None:
-        """`params` from `storage`: HF-named tensors as they are, fused members as row views."""
+        """`params` from `storage`: HF-named tensors as they are, fused members as row views; a widened
+        tensor's storage is its top rows."""
+        self.storage.update({k: w[: self._narrow[k]] for k, w in self.wide.items()})
         self.params = {n: t for n, t in self.storage.items() if n not in self._fused}
         for fused, members in self._fused.items():
             views = self.storage[fused].split([rows for _, rows in members])
             for (name, _), view in zip(members, views, strict=True):
                 self.params[name] = view
+
+    def widen(self, key: str, rows: int) -> torch.Tensor | None:
+        """Stack `rows` zero rows under stored weight `key` (a plain or fused weight name; its bias gets
+        zeros too) and return them: the LoRA bank keeps the layer's A there, so one GEMM yields x W^T
+        and x A^T side by side (miles/engine/lora.py). The weight stays where `storage` and `params`
+        point (views of the wider tensor). None where the weight is not a device-resident matrix."""
+        w = self.storage.get(key)
+        if w is None or w.dim() != 2 or not self.resident or w.dtype != self.dtype:
+            return None
+        for k in (key, key.removesuffix(".weight") + ".bias"):
+            if (t := self.storage.get(k)) is not None:
+                self.wide[k] = torch.zeros(t.shape[0] + rows, *t.shape[1:], dtype=t.dtype, device=t.device)
+                self.wide[k][: t.shape[0]].copy_(t)
+                self._narrow[k] = t.shape[0]
+        self._bind()
+        return self.stacked_rows(key)
+
+    def stacked_rows(self, key: str) -> torch.Tensor:
+        """The rows `widen` stacked under stored weight `key`, where its tensors are now."""
+        return self.wide[key][self._narrow[key] :]
 
     def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
         """Copy tensors in by HF name; unknown names or wrong shapes raise ValueError naming them."""
@@ -203,27 +229,39 @@ class Decoder:
         if not self.resident:
             return
         pin = self.device.type == "cuda"
-        if self._host.keys() != self.storage.keys():  # pinned allocation is slow: once per engine
-            self._host = {
-                k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in self.storage.items()
+        owners = self._owners()
+        if {k: v.shape for k, v in self._host.items()} != {k: v.shape for k, v in owners.items()}:
+            self._host = {  # pinned allocation is slow: once per engine
+                k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in owners.items()
             }
-        for k, v in self.storage.items():
+        for k, v in owners.items():
             self._host[k].copy_(v, non_blocking=pin)
         if pin:
             torch.cuda.current_stream(self.device).synchronize()
-        self.storage = dict(self._host)
-        self._bind()
+        self._own(dict(self._host))
         self.resident = False
 
     def onload(self) -> None:
         """Bring the weights back to the device (inverse of offload)."""
         if self.resident:
             return
-        self.storage = {k: v.to(self.device, non_blocking=True) for k, v in self.storage.items()}
+        self._own({k: v.to(self.device, non_blocking=True) for k, v in self._owners().items()})
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self._bind()
         self.resident = True
+
+    def _owners(self) -> dict[str, torch.Tensor]:
+        """Each stored tensor's owner of memory: the wider tensor where `widen` stacked rows under it."""
+        return {k: self.wide.get(k, v) for k, v in self.storage.items()}
+
+    def _own(self, owners: dict[str, torch.Tensor]) -> None:
+        """`storage`, `wide` and `params` from tensors shaped as `_owners` answers; the LoRA bank's A
+        stacked under weights follows them."""
+        self.wide = {k: owners[k] for k in self.wide}
+        self.storage = dict(owners)
+        self._bind()
+        if self.lora is not None and self.wide:
+            self.lora.rehome(lambda key: self.stacked_rows(key + ".weight"))
 
     def get(self, name: str) -> torch.Tensor:
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
@@ -432,10 +470,13 @@ class Decoder:
     def _project(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`_linear` plus, with LoRA adapters (miles/engine/lora.py), each token's adapter term; a fused
         weight (qkv_proj, gate_up_proj) gets its members' terms side by side."""
-        y = self._linear(x, name, bias)
         if self.lora is None:
-            return y
+            return self._linear(x, name, bias)
         module = name.removesuffix(".weight")
+        if self.lora.stacks(module):  # one GEMM yields [x W^T | x A^T] (widen), one kernel the rest
+            wide_bias = None if bias is None else self.wide[module + ".bias"]
+            return self.lora.split(F.linear(x, self.wide[name], wide_bias), module)
+        y = self._linear(x, name, bias)
         head, _, leaf = module.rpartition(".")
         members = self._FUSED_MEMBERS.get(leaf)
         if members is None:

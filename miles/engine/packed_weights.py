@@ -215,6 +215,10 @@ class PackedDecoder(Decoder):
         w = self._compute.get(name)
         return super()._stacked(name) if w is None else w
 
+    def widen(self, key: str, rows: int) -> None:
+        """None: this engine's GEMMs are not over the stored tensors alone, so the LoRA bank keeps its A apart."""
+        return None
+
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         w = self._compute.get(name)
         if w is None:

@@ -7,12 +7,15 @@ token t of slot s_t with scale c_s (0 columns and no term for the base model, s_
 
 where m(n) is the member (q, k or v; gate or up) output column n belongs to, A[m] its [S r, in] stacked
 slots and B[n, m] its row of the [S r] columns of the member's slots. PyTorch runs it as three kernels
-(the A GEMM over every member, the mask, the B GEMM-accumulate over the block-diagonal B). Here they
-are two: the A GEMM h = x A^T (cuBLAS, every member and slot at once), then one Triton kernel whose
-programs each take BT tokens and BN output columns of one member: they mask and scale those tokens'
-h columns of that member, multiply them by the block's B columns (the zero blocks of the
-block-diagonal B are never read) and add the result to y in place (fp32 sums, one rounding). Grids depend on shapes alone, so it is captured in CUDA graphs; the tests run it
-on the CPU under Triton's interpreter against the PyTorch path.
+(the A GEMM over every member, the mask, the B GEMM-accumulate over the block-diagonal B). Here it is
+one GEMM and one Triton kernel. The bank's A lives in rows stacked under the layer's weight
+(`Decoder.widen`), so the layer's own cuBLAS GEMM yields [x W^T | h = x A^T] in one launch
+(`lora_split`); where it does not (`lora_add_`), h is a GEMM of its own. Then one Triton kernel, whose
+programs each take BT tokens and BN output columns of one member, masks and scales those tokens' h
+columns of that member, multiplies them by the block's B columns (the zero blocks of the
+block-diagonal B are never read), adds the base output and writes y (fp32 sums, one rounding). Grids
+depend on shapes alone, so it is captured in CUDA graphs; the tests run it on the CPU under Triton's
+interpreter against the PyTorch path.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ BT, BN = 64, 128
 
 @triton.jit
 def _lora_expand_kernel(
-    h_ptr, b_ptr, y_ptr, slot_ptr, scale_ptr, member_ptr,
-    T, stride_h, stride_b, stride_y,
+    h_ptr, b_ptr, base_ptr, y_ptr, slot_ptr, scale_ptr, member_ptr,
+    T, stride_h, stride_b, stride_base, stride_y,
     R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
@@ -44,9 +47,12 @@ def _lora_expand_kernel(
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     b = tl.load(b_ptr + n[None, :] * stride_b + cols[:, None])
     out = tl.dot(h, b)
-    where = y_ptr + t[:, None] * stride_y + n[None, :]
-    y = tl.load(where, mask=live[:, None], other=0.0).to(tl.float32)
-    tl.store(where, (y + out).to(y_ptr.dtype.element_ty), mask=live[:, None])
+    y = tl.load(base_ptr + t[:, None] * stride_base + n[None, :], mask=live[:, None], other=0.0)
+    tl.store(
+        y_ptr + t[:, None] * stride_y + n[None, :],
+        (y.to(tl.float32) + out).to(y_ptr.dtype.element_ty),
+        mask=live[:, None],
+    )
 
 
 def member_blocks(outs: list[int], block: int = BN) -> torch.Tensor | None:
@@ -79,10 +85,33 @@ def lora_add_(
     [n width, in], b [sum out, n width] (block-diagonal over the n members; width = S r), members:
     member_blocks() on y's device, token_slots [T] (-1: base), scale [S] fp32."""
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-    h = x2 @ a.t()
-    T = x2.shape[0]
+    _expand(x2 @ a.t(), b, y2, y2, members, token_slots, scale, rank, width)
+
+
+def lora_split(
+    both: torch.Tensor,
+    b: torch.Tensor,
+    members: torch.Tensor,
+    token_slots: torch.Tensor,
+    scale: torch.Tensor,
+    rank: int,
+    width: int,
+) -> torch.Tensor:
+    """y [..., sum out] from both [..., sum out + n width] = [x W^T | x A^T], the output of a GEMM over a
+    weight with the group's A stacked under it: y = x W^T + the adapters' term (arguments as
+    `lora_add_`), in a new contiguous tensor."""
+    out = b.shape[0]
+    both2 = both.view(-1, both.shape[-1])
+    y = both.new_empty(both2.shape[0], out)
+    _expand(both2[:, out:], b, both2[:, :out], y, members, token_slots, scale, rank, width)
+    return y.view(*both.shape[:-1], out)
+
+
+def _expand(h, b, base, y, members, token_slots, scale, rank: int, width: int) -> None:
+    """y = base + ((h * mask) b^T) by member blocks (y may be base itself)."""
+    T = h.shape[0]
     grid = (triton.cdiv(T, BT), members.numel())
     _lora_expand_kernel[grid](
-        h, b, y2, token_slots, scale, members, T, h.stride(0), b.stride(0), y2.stride(0),
+        h, b, base, y, token_slots, scale, members, T, h.stride(0), b.stride(0), base.stride(0), y.stride(0),
         R=rank, SR=width, BT=BT, BN=BN,
     )  # fmt: skip

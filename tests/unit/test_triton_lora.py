@@ -1,5 +1,7 @@
 """The fused LoRA kernel of miles/engine/triton_lora.py on CPU, under Triton's interpreter, against the
-bank's PyTorch path (miles/engine/lora.py: A GEMM, mask, block-diagonal B GEMM-accumulate) in fp32.
+bank's PyTorch path (miles/engine/lora.py: A GEMM, mask, block-diagonal B GEMM-accumulate) in fp32:
+in place after its own A GEMM (`lora_add_`), and from the output of one GEMM over the weight with A
+stacked under it (`lora_split`).
 
 As in test_triton_fused.py, TRITON_INTERPRET would leak into every other kernel of the process, so
 the cases run in a child interpreter started with TRITON_INTERPRET=1 (this file run as a script) that
@@ -21,7 +23,7 @@ pytest.importorskip("triton", reason="Triton is not installed (it ships with PyT
 def _case(outs: list[int], width_in: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
     import torch
 
-    from miles.engine.triton_lora import lora_add_, member_blocks
+    from miles.engine.triton_lora import lora_add_, lora_split, member_blocks
 
     g = torch.Generator().manual_seed(seed)
     n, width = len(outs), slots * rank
@@ -41,11 +43,15 @@ def _case(outs: list[int], width_in: int, tokens: int, slots: int, rank: int, se
     ref = y0 + ((x @ a.t()) * mask) @ b.t()
     y = y0.clone()
     lora_add_(y, x, a, b, member_blocks(outs), token_slots, scale, rank, width)
+    both = torch.cat((y0, x @ a.t()), dim=-1)  # what one GEMM over [W; A] yields
+    split = lora_split(both, b, member_blocks(outs), token_slots, scale, rank, width)
     base = token_slots < 0
     return {
         "err": float((y - ref).abs().max()),
+        "split_err": float((split - ref).abs().max()),
+        "split_shape": list(split.shape),
         "scale": float(ref.abs().max()),
-        "base_untouched": bool(torch.equal(y[base], y0[base])),
+        "base_untouched": bool(torch.equal(y[base], y0[base]) and torch.equal(split[base], y0[base])),
     }
 
 
@@ -65,6 +71,8 @@ def measured() -> dict:
 def test_fused_lora_kernel_equals_the_pytorch_path(measured, case):
     m = measured[case]
     assert m["err"] <= 1e-4 * max(1.0, m["scale"]), m
+    assert m["split_err"] <= 1e-4 * max(1.0, m["scale"]), m
+    assert m["split_shape"] == [CASES[case]["tokens"], sum(CASES[case]["outs"])]
     assert m["base_untouched"], "a base-model token (slot -1) was changed"
 
 

@@ -1,0 +1,66 @@
+"""`Decoder.widen` (miles/engine/model.py): zero rows stacked under a stored weight, where the LoRA
+bank keeps a layer's A so that one GEMM yields x W^T and x A^T. The weights (and what the model
+computes) do not change, the stored tensor and its HF-named views alias the wider one, weight updates
+land in it, and the stacked rows go to host memory and back with the weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from miles.engine.model import Batch, Decoder, ModelSpec, load_weights
+
+PROMPT = list(range(3, 40, 2))
+QKV = "model.layers.0.self_attn.qkv_proj"
+
+
+def _logits(dec: Decoder) -> torch.Tensor:
+    n = len(PROMPT)
+    ar = torch.arange(n)
+    batch = Batch(input_ids=torch.tensor(PROMPT), positions=ar, write_slots=ar + 1, query_index=ar[None],
+                  query_pos=ar[None], context_slots=(ar + 1)[None], last_index=ar)  # fmt: skip
+    return dec.forward(batch, dec.new_kv_pool(n + 1))
+
+
+def test_widened_weights_compute_the_same_and_travel_with_offload(tiny_model):
+    weights = load_weights(tiny_model)
+    dec = Decoder(ModelSpec.from_dir(tiny_model), weights, "cpu", torch.float32)
+    before = _logits(dec)
+    q = dec.get("model.layers.0.self_attn.q_proj.weight").clone()
+    rows = dec.widen(QKV + ".weight", 8)
+    assert rows is not None and rows.shape == (8, q.shape[1]) and not rows.any()
+    wide, stored = dec.wide[QKV + ".weight"], dec.storage[QKV + ".weight"]
+    assert stored.data_ptr() == wide.data_ptr() and wide.shape[0] == stored.shape[0] + 8
+    assert dec.get("model.layers.0.self_attn.q_proj.weight").data_ptr() == wide.data_ptr()
+    assert torch.equal(dec.get("model.layers.0.self_attn.q_proj.weight"), q)
+    bias = dec.wide[QKV + ".bias"]  # qwen2 has q/k/v biases: zeros under them
+    assert bias.shape[0] == stored.shape[0] + 8 and not bias[stored.shape[0] :].any()
+    assert torch.equal(_logits(dec), before)
+
+    rows.copy_(torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(5, q.shape[1], generator=torch.Generator().manual_seed(1))
+    both = F.linear(x, wide, bias)
+    assert torch.allclose(both[:, : stored.shape[0]], F.linear(x, stored, dec.storage[QKV + ".bias"]))
+    assert torch.allclose(both[:, stored.shape[0] :], x @ rows.t())
+
+    a = rows.clone()
+    dec.offload()
+    assert not dec.resident and torch.equal(dec.stacked_rows(QKV + ".weight"), a)
+    dec.onload()
+    assert torch.equal(dec.stacked_rows(QKV + ".weight"), a)
+    assert dec.storage[QKV + ".weight"].data_ptr() == dec.wide[QKV + ".weight"].data_ptr()
+    assert torch.equal(_logits(dec), before)
+
+    dec.load({"model.layers.0.self_attn.q_proj.weight": q * 2})  # a weight update lands in the wide tensor
+    assert torch.equal(dec.wide[QKV + ".weight"][: q.shape[0]], q * 2)
+    assert torch.equal(dec.stacked_rows(QKV + ".weight"), a)
+    assert not torch.equal(_logits(dec), before)
+
+
+def test_only_matrices_of_the_compute_dtype_widen(tiny_model):
+    dec = Decoder(ModelSpec.from_dir(tiny_model), load_weights(tiny_model), "cpu", torch.float32)
+    assert dec.widen("model.norm.weight", 8) is None  # not a matrix
+    assert dec.widen("model.layers.0.self_attn.q_proj.weight", 8) is None  # a view into qkv_proj
+    assert dec.widen("model.layers.0.self_attn.o_proj.weight", 8) is not None
+    dec.offload()
+    assert dec.widen("model.layers.0.mlp.down_proj.weight", 8) is None  # weights on the host
