@@ -156,10 +156,17 @@ class LoraBank:
 
     @classmethod
     def for_decoder(
-        cls, decoder, max_loras: int, max_rank: int, targets: tuple[str, ...], max_rows: int
+        cls,
+        decoder,
+        max_loras: int,
+        max_rank: int,
+        targets: tuple[str, ...],
+        max_rows: int,
+        stack: bool = True,
     ) -> LoraBank:
         """The bank of `decoder` (miles/engine/model.py) over every projection an adapter may target
-        (a sparse MoE layer's experts take none), its A stacked under the decoder's weights."""
+        (a sparse MoE layer's experts take none), its A stacked under the decoder's weights (`stack`
+        False: in tensors of its own, a GEMM apart; the benchmark's anchor)."""
         spec = decoder.spec
         shapes = {"lm_head": (spec.vocab_size, spec.hidden_size)}
         for i in range(spec.num_layers):
@@ -170,7 +177,7 @@ class LoraBank:
                     shapes[module] = tuple(decoder.get(module + ".weight").shape)
         return cls(
             shapes, max_loras, max_rank, targets, decoder.device, decoder.dtype, max_rows,
-            home=lambda key, rows: decoder.widen(key + ".weight", rows),
+            home=(lambda key, rows: decoder.widen(key + ".weight", rows)) if stack else None,
         )  # fmt: skip
 
     def _views(self) -> None:
