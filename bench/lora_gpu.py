@@ -36,10 +36,10 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK = 16
 
 
-def _bank(decoder, slots: int, max_rows: int, stack: bool = True):
+def _bank(decoder, slots: int, max_rows: int, **stack):
     from miles.engine.lora import LoraBank
 
-    return LoraBank.for_decoder(decoder, slots, RANK, TARGETS, max_rows, stack)
+    return LoraBank.for_decoder(decoder, slots, RANK, TARGETS, max_rows, **stack)
 
 
 def _adapter(bank, seed: int) -> dict[str, torch.Tensor]:
@@ -75,12 +75,18 @@ def decode_part(args, device: str) -> list[dict]:
     torch_path.lora.load("a0", config, _adapter(torch_path.lora, 0), "random")
     torch_path.lora.blocks = {}
     apart = build_decoder(spec, path, device, dtype, "none", 1024)  # A in its own tensors: a GEMM of its own
-    apart.lora = _bank(apart, 1, batch, stack=False)
+    apart.lora = _bank(apart, 1, batch, stack=None)
     apart.lora.load("a0", config, _adapter(apart.lora, 0), "random")
+    aligned = {}
+    for align in args.align or []:  # the stacked block padded to other multiples (the A rows alone: 1)
+        aligned[align] = build_decoder(spec, path, device, dtype, "none", 1024)
+        aligned[align].lora = _bank(aligned[align], 1, batch, stack=align)
+        aligned[align].lora.load("a0", config, _adapter(aligned[align].lora, 0), "random")
     slots = batch * (prompt + new) + 4096
     arms = {"base": (plain, 0), "bank of 8, no adapter": (banks[8], 0), "1 adapter, bank of 1": (banks[1], 1),
             "1 adapter, bank of 1, A GEMM apart": (apart, 1), "1 adapter, bank of 1, PyTorch path": (torch_path, 1), "1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
             "8 adapters, bank of 8": (banks[8], 8)}  # fmt: skip
+    arms.update({f"1 adapter, bank of 1, stacked rows a multiple of {k}": (d, 1) for k, d in aligned.items()})
     scheds = {a: Scheduler(d, batch, slots) for a, (d, _) in arms.items()}
     rng = random.Random(args.seed)
 
@@ -191,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="runs/bench_lora")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument(
+        "--align",
+        type=int,
+        action="append",
+        help="decode: also the bank of 1 with its stacked block a multiple of N rows",
+    )
     args = p.parse_args(argv)
     args.workdir = str(Path(args.workdir).resolve())
     device, start = bench_device(args, "bench.lora_gpu"), utc_now()

@@ -43,6 +43,10 @@ _TENSOR = re.compile(
 )
 
 
+STACK_ALIGN = 64
+"""Rows of the block stacked under a weight for its A are a multiple of this (zeros beyond A)."""
+
+
 class LoraError(ValueError):
     """A request or adapter the bank refuses; the message names what to change (an HTTP 400)."""
 
@@ -162,11 +166,12 @@ class LoraBank:
         max_rank: int,
         targets: tuple[str, ...],
         max_rows: int,
-        stack: bool = True,
+        stack: int | None = STACK_ALIGN,
     ) -> LoraBank:
         """The bank of `decoder` (miles/engine/model.py) over every projection an adapter may target
-        (a sparse MoE layer's experts take none), its A stacked under the decoder's weights (`stack`
-        False: in tensors of its own, a GEMM apart; the benchmark's anchor)."""
+        (a sparse MoE layer's experts take none), its A stacked under the decoder's weights in a block
+        of rows padded to a multiple of `stack` (cuBLAS runs the wider GEMM at its best with aligned
+        widths); None keeps A in tensors of its own, a GEMM apart (the benchmark's anchor)."""
         spec = decoder.spec
         shapes = {"lm_head": (spec.vocab_size, spec.hidden_size)}
         for i in range(spec.num_layers):
@@ -175,9 +180,14 @@ class LoraBank:
                 for x in names:
                     module = f"model.layers.{i}.{sub}.{x}_proj"
                     shapes[module] = tuple(decoder.get(module + ".weight").shape)
+
+        def home(key: str, rows: int) -> torch.Tensor | None:
+            block = decoder.widen(key + ".weight", -(-rows // stack) * stack)
+            return None if block is None else block[:rows]
+
         return cls(
             shapes, max_loras, max_rank, targets, decoder.device, decoder.dtype, max_rows,
-            home=(lambda key, rows: decoder.widen(key + ".weight", rows)) if stack else None,
+            home=home if stack else None,
         )  # fmt: skip
 
     def _views(self) -> None:
