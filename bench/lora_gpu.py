@@ -120,6 +120,13 @@ def decode_part(args, device: str) -> list[dict]:
         for a in rotated(names, r):
             tok_s[a].append(run(a, ps))
             print(f"decode round {r + 1} {a}: {tok_s[a][-1]:.0f} tok/s", flush=True)
+    if args.profile and device == "cuda":  # the kernels of one eager decode step, base and one adapter
+        from bench.engine_gpu import profile_decode
+
+        shape = argparse.Namespace(requests=batch, prompt=prompt, completion=new)
+        for a in ("base", "1 adapter, bank of 1"):
+            print(f"#### kernels of one decode step: {a}")
+            profile_decode(scheds[a], shape)
     scheds.clear()
     free_memory()
     return [
@@ -197,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="runs/bench_lora")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument(
+        "--profile", action="store_true", help="decode: print the kernels of one step, base and 1 adapter"
+    )
     p.add_argument(
         "--align",
         type=int,
