@@ -152,7 +152,7 @@ def profile_decode(sched, args) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         sched.decoder.forward(batch, sched.pool)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
 
 
 def run_http(model: Path, prompts, args, log_dir: Path) -> dict:
