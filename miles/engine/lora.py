@@ -203,10 +203,10 @@ class LoraBank:
                 self.A[key] = a
 
     def rehome(self, rows_of: Callable[[str], torch.Tensor]) -> None:
-        """Point the stacked A at `rows_of(key)`, the rows under the decoder's weight where its tensors
-        moved (back on the device after an offload: the values moved with them)."""
+        """Point the stacked A at the first rows of `rows_of(key)`, the block under the decoder's weight
+        where its tensors moved (to the host and back with an offload: the values moved with them)."""
         for key in self.stacked:
-            self._a[key] = rows_of(key)
+            self._a[key] = rows_of(key)[: self._a[key].shape[0]]
         self._views()
 
     def _kernel_blocks(self, width: int) -> dict[str, torch.Tensor]:

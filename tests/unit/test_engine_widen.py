@@ -64,3 +64,51 @@ def test_only_matrices_of_the_compute_dtype_widen(tiny_model):
     assert dec.widen("model.layers.0.self_attn.o_proj.weight", 8) is not None
     dec.offload()
     assert dec.widen("model.layers.0.mlp.down_proj.weight", 8) is None  # weights on the host
+
+
+def test_the_bank_keeps_its_a_in_the_stacked_rows_through_offload(tiny_model):
+    """The bank's bookkeeping on the CPU: with column blocks for every layer (the CUDA kernel's, which
+    the CPU has none of), `for_decoder` stacks each A under its weight in a padded block; the A the
+    bank reads (then through the PyTorch path, blocks dropped) keeps its shape and values after the
+    weights went to the host and back, and the adapter still changes the logits the same way."""
+    from miles.engine.lora import STACK_ALIGN, TARGETS, AdapterConfig, LoraBank
+
+    class Stacking(LoraBank):
+        def _kernel_blocks(self, width: int) -> dict[str, torch.Tensor]:
+            groups = {
+                m.rsplit(".", 1)[0] + f".{g}" for m in self.modules for g in ("qkv_proj", "gate_up_proj")
+            }
+            return {k: torch.zeros(1) for k in [*self.modules, *groups] if k != "lm_head"}
+
+    dec = Decoder(ModelSpec.from_dir(tiny_model), load_weights(tiny_model), "cpu", torch.float32)
+    base = _logits(dec)
+    rank, slots = 4, 2
+    dec.lora = Stacking.for_decoder(dec, slots, rank, TARGETS, 8)
+    assert {QKV, "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_up_proj"} <= dec.lora.stacked
+    assert dec.stacked_rows(QKV + ".weight").shape[0] == STACK_ALIGN  # 3 x 8 rows of A, padded
+    g = torch.Generator().manual_seed(2)
+    tensors = {}
+    for m, (o, i) in dec.lora.modules.items():
+        if m != "lm_head":
+            tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(rank, i, generator=g) * 0.1
+            tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.1
+    dec.lora.load("x", AdapterConfig(rank, 8.0, TARGETS[:-1]), tensors, "t")
+    dec.lora.blocks = {}  # the PyTorch path, which reads A from the stacked rows
+
+    def adapted() -> torch.Tensor:
+        n = len(PROMPT)
+        ar = torch.arange(n)
+        batch = Batch(input_ids=torch.tensor(PROMPT), positions=ar, write_slots=ar + 1, query_index=ar[None],
+                      query_pos=ar[None], context_slots=(ar + 1)[None], last_index=ar,
+                      lora_slots=torch.zeros(n, dtype=torch.int64))  # fmt: skip
+        return dec.forward(batch, dec.new_kv_pool(n + 1))
+
+    before, stored = adapted(), {k: v.clone() for k, v in dec.lora.stored("x").items()}
+    assert not torch.allclose(before, base)
+    dec.offload()
+    dec.onload()
+    width = slots * rank
+    assert all(a.shape[0] == width for a in dec.lora.A.values())
+    assert dec.lora.A[QKV.replace("qkv", "q")].data_ptr() == dec.stacked_rows(QKV + ".weight").data_ptr()
+    assert all(torch.equal(v, stored[k]) for k, v in dec.lora.stored("x").items())
+    assert torch.equal(adapted(), before)
