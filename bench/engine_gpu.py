@@ -13,7 +13,8 @@ Measured:
 - the GPU time of one captured decode step at full batch (CUDA events around graph replays), so
   host share = 1 - GPU time / wall step time;
 - the engine process over HTTP (one batched /generate), graphs on: tokens/s end to end;
-- `generate` at batch `requests`, bf16, sampling with the same temperature: tokens/s.
+- `generate` at batch `requests`, bf16, sampling with the same temperature: tokens/s;
+- `--host-phases`: the host time of each scheduler phase per step (bench/host_phases.py).
 """
 
 from __future__ import annotations
@@ -113,6 +114,15 @@ def run_in_process(model: Path, prompts, args, cuda_graph: bool) -> dict:
         table = prof.key_averages()
         print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         print(table.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
+    if args.host_phases:  # a 128-token round with a timer around each host phase (bench/host_phases.py)
+        from bench.host_phases import per_step, timed_phases
+
+        sched.slots.flush()
+        with timed_phases(sched) as totals:
+            go(128)
+        out["host_phases"] = per_step(totals)
+        for phase, v in out["host_phases"].items():
+            print(f"  {phase:<36}{v['us_per_step']:>9.1f} us/step {v['calls_per_step']:>6.2f} calls/step")
     if sched.graphs is not None:
         out["graph_step_gpu_ms"] = graph_gpu_time(sched, args)
         if args.profile:
@@ -208,6 +218,7 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-eager", action="store_true")
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step")
+    p.add_argument("--host-phases", action="store_true", help="time the host phases of a decode round")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
