@@ -114,22 +114,25 @@ class LoraBank:
         self.device, self.dtype = device, dtype
         self.shapes = dict(shapes)
         self.modules = {m: s for m, s in shapes.items() if m.rsplit(".", 1)[-1] in targets}
-        width = max_loras * max_rank
+        self.width = width = max_loras * max_rank
+        """Columns of every slot's rank side by side (S R): the width of each member's block of A and B."""
         self.A: dict[str, torch.Tensor] = {}
         self.B: dict[str, torch.Tensor] = {}
         self.groups: dict[str, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
         """Fused name (a layer's qkv_proj / gate_up_proj) -> (A [n W, in], block-diagonal B [sum out, n W],
         the n members) over its targeted members, whose A / B above are views into them: the fused
         forward runs one pair of GEMMs for the group."""
-        self.blocks = self._kernel_blocks(width)
-        """Group or module -> the member of each column block, for the fused kernel (CUDA only)."""
+        members_of = {f"{h}.{leaf}": ms for h, leaf, ms in _fused_members(self.modules)}
+        grouped = {m for ms in members_of.values() for m in ms}
+        units = members_of | {m: [m] for m in self.modules if m not in grouped}  # each with its own A and B
+        self.blocks = self._kernel_blocks(members_of | {m: [m] for m in self.modules})
+        """Group or module (a group's members too: the per-op forward multiplies them one by one) -> the
+        member of each column block, for the fused kernel (CUDA only)."""
         self.stacked: set[str] = set()
         """Groups and modules whose A is stacked under the layer's weight (`split` finishes their GEMM)."""
         self._a: dict[str, torch.Tensor] = {}
         """Group or lone module -> its A, which `_views` splits into `A` and `groups`."""
-        members_of = {f"{h}.{leaf}": ms for h, leaf, ms in _fused_members(self.modules)}
-        lone = [m for m in self.modules if not any(m in ms for ms in members_of.values())]
-        for key, members in [*members_of.items(), *((m, [m]) for m in lone)]:
+        for key, members in units.items():
             outs = [self.modules[m][0] for m in members]
             rows, width_in = len(members) * width, self.modules[members[0]][1]
             a = home(key, rows) if home is not None and key in self.blocks else None
@@ -192,7 +195,7 @@ class LoraBank:
 
     def _views(self) -> None:
         """`A` of every module (a group member's: rows of its group's A) and `groups`, from `_a`."""
-        width = self.max_loras * self.max_rank
+        width = self.width
         for key, a in self._a.items():
             if key in self.groups:
                 _, b, members = self.groups[key]
@@ -209,21 +212,18 @@ class LoraBank:
             self._a[key] = rows_of(key)[: self._a[key].shape[0]]
         self._views()
 
-    def _kernel_blocks(self, width: int) -> dict[str, torch.Tensor]:
+    def _kernel_blocks(self, units: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+        """`blocks` of the groups and modules in `units` (key -> members) whose shapes the kernel takes."""
         if self.device.type != "cuda":
             return {}
         from miles.engine.triton_lora import fits, member_blocks
 
         out = {}
-        for head, leaf, members in _fused_members(self.modules):
+        for key, members in units.items():
             outs, width_in = [self.modules[m][0] for m in members], self.modules[members[0]][1]
             blocks = member_blocks(outs) if fits(self.max_rank, self.max_loras, width_in) else None
-            if blocks is not None:
-                out[f"{head}.{leaf}"] = blocks.to(self.device)
-        for module, (o, i) in self.modules.items():
-            blocks = member_blocks([o]) if fits(self.max_rank, self.max_loras, i) else None
-            if blocks is not None and module != "lm_head":
-                out[module] = blocks.to(self.device)
+            if blocks is not None and key != "lm_head":
+                out[key] = blocks.to(self.device)
         return out
 
     # ---- adapters ----------------------------------------------------------------------------------
@@ -381,8 +381,7 @@ class LoraBank:
 
         assert self.tokens is not None
         b = self.groups[key][1] if key in self.groups else self.B[key]
-        width = self.max_loras * self.max_rank
-        return lora_split(both, b, self.blocks[key], self.tokens, self.scale, self.max_rank, width)
+        return lora_split(both, b, self.blocks[key], self.tokens, self.scale, self.max_rank, self.width)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, module: str) -> bool:
         """y += the adapters' term of HF module `module` in place (a GEMM, the mask, a GEMM-accumulate);
@@ -411,8 +410,7 @@ class LoraBank:
             from miles.engine.triton_lora import lora_add_
 
             assert self.tokens is not None
-            width = self.max_loras * self.max_rank
-            lora_add_(y, x, a, b, self.blocks[key], self.tokens, self.scale, self.max_rank, width)
+            lora_add_(y, x, a, b, self.blocks[key], self.tokens, self.scale, self.max_rank, self.width)
             return
         h = x.reshape(-1, x.shape[-1]) @ a.t()
         h.mul_(mask)

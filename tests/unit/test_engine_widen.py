@@ -74,11 +74,8 @@ def test_the_bank_keeps_its_a_in_the_stacked_rows_through_offload(tiny_model):
     from miles.engine.lora import STACK_ALIGN, TARGETS, AdapterConfig, LoraBank
 
     class Stacking(LoraBank):
-        def _kernel_blocks(self, width: int) -> dict[str, torch.Tensor]:
-            groups = {
-                m.rsplit(".", 1)[0] + f".{g}" for m in self.modules for g in ("qkv_proj", "gate_up_proj")
-            }
-            return {k: torch.zeros(1) for k in [*self.modules, *groups] if k != "lm_head"}
+        def _kernel_blocks(self, units: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+            return {k: torch.zeros(1) for k in units if k != "lm_head"}
 
     dec = Decoder(ModelSpec.from_dir(tiny_model), load_weights(tiny_model), "cpu", torch.float32)
     base = _logits(dec)
