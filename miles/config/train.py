@@ -276,11 +276,10 @@ def _check_megatron_lora(plan: Plan) -> None:
     """What Megatron LoRA (miles/train/megatron/lora.py) is built for."""
     t, lora = plan.train, plan.train.lora
     assert lora is not None
-    if (t.tensor_parallel, t.pipeline_parallel, t.expert_parallel) != (1, 1, 1):
+    if t.expert_parallel != 1:
         raise ConfigError(
-            "train.lora with train.backend=megatron runs on one tensor-, pipeline- and expert-parallel rank "
-            "(data parallelism only): set train.tensor_parallel, train.pipeline_parallel and "
-            "train.expert_parallel to 1, or train.backend=fsdp"
+            "train.lora with train.backend=megatron adapts dense layers only: set train.expert_parallel=1, "
+            "or train.backend=fsdp"
         )
     if lora.dropout > 0:
         raise ConfigError(

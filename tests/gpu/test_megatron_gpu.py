@@ -114,8 +114,11 @@ def test_logits_match_hf(env, dtype, tol):
     assert err < tol
 
 
-def _reference_step(env, samples, lr, old_logp=None):
-    """Loss, grad norm and updated weights of one AdamW step of the HF model on the same objective."""
+def _reference_step(env, samples, lr, old_logp=None, lora=None, adapter=None):
+    """Loss, grad norm and updated weights of one AdamW step of the HF model on the same objective.
+    With `lora` (train.lora's dict) and `adapter` (the trainer's exported adapter, PEFT's saved names
+    behind `policy/`), the HF model holds that adapter through PEFT, only the adapter trains, and the
+    updated weights are the adapter's, named as the trainer exports them."""
     from transformers import AutoModelForCausalLM
 
     from miles.config.train import LossConfig
@@ -123,6 +126,14 @@ def _reference_step(env, samples, lr, old_logp=None):
     from miles.train.objective import TokenBatch, policy_objective
 
     hf = AutoModelForCausalLM.from_pretrained(env[0], dtype=torch.float32).cuda()
+    if lora is not None:
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        from miles.config.train import LoraConfig
+        from miles.train.fsdp.lora import peft_config
+
+        hf = get_peft_model(hf, peft_config(LoraConfig(**lora)))
+        set_peft_model_state_dict(hf, {k.removeprefix("policy/"): v.cuda() for k, v in adapter.items()})
     cfg = LossConfig()
     adv = get_estimator("grpo").compute(
         torch.tensor([s.reward for s in samples]),
@@ -140,9 +151,20 @@ def _reference_step(env, samples, lr, old_logp=None):
     old = roll if old_logp is None else old_logp
     loss, _ = policy_objective(TokenBatch(logp, old, roll, a, mask, w, seq, len(samples)), cfg)
     loss.backward()
-    gn = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-    opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.0)
+    params = [p for p in hf.parameters() if p.requires_grad]
+    gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     opt.step()
+    if lora is not None:
+        return (
+            loss.item(),
+            gn.item(),
+            {
+                "policy/" + k.replace(".default", ""): p.detach().cpu()
+                for k, p in hf.named_parameters()
+                if p.requires_grad
+            },
+        )
     return loss.item(), gn.item(), {k: v.detach().cpu() for k, v in hf.state_dict().items()}
 
 

@@ -30,7 +30,7 @@ def test_lora_plan_and_engine_flags():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"train": {"backend": "megatron", "tensor_parallel": 2}}, "train.tensor_parallel"),
+        ({"train": {"backend": "megatron", "expert_parallel": 2}}, "train.expert_parallel=1"),
         ({"train": {"backend": "megatron"}, "_lora": {"dropout": 0.1}}, "dropout must be 0"),
         ({"engine": {"quantization": "fp8_row"}}, "engine.quantization=none"),
         ({"train": {"loss": {"advantage": "ppo"}}}, "advantage=grpo"),
@@ -46,6 +46,22 @@ def test_lora_refuses_what_it_is_not_built_for(extra, message):
             recipe.setdefault(section, {}).update(values)
     with pytest.raises(ConfigError, match=message):
         resolve(recipe)
+
+
+def test_megatron_lora_takes_tensor_and_pipeline_parallelism():
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    plan = resolve(
+        {
+            "train": {
+                "backend": "megatron",
+                "num_ranks": 4,
+                "tensor_parallel": 2,
+                "pipeline_parallel": 2,
+                "lora": lora,
+            }
+        }
+    )
+    assert (plan.train.tensor_parallel, plan.train.pipeline_parallel) == (2, 2)
 
 
 def test_unknown_target_and_bad_name_are_refused():

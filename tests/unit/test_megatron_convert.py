@@ -1,7 +1,7 @@
 """HF <-> Megatron mapping on CPU: fused layouts, TP shards, the full round trip, and the CPU error.
 
 The mapping is pure tensor code and runs without megatron-core; the GPTModel build test needs it
-and is skipped when it is absent (it is not a CI dependency).
+and is skipped when it is absent (it is a dev dependency, so CI runs it).
 """
 
 from __future__ import annotations

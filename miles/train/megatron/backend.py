@@ -182,7 +182,9 @@ class MegatronBackend:
         if t.lora is not None:  # frozen base, adapters on the dense projections (lora.py)
             from miles.train.megatron import lora
 
-            lora.install(gpt, t.lora, M.shapes_of(self.hf_cfg), self.hf_cfg)
+            s = M.shapes_of(self.hf_cfg)
+            split = lora.Split.of(s, ps.get_tensor_model_parallel_rank(), t.tensor_parallel)
+            lora.install(gpt, t.lora, s, self.hf_cfg, split, self.plan.run.seed, M.layer_offset(gpt))
         replay = t.routing_replay == "rollout"
         self.moe = MoERouting(gpt, self.hf_cfg, M.layer_offset(gpt), replay) if tf.num_moe_experts else None
         wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
@@ -562,9 +564,9 @@ class MegatronBackend:
         if self.plan.train.lora is not None:  # the adapter alone, under PEFT's saved names
             from miles.train.megatron import lora
 
-            named = lora.adapter_tensors(self.gpt, self.plan.train.lora.name, M.layer_offset(self.gpt))
-            if dist.get_rank() == 0:  # the adapters are the same on every rank: nothing collective
-                yield from weights.bucketize(named, bucket_bytes)
+            named = lora.adapter_tensors(self.gpt, self.plan.train.lora.name, M.shapes_of(self.hf_cfg))
+            for bucket in weights.bucketize(named, bucket_bytes):  # collective over pipeline stages
+                yield bucket if dist.get_rank() == 0 else []
             return
         contract = engine_contract(self.plan)
         for bucket in weights.export_buckets(self.gpt, self.hf_cfg, bucket_bytes, contract):

@@ -10,7 +10,7 @@ an optimiser step Megatron's distributed optimizer has already all-gathered the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,15 +33,20 @@ def _tp_full(name: str, p: torch.Tensor, s: convert.Shapes) -> torch.Tensor:
     return convert.tp_unshard(name, shards, s)
 
 
-def iter_megatron_full(gpt: torch.nn.Module, s: convert.Shapes) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global Megatron name, full tensor) for every parameter of every stage, stage by stage; experts
-    by their global index, gathered from the expert-parallel ranks."""
+def iter_megatron_full(
+    gpt: torch.nn.Module, s: convert.Shapes, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global Megatron name, full tensor) for every parameter of every stage (those whose name `keep`
+    accepts, given), stage by stage; experts by their global index, gathered from the expert-parallel
+    ranks."""
     from megatron.core import parallel_state as ps
 
     offset = M.layer_offset(gpt)
     mine = [(convert.to_global(n, offset), p) for n, p in gpt.named_parameters()]
     if s.tied:  # the last stage's copy of the tied embedding is not a weight of its own
         mine = [(n, p) for n, p in mine if n != "output_layer.weight"]
+    if keep is not None:
+        mine = [(n, p) for n, p in mine if keep(n)]
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp == 1:
         yield from _stage_full(mine, s)
