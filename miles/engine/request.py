@@ -96,6 +96,34 @@ def sampling_rows(reqs: list[Request], vocab: int, head: list[list[int]] | None 
     )
 
 
+class RowConstants:
+    """The sampling constants of the request holding each scheduler row (seed, prompt length, top-k;
+    temperature, top-p), written when it is admitted, so that a decode step's sampling rows are one
+    gather by row instead of five passes over its requests (`decode_rows`)."""
+
+    def __init__(self, rows: int, vocab: int):
+        self.ints = np.zeros((3, rows), dtype=np.int64)
+        self.floats = np.zeros((2, rows), dtype=np.float32)
+        self.vocab = vocab
+
+    def admit(self, req: Request) -> None:
+        p = req.params
+        self.ints[:, req.row] = (req.seed, len(req.prompt), p.top_k if p.top_k > 0 else self.vocab)
+        self.floats[:, req.row] = (p.temperature, p.top_p)
+
+    def decode_rows(self, head: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `sampling_rows` gives for a decode step, from `head` int64 [4, B] (ids or indices,
+        positions, rows, slots): the step of the token sampled at position p is p - len(prompt) + 1
+        (one per output token before it, the one in flight included)."""
+        rows = head[2]
+        ints = np.empty((7, head.shape[1]), dtype=np.int64)
+        ints[:4] = head
+        ints[4] = self.ints[0, rows]
+        np.subtract(head[1] + 1, self.ints[1, rows], out=ints[5])
+        ints[6] = self.ints[2, rows]
+        return torch.from_numpy(ints), torch.from_numpy(self.floats[:, rows])
+
+
 def prefill_groups(reqs: list[Request]) -> list[list[Request]]:
     """Split prefills so that padding each group to its longest member at most doubles the
     attention work (query x key pairs); small prefills stay in one forward. One pass over the

@@ -42,6 +42,7 @@ import logging
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 
 from miles.engine.control import HoldingsControl
@@ -52,7 +53,14 @@ from miles.engine.logprobs import RowBuffers, extra_rows, output_rows, prompt_as
 from miles.engine.model import Batch, Decoder
 from miles.engine.options import after_record, match_limit, waits
 from miles.engine.penalties import shape_logits
-from miles.engine.request import Request, abort_reason, prefill_batch, prefill_groups, sampling_rows
+from miles.engine.request import (
+    Request,
+    RowConstants,
+    abort_reason,
+    prefill_batch,
+    prefill_groups,
+    sampling_rows,
+)
 from miles.engine.sampling import sample
 from miles.engine.staging import InFlight, Staging
 
@@ -116,6 +124,8 @@ class Scheduler(HoldingsControl, EngineThread):
         self.pool: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.table = torch.empty(0)
         self._free_rows: list[int] = []
+        self._constants = RowConstants(max_running_requests + 1, decoder.spec.vocab_size)
+        """Each row's sampling constants, for the decode steps' sampling rows."""
         self._needs_memory = True
         if self.decoder.device.type != "cpu":  # device memory at start-up, where running out shows at once
             self._alloc_memory()
@@ -309,6 +319,7 @@ class Scheduler(HoldingsControl, EngineThread):
             req.cached_tokens += len(matched)
             req.cache_epoch = self._cache_epoch
             req.row = heapq.heappop(self._free_rows)
+            self._constants.admit(req)
             if self.decoder.lora is not None:
                 self.decoder.lora.bind(req.row, req.lora)
             self._special += req.opts is not None and req.opts.per_step
@@ -407,20 +418,24 @@ class Scheduler(HoldingsControl, EngineThread):
 
     def _decode(self, reqs: list[Request]) -> None:
         """One decode step: table entries, forward (graph replay when the shape is captured), sample."""
-        vocab = self.decoder.spec.vocab_size
         context = self._decode_context(reqs)
         if self.row_kv is not None and self.row_kv.reserve(context):
             return self._decode_rows(reqs, context, [])
         # after _grow a decoding request's new token sits at position len(slots) - 1
-        rows = [[r.last_token for r in reqs], [len(r.slots) - 1 for r in reqs], [r.row for r in reqs]]
-        rows += [[r.slots[-1] for r in reqs]]
-        ints, floats = self._to_device(sampling_rows(reqs, vocab, rows))
+        head = np.array(
+            [[r.last_token for r in reqs], [len(r.slots) - 1 for r in reqs], [r.row for r in reqs],
+             [r.slots[-1] for r in reqs]], dtype=np.int64,
+        )  # fmt: skip
+        ints, floats = self._to_device(self._constants.decode_rows(head))
         self.table[ints[2], ints[1]] = ints[3]
-        self._launch_decode(reqs, ints, floats, context)
+        self._launch_decode(reqs, ints, floats, context, head)
 
-    def _launch_decode(self, reqs: list[Request], ints: torch.Tensor, floats: torch.Tensor, context: int):
-        """Forward and sample on the device (`ints` = ids, positions, rows, slots, seeds, steps, top_k);
-        with overlap the tokens stay in flight, else they are recorded at once."""
+    def _launch_decode(
+        self, reqs: list[Request], ints: torch.Tensor, floats: torch.Tensor, context: int, head: np.ndarray
+    ):
+        """Forward and sample on the device (`ints` = ids, positions, rows, slots, seeds, steps, top_k;
+        `head` its first four rows on the host); with overlap the tokens stay in flight, else they are
+        recorded at once."""
         if self.graphs is not None and self.graphs.bucket(len(reqs), context) is not None:
             logits = self.graphs.run(ints[:3], context)
         else:
@@ -435,7 +450,7 @@ class Scheduler(HoldingsControl, EngineThread):
         else:  # rows queued before the tokens' readback event, which then covers both
             rows = rows.to_host(self._row_buffers) if rows is not None else None
             host, ready = self._staging.fetch(tokens, logps)
-        self._inflight = InFlight(reqs, tokens, host, ready, self.weight_version, rows)
+        self._inflight = InFlight(reqs, tokens, host, ready, self.weight_version, rows, head)
 
     def _would_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_running and bool(self._free_rows)
@@ -444,30 +459,33 @@ class Scheduler(HoldingsControl, EngineThread):
         """Launch the next decode step of the requests in flight from their device-side tokens, then
         record the step in flight. False (nothing launched) when the pool is full or none goes on."""
         prev = self._inflight
-        if self._special or sum(1 for r in prev.reqs if r.finish is None) != len(self.running):
-            return False  # requests joined since (their first decode goes with everyone's, landed)
+        if self._special:
+            return False
         # requests still running after this landing: not finished earlier, and not certain to stop now
-        keep = [
-            i
-            for i, r in enumerate(prev.reqs)
-            if r.finish is None
-            and not r.abort_requested
-            and len(r.output) + 1 < r.params.max_new_tokens
-            and r.num_tokens + 1 < self.max_context
-        ]
+        keep, live, max_context = [], 0, self.max_context
+        for i, r in enumerate(prev.reqs):
+            if r.finish is None:
+                live += 1
+                if not r.abort_requested and len(r.output) + 1 < r.params.max_new_tokens:
+                    if len(r.prompt) + len(r.output) + 1 < max_context:
+                        keep.append(i)
+        if live != len(self.running):
+            return False  # requests joined since (their first decode goes with everyone's, landed)
         reqs = [prev.reqs[i] for i in keep]
         fresh = self.slots.allocate(len(reqs)) if reqs else None
         if fresh is None:
             return False
         for req, slot in zip(reqs, fresh, strict=True):
             req.slots.append(slot)
-        context = self._decode_context(reqs)
-        # row 0 first holds where each request sits in the step in flight, then its token from there
-        rows = [keep, [len(r.slots) - 1 for r in reqs], [r.row for r in reqs], fresh]
-        ints, floats = self._to_device(sampling_rows(reqs, self.decoder.spec.vocab_size, rows, ahead=1))
+        # each request one position on from the step in flight, in the same row; row 0 first holds
+        # where each request sits in the step in flight, then its token from there
+        at = np.array(keep, dtype=np.int64)
+        head = np.stack([at, prev.head[1, at] + 1, prev.head[2, at], np.array(fresh, dtype=np.int64)])
+        context = min(-(-(int(head[1].max()) + 1) // self.context_step) * self.context_step, max_context)
+        ints, floats = self._to_device(self._constants.decode_rows(head))
         ints[0].copy_(prev.tokens.index_select(0, ints[0]))
         self.table[ints[2], ints[1]] = ints[3]
-        self._launch_decode(reqs, ints, floats, context)
+        self._launch_decode(reqs, ints, floats, context, head)
         self._record_rows(prev.reqs, *prev.read(), prev.version, prev.rows)
         return True
 

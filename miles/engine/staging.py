@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class InFlight:
     version: str
     rows: StepRows | None = None
     """Extra log-prob rows of the requests that ask for them, copied beside the tokens."""
+    head: np.ndarray | None = None
+    """The step's first input rows on the host, int64 [4, B]: ids (or indices), positions, rows, slots."""
 
     def read(self) -> tuple[list[int], list[float]]:
         if self.ready is not None:

@@ -32,3 +32,12 @@ def test_phases_are_timed_per_step_and_restored(tiny_model):
     assert all(0 <= v["us_per_step"] <= phases["step"]["us_per_step"] for v in phases.values())
     assert (scheduler_module.sampling_rows, InFlight.read, Scheduler.step) == before
     assert not {"step", "_admit", "_retire"} & set(vars(sched))
+
+
+def test_cpu_round_times_the_overlapped_loop():
+    from bench.host_phases import cpu_round
+
+    phases = cpu_round(requests=4, new_tokens=6)
+    # the overlapped loop ran ahead of its readback, and the forward is timed apart from the host's work
+    assert phases["_step_ahead"]["calls_per_step"] > 0.5
+    assert {"decoder.forward", "_record", "_retire"} <= set(phases)

@@ -327,3 +327,29 @@ def test_prefill_groups_bound_the_padding_and_keep_every_request():
             padded = len(g) * max(r.num_tokens - r.kv_len for r in g) * g[0].num_tokens
             useful = sum((r.num_tokens - r.kv_len) * r.num_tokens for r in g)
             assert len(g) == 1 or padded <= max(2 * useful, 1 << 22)
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_row_constants_give_the_sampling_rows_of_a_decode_step(ahead):
+    """RowConstants.decode_rows (a gather by scheduler row) equals sampling_rows (passes over the
+    requests) for a decode step, a step ahead of the readback included."""
+    import numpy as np
+
+    from miles.engine.request import RowConstants, sampling_rows
+
+    rng = random.Random(ahead)
+    vocab, table = 384, RowConstants(9, 384)
+    reqs = []
+    for row in rng.sample(range(8), 5):
+        params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
+                                top_k=rng.choice([-1, 5]))  # fmt: skip
+        req = Request(str(row), [3] * rng.randint(1, 9), params, rng.randrange(1 << 40), frozenset())
+        req.output, req.row = [4] * rng.randint(0, 6), row
+        table.admit(req)
+        reqs.append(req)
+    # the token sampled next sits after the prompt, the output and the `ahead` tokens in flight
+    positions = [len(r.prompt) + len(r.output) - 1 + ahead for r in reqs]
+    head = [[rng.randrange(vocab) for _ in reqs], positions, [r.row for r in reqs], list(range(len(reqs)))]
+    want_ints, want_floats = sampling_rows(reqs, vocab, head, ahead=ahead)
+    ints, floats = table.decode_rows(np.array(head, dtype=np.int64))
+    assert torch.equal(ints, want_ints) and torch.equal(floats, want_floats)
