@@ -130,6 +130,9 @@ class LoraBank:
         member of each column block, for the fused kernel (CUDA only)."""
         self.stacked: set[str] = set()
         """Groups and modules whose A is stacked under the layer's weight (`split` finishes their GEMM)."""
+        self.fuse_activation = True
+        """A stacked gate/up group's kernel also applies silu(gate) * up (`split_silu`); False: `split`
+        writes gate and up, then the activation's own kernel runs (the benchmark's anchor)."""
         self._a: dict[str, torch.Tensor] = {}
         """Group or lone module -> its A, which `_views` splits into `A` and `groups`."""
         for key, members in units.items():
@@ -212,9 +215,14 @@ class LoraBank:
             self._a[key] = rows_of(key)[: self._a[key].shape[0]]
         self._views()
 
+    def _runs_kernels(self) -> bool:
+        """Whether the Triton kernels (miles/engine/triton_lora.py) compute the adapters' terms: on CUDA
+        (tests run them on the CPU under Triton's interpreter)."""
+        return self.device.type == "cuda"
+
     def _kernel_blocks(self, units: dict[str, list[str]]) -> dict[str, torch.Tensor]:
         """`blocks` of the groups and modules in `units` (key -> members) whose shapes the kernel takes."""
-        if self.device.type != "cuda":
+        if not self._runs_kernels():
             return {}
         from miles.engine.triton_lora import fits, member_blocks
 
@@ -382,6 +390,19 @@ class LoraBank:
         assert self.tokens is not None
         b = self.groups[key][1] if key in self.groups else self.B[key]
         return lora_split(both, b, self.blocks[key], self.tokens, self.scale, self.max_rank, self.width)
+
+    def stacks_activation(self, key: str) -> bool:
+        """Whether gate/up group `key` (model.layers.N.mlp.gate_up_proj) should run as one GEMM over its
+        weight with A stacked under it, then `split_silu`."""
+        return self.fuse_activation and key in self.groups and self.stacks(key)
+
+    def split_silu(self, both: torch.Tensor, key: str) -> torch.Tensor:
+        """silu(gate) * up of gate/up group `key` from both = [x W^T | x A^T]: `split` and the
+        activation in one kernel."""
+        from miles.engine.triton_lora import lora_split_silu
+
+        assert self.tokens is not None
+        return lora_split_silu(both, self.groups[key][1], self.tokens, self.scale, self.max_rank, self.width)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, module: str) -> bool:
         """y += the adapters' term of HF module `module` in place (a GEMM, the mask, a GEMM-accumulate);

@@ -493,6 +493,16 @@ class Decoder:
         ]
         return y + torch.cat(parts, dim=-1)
 
+    def _gate_up_act(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """silu(gate) * up of the fused gate/up weight `name` (CUDA forward); with the LoRA group's A
+        stacked under it, one kernel finishes the GEMM and applies the activation."""
+        from miles.engine.triton_fused import silu_mul
+
+        module = name.removesuffix(".weight")
+        if self.lora is not None and self.lora.stacks_activation(module):
+            return self.lora.split_silu(F.linear(x, self.wide[name]), module)
+        return silu_mul(self._project(x, name))
+
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) for the weight stored as `name` (HF or fused); FP8 engines override it."""
         return F.linear(x, self.storage[name] if name in self._fused else self.params[name], bias)
@@ -568,7 +578,7 @@ class Decoder:
         """`forward` on CUDA in ~10 kernels a layer: the fp32 residual add fused with the next norm,
         one GEMM for q/k/v and one for gate/up, RoPE fused with the K/V pool write, silu(gate) * up in
         one kernel (miles/engine/triton_fused.py; the same roundings as the per-op path)."""
-        from miles.engine.triton_fused import add_rms_norm_, rope_store_kv, silu_mul
+        from miles.engine.triton_fused import add_rms_norm_, rope_store_kv
 
         w, st, eps = self.params, self.storage, self.spec.rms_norm_eps
         x = w["model.embed_tokens.weight"][b.input_ids].float()
@@ -588,7 +598,7 @@ class Decoder:
             h = add_rms_norm_(x, out, w[p + "post_attention_layernorm.weight"], eps, self.dtype)
             if self._has_fused(p + "mlp.gate_up_proj.weight"):
                 mlp = self._project(
-                    silu_mul(self._project(h, p + "mlp.gate_up_proj.weight")), p + "mlp.down_proj.weight"
+                    self._gate_up_act(h, p + "mlp.gate_up_proj.weight"), p + "mlp.down_proj.weight"
                 )
             else:  # a sparse (MoE) layer, or FP8 gate/up kept unfused (miles/engine/fp8_weights.py)
                 mlp = self._mlp(i, h)

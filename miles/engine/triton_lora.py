@@ -13,9 +13,12 @@ one GEMM and one Triton kernel. The bank's A lives in rows stacked under the lay
 (`lora_split`); where it does not (`lora_add_`), h is a GEMM of its own. Then one Triton kernel, whose
 programs each take BT tokens and BN output columns of one member, masks and scales those tokens' h
 columns of that member, multiplies them by the block's B columns (the zero blocks of the
-block-diagonal B are never read), adds the base output and writes y (fp32 sums, one rounding). Grids
-depend on shapes alone, so it is captured in CUDA graphs; the tests run it on the CPU under Triton's
-interpreter against the PyTorch path.
+block-diagonal B are never read), adds the base output and writes y (fp32 sums, one rounding). For
+a gate/up group whose output feeds silu(gate) * up, `lora_split_silu` does the same for both members
+of a column block and applies the activation in that kernel, with the roundings of `lora_split` then
+`silu_mul` (miles/engine/triton_fused.py), so the group's output is never written. Grids depend on
+shapes alone, so the kernels are captured in CUDA graphs; the tests run them on the CPU under Triton's
+interpreter against the PyTorch path, and compile them for sm_90.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 BT, BN = 64, 128
+SILU_BT, SILU_BN = 64, 64
+"""Tiles of `lora_split_silu`: two accumulators, so half the columns of `_expand`'s; with 8 warps
+Triton's sm_90 build keeps every value in registers up to 128 slot columns (cuobjdump -res-usage:
+117 registers at 16 columns, 248 at 128, no spill stack), where 128 columns spill."""
 
 
 @triton.jit
@@ -53,6 +61,42 @@ def _lora_expand_kernel(
         (y.to(tl.float32) + out).to(y_ptr.dtype.element_ty),
         mask=live[:, None],
     )
+
+
+@triton.jit
+def _lora_silu_kernel(
+    h_ptr, b_ptr, base_ptr, y_ptr, slot_ptr, scale_ptr,
+    T, inter, stride_h, stride_b, stride_base, stride_y,
+    R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
+    pid_t, pid_n = tl.program_id(0), tl.program_id(1)
+    t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
+    live = t < T
+    j = tl.arange(0, SR)
+    slot = tl.load(slot_ptr + t, mask=live, other=-1)
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
+    mine = (j[None, :] // R) == slot[:, None]
+    low = b_ptr.dtype.element_ty
+    h = h_ptr + t[:, None] * stride_h + j[None, :]  # gate's slot columns, then up's (member 1)
+    hg = tl.load(h, mask=live[:, None], other=0.0).to(tl.float32)
+    hu = tl.load(h + SR, mask=live[:, None], other=0.0).to(tl.float32)
+    hg = tl.where(mine, hg * scale[:, None], 0.0).to(low)
+    hu = tl.where(mine, hu * scale[:, None], 0.0).to(low)
+    n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    b = b_ptr + n[None, :] * stride_b + j[:, None]  # gate's rows of B, then up's (rows inter on)
+    base = base_ptr + t[:, None] * stride_base + n[None, :]
+    out_ty = y_ptr.dtype.element_ty
+    # y of each member as `lora_split` writes it (one rounding), then silu(gate) * up as `silu_mul`
+    g = tl.load(base, mask=live[:, None], other=0.0).to(tl.float32) + tl.dot(hg, tl.load(b))
+    g = g.to(out_ty).to(tl.float32)
+    u = tl.load(base + inter, mask=live[:, None], other=0.0).to(tl.float32)
+    u = (u + tl.dot(hu, tl.load(b + inter * stride_b + SR))).to(out_ty).to(tl.float32)
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    a = tl.math.div_rn(g, 1.0 + e).to(out_ty).to(tl.float32)
+    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], (a * u).to(out_ty), mask=live[:, None])
 
 
 def member_blocks(outs: list[int], block: int = BN) -> torch.Tensor | None:
@@ -105,6 +149,28 @@ def lora_split(
     y = both.new_empty(both2.shape[0], out)
     _expand(both2[:, out:], b, both2[:, :out], y, members, token_slots, scale, rank, width)
     return y.view(*both.shape[:-1], out)
+
+
+def lora_split_silu(
+    both: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, scale: torch.Tensor, rank: int, width: int
+) -> torch.Tensor:
+    """silu(gate) * up [..., I] of a gate/up group from both [..., 2I + 2 width (+ padding)] = [x W^T | x A^T]:
+    `lora_split` then `silu_mul` (miles/engine/triton_fused.py) in one kernel, with the same roundings,
+    so the group's [..., 2I] output is never written; b [2I, 2 width] block-diagonal over gate and up,
+    I a multiple of the block (`member_blocks`)."""
+    inter = b.shape[0] // 2
+    assert b.shape[1] == 2 * width and inter % SILU_BN == 0 and both.shape[-1] >= 2 * inter + 2 * width
+    both2 = both.view(-1, both.shape[-1])
+    T = both2.shape[0]
+    y = both.new_empty(T, inter)
+    if T:
+        grid = (triton.cdiv(T, SILU_BT), inter // SILU_BN)
+        _lora_silu_kernel[grid](
+            both2[:, 2 * inter :], b, both2, y, token_slots, scale,
+            T, inter, both2.stride(0), b.stride(0), both2.stride(0), y.stride(0), R=rank, SR=width,
+            BT=SILU_BT, BN=SILU_BN, LIBDEVICE=both.is_cuda, num_warps=8, enable_fp_fusion=False,
+        )  # fmt: skip
+    return y.view(*both.shape[:-1], inter)
 
 
 def _expand(h, b, base, y, members, token_slots, scale, rank: int, width: int) -> None:

@@ -55,6 +55,94 @@ def _case(outs: list[int], width_in: int, tokens: int, slots: int, rank: int, se
     }
 
 
+def _silu_case(inter: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
+    """lora_split_silu against lora_split then silu_mul, the two kernels it replaces, in fp32 on values
+    whose products and sums are exact in any order (multiples of 1/32 of a few units), so that the two
+    tilings of the B product agree bit for bit. (bf16 is left to the GPU tests: the interpreter's bf16
+    tl.dot is wrong, for `lora_split` too.)"""
+    import torch
+
+    from miles.engine.triton_fused import silu_mul
+    from miles.engine.triton_lora import lora_split, lora_split_silu, member_blocks
+
+    g = torch.Generator().manual_seed(seed)
+
+    def dyadic(*shape: int) -> torch.Tensor:
+        return torch.randint(-8, 9, shape, generator=g).float() / 8
+
+    width = slots * rank
+    b = torch.zeros(2 * inter, 2 * width)
+    b[:inter, :width] = dyadic(inter, width) / 4
+    b[inter:, width:] = dyadic(inter, width) / 4
+    both = torch.cat(
+        (dyadic(tokens, 2 * inter) * 4, dyadic(tokens, 2 * width), torch.zeros(tokens, 7)), dim=1
+    )
+    scale = torch.tensor([0.5, 1.5, 2.0, 1.0] * slots)[:slots]
+    token_slots = torch.randint(-1, slots, (tokens,), generator=g)
+    want = silu_mul(lora_split(both, b, member_blocks([inter, inter]), token_slots, scale, rank, width))
+    got = lora_split_silu(both, b, token_slots, scale, rank, width)
+    return {"equal": bool(torch.equal(got, want)), "shape": list(got.shape), "scale": float(want.abs().max())}
+
+
+def _decoder_case(seed: int) -> dict:
+    """The CUDA forward (Decoder._forward_fused) of a decoder whose adapters' A is stacked under its
+    weights, gate/up through lora_split_silu, against the per-op forward with the bank's PyTorch path,
+    on a prefill of two requests: one on an adapter, one on the base model."""
+    import torch
+    from test_triton_fused import EPS, _weight_shapes
+
+    from miles.engine import triton_lora
+    from miles.engine.lora import TARGETS, AdapterConfig, LoraBank
+    from miles.engine.model import Batch, Decoder, ModelSpec
+
+    class Interpreted(LoraBank):
+        def _runs_kernels(self) -> bool:
+            return True
+
+    spec = ModelSpec("Qwen2ForCausalLM", 50, 40, 2, 4, 2, 10, 10000.0, EPS, False, 512, (1,))
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _weight_shapes(spec, inter=128)
+    weights = {n: torch.randn(s, generator=gen) * (0.2 if len(s) > 1 else 1.0) for n, s in shapes.items()}
+    dec = Decoder(spec, weights, "cpu", torch.float32)
+    rank, slots = 8, 2
+    dec.lora = Interpreted.for_decoder(dec, slots, rank, TARGETS, 4)
+    tensors = {}
+    for m, (o, i) in dec.lora.modules.items():
+        if m != "lm_head":
+            tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(rank, i, generator=gen) * 0.2
+            tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(o, rank, generator=gen) * 0.2
+    dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), tensors, "t")
+    calls = []
+    original = triton_lora.lora_split_silu
+    triton_lora.lora_split_silu = lambda *a: calls.append(1) or original(*a)
+    prefill = Batch(
+        input_ids=torch.tensor([5, 6, 7, 8, 9]), positions=torch.tensor([0, 1, 2, 0, 1]),
+        write_slots=torch.tensor([1, 2, 3, 4, 5]), query_index=torch.tensor([[0, 1, 2], [3, 4, 0]]),
+        query_pos=torch.tensor([[0, 1, 2], [0, 1, -1]]), context_slots=torch.tensor([[1, 2, 3], [4, 5, 0]]),
+        last_index=torch.tensor([2, 4]), lora_slots=torch.tensor([0, 0, 0, -1, -1]),
+    )  # fmt: skip
+    dec.lora.begin(prefill.lora_slots)
+    fused = dec._forward_fused(prefill, dec.new_kv_pool(8))
+    silu_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_activation(k))
+    dec.lora.blocks = {}  # the per-op forward and the bank's PyTorch path (A read from the stacked rows)
+    per_op = dec.forward(prefill, dec.new_kv_pool(8))
+    dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), {k: v * 0 for k, v in tensors.items()}, "t")
+    base = dec.forward(prefill, dec.new_kv_pool(8))
+    return {
+        "err": float((fused - per_op).abs().max()),
+        "scale": float(per_op.abs().max()),
+        "adapter_shows": float((per_op[0] - base[0]).abs().max()),
+        "base_row_err": float((per_op[1] - base[1]).abs().max()),
+        "silu_groups": silu_groups,
+        "silu_calls": len(calls),
+    }
+
+
+SILU_CASES = {  # the stacked block's padding columns after A's (7 here) are never read
+    "silu_one_block": dict(inter=128, tokens=70, slots=2, rank=8, seed=3),
+    "silu_eight_slots": dict(inter=256, tokens=9, slots=8, rank=16, seed=4),
+}
+
 CASES = {
     "qkv": dict(outs=[256, 128, 128], width_in=96, tokens=70, slots=4, rank=8, seed=0),
     "single": dict(outs=[128], width_in=64, tokens=5, slots=2, rank=16, seed=1),
@@ -76,6 +164,21 @@ def test_fused_lora_kernel_equals_the_pytorch_path(measured, case):
     assert m["base_untouched"], "a base-model token (slot -1) was changed"
 
 
+@pytest.mark.parametrize("case", sorted(SILU_CASES))
+def test_split_with_the_activation_equals_split_then_silu_mul(measured, case):
+    m = measured[case]
+    assert m["shape"] == [SILU_CASES[case]["tokens"], SILU_CASES[case]["inter"]]
+    assert m["equal"], m  # the same products, sums and roundings in one kernel
+
+
+def test_decoder_forward_with_stacked_adapters_equals_the_per_op_path(measured):
+    m = measured["decoder"]
+    assert m["silu_groups"] == [f"model.layers.{i}.mlp.gate_up_proj" for i in range(2)], m
+    assert m["silu_calls"] == 2, m  # each layer's gate/up went through lora_split_silu
+    assert m["adapter_shows"] > 1e-2 and m["base_row_err"] < 1e-5, m
+    assert m["err"] <= 1e-5 * max(1.0, m["scale"]), m
+
+
 def test_blocks_follow_members_and_unfit_shapes_fall_back():
     from miles.engine.triton_lora import fits, member_blocks
 
@@ -84,6 +187,39 @@ def test_blocks_follow_members_and_unfit_shapes_fall_back():
     assert fits(16, 1, 64) and fits(8, 4, 64) and not fits(8, 1, 64) and not fits(16, 3, 64)
 
 
+@pytest.mark.slow
+def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    """The interpreter runs the kernels' Python (and its bf16 dot is wrong); this runs Triton's compiler
+    to sm_90 cubins in bf16 with the wrappers' launch options, so a construct only the compiler rejects
+    shows, for one slot of rank 16 and for eight."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    compiler = pytest.importorskip("triton.compiler")
+    from triton.backends.compiler import GPUTarget
+
+    from miles.engine.triton_lora import BN, BT, SILU_BN, SILU_BT, _lora_expand_kernel, _lora_silu_kernel
+
+    types = dict(h_ptr="*bf16", b_ptr="*bf16", base_ptr="*bf16", y_ptr="*bf16", slot_ptr="*i64",
+                 scale_ptr="*fp32", member_ptr="*i32")  # fmt: skip
+    for fn, consts, options in (
+        (_lora_expand_kernel, dict(BT=BT, BN=BN), dict(num_warps=4)),
+        (_lora_silu_kernel, dict(BT=SILU_BT, BN=SILU_BN, LIBDEVICE=True), dict(num_warps=8, enable_fp_fusion=False)),
+    ):  # fmt: skip
+        for width in (16, 128):
+            c = consts | dict(R=16, SR=width)
+            sig = {n: "constexpr" if n in c else types.get(n, "i32") for n in fn.arg_names}
+            attrs = {
+                (fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                for n in fn.arg_names
+                if n.endswith("_ptr")
+            }
+            kernel = compiler.compile(compiler.ASTSource(fn, sig, c, attrs), target=GPUTarget("cuda", 90, 32),
+                                      options=options)  # fmt: skip
+            assert kernel.asm["cubin"], f"{fn.__name__}: no cubin"
+
+
 if __name__ == "__main__":
     for name, kwargs in CASES.items():
         print(json.dumps({name: _case(**kwargs)}), flush=True)
+    for name, kwargs in SILU_CASES.items():
+        print(json.dumps({name: _silu_case(**kwargs)}), flush=True)
+    print(json.dumps({"decoder": _decoder_case(seed=5)}), flush=True)
