@@ -8,8 +8,9 @@
    `base` (no LoRA bank); banks of 1, 4 or 8 slots (--max-loras-per-batch), rank 16, every attention
    and MLP projection, with every request on the base model, on one adapter, or spread round-robin
    over 4 or 8 adapters; and three anchors for the bank of 1: its A in tensors of its own (an A GEMM,
-   then the Triton kernel: the path before A was stacked under the weights), gate/up's activation in
-   a kernel of its own after the group's (the path before `lora_split_silu`), and without the Triton
+   then the Triton kernel: the path before A was stacked under the weights), with the kernels that
+   read a layer's output (gate/up's activation; o's and down's residual add and norm) apart from the
+   adapters' kernel (the path before `lora_split_silu` and `lora_split_add_rms_norm_`), and without the Triton
    kernels (miles/engine/triton_lora.py), as the CPU computes it (A GEMM, mask, B GEMM-accumulate). Adapters are random (A, B ~ N(0, 0.02)). One untimed run
    per arm, then `--rounds` rounds, arms rotated; vs base = tok/s / base tok/s of the same round.
 2. push: Qwen2.5-0.5B and -7B shapes: bytes of a rank-16 adapter on every projection against the whole
@@ -78,10 +79,10 @@ def decode_part(args, device: str) -> list[dict]:
     apart = build_decoder(spec, path, device, dtype, "none", 1024)  # A in its own tensors: a GEMM of its own
     apart.lora = _bank(apart, 1, batch, stack=None)
     apart.lora.load("a0", config, _adapter(apart.lora, 0), "random")
-    apart_act = build_decoder(spec, path, device, dtype, "none", 1024)  # gate/up: split, then silu_mul
-    apart_act.lora = _bank(apart_act, 1, batch)
-    apart_act.lora.load("a0", config, _adapter(apart_act.lora, 0), "random")
-    apart_act.lora.fuse_activation = False
+    apart_next = build_decoder(spec, path, device, dtype, "none", 1024)  # split, then the next kernel
+    apart_next.lora = _bank(apart_next, 1, batch)
+    apart_next.lora.load("a0", config, _adapter(apart_next.lora, 0), "random")
+    apart_next.lora.fuse_consumers = False
     aligned = {}
     for align in args.align or []:  # the stacked block padded to other multiples (the A rows alone: 1)
         aligned[align] = build_decoder(spec, path, device, dtype, "none", 1024)
@@ -89,7 +90,7 @@ def decode_part(args, device: str) -> list[dict]:
         aligned[align].lora.load("a0", config, _adapter(aligned[align].lora, 0), "random")
     slots = batch * (prompt + new) + 4096
     arms = {"base": (plain, 0), "bank of 8, no adapter": (banks[8], 0), "1 adapter, bank of 1": (banks[1], 1),
-            "1 adapter, bank of 1, A GEMM apart": (apart, 1), "1 adapter, bank of 1, activation apart": (apart_act, 1), "1 adapter, bank of 1, PyTorch path": (torch_path, 1), "1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
+            "1 adapter, bank of 1, A GEMM apart": (apart, 1), "1 adapter, bank of 1, next kernels apart": (apart_next, 1), "1 adapter, bank of 1, PyTorch path": (torch_path, 1), "1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
             "8 adapters, bank of 8": (banks[8], 8)}  # fmt: skip
     arms.update({f"1 adapter, bank of 1, stacked rows a multiple of {k}": (d, 1) for k, d in aligned.items()})
     scheds = {a: Scheduler(d, batch, slots) for a, (d, _) in arms.items()}

@@ -130,9 +130,10 @@ class LoraBank:
         member of each column block, for the fused kernel (CUDA only)."""
         self.stacked: set[str] = set()
         """Groups and modules whose A is stacked under the layer's weight (`split` finishes their GEMM)."""
-        self.fuse_activation = True
-        """A stacked gate/up group's kernel also applies silu(gate) * up (`split_silu`); False: `split`
-        writes gate and up, then the activation's own kernel runs (the benchmark's anchor)."""
+        self.fuse_consumers = True
+        """A stacked layer's kernel also does what reads its output next: gate/up's activation
+        (`split_silu`), o's and down's residual add and norm (`split_add_norm`). False: `split` writes
+        the output and the next kernel reads it (the benchmark's anchor)."""
         self._a: dict[str, torch.Tensor] = {}
         """Group or lone module -> its A, which `_views` splits into `A` and `groups`."""
         for key, members in units.items():
@@ -394,7 +395,30 @@ class LoraBank:
     def stacks_activation(self, key: str) -> bool:
         """Whether gate/up group `key` (model.layers.N.mlp.gate_up_proj) should run as one GEMM over its
         weight with A stacked under it, then `split_silu`."""
-        return self.fuse_activation and key in self.groups and self.stacks(key)
+        return self.fuse_consumers and key in self.groups and self.stacks(key)
+
+    def stacks_norm(self, key: str) -> bool:
+        """Whether lone projection `key` (o_proj, down_proj) should run as one GEMM over its weight with
+        A stacked under it, then `split_add_norm`."""
+        return self.fuse_consumers and key not in self.groups and self.stacks(key)
+
+    def split_add_norm(
+        self,
+        both: torch.Tensor,
+        key: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """x += y in place and the RMS-normed rows (as `add_rms_norm_`), y = `split(both, key)`, in one
+        kernel."""
+        from miles.engine.triton_lora import lora_split_add_rms_norm_
+
+        assert self.tokens is not None
+        return lora_split_add_rms_norm_(
+            both, self.B[key], self.tokens, self.scale, self.max_rank, self.width, x, weight, eps, dtype
+        )
 
     def split_silu(self, both: torch.Tensor, key: str) -> torch.Tensor:
         """silu(gate) * up of gate/up group `key` from both = [x W^T | x A^T]: `split` and the

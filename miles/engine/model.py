@@ -493,6 +493,19 @@ class Decoder:
         ]
         return y + torch.cat(parts, dim=-1)
 
+    def _project_add_norm(
+        self, inp: torch.Tensor, name: str, x: torch.Tensor, norm: torch.Tensor
+    ) -> torch.Tensor:
+        """x += `_project(inp, name)` in place (the fp32 residual stream) and the rows normed by `norm`
+        (CUDA forward); with the LoRA A of `name` stacked under its weight, one kernel finishes the
+        GEMM, adds and norms."""
+        from miles.engine.triton_fused import add_rms_norm_
+
+        module, eps = name.removesuffix(".weight"), self.spec.rms_norm_eps
+        if self.lora is not None and self.lora.stacks_norm(module):
+            return self.lora.split_add_norm(F.linear(inp, self.wide[name]), module, x, norm, eps, self.dtype)
+        return add_rms_norm_(x, self._project(inp, name), norm, eps, self.dtype)
+
     def _gate_up_act(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up weight `name` (CUDA forward); with the LoRA group's A
         stacked under it, one kernel finishes the GEMM and applies the activation."""
@@ -594,15 +607,15 @@ class Decoder:
             q = rope_store_kv(
                 qkv, cos, sin, *pool[i], b.write_slots, self.spec.num_heads, q_norm, k_norm, eps
             )
-            out = self._project(self._attend(q, b, pool[i], mask), p + "self_attn.o_proj.weight")
-            h = add_rms_norm_(x, out, w[p + "post_attention_layernorm.weight"], eps, self.dtype)
+            attended = self._attend(q, b, pool[i], mask)
+            h = self._project_add_norm(
+                attended, p + "self_attn.o_proj.weight", x, w[p + "post_attention_layernorm.weight"]
+            )
             if self._has_fused(p + "mlp.gate_up_proj.weight"):
-                mlp = self._project(
-                    self._gate_up_act(h, p + "mlp.gate_up_proj.weight"), p + "mlp.down_proj.weight"
-                )
+                act = self._gate_up_act(h, p + "mlp.gate_up_proj.weight")
+                h = self._project_add_norm(act, p + "mlp.down_proj.weight", x, w[next_norm])
             else:  # a sparse (MoE) layer, or FP8 gate/up kept unfused (miles/engine/fp8_weights.py)
-                mlp = self._mlp(i, h)
-            h = add_rms_norm_(x, mlp, w[next_norm], eps, self.dtype)
+                h = add_rms_norm_(x, self._mlp(i, h), w[next_norm], eps, self.dtype)
         self._take_routing(b.write_slots)
         # decode (one query per request) packs exactly the last tokens, in order; the norm is per row
         decode = b.query_index.shape[1] == 1

@@ -30,6 +30,9 @@ from triton.language.extra import libdevice
 
 BT, BN = 64, 128
 SILU_BT, SILU_BN = 64, 64
+NORM_BT, NORM_BN = 16, 128
+"""Tiles of `lora_split_add_rms_norm_`: each program holds whole rows (the norm needs them), so few
+rows (16: tensor-core tiles need 16) and their columns in blocks."""
 """Tiles of `lora_split_silu`: two accumulators, so half the columns of `_expand`'s; with 8 warps
 Triton's sm_90 build keeps every value in registers up to 128 slot columns (cuobjdump -res-usage:
 117 registers at 16 columns, 248 at 128, no spill stack), where 128 columns spill."""
@@ -97,6 +100,41 @@ def _lora_silu_kernel(
         e = tl.exp(-g)
     a = tl.math.div_rn(g, 1.0 + e).to(out_ty).to(tl.float32)
     tl.store(y_ptr + t[:, None] * stride_y + n[None, :], (a * u).to(out_ty), mask=live[:, None])
+
+
+@triton.jit
+def _lora_add_norm_kernel(
+    h_ptr, b_ptr, base_ptr, x_ptr, w_ptr, y_ptr, slot_ptr, scale_ptr,
+    T, N, stride_h, stride_b, stride_base, stride_x, stride_y, eps,
+    R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    live = t < T
+    j = tl.arange(0, SR)
+    slot = tl.load(slot_ptr + t, mask=live, other=-1)
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
+    h = tl.load(h_ptr + t[:, None] * stride_h + j[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    h = tl.where((j[None, :] // R) == slot[:, None], h * scale[:, None], 0.0).to(b_ptr.dtype.element_ty)
+    low = base_ptr.dtype.element_ty
+    squares = tl.zeros((BT,), dtype=tl.float32)
+    for n0 in range(0, N, BN):  # x += y block by block (y as `lora_split` writes it), summing squares
+        n = n0 + tl.arange(0, BN)
+        both = live[:, None] & (n < N)[None, :]
+        b = tl.load(b_ptr + n[None, :] * stride_b + j[:, None], mask=(n < N)[None, :], other=0.0)
+        y = tl.load(base_ptr + t[:, None] * stride_base + n[None, :], mask=both, other=0.0).to(tl.float32)
+        y = (y + tl.dot(h, b)).to(low).to(tl.float32)
+        x = tl.load(x_ptr + t[:, None] * stride_x + n[None, :], mask=both, other=0.0) + y
+        tl.store(x_ptr + t[:, None] * stride_x + n[None, :], x, mask=both)
+        squares += tl.sum(x * x, axis=1)
+    rstd = tl.math.rsqrt(squares / N + eps)[:, None]
+    for n0 in range(0, N, BN):  # then the normed rows, as `add_rms_norm_`
+        n = n0 + tl.arange(0, BN)
+        both = live[:, None] & (n < N)[None, :]
+        x = tl.load(x_ptr + t[:, None] * stride_x + n[None, :], mask=both, other=0.0)
+        w = tl.load(w_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            y_ptr + t[:, None] * stride_y + n[None, :], (w * (x * rstd)).to(y_ptr.dtype.element_ty), mask=both
+        )
 
 
 def member_blocks(outs: list[int], block: int = BN) -> torch.Tensor | None:
@@ -171,6 +209,36 @@ def lora_split_silu(
             BT=SILU_BT, BN=SILU_BN, LIBDEVICE=both.is_cuda, num_warps=8, enable_fp_fusion=False,
         )  # fmt: skip
     return y.view(*both.shape[:-1], inter)
+
+
+def lora_split_add_rms_norm_(
+    both: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scale: torch.Tensor,
+    rank: int,
+    width: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`lora_split` of a lone projection (o, down) then `add_rms_norm_` (miles/engine/triton_fused.py)
+    in one kernel: x [T, N] fp32 += y in place, where y [T, N] = x' W^T + the adapters' term from both
+    [T, N + width (+ padding)] = [x' W^T | x' A^T] (b [N, width]), and the normed rows [T, N] in
+    out_dtype are returned. Rounds as the two kernels do; only the sum of squares is taken block by
+    block (fp32 ulps, before the one rounding of the normed rows)."""
+    T, N = x.shape
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and weight.shape == (N,) and weight.is_contiguous()
+    assert b.shape == (N, width) and both.shape[0] == T and both.shape[1] >= N + width and both.stride(1) == 1
+    y = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    if T:
+        _lora_add_norm_kernel[(triton.cdiv(T, NORM_BT),)](
+            both[:, N:], b, both, x, weight, y, token_slots, scale,
+            T, N, both.stride(0), b.stride(0), both.stride(0), x.stride(0), y.stride(0), eps,
+            R=rank, SR=width, BT=NORM_BT, BN=NORM_BN, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return y
 
 
 def _expand(h, b, base, y, members, token_slots, scale, rank: int, width: int) -> None:

@@ -84,6 +84,43 @@ def _silu_case(inter: int, tokens: int, slots: int, rank: int, seed: int) -> dic
     return {"equal": bool(torch.equal(got, want)), "shape": list(got.shape), "scale": float(want.abs().max())}
 
 
+def _norm_case(n: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
+    """lora_split_add_rms_norm_ against lora_split then add_rms_norm_, the two kernels it replaces, on
+    values whose sums are exact in any order (as `_silu_case`), squares and their sum included."""
+    import torch
+
+    from miles.engine.triton_fused import add_rms_norm_
+    from miles.engine.triton_lora import lora_split, lora_split_add_rms_norm_, member_blocks
+
+    g = torch.Generator().manual_seed(seed)
+
+    def dyadic(*shape: int) -> torch.Tensor:
+        return torch.randint(-8, 9, shape, generator=g).float() / 8
+
+    width = slots * rank
+    b = dyadic(n, width) / 4
+    both = torch.cat((dyadic(tokens, n) * 4, dyadic(tokens, width), torch.zeros(tokens, 5)), dim=1)
+    scale = torch.tensor([0.5, 1.5, 2.0, 1.0] * slots)[:slots]
+    token_slots = torch.randint(-1, slots, (tokens,), generator=g)
+    x0, weight = dyadic(tokens, n) * 2, dyadic(n)
+    x_want, x_got = x0.clone(), x0.clone()
+    if n % 128 == 0:  # lora_split's column blocks
+        y = lora_split(both, b, member_blocks([n]), token_slots, scale, rank, width)
+    else:  # the PyTorch path, exact on these values
+        hit = (torch.arange(width)[None, :] // rank == token_slots[:, None]).float()
+        y = both[:, :n] + (both[:, n : n + width] * hit * scale[torch.arange(width) // rank][None, :]) @ b.t()
+    want = add_rms_norm_(x_want, y, weight, 1e-6, torch.float32)
+    got = lora_split_add_rms_norm_(
+        both, b, token_slots, scale, rank, width, x_got, weight, 1e-6, torch.float32
+    )
+    return {
+        "equal": bool(torch.equal(got, want)),
+        "x_equal": bool(torch.equal(x_got, x_want)),
+        "x_moved": bool(not torch.equal(x_got, x0)),
+        "shape": list(got.shape),
+    }
+
+
 def _decoder_case(seed: int) -> dict:
     """The CUDA forward (Decoder._forward_fused) of a decoder whose adapters' A is stacked under its
     weights, gate/up through lora_split_silu, against the per-op forward with the bank's PyTorch path,
@@ -99,7 +136,7 @@ def _decoder_case(seed: int) -> dict:
         def _runs_kernels(self) -> bool:
             return True
 
-    spec = ModelSpec("Qwen2ForCausalLM", 50, 40, 2, 4, 2, 10, 10000.0, EPS, False, 512, (1,))
+    spec = ModelSpec("Qwen2ForCausalLM", 50, 128, 2, 4, 2, 32, 10000.0, EPS, False, 512, (1,))
     gen = torch.Generator().manual_seed(seed)
     shapes = _weight_shapes(spec, inter=128)
     weights = {n: torch.randn(s, generator=gen) * (0.2 if len(s) > 1 else 1.0) for n, s in shapes.items()}
@@ -112,9 +149,18 @@ def _decoder_case(seed: int) -> dict:
             tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(rank, i, generator=gen) * 0.2
             tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(o, rank, generator=gen) * 0.2
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), tensors, "t")
-    calls = []
-    original = triton_lora.lora_split_silu
-    triton_lora.lora_split_silu = lambda *a: calls.append(1) or original(*a)
+    calls = {"silu": 0, "norm": 0}
+    silu, norm = triton_lora.lora_split_silu, triton_lora.lora_split_add_rms_norm_
+
+    def counted(kind, fn):
+        def call(*args):
+            calls[kind] += 1
+            return fn(*args)
+
+        return call
+
+    triton_lora.lora_split_silu = counted("silu", silu)
+    triton_lora.lora_split_add_rms_norm_ = counted("norm", norm)
     prefill = Batch(
         input_ids=torch.tensor([5, 6, 7, 8, 9]), positions=torch.tensor([0, 1, 2, 0, 1]),
         write_slots=torch.tensor([1, 2, 3, 4, 5]), query_index=torch.tensor([[0, 1, 2], [3, 4, 0]]),
@@ -124,6 +170,7 @@ def _decoder_case(seed: int) -> dict:
     dec.lora.begin(prefill.lora_slots)
     fused = dec._forward_fused(prefill, dec.new_kv_pool(8))
     silu_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_activation(k))
+    norm_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_norm(k))
     dec.lora.blocks = {}  # the per-op forward and the bank's PyTorch path (A read from the stacked rows)
     per_op = dec.forward(prefill, dec.new_kv_pool(8))
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), {k: v * 0 for k, v in tensors.items()}, "t")
@@ -134,9 +181,15 @@ def _decoder_case(seed: int) -> dict:
         "adapter_shows": float((per_op[0] - base[0]).abs().max()),
         "base_row_err": float((per_op[1] - base[1]).abs().max()),
         "silu_groups": silu_groups,
-        "silu_calls": len(calls),
+        "norm_groups": norm_groups,
+        "calls": calls,
     }
 
+
+NORM_CASES = {
+    "norm_two_blocks": dict(n=200, tokens=19, slots=2, rank=8, seed=6),  # a partial second column block
+    "norm_eight_slots": dict(n=128, tokens=40, slots=8, rank=16, seed=7),
+}
 
 SILU_CASES = {  # the stacked block's padding columns after A's (7 here) are never read
     "silu_one_block": dict(inter=128, tokens=70, slots=2, rank=8, seed=3),
@@ -171,10 +224,20 @@ def test_split_with_the_activation_equals_split_then_silu_mul(measured, case):
     assert m["equal"], m  # the same products, sums and roundings in one kernel
 
 
+@pytest.mark.parametrize("case", sorted(NORM_CASES))
+def test_split_with_the_add_and_norm_equals_split_then_add_rms_norm(measured, case):
+    m = measured[case]
+    assert m["shape"] == [NORM_CASES[case]["tokens"], NORM_CASES[case]["n"]]
+    assert m["equal"] and m["x_equal"] and m["x_moved"], m  # normed rows, and the residual updated in place
+
+
 def test_decoder_forward_with_stacked_adapters_equals_the_per_op_path(measured):
     m = measured["decoder"]
     assert m["silu_groups"] == [f"model.layers.{i}.mlp.gate_up_proj" for i in range(2)], m
-    assert m["silu_calls"] == 2, m  # each layer's gate/up went through lora_split_silu
+    norms = [f"model.layers.{i}.{p}" for i in range(2) for p in ("mlp.down_proj", "self_attn.o_proj")]
+    assert m["norm_groups"] == norms, m
+    # each layer's gate/up went through lora_split_silu, its o and down through lora_split_add_rms_norm_
+    assert m["calls"] == {"silu": 2, "norm": 4}, m
     assert m["adapter_shows"] > 1e-2 and m["base_row_err"] < 1e-5, m
     assert m["err"] <= 1e-5 * max(1.0, m["scale"]), m
 
@@ -196,13 +259,14 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     compiler = pytest.importorskip("triton.compiler")
     from triton.backends.compiler import GPUTarget
 
-    from miles.engine.triton_lora import BN, BT, SILU_BN, SILU_BT, _lora_expand_kernel, _lora_silu_kernel
+    from miles.engine import triton_lora as k
 
     types = dict(h_ptr="*bf16", b_ptr="*bf16", base_ptr="*bf16", y_ptr="*bf16", slot_ptr="*i64",
-                 scale_ptr="*fp32", member_ptr="*i32")  # fmt: skip
+                 scale_ptr="*fp32", member_ptr="*i32", x_ptr="*fp32", w_ptr="*bf16", eps="fp32")  # fmt: skip
     for fn, consts, options in (
-        (_lora_expand_kernel, dict(BT=BT, BN=BN), dict(num_warps=4)),
-        (_lora_silu_kernel, dict(BT=SILU_BT, BN=SILU_BN, LIBDEVICE=True), dict(num_warps=8, enable_fp_fusion=False)),
+        (k._lora_expand_kernel, dict(BT=k.BT, BN=k.BN), dict(num_warps=4)),
+        (k._lora_silu_kernel, dict(BT=k.SILU_BT, BN=k.SILU_BN, LIBDEVICE=True), dict(num_warps=8, enable_fp_fusion=False)),
+        (k._lora_add_norm_kernel, dict(BT=k.NORM_BT, BN=k.NORM_BN), dict(num_warps=4, enable_fp_fusion=False)),
     ):  # fmt: skip
         for width in (16, 128):
             c = consts | dict(R=16, SR=width)
@@ -222,4 +286,6 @@ if __name__ == "__main__":
         print(json.dumps({name: _case(**kwargs)}), flush=True)
     for name, kwargs in SILU_CASES.items():
         print(json.dumps({name: _silu_case(**kwargs)}), flush=True)
+    for name, kwargs in NORM_CASES.items():
+        print(json.dumps({name: _norm_case(**kwargs)}), flush=True)
     print(json.dumps({"decoder": _decoder_case(seed=5)}), flush=True)
