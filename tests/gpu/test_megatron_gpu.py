@@ -221,6 +221,12 @@ def test_offload_onload_and_checkpoint(env):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)])
 def test_parallel_layouts_match_reference(env, tp, pp):
     """TP=2, PP=2 and DP=2 (tp=pp=1 on 2 ranks) each reproduce the single-model reference step."""
+    assert "RESULT" in run_ranks(env[0], env[1] + f"/tp{tp}pp{pp}", str(tp), str(pp))
+
+
+def run_ranks(*args: str) -> str:
+    """The stdout of megatron_ranks.py on two GPUs under torchrun with `args`; fails the test when a
+    rank fails."""
     import subprocess
     import sys
     from pathlib import Path
@@ -235,12 +241,10 @@ def test_parallel_layouts_match_reference(env, tp, pp):
         "2",
         str(script),
     ]
-    proc = subprocess.run(
-        cmd + [env[0], env[1] + f"/tp{tp}pp{pp}", str(tp), str(pp)], capture_output=True, text=True
-    )
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True)
     print(proc.stdout[-2000:], proc.stderr[-4000:] if proc.returncode else "")
     assert proc.returncode == 0
-    assert "RESULT" in proc.stdout
+    return proc.stdout
 
 
 def test_ppo_critic_warmup_and_checkpoint(env):

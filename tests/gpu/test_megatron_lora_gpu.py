@@ -110,26 +110,13 @@ def test_megatron_lora_equals_peft_and_trains_only_the_adapter(tmp_path):
 def test_megatron_lora_parallel_layouts_match_peft_step(tmp_path, tp, pp):
     """TP=2, PP=2 and DP=2 (tp=pp=1 on 2 ranks) each train the adapter as one step of PEFT's model does
     (loss, grad norm, update; tests/gpu/megatron_ranks.py with `lora`)."""
-    import subprocess
     import sys
     from pathlib import Path
 
     from miles.models.tiny import init_tiny
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_megatron_gpu import run_ranks
+
     path = str(init_tiny(tmp_path / "m", arch="qwen2", seed=1, hidden_size=128, intermediate_size=256))
-    script = Path(__file__).with_name("megatron_ranks.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-    ]
-    proc = subprocess.run(
-        cmd + [path, str(tmp_path / "runs"), str(tp), str(pp), "lora"], capture_output=True, text=True
-    )
-    print(proc.stdout[-2000:], proc.stderr[-4000:] if proc.returncode else "")
-    assert proc.returncode == 0
-    assert '"lora": true' in proc.stdout
+    assert '"lora": true' in run_ranks(path, str(tmp_path / "runs"), str(tp), str(pp), "lora")
