@@ -9,8 +9,8 @@
    and MLP projection, with every request on the base model, on one adapter, or spread round-robin
    over 4 or 8 adapters; and three anchors for the bank of 1: its A in tensors of its own (an A GEMM,
    then the Triton kernel: the path before A was stacked under the weights), with the kernels that
-   read a layer's output (gate/up's activation; o's and down's residual add and norm) apart from the
-   adapters' kernel (the path before `lora_split_silu` and `lora_split_add_rms_norm_`), and without the Triton
+   read a layer's output (gate/up's activation; o's and down's residual add and norm; q/k/v's RoPE
+   and K/V store) apart from the adapters' kernel (`fuse_consumers` off), and without the Triton
    kernels (miles/engine/triton_lora.py), as the CPU computes it (A GEMM, mask, B GEMM-accumulate). Adapters are random (A, B ~ N(0, 0.02)). One untimed run
    per arm, then `--rounds` rounds, arms rotated; vs base = tok/s / base tok/s of the same round.
 2. push: Qwen2.5-0.5B and -7B shapes: bytes of a rank-16 adapter on every projection against the whole

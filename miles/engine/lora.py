@@ -131,9 +131,10 @@ class LoraBank:
         self.stacked: set[str] = set()
         """Groups and modules whose A is stacked under the layer's weight (`split` finishes their GEMM)."""
         self.fuse_consumers = True
-        """A stacked layer's kernel also does what reads its output next: gate/up's activation
-        (`split_silu`), o's and down's residual add and norm (`split_add_norm`). False: `split` writes
-        the output and the next kernel reads it (the benchmark's anchor)."""
+        """A stacked layer's adapters' term is computed by the kernel that reads its output next: gate/up's
+        activation (`split_silu`), o's and down's residual add and norm (`split_add_norm`), q/k/v's RoPE
+        and K/V store (`rope_parts`). False: `split` writes the output and the next kernel reads it (the
+        benchmark's anchor)."""
         self._a: dict[str, torch.Tensor] = {}
         """Group or lone module -> its A, which `_views` splits into `A` and `groups`."""
         for key, members in units.items():
@@ -395,7 +396,30 @@ class LoraBank:
     def stacks_activation(self, key: str) -> bool:
         """Whether gate/up group `key` (model.layers.N.mlp.gate_up_proj) should run as one GEMM over its
         weight with A stacked under it, then `split_silu`."""
-        return self.fuse_consumers and key in self.groups and self.stacks(key)
+        return (
+            self.fuse_consumers and key.endswith(".gate_up_proj") and key in self.groups and self.stacks(key)
+        )
+
+    def stacks_rope(self, key: str) -> bool:
+        """Whether q/k/v group `key` (model.layers.N.self_attn.qkv_proj) should run as one GEMM over its
+        weight with A stacked under it, its adapters' term then added by the RoPE and K/V-store kernel
+        (`rope_parts`)."""
+        return self.fuse_consumers and key.endswith(".qkv_proj") and key in self.groups and self.stacks(key)
+
+    def rope_parts(self, both: torch.Tensor, key: str) -> tuple[torch.Tensor, tuple]:
+        """(x W^T, the `lora` argument of miles/engine/triton_fused.py's `rope_store_kv`) of q/k/v group
+        `key` from both = [x W^T | x A^T]."""
+        assert self.tokens is not None
+        b = self.groups[key][1]
+        out, width = b.shape[0], self.width
+        return both[:, :out], (
+            both[:, out : out + 3 * width],
+            b,
+            self.tokens,
+            self.scale,
+            self.max_rank,
+            width,
+        )
 
     def stacks_norm(self, key: str) -> bool:
         """Whether lone projection `key` (o_proj, down_proj) should run as one GEMM over its weight with

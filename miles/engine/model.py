@@ -493,6 +493,17 @@ class Decoder:
         ]
         return y + torch.cat(parts, dim=-1)
 
+    def _qkv_parts(
+        self, x: torch.Tensor, module: str, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple | None]:
+        """(q/k/v projection, None) for the RoPE and K/V-store kernel (CUDA forward); with the LoRA
+        group's A stacked under the weight, (the base projection, the adapters' part), which that kernel
+        adds."""
+        if self.lora is not None and self.lora.stacks_rope(module):
+            wide_bias = None if bias is None else self.wide[module + ".bias"]
+            return self.lora.rope_parts(F.linear(x, self.wide[module + ".weight"], wide_bias), module)
+        return self._project(x, module + ".weight", bias), None
+
     def _project_add_norm(
         self, inp: torch.Tensor, name: str, x: torch.Tensor, norm: torch.Tensor
     ) -> torch.Tensor:
@@ -602,10 +613,10 @@ class Decoder:
         after = [p + "input_layernorm.weight" for p in layers[1:]] + ["model.norm.weight"]
         h = add_rms_norm_(x, None, w[layers[0] + "input_layernorm.weight"], eps, self.dtype)
         for i, (p, next_norm) in enumerate(zip(layers, after, strict=True)):
-            qkv = self._project(h, p + "self_attn.qkv_proj.weight", st.get(p + "self_attn.qkv_proj.bias"))
+            qkv, lora = self._qkv_parts(h, p + "self_attn.qkv_proj", st.get(p + "self_attn.qkv_proj.bias"))
             q_norm, k_norm = w.get(p + "self_attn.q_norm.weight"), w.get(p + "self_attn.k_norm.weight")
             q = rope_store_kv(
-                qkv, cos, sin, *pool[i], b.write_slots, self.spec.num_heads, q_norm, k_norm, eps
+                qkv, cos, sin, *pool[i], b.write_slots, self.spec.num_heads, q_norm, k_norm, eps, lora
             )
             attended = self._attend(q, b, pool[i], mask)
             h = self._project_add_norm(

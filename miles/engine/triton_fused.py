@@ -85,11 +85,38 @@ def _head_norm(x1, x2, w_ptr, i, live, eps, D: tl.constexpr, out_ty: tl.constexp
 
 
 @triton.jit
+def _lora_cols(
+    base, cols, mask, t, h_ptr, b_ptr, slot_ptr, scale_ptr, stride_h, stride_b,
+    M: tl.constexpr, R: tl.constexpr, SR: tl.constexpr, JB: tl.constexpr, out_ty: tl.constexpr,
+):  # fmt: skip
+    """Token t's values at the fused projection's columns `cols` (a [heads, D/2] block of B's rows):
+    its base output `base` (fp32) plus the LoRA term of member M (q 0, k 1, v 2), rounded once to out_ty,
+    as miles/engine/triton_lora.py's `lora_split` writes them (the B product summed in another order)."""
+    slot = tl.load(slot_ptr + t)
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0)) * (slot >= 0).to(tl.float32)
+    low = b_ptr.dtype.element_ty
+    term = tl.zeros(base.shape, dtype=tl.float32)
+    for j0 in tl.static_range(0, SR, JB):
+        j = j0 + tl.arange(0, JB)
+        h = tl.load(h_ptr + t * stride_h + M * SR + j).to(tl.float32)
+        h = tl.where(j // R == slot, h * scale, 0.0).to(low).to(tl.float32)
+        b = tl.load(
+            b_ptr + cols[:, :, None] * stride_b + (M * SR + j)[None, None, :],
+            mask=mask[:, :, None],
+            other=0.0,
+        )
+        term += tl.sum(b.to(tl.float32) * h[None, None, :], axis=2)
+    return (base + term).to(out_ty).to(tl.float32)
+
+
+@triton.jit
 def _rope_store_kernel(
     qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_pool_ptr, v_pool_ptr, qn_ptr, kn_ptr,
-    stride_t, stride_c, stride_ph, stride_ps, eps,
+    h_ptr, b_ptr, lora_slot_ptr, scale_ptr,
+    stride_t, stride_c, stride_ph, stride_ps, stride_h, stride_b, eps,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
     H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr,
+    LORA: tl.constexpr, R: tl.constexpr, SR: tl.constexpr, JB: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
@@ -99,11 +126,15 @@ def _rope_store_kernel(
     s = tl.load(sin_ptr + t * stride_c + i, mask=live, other=0.0)[None, :]
     row = qkv_ptr + t * stride_t
     out_ty = q_ptr.dtype.element_ty
+    lora = (t, h_ptr, b_ptr, lora_slot_ptr, scale_ptr, stride_h, stride_b)
 
     h = tl.arange(0, H_PAD)[:, None]
     mask = (h < H) & live[None, :]
     x1 = tl.load(row + h * D + i[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + h * D + HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
+    if LORA:
+        x1 = _lora_cols(x1, h * D + i[None, :], mask, *lora, 0, R, SR, JB, out_ty)
+        x2 = _lora_cols(x2, h * D + HALF + i[None, :], mask, *lora, 0, R, SR, JB, out_ty)
     if QK_NORM:
         x1, x2 = _head_norm(x1, x2, qn_ptr, i, live, eps, D, out_ty)
     q_row = q_ptr + t * (H * D) + h * D + i[None, :]
@@ -116,12 +147,21 @@ def _rope_store_kernel(
     dest = j * stride_ph + slot * stride_ps + i[None, :]
     x1 = tl.load(row + (H + j) * D + i[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + (H + j) * D + HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
+    if LORA:
+        x1 = _lora_cols(x1, (H + j) * D + i[None, :], mask, *lora, 1, R, SR, JB, out_ty)
+        x2 = _lora_cols(x2, (H + j) * D + HALF + i[None, :], mask, *lora, 1, R, SR, JB, out_ty)
     if QK_NORM:
         x1, x2 = _head_norm(x1, x2, kn_ptr, i, live, eps, D, out_ty)
     tl.store(k_pool_ptr + dest, (x1 * c - x2 * s).to(out_ty), mask=mask)
     tl.store(k_pool_ptr + dest + HALF, (x2 * c + x1 * s).to(out_ty), mask=mask)
     v1 = tl.load(row + (H + KVH + j) * D + i[None, :], mask=mask, other=0.0)
     v2 = tl.load(row + (H + KVH + j) * D + HALF + i[None, :], mask=mask, other=0.0)
+    if LORA:
+        v1 = _lora_cols(v1.to(tl.float32), (H + KVH + j) * D + i[None, :], mask, *lora, 2, R, SR, JB, out_ty)
+        v2 = _lora_cols(
+            v2.to(tl.float32), (H + KVH + j) * D + HALF + i[None, :], mask, *lora, 2, R, SR, JB, out_ty
+        )
+        v1, v2 = v1.to(out_ty), v2.to(out_ty)
     tl.store(v_pool_ptr + dest, v1, mask=mask)
     tl.store(v_pool_ptr + dest + HALF, v2, mask=mask)
 
@@ -137,12 +177,16 @@ def rope_store_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    lora: tuple | None = None,
 ) -> torch.Tensor:
     """Rotated q [T, H, D] (qkv's dtype); rotated k and v written to the pools at write_slots.
 
     qkv [T, (H + 2 KVH) * D] (rows may be strided); cos, sin fp32 [T, D/2] (of the angles pos * freq);
     k_pool, v_pool [KVH, slots, D] with equal strides; write_slots [T] int64; q_norm, k_norm: Qwen3's
-    per-head norm weights [D] (both or neither), applied before RoPE with `eps`."""
+    per-head norm weights [D] (both or neither), applied before RoPE with `eps`. `lora`: (h, b,
+    token_slots, scale, rank, width) of a q/k/v LoRA group (miles/engine/triton_lora.py: h = x A^T [T,
+    3 width], b block-diagonal [(H + 2 KVH) D, 3 width]): qkv is then the base output, and each value
+    is first what `lora_split` would have written."""
     KVH, _, D = k_pool.shape
     T, H = qkv.shape[0], num_heads
     assert qkv.shape[1] == (H + 2 * KVH) * D and qkv.stride(1) == 1 and D % 2 == 0, "qkv shape"
@@ -155,11 +199,18 @@ def rope_store_kv(
     slots = write_slots.contiguous()
     assert (q_norm is None) == (k_norm is None), "Qwen3 normalises both q and k"
     qn, kn = (q, q) if q_norm is None else (q_norm, k_norm)
+    h_pad, half_pad = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
+    if lora is None:
+        h, b, lora_slots, scale, rank, width, jb = q, q, slots, cos, 1, 1, 1
+    else:
+        h, b, lora_slots, scale, rank, width = lora
+        assert h.shape == (T, 3 * width) and h.stride(1) == 1 and b.shape == (qkv.shape[1], 3 * width)
+        jb = min(width, max(1, 4096 // (h_pad * half_pad)))  # [heads, D/2, jb] products at a time
     _rope_store_kernel[(T,)](
-        qkv, cos, sin, slots, q, k_pool, v_pool, qn, kn,
-        qkv.stride(0), cos.stride(0), k_pool.stride(0), k_pool.stride(1), eps,
-        H=H, KVH=KVH, D=D, H_PAD=triton.next_power_of_2(H), KVH_PAD=triton.next_power_of_2(KVH),
-        HALF_PAD=triton.next_power_of_2(D // 2), QK_NORM=q_norm is not None, num_warps=4, **EXACT,
+        qkv, cos, sin, slots, q, k_pool, v_pool, qn, kn, h, b, lora_slots, scale,
+        qkv.stride(0), cos.stride(0), k_pool.stride(0), k_pool.stride(1), h.stride(0), b.stride(0), eps,
+        H=H, KVH=KVH, D=D, H_PAD=h_pad, KVH_PAD=triton.next_power_of_2(KVH), HALF_PAD=half_pad,
+        QK_NORM=q_norm is not None, LORA=lora is not None, R=rank, SR=width, JB=jb, num_warps=4, **EXACT,
     )  # fmt: skip
     return q
 

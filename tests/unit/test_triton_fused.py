@@ -291,10 +291,14 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
         types = dict(x_ptr="*fp32", delta_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", eps="fp32")
         build(_add_rms_norm_kernel, types, dict(BLOCK=1024, HAS_DELTA=has_delta))
     for qk_norm in (False, True):
-        types = {n: "*bf16" for n in ("qkv_ptr", "q_ptr", "k_pool_ptr", "v_pool_ptr", "qn_ptr", "kn_ptr")}
-        types.update(cos_ptr="*fp32", sin_ptr="*fp32", slots_ptr="*i64", stride_ps="i64", eps="fp32")
-        consts = dict(H=14, KVH=2, D=64, H_PAD=16, KVH_PAD=2, HALF_PAD=32, QK_NORM=qk_norm)
-        build(_rope_store_kernel, types, consts)
+        for lora in (False, True):  # with a q/k/v LoRA group's term (miles/engine/triton_lora.py)
+            names = ("qkv_ptr", "q_ptr", "k_pool_ptr", "v_pool_ptr", "qn_ptr", "kn_ptr", "h_ptr", "b_ptr")
+            types = {n: "*bf16" for n in names}
+            types.update(cos_ptr="*fp32", sin_ptr="*fp32", slots_ptr="*i64", stride_ps="i64", eps="fp32")
+            types.update(lora_slot_ptr="*i64", scale_ptr="*fp32")
+            consts = dict(H=14, KVH=2, D=64, H_PAD=16, KVH_PAD=2, HALF_PAD=32, QK_NORM=qk_norm, LORA=lora)
+            consts.update(R=16, SR=128, JB=8) if lora else consts.update(R=1, SR=1, JB=1)
+            build(_rope_store_kernel, types, consts)
     build(_silu_mul_kernel, dict(gu_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024, LIBDEVICE=True))
 
 

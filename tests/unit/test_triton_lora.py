@@ -84,6 +84,16 @@ def _silu_case(inter: int, tokens: int, slots: int, rank: int, seed: int) -> dic
     return {"equal": bool(torch.equal(got, want)), "shape": list(got.shape), "scale": float(want.abs().max())}
 
 
+def _reference_split(both, b, token_slots, scale, rank: int, width: int, members: int):
+    """What `lora_split` computes, through the bank's PyTorch path (mask, block-diagonal B product)."""
+    import torch
+
+    n = b.shape[0]
+    hit = (torch.arange(width)[None, :] // rank == token_slots[:, None]).float()
+    mask = (hit * scale[torch.arange(width) // rank][None, :]).repeat(1, members)
+    return both[:, :n] + (both[:, n : n + members * width] * mask) @ b.t()
+
+
 def _norm_case(n: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
     """lora_split_add_rms_norm_ against lora_split then add_rms_norm_, the two kernels it replaces, on
     values whose sums are exact in any order (as `_silu_case`), squares and their sum included."""
@@ -107,8 +117,7 @@ def _norm_case(n: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
     if n % 128 == 0:  # lora_split's column blocks
         y = lora_split(both, b, member_blocks([n]), token_slots, scale, rank, width)
     else:  # the PyTorch path, exact on these values
-        hit = (torch.arange(width)[None, :] // rank == token_slots[:, None]).float()
-        y = both[:, :n] + (both[:, n : n + width] * hit * scale[torch.arange(width) // rank][None, :]) @ b.t()
+        y = _reference_split(both, b, token_slots, scale, rank, width, members=1)
     want = add_rms_norm_(x_want, y, weight, 1e-6, torch.float32)
     got = lora_split_add_rms_norm_(
         both, b, token_slots, scale, rank, width, x_got, weight, 1e-6, torch.float32
@@ -118,6 +127,48 @@ def _norm_case(n: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
         "x_equal": bool(torch.equal(x_got, x_want)),
         "x_moved": bool(not torch.equal(x_got, x0)),
         "shape": list(got.shape),
+    }
+
+
+def _rope_case(
+    heads: int, kv_heads: int, head_dim: int, tokens: int, slots: int, rank: int, qk_norm: bool, seed: int
+) -> dict:
+    """rope_store_kv given a q/k/v group's adapters' part (the term added inside the kernel) against
+    rope_store_kv of lora_split's output, on values whose sums are exact in any order: q, and k and v
+    in the pools."""
+    import torch
+
+    from miles.engine.triton_fused import rope_store_kv
+
+    g = torch.Generator().manual_seed(seed)
+
+    def dyadic(*shape: int) -> torch.Tensor:
+        return torch.randint(-8, 9, shape, generator=g).float() / 8
+
+    width, outs = slots * rank, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    n = sum(outs)
+    b = torch.zeros(n, 3 * width)
+    for k, o in enumerate(outs):
+        b[sum(outs[:k]) : sum(outs[: k + 1]), k * width : (k + 1) * width] = dyadic(o, width) / 4
+    both = torch.cat((dyadic(tokens, n) * 4, dyadic(tokens, 3 * width), torch.zeros(tokens, 3)), dim=1)
+    scale = torch.tensor([0.5, 1.5, 2.0, 1.0] * slots)[:slots]
+    token_slots = torch.randint(-1, slots, (tokens,), generator=g)
+    freqs = torch.rand(tokens, head_dim // 2, generator=g) * 6
+    write = torch.randperm(2 * tokens, generator=g)[:tokens]
+    norms = (1 + dyadic(head_dim) / 4, 1 + dyadic(head_dim) / 4) if qk_norm else (None, None)
+    out = {}
+    for fused in (False, True):
+        pools = [torch.zeros(kv_heads, 2 * tokens, head_dim) for _ in range(2)]
+        if fused:
+            lora = (both[:, n : n + 3 * width], b, token_slots, scale, rank, width)
+            qkv = both[:, :n]
+        else:  # what lora_split writes, through the PyTorch path (exact on these values)
+            lora, qkv = None, _reference_split(both, b, token_slots, scale, rank, width, members=3)
+        q = rope_store_kv(qkv, freqs.cos(), freqs.sin(), *pools, write, heads, *norms, eps=1e-6, lora=lora)
+        out[fused] = (q, *pools)
+    return {
+        "equal": [bool(torch.equal(a, c)) for a, c in zip(out[True], out[False], strict=True)],
+        "err": max(float((a - c).abs().max()) for a, c in zip(out[True], out[False], strict=True)),
     }
 
 
@@ -136,7 +187,7 @@ def _decoder_case(seed: int) -> dict:
         def _runs_kernels(self) -> bool:
             return True
 
-    spec = ModelSpec("Qwen2ForCausalLM", 50, 128, 2, 4, 2, 32, 10000.0, EPS, False, 512, (1,))
+    spec = ModelSpec("Qwen2ForCausalLM", 50, 128, 2, 4, 2, 64, 10000.0, EPS, False, 512, (1,))
     gen = torch.Generator().manual_seed(seed)
     shapes = _weight_shapes(spec, inter=128)
     weights = {n: torch.randn(s, generator=gen) * (0.2 if len(s) > 1 else 1.0) for n, s in shapes.items()}
@@ -149,8 +200,9 @@ def _decoder_case(seed: int) -> dict:
             tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(rank, i, generator=gen) * 0.2
             tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(o, rank, generator=gen) * 0.2
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), tensors, "t")
-    calls = {"silu": 0, "norm": 0}
+    calls = {"silu": 0, "norm": 0, "rope": 0}
     silu, norm = triton_lora.lora_split_silu, triton_lora.lora_split_add_rms_norm_
+    rope = dec.lora.rope_parts
 
     def counted(kind, fn):
         def call(*args):
@@ -161,6 +213,7 @@ def _decoder_case(seed: int) -> dict:
 
     triton_lora.lora_split_silu = counted("silu", silu)
     triton_lora.lora_split_add_rms_norm_ = counted("norm", norm)
+    dec.lora.rope_parts = counted("rope", rope)
     prefill = Batch(
         input_ids=torch.tensor([5, 6, 7, 8, 9]), positions=torch.tensor([0, 1, 2, 0, 1]),
         write_slots=torch.tensor([1, 2, 3, 4, 5]), query_index=torch.tensor([[0, 1, 2], [3, 4, 0]]),
@@ -171,6 +224,7 @@ def _decoder_case(seed: int) -> dict:
     fused = dec._forward_fused(prefill, dec.new_kv_pool(8))
     silu_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_activation(k))
     norm_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_norm(k))
+    rope_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_rope(k))
     dec.lora.blocks = {}  # the per-op forward and the bank's PyTorch path (A read from the stacked rows)
     per_op = dec.forward(prefill, dec.new_kv_pool(8))
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), {k: v * 0 for k, v in tensors.items()}, "t")
@@ -182,9 +236,15 @@ def _decoder_case(seed: int) -> dict:
         "base_row_err": float((per_op[1] - base[1]).abs().max()),
         "silu_groups": silu_groups,
         "norm_groups": norm_groups,
+        "rope_groups": rope_groups,
         "calls": calls,
     }
 
+
+ROPE_CASES = {
+    "rope": dict(heads=4, kv_heads=2, head_dim=16, tokens=7, slots=2, rank=8, qk_norm=False, seed=8),
+    "rope_qk_norm": dict(heads=6, kv_heads=2, head_dim=8, tokens=5, slots=8, rank=16, qk_norm=True, seed=9),
+}
 
 NORM_CASES = {
     "norm_two_blocks": dict(n=200, tokens=19, slots=2, rank=8, seed=6),  # a partial second column block
@@ -231,13 +291,21 @@ def test_split_with_the_add_and_norm_equals_split_then_add_rms_norm(measured, ca
     assert m["equal"] and m["x_equal"] and m["x_moved"], m  # normed rows, and the residual updated in place
 
 
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_with_the_adapters_term_equals_split_then_rope(measured, case):
+    m = measured[case]
+    assert m["equal"] == [True, True, True], m  # q, and k and v as stored in the pools
+
+
 def test_decoder_forward_with_stacked_adapters_equals_the_per_op_path(measured):
     m = measured["decoder"]
     assert m["silu_groups"] == [f"model.layers.{i}.mlp.gate_up_proj" for i in range(2)], m
     norms = [f"model.layers.{i}.{p}" for i in range(2) for p in ("mlp.down_proj", "self_attn.o_proj")]
     assert m["norm_groups"] == norms, m
-    # each layer's gate/up went through lora_split_silu, its o and down through lora_split_add_rms_norm_
-    assert m["calls"] == {"silu": 2, "norm": 4}, m
+    assert m["rope_groups"] == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)], m
+    # each layer's gate/up went through lora_split_silu, its o and down through lora_split_add_rms_norm_,
+    # its q/k/v's adapters' part to the RoPE kernel
+    assert m["calls"] == {"silu": 2, "norm": 4, "rope": 2}, m
     assert m["adapter_shows"] > 1e-2 and m["base_row_err"] < 1e-5, m
     assert m["err"] <= 1e-5 * max(1.0, m["scale"]), m
 
@@ -288,4 +356,6 @@ if __name__ == "__main__":
         print(json.dumps({name: _silu_case(**kwargs)}), flush=True)
     for name, kwargs in NORM_CASES.items():
         print(json.dumps({name: _norm_case(**kwargs)}), flush=True)
+    for name, kwargs in ROPE_CASES.items():
+        print(json.dumps({name: _rope_case(**kwargs)}), flush=True)
     print(json.dumps({"decoder": _decoder_case(seed=5)}), flush=True)
