@@ -18,15 +18,17 @@ RANK = 8
 PROMPT = list(range(5, 5 + 120, 3))
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=[2, 4], ids=["kv2", "kv4"])
+def model(request, tmp_path_factory) -> str:
+    """The tiny model with 4 heads of 32 and 2 or 4 key/value heads: with 4 every projection's output
+    is a multiple of 128 (the kernels' column block), so q/k/v's adapters too stack under the weight
+    and reach the RoPE kernel; with 2, k and v (64 rows) do not fit and q/k/v keep their own A."""
     from miles.models.tiny import init_tiny
 
-    return str(
-        init_tiny(
-            tmp_path_factory.mktemp("lora-gpu") / "m", arch="qwen2", hidden_size=128, intermediate_size=256
-        )
+    sizes = dict(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=request.param
     )
+    return str(init_tiny(tmp_path_factory.mktemp("lora-gpu") / "m", arch="qwen2", **sizes))
 
 
 def _decoder(model: str) -> Decoder:
@@ -106,10 +108,10 @@ def test_stacked_adapters_follow_the_weights_through_offload(model):
     frees that memory too, an adapter loaded while the weights are on the host is served once they are
     back, and log-probs are unchanged by the round trip."""
     dec = _decoder(model)
-    # the tiny model's k/v projections (64 rows) do not fit the kernel's 128-column blocks: q/k/v keep
-    # their own A; o, gate/up and down stack theirs
+    # o, gate/up and down stack their A; q/k/v only where k/v's rows fit the kernel's 128-column blocks
     assert {"model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_up_proj"} <= dec.lora.stacked
-    assert "model.layers.0.self_attn.qkv_proj" not in dec.lora.stacked
+    fits = dec.spec.num_kv_heads * dec.spec.head_dim % 128 == 0
+    assert ("model.layers.0.self_attn.qkv_proj" in dec.lora.stacked) == fits
     cfg = AdapterConfig(RANK, 16.0, TARGETS)
     dec.lora.load("x", cfg, _adapter(dec, 1), "t")
     before = _logprobs(dec, 0)
