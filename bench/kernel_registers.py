@@ -1,10 +1,11 @@
-"""Registers and spills of the engine's LoRA kernels built for a Hopper GPU, with no GPU needed:
+"""Registers and spills of the engine's LoRA and MoE kernels built for a Hopper GPU, with no GPU needed:
 
     python -m bench.kernel_registers [--arch 90]
 
 Triton compiles each kernel (miles/engine/triton_lora.py, and the RoPE kernel of
 miles/engine/triton_fused.py with and without its LoRA term) for sm_<arch> with the launch options the
-engine uses, at 0.5B shapes, for one slot of rank 16 (16 slot columns) and eight (128); `cuobjdump
+engine uses, at 0.5B shapes, for one slot of rank 16 (16 slot columns) and eight (128), and the MoE
+expert GEMM (miles/engine/triton_moe.py) at each of its tiles; `cuobjdump
 -res-usage`, shipped with Triton, reads each cubin. A kernel that spills (STACK > 0) keeps values in
 local memory; more registers per thread mean fewer warps resident per SM. These are properties of the
 build, not timings: `python -m bench.lora_gpu` times the kernels on a GPU.
@@ -81,6 +82,24 @@ def rows(arch: int) -> list[dict]:
     return out
 
 
+def moe_rows(arch: int) -> list[dict]:
+    """The fused MoE expert GEMM (miles/engine/triton_moe.py) at each tile of `tiles`, on the shapes of
+    a Qwen3-30B-A3B layer (every dimension a multiple of the tiles: the mask-free loads)."""
+    from miles.engine import triton_moe as moe
+
+    types = dict(a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", rows_ptr="*i32", block_expert_ptr="*i32",
+                 used_ptr="*i32")  # fmt: skip
+    out = []
+    for rows_per_expert, when in ((2, "decode, 32 requests"), (16, "decode, 256 requests"), (100, "prefill")):
+        cfg = moe.tiles(rows_per_expert)
+        consts = dict(A_DIV=8, PRECISION="tf32", BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], EVEN=True)
+        options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        r = resources(moe._expert_gemm_kernel, types, consts, options, arch)
+        tile = f"BM {cfg['BM']}, BN {cfg['BN']}, BK {cfg['BK']}"
+        out.append(dict(kernel=f"MoE expert GEMM, {when} ({tile})", num_warps=cfg["num_warps"], **r))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90)
@@ -90,6 +109,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for r in rows(args.arch):
         print(f"| {r['kernel']} | {r['slot_columns']} | {r['num_warps']} | {r['registers']} | {r['stack']} |")
+    print()
+    print("| kernel | warps | registers / thread | spill stack (bytes) |")
+    print("|---|---:|---:|---:|")
+    for r in moe_rows(args.arch):
+        print(f"| {r['kernel']} | {r['num_warps']} | {r['registers']} | {r['stack']} |")
 
 
 if __name__ == "__main__":

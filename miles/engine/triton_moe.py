@@ -12,7 +12,11 @@ sums over the same K blocks in the same order wherever it sits in its tile.
 
 Products. `_expert_gemm_kernel` runs program (m, n) on block m's BM rows and BN output columns of
 its expert: C[r, n] = A[r // a_div] . W[e, n, :] for the live rows (not the sentinel), accumulated
-in fp32 over BK-wide steps and rounded once, C in (token, slot) order. Blocks past `used` return at
+in fp32 over BK-wide steps and rounded once, C in (token, slot) order. Where the tiles divide N and K
+(the models' shapes) the weight loads take no mask, and the weights are addressed by 32-bit offsets
+from the expert's first element: the sm_90 build of the 32-row decode tile then keeps every value in
+registers (208 of them) where masks and 64-bit pointers spilled 336 bytes (`python -m
+bench.kernel_registers`). Blocks past `used` return at
 once, so the grid ([the largest number of blocks], N / BN) is fixed by T*k and the launches are
 captured in CUDA graphs. The gate/up product reads x (a_div = k: every slot of a token shares its
 row), the down product reads the activations of the rows themselves (a_div = 1).
@@ -67,6 +71,7 @@ def _expert_gemm_kernel(
     a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, used_ptr,
     N, K, TK, stride_a, stride_we, stride_wn, stride_c,
     A_DIV: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BM >= tl.load(used_ptr):
@@ -78,15 +83,21 @@ def _expert_gemm_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
     a_at = a_ptr + a_rows[:, None] * stride_a + kk[None, :]
-    w_at = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    # the expert's weights from one pointer and 32-bit offsets inside them (an expert's [N, K] is far
+    # below 2^31 elements): half the registers of a 64-bit pointer per element
+    w_expert = w_ptr + e * stride_we
+    w_off = n[None, :] * stride_wn + kk[:, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        in_k = k0 + kk < K
-        a = tl.load(a_at, mask=live[:, None] & in_k[None, :], other=0.0)
-        w = tl.load(w_at, mask=in_k[:, None] & (n[None, :] < N), other=0.0)
+        if EVEN:  # BN divides N and BK divides K: only the rows need a mask
+            a = tl.load(a_at, mask=live[:, None], other=0.0)
+            w = tl.load(w_expert + k0 + w_off)
+        else:
+            in_k = k0 + kk < K
+            a = tl.load(a_at, mask=live[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_expert + k0 + w_off, mask=in_k[:, None] & (n[None, :] < N), other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
         a_at += BK
-        w_at += BK
     c_at = c_ptr + rows[:, None].to(tl.int64) * stride_c + n[None, :]
     tl.store(c_at, acc.to(c_ptr.dtype.element_ty), mask=live[:, None] & (n[None, :] < N))
 
@@ -130,11 +141,13 @@ def expert_gemm(
     rows, block_expert, used = layout
     E, N, K = w.shape
     assert a.stride(-1) == 1 and w.stride(-1) == 1, "the kernel reads rows of a and w contiguously"
+    assert N * w.stride(1) < 2**31, "the kernel addresses one expert's weights with 32-bit offsets"
     c = torch.empty(tk, N, dtype=a.dtype, device=a.device)
     grid = (block_expert.numel(), triton.cdiv(N, cfg["BN"]))
     _expert_gemm_kernel[grid](
         a, w, c, rows, block_expert, used, N, K, tk, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        A_DIV=a_div, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **cfg,
+        A_DIV=a_div, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        EVEN=N % cfg["BN"] == 0 and K % cfg["BK"] == 0, **cfg,
     )  # fmt: skip
     return c
 

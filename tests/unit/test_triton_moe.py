@@ -57,6 +57,9 @@ CASES = {
     "rows_32": dict(tokens=40, k=2, experts=2, hidden=48, inter=40, seed=2),
     "prefill_64": dict(tokens=150, k=2, experts=4, hidden=80, inter=24, seed=3),
     "odd_experts": dict(tokens=9, k=3, experts=5, hidden=32, inter=16, seed=4),
+    # tiles that divide every dimension: the weight loads take no mask
+    "even_16": dict(tokens=12, k=4, experts=16, hidden=128, inter=128, seed=6),
+    "even_32": dict(tokens=24, k=4, experts=16, hidden=128, inter=128, seed=7),
 }
 
 
