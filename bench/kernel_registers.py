@@ -97,6 +97,10 @@ def moe_rows(arch: int) -> list[dict]:
         r = resources(moe._expert_gemm_kernel, types, consts, options, arch)
         tile = f"BM {cfg['BM']}, BN {cfg['BN']}, BK {cfg['BK']}"
         out.append(dict(kernel=f"MoE expert GEMM, {when} ({tile})", num_warps=cfg["num_warps"], **r))
+    types = dict(ids_ptr="*i64", rows_ptr="*i32", cursor_ptr="*i32", block_expert_ptr="*i32", used_ptr="*i32")
+    consts = dict(E=128, EP=128, BM=32, CHUNK=128, FILL=1024)  # as `align` launches it for 128 experts
+    r = resources(moe._count_kernel, types, consts, dict(num_warps=8), arch)
+    out.append(dict(kernel="MoE row layout (_count_kernel), 128 experts", num_warps=8, **r))
     return out
 
 
