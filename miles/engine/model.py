@@ -29,7 +29,8 @@ CUDA runs a layer in about ten kernels (a decode step's time is set by its kerne
 q/k/v weights (and biases) are stored as one [q; k; v] tensor and its gate/up weights as one
 [gate; up] tensor, the HF-named weights being views into them, so each is one GEMM; Triton kernels
 (miles/engine/triton_fused.py) fuse the fp32 residual add with the next RMSNorm, RoPE with the K/V
-pool write, and silu(gate) * up, with the roundings of the per-op path (`Decoder.fused = False`).
+pool write, and silu(gate) * up, with the roundings of the per-op path (`Decoder.fused = False`);
+that forward is miles/engine/fused_forward.py.
 Qwen3-MoE: sparse layers run the router + experts of miles/engine/moe.py in place of the MLP (its
 docstring has the maths and the expert storage); with `record_routing` set, a forward leaves each
 token's top-k expert ids per sparse layer in `routing` ([T, sparse layers, k], narrow ints) and
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine import moe
+from miles.engine.fused_forward import FusedForward
 from miles.engine.spec import QK_NORM_ARCHS, SUPPORTED_ARCHS, Batch, ModelSpec, load_weights
 
 __all__ = ["SUPPORTED_ARCHS", "Batch", "Decoder", "ModelSpec", "load_weights"]
@@ -78,7 +80,7 @@ def _attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-class Decoder:
+class Decoder(FusedForward):
     """Weights by HF name plus a forward over a Batch; the KV pool is owned by the caller.
 
     Storage: each layer's q/k/v weights (and biases) are rows of one fused `qkv_proj` tensor, its
@@ -493,40 +495,6 @@ class Decoder:
         ]
         return y + torch.cat(parts, dim=-1)
 
-    def _qkv_parts(
-        self, x: torch.Tensor, module: str, bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, tuple | None]:
-        """(q/k/v projection, None) for the RoPE and K/V-store kernel (CUDA forward); with the LoRA
-        group's A stacked under the weight, (the base projection, the adapters' part), which that kernel
-        adds."""
-        if self.lora is not None and self.lora.stacks_rope(module):
-            wide_bias = None if bias is None else self.wide[module + ".bias"]
-            return self.lora.rope_parts(F.linear(x, self.wide[module + ".weight"], wide_bias), module)
-        return self._project(x, module + ".weight", bias), None
-
-    def _project_add_norm(
-        self, inp: torch.Tensor, name: str, x: torch.Tensor, norm: torch.Tensor
-    ) -> torch.Tensor:
-        """x += `_project(inp, name)` in place (the fp32 residual stream) and the rows normed by `norm`
-        (CUDA forward); with the LoRA A of `name` stacked under its weight, one kernel finishes the
-        GEMM, adds and norms."""
-        from miles.engine.triton_fused import add_rms_norm_
-
-        module, eps = name.removesuffix(".weight"), self.spec.rms_norm_eps
-        if self.lora is not None and self.lora.stacks_norm(module):
-            return self.lora.split_add_norm(F.linear(inp, self.wide[name]), module, x, norm, eps, self.dtype)
-        return add_rms_norm_(x, self._project(inp, name), norm, eps, self.dtype)
-
-    def _gate_up_act(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """silu(gate) * up of the fused gate/up weight `name` (CUDA forward); with the LoRA group's A
-        stacked under it, one kernel finishes the GEMM and applies the activation."""
-        from miles.engine.triton_fused import silu_mul
-
-        module = name.removesuffix(".weight")
-        if self.lora is not None and self.lora.stacks_activation(module):
-            return self.lora.split_silu(F.linear(x, self.wide[name]), module)
-        return silu_mul(self._project(x, name))
-
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) for the weight stored as `name` (HF or fused); FP8 engines override it."""
         return F.linear(x, self.storage[name] if name in self._fused else self.params[name], bias)
@@ -597,37 +565,3 @@ class Decoder:
             logits = F.linear(x, head).float()
         delta = None if self.lora is None else self.lora.delta(x, "lm_head", rows)
         return logits if delta is None else logits + delta.float()
-
-    def _forward_fused(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """`forward` on CUDA in ~10 kernels a layer: the fp32 residual add fused with the next norm,
-        one GEMM for q/k/v and one for gate/up, RoPE fused with the K/V pool write, silu(gate) * up in
-        one kernel (miles/engine/triton_fused.py; the same roundings as the per-op path)."""
-        from miles.engine.triton_fused import add_rms_norm_, rope_store_kv
-
-        w, st, eps = self.params, self.storage, self.spec.rms_norm_eps
-        x = w["model.embed_tokens.weight"][b.input_ids].float()
-        freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()  # the per-op path's [cos | cos] halves, once
-        mask = self._decode_mask(b)
-        layers = [f"model.layers.{i}." for i in range(self.spec.num_layers)]
-        after = [p + "input_layernorm.weight" for p in layers[1:]] + ["model.norm.weight"]
-        h = add_rms_norm_(x, None, w[layers[0] + "input_layernorm.weight"], eps, self.dtype)
-        for i, (p, next_norm) in enumerate(zip(layers, after, strict=True)):
-            qkv, lora = self._qkv_parts(h, p + "self_attn.qkv_proj", st.get(p + "self_attn.qkv_proj.bias"))
-            q_norm, k_norm = w.get(p + "self_attn.q_norm.weight"), w.get(p + "self_attn.k_norm.weight")
-            q = rope_store_kv(
-                qkv, cos, sin, *pool[i], b.write_slots, self.spec.num_heads, q_norm, k_norm, eps, lora
-            )
-            attended = self._attend(q, b, pool[i], mask)
-            h = self._project_add_norm(
-                attended, p + "self_attn.o_proj.weight", x, w[p + "post_attention_layernorm.weight"]
-            )
-            if self._has_fused(p + "mlp.gate_up_proj.weight"):
-                act = self._gate_up_act(h, p + "mlp.gate_up_proj.weight")
-                h = self._project_add_norm(act, p + "mlp.down_proj.weight", x, w[next_norm])
-            else:  # a sparse (MoE) layer, or FP8 gate/up kept unfused (miles/engine/fp8_weights.py)
-                h = add_rms_norm_(x, self._mlp(i, h), w[next_norm], eps, self.dtype)
-        self._take_routing(b.write_slots)
-        # decode (one query per request) packs exactly the last tokens, in order; the norm is per row
-        decode = b.query_index.shape[1] == 1
-        return self._logits(h if decode else h[b.last_index], None if decode else b.last_index)
