@@ -84,7 +84,9 @@ def rows(arch: int) -> list[dict]:
 
 def moe_rows(arch: int) -> list[dict]:
     """The fused MoE expert GEMM (miles/engine/triton_moe.py) at each tile of `tiles`, on the shapes of
-    a Qwen3-30B-A3B layer (every dimension a multiple of the tiles: the mask-free loads)."""
+    a Qwen3-30B-A3B layer (every dimension a multiple of the tiles: the mask-free loads); the decode
+    attention (miles/engine/triton_attention.py) at head dim 128 with 4 and 8 warps; the row layout."""
+    from miles.engine import triton_attention as attention
     from miles.engine import triton_moe as moe
 
     types = dict(a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", rows_ptr="*i32", block_expert_ptr="*i32",
@@ -97,6 +99,13 @@ def moe_rows(arch: int) -> list[dict]:
         r = resources(moe._expert_gemm_kernel, types, consts, options, arch)
         tile = f"BM {cfg['BM']}, BN {cfg['BN']}, BK {cfg['BK']}"
         out.append(dict(kernel=f"MoE expert GEMM, {when} ({tile})", num_warps=cfg["num_warps"], **r))
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slots_ptr="*i64", pos_ptr="*i64", out_ptr="*fp32",
+                 lse_ptr="*fp32", scale_log2="fp32")  # fmt: skip
+    for g, d, model in ((8, 128, "the MoE bench's 32/4 heads of 128"), (7, 128, "7B: 28/4 heads of 128")):
+        for warps in (4, 8):
+            consts = dict(G=g, D=d, G_PAD=16, D_PAD=d, BLOCK_N=64, SPLIT=True, PRECISION="tf32")
+            r = resources(attention._decode_kernel, types, consts, dict(num_warps=warps), arch)
+            out.append(dict(kernel=f"decode attention, {model}", num_warps=warps, **r))
     types = dict(ids_ptr="*i64", rows_ptr="*i32", cursor_ptr="*i32", block_expert_ptr="*i32", used_ptr="*i32")
     consts = dict(E=128, EP=128, BM=32, CHUNK=128, FILL=1024)  # as `align` launches it for 128 experts
     r = resources(moe._count_kernel, types, consts, dict(num_warps=8), arch)

@@ -20,6 +20,9 @@ A split wholly past p_b runs no iteration and contributes lse = -inf, weight 0; 
 key 0, so M is finite. Programs skip key blocks past p_b, so padded contexts cost their slot-index
 reads only up to the query's own length.
 
+Programs run 4 warps, 8 for a head dim of 128 or more: with 4, the sm_90 build at head dim 128 spills
+64-144 bytes of registers (`python -m bench.kernel_registers`), with 8 it keeps them all.
+
 The grid and every buffer depend on shapes alone (no host synchronisation, no data-dependent
 allocation), so a call can be captured in a CUDA graph. Tiles are upcast to fp32 as they are loaded
 and both dots accumulate in fp32. fp32 inputs use IEEE fp32 dots (no TF32 rounding). bf16/fp16 inputs
@@ -153,9 +156,11 @@ def paged_decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if B == 0:
         return out
+    d_pad = max(16, triton.next_power_of_2(D))
     meta = dict(
-        G=G, D=D, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=max(16, triton.next_power_of_2(D)),
+        G=G, D=D, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=d_pad,
         BLOCK_N=block_n, SPLIT=splits > 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if d_pad >= 128 else 4,  # head dim 128 with 4 warps spills (bench.kernel_registers)
     )  # fmt: skip
     if splits > 1:
         part = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
