@@ -30,12 +30,26 @@ from triton.language.extra import libdevice
 
 BT, BN = 64, 128
 SILU_BT, SILU_BN = 64, 64
+"""Tiles of `lora_split_silu`: two accumulators, so half the columns of `_expand`'s; with 8 warps
+Triton's sm_90 build keeps every value in registers up to 128 slot columns (`python -m
+bench.kernel_registers`), where 128 columns spill."""
 NORM_BT, NORM_BN = 16, 128
 """Tiles of `lora_split_add_rms_norm_`: each program holds whole rows (the norm needs them), so few
 rows (16: tensor-core tiles need 16) and their columns in blocks."""
-"""Tiles of `lora_split_silu`: two accumulators, so half the columns of `_expand`'s; with 8 warps
-Triton's sm_90 build keeps every value in registers up to 128 slot columns (cuobjdump -res-usage:
-117 registers at 16 columns, 248 at 128, no spill stack), where 128 columns spill."""
+
+
+@triton.jit
+def _slot_columns(
+    h_ptr, stride_h, t, live, slot_ptr, scale_ptr, col0, R: tl.constexpr, SR: tl.constexpr, low: tl.constexpr,
+):  # fmt: skip
+    """Tokens t's columns [col0, col0 + SR) of h (one member's slots): each token's own slot's columns
+    times its adapter's scale, the other slots' zero (and a base-model token's all zero), in `low`, B's
+    dtype, for the tensor-core product with B."""
+    j = tl.arange(0, SR)
+    h = tl.load(h_ptr + t[:, None] * stride_h + (col0 + j)[None, :], mask=live[:, None], other=0.0)
+    slot = tl.load(slot_ptr + t, mask=live, other=-1)
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
+    return tl.where((j[None, :] // R) == slot[:, None], h.to(tl.float32) * scale[:, None], 0.0).to(low)
 
 
 @triton.jit
@@ -48,13 +62,8 @@ def _lora_expand_kernel(
     m = tl.load(member_ptr + pid_n)
     t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
     live = t < T
-    j = tl.arange(0, SR)
-    cols = m * SR + j  # this member's slot columns of h and B
-    h = tl.load(h_ptr + t[:, None] * stride_h + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    slot = tl.load(slot_ptr + t, mask=live, other=-1)
-    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
-    mine = (j[None, :] // R) == slot[:, None]
-    h = tl.where(mine, h * scale[:, None], 0.0).to(b_ptr.dtype.element_ty)
+    cols = m * SR + tl.arange(0, SR)  # this member's slot columns of h and B
+    h = _slot_columns(h_ptr, stride_h, t, live, slot_ptr, scale_ptr, m * SR, R, SR, b_ptr.dtype.element_ty)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     b = tl.load(b_ptr + n[None, :] * stride_b + cols[:, None])
     out = tl.dot(h, b)
@@ -76,15 +85,9 @@ def _lora_silu_kernel(
     t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
     live = t < T
     j = tl.arange(0, SR)
-    slot = tl.load(slot_ptr + t, mask=live, other=-1)
-    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
-    mine = (j[None, :] // R) == slot[:, None]
     low = b_ptr.dtype.element_ty
-    h = h_ptr + t[:, None] * stride_h + j[None, :]  # gate's slot columns, then up's (member 1)
-    hg = tl.load(h, mask=live[:, None], other=0.0).to(tl.float32)
-    hu = tl.load(h + SR, mask=live[:, None], other=0.0).to(tl.float32)
-    hg = tl.where(mine, hg * scale[:, None], 0.0).to(low)
-    hu = tl.where(mine, hu * scale[:, None], 0.0).to(low)
+    hg = _slot_columns(h_ptr, stride_h, t, live, slot_ptr, scale_ptr, 0, R, SR, low)  # gate's columns
+    hu = _slot_columns(h_ptr, stride_h, t, live, slot_ptr, scale_ptr, SR, R, SR, low)  # then up's
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     b = b_ptr + n[None, :] * stride_b + j[:, None]  # gate's rows of B, then up's (rows inter on)
     base = base_ptr + t[:, None] * stride_base + n[None, :]
@@ -111,10 +114,7 @@ def _lora_add_norm_kernel(
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     live = t < T
     j = tl.arange(0, SR)
-    slot = tl.load(slot_ptr + t, mask=live, other=-1)
-    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
-    h = tl.load(h_ptr + t[:, None] * stride_h + j[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    h = tl.where((j[None, :] // R) == slot[:, None], h * scale[:, None], 0.0).to(b_ptr.dtype.element_ty)
+    h = _slot_columns(h_ptr, stride_h, t, live, slot_ptr, scale_ptr, 0, R, SR, b_ptr.dtype.element_ty)
     low = base_ptr.dtype.element_ty
     squares = tl.zeros((BT,), dtype=tl.float32)
     for n0 in range(0, N, BN):  # x += y block by block (y as `lora_split` writes it), summing squares
