@@ -68,7 +68,7 @@ class FusedForward:
         """(q/k/v projection, None) for the RoPE and K/V-store kernel (CUDA forward); with the LoRA
         group's A stacked under the weight, (the base projection, the adapters' part), which that kernel
         adds."""
-        if self.lora is not None and self.lora.stacks_rope(module):
+        if self.lora is not None and self.lora.fuses_next(module):
             wide_bias = None if bias is None else self.wide[module + ".bias"]
             return self.lora.rope_parts(F.linear(x, self.wide[module + ".weight"], wide_bias), module)
         return self._project(x, module + ".weight", bias), None
@@ -82,7 +82,7 @@ class FusedForward:
         from miles.engine.triton_fused import add_rms_norm_
 
         module, eps = name.removesuffix(".weight"), self.spec.rms_norm_eps
-        if self.lora is not None and self.lora.stacks_norm(module):
+        if self.lora is not None and self.lora.fuses_next(module):
             return self.lora.split_add_norm(F.linear(inp, self.wide[name]), module, x, norm, eps, self.dtype)
         return add_rms_norm_(x, self._project(inp, name), norm, eps, self.dtype)
 
@@ -92,6 +92,6 @@ class FusedForward:
         from miles.engine.triton_fused import silu_mul
 
         module = name.removesuffix(".weight")
-        if self.lora is not None and self.lora.stacks_activation(module):
+        if self.lora is not None and self.lora.fuses_next(module):
             return self.lora.split_silu(F.linear(x, self.wide[name]), module)
         return silu_mul(self._project(x, name))

@@ -393,18 +393,12 @@ class LoraBank:
         b = self.groups[key][1] if key in self.groups else self.B[key]
         return lora_split(both, b, self.blocks[key], self.tokens, self.scale, self.max_rank, self.width)
 
-    def stacks_activation(self, key: str) -> bool:
-        """Whether gate/up group `key` (model.layers.N.mlp.gate_up_proj) should run as one GEMM over its
-        weight with A stacked under it, then `split_silu`."""
-        return (
-            self.fuse_consumers and key.endswith(".gate_up_proj") and key in self.groups and self.stacks(key)
-        )
-
-    def stacks_rope(self, key: str) -> bool:
-        """Whether q/k/v group `key` (model.layers.N.self_attn.qkv_proj) should run as one GEMM over its
-        weight with A stacked under it, its adapters' term then added by the RoPE and K/V-store kernel
-        (`rope_parts`)."""
-        return self.fuse_consumers and key.endswith(".qkv_proj") and key in self.groups and self.stacks(key)
+    def fuses_next(self, key: str) -> bool:
+        """Whether layer or group `key` should run as one GEMM over its weight with A stacked under it,
+        its adapters' term then added by the kernel that reads the output next (`rope_parts` for q/k/v,
+        `split_silu` for gate/up, `split_add_norm` for o and down): `stacks`, unless `fuse_consumers` is
+        off."""
+        return self.fuse_consumers and self.stacks(key)
 
     def rope_parts(self, both: torch.Tensor, key: str) -> tuple[torch.Tensor, tuple]:
         """(x W^T, the `lora` argument of miles/engine/triton_fused.py's `rope_store_kv`) of q/k/v group
@@ -420,11 +414,6 @@ class LoraBank:
             self.max_rank,
             width,
         )
-
-    def stacks_norm(self, key: str) -> bool:
-        """Whether lone projection `key` (o_proj, down_proj) should run as one GEMM over its weight with
-        A stacked under it, then `split_add_norm`."""
-        return self.fuse_consumers and key not in self.groups and self.stacks(key)
 
     def split_add_norm(
         self,

@@ -389,7 +389,7 @@ class Scheduler(HoldingsControl, EngineThread):
         for group in groups[1:]:  # long prompts that do not pad well together: forwards of their own
             self._forward(group)
         decode = self._grow(decode)
-        context = self._decode_context(decode) if decode else 0
+        context = self._decode_context(max(len(r.slots) for r in decode)) if decode else 0
         if decode and groups and not prompt_asks(groups[0]) and self.row_kv.reserve(context):
             self._decode_rows(decode, context, groups[0])
         else:
@@ -397,9 +397,10 @@ class Scheduler(HoldingsControl, EngineThread):
             if decode:
                 self._decode(decode)
 
-    def _decode_context(self, reqs: list[Request]) -> int:
+    def _decode_context(self, longest: int) -> int:
+        """The decode context for a longest request of `longest` positions: padded to `context_step`."""
         step = self.context_step
-        return min(-(-max(len(r.slots) for r in reqs) // step) * step, self.max_context)
+        return min(-(-longest // step) * step, self.max_context)
 
     def _decode_rows(self, reqs: list[Request], context: int, prefill: list[Request]) -> None:
         """CPU decode step over the RowKV (reserved for `context`), with `prefill` requests' new
@@ -418,7 +419,7 @@ class Scheduler(HoldingsControl, EngineThread):
 
     def _decode(self, reqs: list[Request]) -> None:
         """One decode step: table entries, forward (graph replay when the shape is captured), sample."""
-        context = self._decode_context(reqs)
+        context = self._decode_context(max(len(r.slots) for r in reqs))
         if self.row_kv is not None and self.row_kv.reserve(context):
             return self._decode_rows(reqs, context, [])
         # after _grow a decoding request's new token sits at position len(slots) - 1
@@ -464,11 +465,12 @@ class Scheduler(HoldingsControl, EngineThread):
         # requests still running after this landing: not finished earlier, and not certain to stop now
         keep, live, max_context = [], 0, self.max_context
         for i, r in enumerate(prev.reqs):
-            if r.finish is None:
-                live += 1
-                if not r.abort_requested and len(r.output) + 1 < r.params.max_new_tokens:
-                    if len(r.prompt) + len(r.output) + 1 < max_context:
-                        keep.append(i)
+            if r.finish is not None:
+                continue
+            live += 1
+            n = len(r.output) + 1
+            if not r.abort_requested and n < r.params.max_new_tokens and len(r.prompt) + n < max_context:
+                keep.append(i)
         if live != len(self.running):
             return False  # requests joined since (their first decode goes with everyone's, landed)
         reqs = [prev.reqs[i] for i in keep]
@@ -481,7 +483,7 @@ class Scheduler(HoldingsControl, EngineThread):
         # where each request sits in the step in flight, then its token from there
         at = np.array(keep, dtype=np.int64)
         head = np.stack([at, prev.head[1, at] + 1, prev.head[2, at], np.array(fresh, dtype=np.int64)])
-        context = min(-(-(int(head[1].max()) + 1) // self.context_step) * self.context_step, max_context)
+        context = self._decode_context(int(head[1].max()) + 1)
         ints, floats = self._to_device(self._constants.decode_rows(head))
         ints[0].copy_(prev.tokens.index_select(0, ints[0]))
         self.table[ints[2], ints[1]] = ints[3]

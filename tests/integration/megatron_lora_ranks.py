@@ -47,9 +47,8 @@ def main() -> None:
     gpt = M.build_gpt(hf_cfg, M.transformer_config(hf_cfg, torch.float32, tp, pp, use_cpu=True), first, last)
     M.load_hf_into(gpt, M.read_hf_state(model), hf_cfg)
     cfg = LoraConfig(rank=4, alpha=8, target_modules=TARGETS)
-    split = lora.Split.of(s, ps.get_tensor_model_parallel_rank(), tp)
     offset = M.layer_offset(gpt)
-    lora.install(gpt, cfg, s, hf_cfg, split, SEED, offset)
+    lora.install(gpt, cfg, hf_cfg, SEED)
     with torch.no_grad():  # B away from zero (seeded by the global name: the same in every layout)
         for name, p in gpt.named_parameters():
             if ".lora_B_" in name:

@@ -222,9 +222,10 @@ def _decoder_case(seed: int) -> dict:
     )  # fmt: skip
     dec.lora.begin(prefill.lora_slots)
     fused = dec._forward_fused(prefill, dec.new_kv_pool(8))
-    silu_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_activation(k))
-    norm_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_norm(k))
-    rope_groups = sorted(k for k in dec.lora.stacked if dec.lora.stacks_rope(k))
+    into_next = sorted(k for k in dec.lora.stacked if dec.lora.fuses_next(k))
+    silu_groups = [k for k in into_next if k.endswith(".gate_up_proj")]
+    norm_groups = [k for k in into_next if k.endswith((".o_proj", ".down_proj"))]
+    rope_groups = [k for k in into_next if k.endswith(".qkv_proj")]
     dec.lora.blocks = {}  # the per-op forward and the bank's PyTorch path (A read from the stacked rows)
     per_op = dec.forward(prefill, dec.new_kv_pool(8))
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), {k: v * 0 for k, v in tensors.items()}, "t")

@@ -182,9 +182,7 @@ class MegatronBackend:
         if t.lora is not None:  # frozen base, adapters on the dense projections (lora.py)
             from miles.train.megatron import lora
 
-            s = M.shapes_of(self.hf_cfg)
-            split = lora.Split.of(s, ps.get_tensor_model_parallel_rank(), t.tensor_parallel)
-            lora.install(gpt, t.lora, s, self.hf_cfg, split, self.plan.run.seed, M.layer_offset(gpt))
+            lora.install(gpt, t.lora, self.hf_cfg, self.plan.run.seed)
         replay = t.routing_replay == "rollout"
         self.moe = MoERouting(gpt, self.hf_cfg, M.layer_offset(gpt), replay) if tf.num_moe_experts else None
         wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt

@@ -134,11 +134,16 @@ def _initial_a(rank: int, in_features: int, seed: int, layer: int, proj: str) ->
     return a
 
 
-def install(
-    gpt: nn.Module, lora: Any, s: convert.Shapes, hf_cfg: Any, split: Split, seed: int, layer_offset: int
-) -> int:
-    """Freeze `gpt` and give every covered layer its adapters (A like PEFT's kaiming-uniform, B zero:
-    step 0 is the base model); returns the trainable parameter count of this rank."""
+def install(gpt: nn.Module, lora: Any, hf_cfg: Any, seed: int) -> int:
+    """Freeze `gpt`, this rank's stage and tensor-parallel slice, and give every covered layer its
+    adapters (A like PEFT's kaiming-uniform, B zero: step 0 is the base model); returns the trainable
+    parameter count of this rank."""
+    from megatron.core import parallel_state as ps
+
+    from miles.train.megatron import model as M
+
+    s, layer_offset = M.shapes_of(hf_cfg), M.layer_offset(gpt)
+    split = Split.of(s, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     gpt.requires_grad_(False)
     outs, scale, n = _out_sizes(s, hf_cfg), lora.alpha / lora.rank, 0
     targets = set(lora.target_modules)
