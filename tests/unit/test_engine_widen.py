@@ -14,6 +14,16 @@ PROMPT = list(range(3, 40, 2))
 QKV = "model.layers.0.self_attn.qkv_proj"
 
 
+def peft_tensors(bank, rank: int, gen: torch.Generator, std: float) -> dict[str, torch.Tensor]:
+    """A random adapter of `rank` on every module of `bank` but the LM head, under PEFT's saved names."""
+    out = {}
+    for m, (o, i) in bank.modules.items():
+        if m != "lm_head":
+            out[f"base_model.model.{m}.lora_A.weight"] = torch.randn(rank, i, generator=gen) * std
+            out[f"base_model.model.{m}.lora_B.weight"] = torch.randn(o, rank, generator=gen) * std
+    return out
+
+
 def _logits(dec: Decoder) -> torch.Tensor:
     n = len(PROMPT)
     ar = torch.arange(n)
@@ -83,12 +93,7 @@ def test_the_bank_keeps_its_a_in_the_stacked_rows_through_offload(tiny_model):
     dec.lora = Stacking.for_decoder(dec, slots, rank, TARGETS, 8)
     assert {QKV, "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_up_proj"} <= dec.lora.stacked
     assert dec.stacked_rows(QKV + ".weight").shape[0] == STACK_ALIGN  # 3 x 8 rows of A, padded
-    g = torch.Generator().manual_seed(2)
-    tensors = {}
-    for m, (o, i) in dec.lora.modules.items():
-        if m != "lm_head":
-            tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(rank, i, generator=g) * 0.1
-            tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.1
+    tensors = peft_tensors(dec.lora, rank, torch.Generator().manual_seed(2), 0.1)
     dec.lora.load("x", AdapterConfig(rank, 8.0, TARGETS[:-1]), tensors, "t")
     dec.lora.blocks = {}  # the PyTorch path, which reads A from the stacked rows
 

@@ -177,6 +177,7 @@ def _decoder_case(seed: int) -> dict:
     weights, gate/up through lora_split_silu, against the per-op forward with the bank's PyTorch path,
     on a prefill of two requests: one on an adapter, one on the base model."""
     import torch
+    from test_engine_widen import peft_tensors
     from test_triton_fused import EPS, _weight_shapes
 
     from miles.engine import triton_lora
@@ -194,11 +195,7 @@ def _decoder_case(seed: int) -> dict:
     dec = Decoder(spec, weights, "cpu", torch.float32)
     rank, slots = 8, 2
     dec.lora = Interpreted.for_decoder(dec, slots, rank, TARGETS, 4)
-    tensors = {}
-    for m, (o, i) in dec.lora.modules.items():
-        if m != "lm_head":
-            tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(rank, i, generator=gen) * 0.2
-            tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(o, rank, generator=gen) * 0.2
+    tensors = peft_tensors(dec.lora, rank, gen, 0.2)
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), tensors, "t")
     calls = {"silu": 0, "norm": 0, "rope": 0}
     silu, norm = triton_lora.lora_split_silu, triton_lora.lora_split_add_rms_norm_
