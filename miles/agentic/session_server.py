@@ -26,6 +26,13 @@ Routes (JSON; errors in OpenAI's body `{"error": {"message", "type", "param", "c
 - `GET /sessions/<id>/v1/models`, `GET /sessions/<id>` (the trajectory tree),
   `DELETE /sessions/<id>` (close; `{"id", "samples": [...]}`). An unknown id is a 404.
 
+Bounds, so that no client (or model reply) can take the server down: a body over `max_request_bytes`
+and a message whose content is over `max_message_chars` are answered 413 naming the limit; at most
+`max_sessions` are open (429 beyond); a session untouched for `session_idle_timeout_s` is closed and
+its samples dropped (a later call to it is a 404 saying so); the template and tokenizer run in a
+worker thread, so one long prompt does not hold up another session's call. With `keys`
+(miles.serving.ApiKeys) every route needs the API key.
+
 uvicorn runs in the caller's event loop without installing signal handlers (the process keeps its
 own). Engine affinity: each session is pinned to one client (round-robin at open, by index, so a
 replaced `clients` list takes over); every request also carries the session id as the router's
@@ -81,7 +88,20 @@ from miles.chat.toolcalls import parse_tool_calls
 from miles.rollout.client import EngineError, GenerateResult, SGLangClient
 from miles.rollout.generate import parse_version
 from miles.sample import Sample
-from miles.serving import CancelOnDisconnect
+from miles.serving import (
+    ApiKeys,
+    BodyTooLarge,
+    CancelOnDisconnect,
+    RequireApiKey,
+    add_key_arguments,
+    check_bind,
+    read_limited,
+)
+
+MAX_REQUEST_BYTES = 16 * 2**20
+MAX_MESSAGE_CHARS = 2 * 2**20
+MAX_SESSIONS = 4096
+SESSION_IDLE_TIMEOUT_S = 3600.0
 
 
 class SessionServer:
@@ -99,6 +119,11 @@ class SessionServer:
         model_name: str | None = None,
         max_attempts: int = 4,
         tokenizer: Any = None,
+        keys: ApiKeys | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_message_chars: int = MAX_MESSAGE_CHARS,
+        max_sessions: int = MAX_SESSIONS,
+        session_idle_timeout_s: float = SESSION_IDLE_TIMEOUT_S,
     ):
         if not clients:
             raise ValueError("SessionServer needs at least one engine client")
@@ -113,7 +138,15 @@ class SessionServer:
         self.max_new_tokens = max_new_tokens
         self.model_name = model_name or Path(str(tokenizer_dir)).name
         self.max_attempts = max_attempts
+        self.keys = keys or ApiKeys()
+        self.max_request_bytes = max_request_bytes
+        self.max_message_chars = max_message_chars
+        self.max_sessions = max_sessions
+        self.session_idle_timeout_s = session_idle_timeout_s
         self.sessions: dict[str, Session] = {}
+        self._touched: dict[str, float] = {}
+        """Session id -> monotonic time of its last call (idle expiry)."""
+        self._expired: set[str] = set()
         self.url = ""
         self._engine: dict[str, int] = {}
         """Session id -> index of its engine in `clients` (the list may be replaced, e.g. after an
@@ -141,7 +174,10 @@ class SessionServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         config = uvicorn.Config(
-            CancelOnDisconnect(self.app), log_level="warning", access_log=False, lifespan="off"
+            RequireApiKey(CancelOnDisconnect(self.app), self.keys),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
@@ -167,11 +203,19 @@ class SessionServer:
         sid = uuid.uuid4().hex
         if self.template is None:
             raise RuntimeError("SessionServer.start() must run before sessions are opened")
+        self.expire_idle()
+        if len(self.sessions) >= self.max_sessions:
+            raise OpenAIError(
+                f"{len(self.sessions)} sessions are open, the server's cap (max_sessions); close one first",
+                429,
+                code="too_many_sessions",
+            )
         if parent is not None:
             self._session(parent)
             metadata = {**(metadata or {}), "parent": parent}
             self._children.setdefault(parent, []).append(sid)
         self.sessions[sid] = Session(sid, self.template, metadata)
+        self._touched[sid] = time.monotonic()
         self._engine[sid] = self._engine[parent] if parent is not None else next(self._next)
         return sid, self.base_url(sid)
 
@@ -184,17 +228,38 @@ class SessionServer:
         session = self._session(sid)
         del self.sessions[sid]
         self._engine.pop(sid, None)
+        self._touched.pop(sid, None)
         samples = session.samples()
         for child in self._children.pop(sid, []):
             if child in self.sessions:
                 samples += self.close_session(child)
         return samples
 
+    def expire_idle(self) -> list[str]:
+        """Close the sessions idle for longer than session_idle_timeout_s (their samples are dropped);
+        their ids."""
+        cutoff = time.monotonic() - self.session_idle_timeout_s
+        idle = [sid for sid, t in self._touched.items() if t < cutoff and sid in self.sessions]
+        for sid in idle:
+            if sid in self.sessions:
+                self.close_session(sid)
+            self._expired.add(sid)
+        return idle
+
     def _session(self, sid: str) -> Session:
+        self.expire_idle()
         try:
-            return self.sessions[sid]
+            session = self.sessions[sid]
         except KeyError:
+            if sid in self._expired:
+                raise OpenAIError(
+                    f"session {sid!r} was closed after {self.session_idle_timeout_s:g} s without a call",
+                    404,
+                    code="session_expired",
+                ) from None
             raise OpenAIError(f"session {sid!r} not found", 404, code="session_not_found") from None
+        self._touched[sid] = time.monotonic()
+        return session
 
     # ---- HTTP ----
     def _routes(self) -> FastAPI:
@@ -206,7 +271,7 @@ class SessionServer:
 
         @app.post("/sessions")
         async def open_(request: Request) -> JSONResponse:
-            body = await _json_body(request, default={})
+            body = await self._body(request, default={})
             meta = body.get("metadata") if isinstance(body, dict) else None
             if meta is not None and not isinstance(meta, dict):
                 raise OpenAIError("'metadata' must be an object", param="metadata")
@@ -215,7 +280,7 @@ class SessionServer:
 
         @app.post("/sessions/{sid}/v1/subagents")
         async def subagent(sid: str, request: Request) -> JSONResponse:
-            body = await _json_body(request, default={})
+            body = await self._body(request, default={})
             meta = body.get("metadata") if isinstance(body, dict) else None
             if meta is not None and not isinstance(meta, dict):
                 raise OpenAIError("'metadata' must be an object", param="metadata")
@@ -240,18 +305,44 @@ class SessionServer:
         @app.post("/sessions/{sid}/v1/chat/completions")
         async def chat(sid: str, request: Request) -> Response:
             session = self._session(sid)
-            req = parse_request(ChatCompletionRequest, await _json_body(request))
+            req = parse_request(ChatCompletionRequest, await self._body(request))
             return await self.chat(session, req)
 
         return app
+
+    async def _body(self, request: Request, default: Any = None) -> Any:
+        try:
+            raw = await read_limited(
+                request, self.max_request_bytes, "the session server's max_request_bytes"
+            )
+        except BodyTooLarge as e:
+            raise OpenAIError(str(e), 413, code="request_too_large") from None
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        return _json_body(raw, default)
+
+    def _check_sizes(self, messages: list[dict[str, Any]]) -> None:
+        for i, m in enumerate(messages):
+            size = (
+                len(json.dumps(m.get("content"), ensure_ascii=False)) if m.get("content") is not None else 0
+            )
+            if size > self.max_message_chars:
+                raise OpenAIError(
+                    f"messages[{i}] has {size} characters of content; this server takes at most "
+                    f"{self.max_message_chars} per message (max_message_chars)",
+                    413,
+                    param=f"messages[{i}].content",
+                    code="message_too_large",
+                )
 
     async def chat(self, session: Session, req: ChatCompletionRequest) -> Response:
         """Serve one chat call of `session` and record it."""
         _check_supported(req)
         messages = [template_message(m.model_dump()) for m in req.messages]
+        self._check_sizes(messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        try:
-            turn = session.plan(messages, tools, req.chat_template_kwargs)
+        try:  # in a thread: a long prompt's template and tokenizer work must not stall other sessions
+            turn = await asyncio.to_thread(session.plan, messages, tools, req.chat_template_kwargs)
         except (ValueError, TypeError) as e:  # the template refused the messages
             raise OpenAIError(f"the chat template cannot render these messages: {e}") from None
         params = self._sampling(req)
@@ -417,8 +508,7 @@ def _check_supported(req: ChatCompletionRequest) -> None:
 # ---- wire helpers ----
 
 
-async def _json_body(request: Request, default: Any = None) -> Any:
-    raw = await request.body()
+def _json_body(raw: bytes, default: Any = None) -> Any:
     if not raw.strip():
         if default is not None:
             return default
@@ -489,14 +579,40 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--lora-path", default=None, help="LoRA adapter every generation runs with (default: none)"
     )
+    p.add_argument(
+        "--max-sessions", type=int, default=MAX_SESSIONS, help="open sessions at most (429 beyond)"
+    )
+    p.add_argument(
+        "--session-idle-timeout-s",
+        type=float,
+        default=SESSION_IDLE_TIMEOUT_S,
+        help="a session without a call for this long is closed",
+    )
+    p.add_argument(
+        "--engine-api-key-file", default=None, help="file with the engines' API key (sent to them)"
+    )
+    add_key_arguments(p)
     args = p.parse_args(argv)
+    try:
+        keys = ApiKeys.from_files(args.api_key_file, args.admin_api_key_file)
+        engine_keys = ApiKeys.from_files(args.engine_api_key_file, None)
+        check_bind("miles.agentic.session_server", args.host, keys, args.allow_unauthenticated)
+    except ValueError as e:
+        raise SystemExit(f"miles.agentic.session_server: {e}") from None
 
     async def serve() -> None:
-        clients = [SGLangClient(u) for u in args.engine]
+        clients = [SGLangClient(u, keys=engine_keys) for u in args.engine]
         for c in clients:
             c.lora_path = args.lora_path
         server = SessionServer(
-            clients, args.tokenizer, host=args.host, port=args.port, template_family=args.template_family
+            clients,
+            args.tokenizer,
+            host=args.host,
+            port=args.port,
+            template_family=args.template_family,
+            keys=keys,
+            max_sessions=args.max_sessions,
+            session_idle_timeout_s=args.session_idle_timeout_s,
         )
         url = await server.start()
         if args.url_file:

@@ -103,16 +103,40 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+MAX_JSON_DEPTH = 64
+"""Deeper arguments are a malformed call: a model's reply must not reach the JSON parser's recursion
+limit (a reply of a thousand `[` would otherwise end the request in a RecursionError)."""
+
+
+def _too_deep(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether brackets outside JSON strings nest deeper than `limit` (one linear scan, no recursion)."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
 def _call(obj: Any) -> dict[str, Any] | None:
     """An OpenAI tool call from a parsed `{"name", "arguments" | "parameters"}` object, else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
+        args = _loads(args)
     if not isinstance(args, dict):
         return None
     arguments = json.dumps(args, ensure_ascii=False)
@@ -124,9 +148,12 @@ def _call(obj: Any) -> dict[str, Any] | None:
 
 
 def _loads(text: str) -> Any:
+    """The JSON value of `text`, or None when it is not JSON or nests deeper than MAX_JSON_DEPTH."""
+    if _too_deep(text):
+        return None
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
 
 
@@ -169,6 +196,8 @@ def _parse_llama3(text: str) -> ParsedToolCalls:
     if start is None:
         return ParsedToolCalls(text)
     action = text[start:].removeprefix(LLAMA_TAG) if text[start:].startswith(LLAMA_TAG) else text[start:]
+    if _too_deep(action):
+        return ParsedToolCalls(text, [], 1)
     decoder = json.JSONDecoder()
     calls: list[dict[str, Any]] = []
     idx = 0
@@ -179,7 +208,7 @@ def _parse_llama3(text: str) -> ParsedToolCalls:
             break
         try:
             obj, idx = decoder.raw_decode(action, idx)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return ParsedToolCalls(text, [], 1)
         call = _call(obj)
         if call is None:

@@ -41,6 +41,7 @@ from miles.cluster.rendezvous import (
 from miles.config import Plan, read_plan
 from miles.launch.engine_argv import engine_argv
 from miles.processes import child_options, stop_processes
+from miles.serving import key_arguments, run_keys, sglang_key_arguments
 
 
 def _facts(run_dir: Path) -> tuple[Plan, dict[str, Any]]:
@@ -132,7 +133,7 @@ def _start_engine(
         ]
         argv += ["--device", e.device, "--max-running-requests", str(e.max_running_requests)]
         argv += ["--max-total-tokens", str(e.max_total_tokens), "--seed", str(seed)]
-        argv += engine_argv(plan)
+        argv += engine_argv(plan) + key_arguments(run_dir)
         if plan.train.routing_replay == "rollout" and role == "rollout":  # R3: the rollout's routing
             argv.append("--enable-return-routed-experts")
         proc = _spawn([*argv, "--url-file", str(url_file)], log)
@@ -140,6 +141,7 @@ def _start_engine(
     else:
         port = str(sglang_port(int(env.job_id or 0), port_index))
         argv = sglang_server_command(plan, host=bind, port=int(port), python=sys.executable)
+        argv += sglang_key_arguments(run_dir)
         proc = _spawn(argv, log)
         while not healthy(f"http://{advertise}:{port}"):
             if proc.poll() is not None:
@@ -207,9 +209,9 @@ def _start_router(plan: Plan, run_dir: Path, env: JobEnvironment, facts: dict[st
     host = "127.0.0.1" if facts["engine_host"] == "loopback" else node_address(env.node_name or "localhost")
     port = router_port(int(env.job_id or 0))
     bind = "127.0.0.1" if facts["engine_host"] == "loopback" else "0.0.0.0"
-    proc = _spawn(
-        router_command(plan, host=bind, port=port, worker_urls=urls), run_dir / "logs" / "router.log"
-    )
+    key = run_keys(run_dir).api
+    argv = router_command(plan, host=bind, port=port, worker_urls=urls) + (["--api-key", key] if key else [])
+    proc = _spawn(argv, run_dir / "logs" / "router.log")
     from miles.cluster.rendezvous import publish_router
 
     publish_router(run_dir, f"http://{host}:{port}", proc.pid, incarnation(env))

@@ -24,6 +24,7 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
 
 from miles.dashboard.runs import PANELS, OutsideRunDir, RunView, inside, run_views
+from miles.serving import ApiKeys, RequireApiKey, check_bind
 
 STATIC = Path(__file__).resolve().parent / "static"
 _MEDIA = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
@@ -104,13 +105,22 @@ def create_app(run_dirs: list[str | Path]) -> FastAPI:
     return app
 
 
-def serve(paths: list[str], host: str = "127.0.0.1", port: int = 0) -> int:
-    """Serve the dashboard until interrupted (port 0: one the OS picks, printed)."""
+def serve(
+    paths: list[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    keys: ApiKeys | None = None,
+    allow_unauthenticated: bool = False,
+) -> int:
+    """Serve the dashboard until interrupted (port 0: one the OS picks, printed). With `keys.api`
+    every page needs the key (open `/?key=KEY` once in a browser; miles.serving.RequireApiKey)."""
     import socket
 
     import uvicorn
 
-    app = create_app(expand_run_dirs(paths))
+    keys = keys or ApiKeys()
+    check_bind("miles dashboard", host, keys, allow_unauthenticated)
+    app = RequireApiKey(create_app(expand_run_dirs(paths)), keys, browser=True)
     # IPPROTO_TCP named so that asyncio turns Nagle off on accepted connections (no ~40 ms replies)
     sock = socket.socket(
         socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
@@ -119,7 +129,8 @@ def serve(paths: list[str], host: str = "127.0.0.1", port: int = 0) -> int:
     sock.bind((host, port))
     sock.listen(128)  # connections wait in the backlog from now on, before uvicorn starts accepting
     bound = sock.getsockname()[1]
-    print(f"miles dashboard: http://{host}:{bound}/  (Ctrl-C to stop)", flush=True)
+    login = "?key=<the key in your --api-key-file>" if keys.api else ""
+    print(f"miles dashboard: http://{host}:{bound}/{login}  (Ctrl-C to stop)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
     return 0

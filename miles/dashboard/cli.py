@@ -7,9 +7,17 @@ import argparse
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
     from miles.dashboard.app import serve
+    from miles.serving import ApiKeys
 
     try:
-        return serve(args.run_dirs, host=args.host, port=args.port)
+        keys = ApiKeys.from_files(args.api_key_file, None)
+        return serve(
+            args.run_dirs,
+            host=args.host,
+            port=args.port,
+            keys=keys,
+            allow_unauthenticated=args.allow_unauthenticated,
+        )
     except (ValueError, OSError) as e:
         print(f"miles dashboard: error: {e}")
         return 2
@@ -26,4 +34,10 @@ def add_dashboard_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=0, help="port to bind (default 0: one the OS picks, printed)")
+    p.add_argument("--api-key-file", default=None, help="file with the key every page needs (mode 600)")
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a non-loopback --host without --api-key-file (anyone who can reach it sees the runs)",
+    )
     p.set_defaults(func=_cmd_dashboard)

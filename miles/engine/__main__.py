@@ -42,7 +42,7 @@ from miles.engine.tokenizer import load_codec
 from miles.engine.updates import DEFAULT_TIMEOUT_S as DEFAULT_WEIGHT_UPDATE_TIMEOUT_S
 from miles.engine.validation import DEFAULT_MAX_REQUEST_BYTES
 from miles.quant.formats import FORMATS, Format, Scheme
-from miles.serving import CancelOnDisconnect
+from miles.serving import ApiKeys, CancelOnDisconnect, RequireApiKey, add_key_arguments, check_bind
 
 log = logging.getLogger("miles.engine")
 SHUTDOWN_GRACE_S = 5.0
@@ -76,6 +76,7 @@ def _add_health_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_WEIGHT_UPDATE_TIMEOUT_S,
         help="bound on each wait of a weight update (update-group rendezvous, each broadcast, the HTTP call)",
     )
+    add_key_arguments(p)
     p.add_argument(
         "--enable-fault-injection",
         action="store_true",
@@ -363,6 +364,11 @@ def main(argv: list[str] | None = None) -> None:
     )  # `kill -USR1 PID`: every thread's stack to the log
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        keys = ApiKeys.from_files(args.api_key_file, args.admin_api_key_file)
+        check_bind("miles.engine", args.host, keys, args.allow_unauthenticated)
+    except ValueError as e:
+        raise SystemExit(f"miles.engine: {e}") from None
     log.info(set_intra_op_threads())
     state = build_state(args)
     engine_thread = threading.Thread(target=state.scheduler.run, name="engine", daemon=True)
@@ -375,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     host, port = sock.getsockname()[:2]
     state.server_args["port"] = port
     config = uvicorn.Config(
-        CancelOnDisconnect(build_app(state)),
+        RequireApiKey(CancelOnDisconnect(build_app(state)), keys),
         http=QuietHTTP2Probe,
         log_level="warning",
         timeout_keep_alive=60,

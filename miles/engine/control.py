@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from miles.engine.admission import check_finite
+
 
 class HoldingsControl:
     """Weights, adapters and memory of a Scheduler (module docstring)."""
@@ -25,15 +27,23 @@ class HoldingsControl:
     def unload_lora(self, name: str) -> None:
         self._on_engine_thread(lambda: (self.decoder.lora.unload(name), self.slots.flush(name, only=True)))
 
-    def update_weights(self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> None:
-        """Load tensors by HF name between two steps; invalidates the prefix cache."""
-        self._on_engine_thread(lambda: self._update_weights(weights, version, abort_all))
+    def update_weights(
+        self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool, complete: bool = False
+    ) -> None:
+        """Load tensors by HF name between two steps; invalidates the prefix cache. Checked first, in the
+        caller's thread (miles/engine/admission.py): a non-finite tensor is refused, and so, with
+        `complete`, is a set that lacks any of the model's weights; names and shapes are checked by the
+        decoder before it copies anything. A refused update changes nothing."""
+        check_finite(weights, "weight update")
+        self._on_engine_thread(lambda: self._update_weights(weights, version, abort_all, complete))
 
-    def _update_weights(self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> None:
+    def _update_weights(
+        self, weights: dict[str, torch.Tensor], version: str | None, abort_all: bool, complete: bool
+    ) -> None:
         if abort_all:
             self._drain_inbox()
             self._abort_all("aborted for a weight update")
-        self.decoder.load(weights)
+        self.decoder.load(weights, strict=complete)
         self._flush_locked()
         if version is not None:
             self.weight_version = str(version)

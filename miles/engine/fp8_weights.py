@@ -85,8 +85,12 @@ def checkpoint_layout(model_dir: str | Path) -> str | None:
 
 
 def _quantization_config(model_dir: str | Path) -> dict | None:
+    from miles.engine.admission import require_regular
+
     path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()).get("quantization_config") if path.exists() else None
+    if not (path.exists() or path.is_symlink()):
+        return None
+    return json.loads(require_regular(path, "config").read_text()).get("quantization_config")
 
 
 def load_checkpoint(

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from miles.engine.admission import check_adapter_numbers, check_finite
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 _TENSOR = re.compile(
     r"^(?:base_model\.model\.)?(model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+_proj)|lm_head)"
@@ -74,6 +76,10 @@ class AdapterConfig:
         bad = [t for t in targets if t not in TARGETS]
         if bad:
             raise LoraError(f"adapter target_modules {bad} are not served; targets: {', '.join(TARGETS)}")
+        try:
+            check_adapter_numbers(cfg)
+        except ValueError as e:
+            raise LoraError(str(e)) from None
         return cls(int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"])), tuple(targets))
 
 
@@ -87,7 +93,8 @@ def read_adapter(path: str | Path) -> tuple[AdapterConfig, dict[str, torch.Tenso
         raise LoraError(
             f"{path} is not a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)"
         )
-    return AdapterConfig.from_peft(json.loads(cfg_file.read_text())), load_file(str(weights))
+    config = AdapterConfig.from_peft(json.loads(cfg_file.read_text()))
+    return config, load_file(str(weights))
 
 
 class LoraBank:
@@ -250,6 +257,10 @@ class LoraBank:
                 f"adapter {name!r} targets {outside}, which the server was not started for "
                 f"(--lora-target-modules {' '.join(self.targets)})"
             )
+        try:
+            check_finite(tensors, f"adapter {name!r}")
+        except ValueError as e:
+            raise LoraError(str(e)) from None
         pairs = self._pairs(name, tensors, config)
         slot = self.slots.get(name)
         if slot is None:

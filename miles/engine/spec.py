@@ -109,9 +109,13 @@ class Batch:
 
 def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the HF safetensors files in a directory, by HF name."""
+    from miles.engine.admission import require_regular
+
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for f in files:  # before any is opened: a FIFO would block the reader with the GIL held
+        require_regular(f, "weights file")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(str(f)))

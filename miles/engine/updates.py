@@ -269,7 +269,7 @@ class WeightUpdater:
         weights = load_checkpoint(
             path, quantization_of(self.scheduler.decoder), getattr(self.scheduler.decoder, "scheme", None)
         )
-        self.scheduler.update_weights(weights, body.weight_version, body.abort_all_requests)
+        self.scheduler.update_weights(weights, body.weight_version, body.abort_all_requests, complete=True)
         self.model_path = body.model_path
         return "Succeeded to update model weights."
 

@@ -5,7 +5,7 @@ Everything a request can carry is checked here, before a request reaches the eng
 integers fit in int64, floats are finite, sampling parameters are within SGLang's ranges and token
 ids within the vocabulary (miles/engine/sampling.py holds the sampling schema). A body larger than
 `--max-request-bytes` is answered 413 before it is parsed: a declared Content-Length is checked
-first, a chunked body is counted while it is read. A body up to `DRAIN_FACTOR` times the limit is
+first, a chunked body is counted while it is read. A body up to `miles.serving.DRAIN_FACTOR` times the limit is
 read to its end and dropped (so the client, still sending, gets the answer instead of a reset
 connection); a larger one is answered at once and the connection closed.
 """
@@ -19,9 +19,9 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles.engine.sampling import Int64, SamplingParams
+from miles.serving import BodyTooLarge, read_limited
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
-DRAIN_FACTOR = 4
 
 
 class HTTPError(Exception):
@@ -59,39 +59,14 @@ class GenerateReqInput(BaseModel):
     lora_path: str | list[str | None] | None = None
 
 
-def _too_large(size: int, limit: int, declared: bool) -> HTTPError:
-    what = "declares" if declared else "has more than"
-    return HTTPError(
-        413,
-        f"request body {what} {size} bytes; this engine takes at most {limit} "
-        "(raise it with the engine's --max-request-bytes)",
-    )
-
-
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, at most `limit` bytes; HTTPError 413 beyond (module docstring)."""
-    header = request.headers.get("content-length")
-    declared = None
-    if header is not None:
-        try:
-            declared = int(header)
-        except ValueError:
-            raise BadRequest(f"Content-Length {header!r} is not an integer") from None
-        if declared > DRAIN_FACTOR * limit:
-            raise _too_large(declared, limit, True)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit or (declared or 0) > limit:
-            chunks = []  # dropped: read on only so that the client sees the answer
-            if size > DRAIN_FACTOR * limit:
-                break
-        else:
-            chunks.append(chunk)
-    if size > limit or (declared or 0) > limit:
-        raise _too_large(declared if declared is not None else limit, limit, declared is not None)
-    return b"".join(chunks)
+    try:
+        return await read_limited(request, limit, "the engine's --max-request-bytes")
+    except BodyTooLarge as e:
+        raise HTTPError(413, str(e)) from None
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 async def parse_body(request: Request, model: type[BaseModel] | None = None) -> Any:

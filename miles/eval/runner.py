@@ -52,6 +52,7 @@ from miles.eval.modes import (
 from miles.eval.snapshot import eval_dir, find_snapshot
 from miles.launch.engine_argv import engine_argv
 from miles.processes import child_options, free_port, stop_processes
+from miles.serving import key_arguments, run_keys, sglang_key_arguments
 
 log = logging.getLogger("miles.eval")
 
@@ -233,7 +234,7 @@ class EvalService:
             seed=self.plan.run.seed + 1000 + i,
             log_path=self.run_dir / "logs" / f"eval-engine-{i}.log",
             startup_timeout_s=e.startup_timeout_s,
-            extra_args=engine_argv(self.plan),
+            extra_args=engine_argv(self.plan) + key_arguments(self.run_dir),
             env={"OMP_NUM_THREADS": str(len(cpus))} if cpus else None,
             cpus=cpus or None,
         )
@@ -252,6 +253,7 @@ class EvalService:
             python=sys.executable,
             base_gpu_id=i * self.plan.engine.tp_size,
         )
+        argv += sglang_key_arguments(self.run_dir)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **child_options())
@@ -314,7 +316,8 @@ class EvalService:
         await self._loading_parts()
         r = self.plan.rollout
         self.urls = list(urls)
-        clients = [SGLangClient(u, max_connections=r.max_concurrency_per_engine + 8) for u in urls]
+        keys = run_keys(self.run_dir)
+        clients = [SGLangClient(u, max_connections=r.max_concurrency_per_engine + 8, keys=keys) for u in urls]
         self.generator = CountingGenerator.from_config(clients, self.encoder, self.reward, r)
 
     async def _close_clients(self) -> None:

@@ -34,6 +34,7 @@ from miles.launch.rundir import RunDirLock, prepare_run_dir
 from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
 from miles.metrics import ProgressBar
 from miles.processes import child_options, free_port, stop_processes
+from miles.serving import key_arguments, make_run_keys, run_keys
 
 log = logging.getLogger("miles.launch")
 
@@ -66,6 +67,7 @@ def _prepare_run_dir(plan: Plan, resume: bool, overwrite: bool) -> Path:
     for removed in prepare_run_dir(run_dir, resume=resume, overwrite=overwrite):
         print(f"miles: --overwrite: removed {removed}", file=sys.stderr)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    make_run_keys(run_dir)  # the run's servers take these keys and its clients send them
     write_plan(plan, run_dir / "plan.yaml")
     return run_dir
 
@@ -178,7 +180,8 @@ def start_engine_process(plan: Plan, run_dir: Path, i: int, gpu: str | None, inc
         env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
         extra_args=(["--enable-fault-injection"] if e.fault_injection else [])
         + (["--enable-return-routed-experts"] if plan.train.routing_replay == "rollout" else [])
-        + engine_argv(plan),
+        + engine_argv(plan)
+        + key_arguments(run_dir),
     )
     publish_engine(run_dir, f"engine-{i}", eng.url, eng.pid, "local", incarnation)
     return eng
@@ -203,6 +206,7 @@ def start_teacher(plan: Plan, run_dir: Path, gpu: str | None, incarnation: str) 
         log_path=run_dir / "logs" / "teacher-0.log",
         startup_timeout_s=e.startup_timeout_s,
         env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
+        extra_args=key_arguments(run_dir),
     )
     publish_engine(run_dir, "teacher-0", eng.url, eng.pid, "local", incarnation, TEACHERS)
     return eng
@@ -233,7 +237,11 @@ def start_engines(
             )
         if len(slots) > 1:
             urls = [s.proc.url for s in slots]
-            router = start_router(urls, policy=e.router_policy, log_path=run_dir / "logs" / "router.log")
+            # the router sends its key to every worker: only when all of them are this run's engines
+            key = None if e.urls else run_keys(run_dir).api
+            router = start_router(
+                urls, policy=e.router_policy, log_path=run_dir / "logs" / "router.log", api_key=key
+            )
             publish_router(run_dir, router.url, router.pid, incarnation)
     except BaseException:
         stop_all(ours(slots, router))

@@ -26,6 +26,7 @@ from miles.config.profile import Profile, load_profile, profile_defaults
 from miles.launch.prepare import prepare_inputs
 from miles.launch.slurm import render_sbatch, sbatch_command
 from miles.launch.spec import build_job, check
+from miles.serving import make_run_keys
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ def _prepare_run(plan: Plan, profile: Profile, dry_run: bool) -> Path:
     (run_dir / "logs" / "slurm").mkdir(parents=True, exist_ok=True)
     write_plan(plan, run_dir / "plan.yaml")
     write_atomic(run_dir / "launch.json", check(plan, profile), indent=1)
+    if not dry_run:  # the job's servers take these keys, its clients send them (miles.serving)
+        make_run_keys(run_dir)
     return run_dir
 
 

@@ -32,6 +32,7 @@ from miles.rollout.rewards import load_reward
 from miles.rollout.tasks import plan_task
 from miles.rollout.teacher import Teacher, check_tokenizer
 from miles.sample import Sample, Status
+from miles.serving import run_keys
 from miles.train.quant import engine_contract
 
 log = logging.getLogger("miles.loop")
@@ -145,8 +146,10 @@ class RolloutSide:
         if d is None:
             return None
         urls = d.teacher_urls or teacher_urls(self.run_dir, self.plan.engine.startup_timeout_s)
+        keys = run_keys(self.run_dir) if not d.teacher_urls else None
         clients = [
-            SGLangClient(u, max_connections=self.plan.rollout.max_concurrency_per_engine + 8) for u in urls
+            SGLangClient(u, max_connections=self.plan.rollout.max_concurrency_per_engine + 8, keys=keys)
+            for u in urls
         ]
 
         async def check() -> None:  # on a loop of its own: close its connections before it ends
@@ -165,8 +168,11 @@ class RolloutSide:
         """Clients and weight transport for these engines (the transport joins in `_setup`)."""
         conns = self.plan.rollout.max_concurrency_per_engine * len(urls) + 8  # ours, plus admin calls
         self.urls, self.router = list(urls), router
-        self.admins = [SGLangClient(u, max_connections=conns) for u in urls]
-        self.generator.set_clients([SGLangClient(router, max_connections=conns)] if router else self.admins)
+        keys = run_keys(self.run_dir)
+        self.admins = [SGLangClient(u, max_connections=conns, keys=keys) for u in urls]
+        self.generator.set_clients(
+            [SGLangClient(router, max_connections=conns, keys=keys)] if router else self.admins
+        )
         lora = self.plan.train.lora
         if lora is not None:  # every generation runs the policy's adapter, once pushed
             if not lora.adapters:  # (several adapters: each prompt names its own)

@@ -37,6 +37,7 @@ import numpy as np
 import pydantic_core
 
 from miles.rollout.router import ROUTING_KEY_HEADER
+from miles.serving import ApiKeys
 
 RETRY_STATUSES = (502, 503, 504)
 VERSIONS_KEY = "miles_output_token_weight_versions"
@@ -177,8 +178,11 @@ class SGLangClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         max_connections: int = 1024,
+        keys: ApiKeys | None = None,
     ):
         self.url = url.rstrip("/")
+        self.keys = keys or ApiKeys()
+        """The engine's (or router's) keys: each request carries the one its route needs."""
         # no bound on the whole call: a non-streamed /generate answers only when done, within timeout_s
         self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=timeout_s)
         self.retries = retries
@@ -210,9 +214,11 @@ class SGLangClient:
         if not self._is_view:
             await self._conns.close()
 
-    def _headers(self, routing_key: str | None) -> dict[str, str] | None:
+    def _headers(self, route: str, routing_key: str | None) -> dict[str, str] | None:
         key = routing_key if routing_key is not None else self.routing_key
-        return {ROUTING_KEY_HEADER: key} if key else None
+        headers = {ROUTING_KEY_HEADER: key} if key else {}
+        headers.update(self.keys.headers(route.split("?", 1)[0]))
+        return headers or None
 
     async def request(
         self, method: str, route: str, body: Any = None, *, retry: bool = True, routing_key: str | None = None
@@ -220,7 +226,7 @@ class SGLangClient:
         """Send one call; raise EngineError on failure (after retries where allowed). `routing_key`
         (else the client's own, if bound) goes in the ROUTING_KEY_HEADER header."""
         attempts = 1 + (self.retries if retry else 0)
-        headers = self._headers(routing_key)
+        headers = self._headers(route, routing_key)
         if (
             self.lora_path is not None
             and route == "/generate"

@@ -61,13 +61,19 @@ class RouterProcess:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    api_key: str | None = None
+    """The router's --api-key (sent with every management call)."""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def workers(self) -> list[dict[str, Any]]:
-        resp = httpx.get(self.url + "/workers", timeout=10)
+        resp = httpx.get(self.url + "/workers", timeout=10, headers=self.headers)
         resp.raise_for_status()
         return resp.json().get("workers", [])
 
@@ -75,7 +81,7 @@ class RouterProcess:
         return [w["url"] for w in self.workers()]
 
     def add_worker(self, url: str, timeout_s: float = 60.0) -> None:
-        resp = httpx.post(self.url + "/workers", json={"url": url}, timeout=timeout_s)
+        resp = httpx.post(self.url + "/workers", json={"url": url}, timeout=timeout_s, headers=self.headers)
         if resp.status_code >= 400:
             raise RuntimeError(f"router {self.url}: adding worker {url} failed: {resp.text[:300]}")
         self._wait(lambda: any(w["url"] == url and w.get("is_healthy") for w in self.workers()), timeout_s)
@@ -85,7 +91,7 @@ class RouterProcess:
         if not ids:
             raise ValueError(f"router {self.url} has no worker {url}; known: {self.worker_urls()}")
         for wid in ids:
-            resp = httpx.delete(f"{self.url}/workers/{wid}", timeout=timeout_s)
+            resp = httpx.delete(f"{self.url}/workers/{wid}", timeout=timeout_s, headers=self.headers)
             if resp.status_code >= 400:
                 raise RuntimeError(f"router {self.url}: removing worker {url} failed: {resp.text[:300]}")
         self._wait(lambda: url not in self.worker_urls(), timeout_s)
@@ -107,11 +113,12 @@ class RouterProcess:
         self.stop()
 
 
-def _ready(url: str, n_workers: int) -> bool:
+def _ready(url: str, n_workers: int, api_key: str | None = None) -> bool:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         if httpx.get(url + "/health", timeout=2).status_code != 200:
             return False
-        workers = httpx.get(url + "/workers", timeout=2).json().get("workers", [])
+        workers = httpx.get(url + "/workers", timeout=2, headers=headers).json().get("workers", [])
     except (httpx.HTTPError, ValueError):
         return False
     return sum(1 for w in workers if w.get("is_healthy")) >= n_workers
@@ -126,8 +133,12 @@ def start_router(
     startup_timeout_s: float = 60.0,
     extra_args: list[str] | None = None,
     attempts: int = 3,
+    api_key: str | None = None,
 ) -> RouterProcess:
-    """Launch sglang-router on a free port in front of `worker_urls`; wait until it routes to all."""
+    """Launch sglang-router on a free port in front of `worker_urls`; wait until it routes to all.
+
+    `api_key`: the router's `--api-key`: it then answers 401 to a call without that Bearer key and
+    sends the key to its workers (which must take the same key, miles/serving.py)."""
     flags = policy_args(policy)
     log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="router-", suffix=".log")[1])
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -138,14 +149,15 @@ def start_router(
         cmd += ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
         cmd += ["--worker-urls", *worker_urls] if worker_urls else []
         cmd += extra_args or []
+        cmd += ["--api-key", api_key] if api_key else []
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **child_options()
             )
-        router = RouterProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_file)
+        router = RouterProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_file, api_key=api_key)
         deadline = time.monotonic() + startup_timeout_s
         while proc.poll() is None and time.monotonic() < deadline:
-            if _ready(router.url, len(worker_urls)):
+            if _ready(router.url, len(worker_urls), api_key):
                 return router
             time.sleep(0.1)
         exited_early = proc.poll() is not None

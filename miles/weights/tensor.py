@@ -11,6 +11,13 @@ connection between the two processes). The buffer is kept alive until every engi
 
 NCCL cannot broadcast between two processes on one GPU, which is why colocated runs use this
 transport instead of the distributed one.
+
+A body is decoded by `TensorUnpickler`, never by the standard unpickler: it resolves only the
+globals a tensor payload names (torch's tensor and storage rebuilds, dtypes, `torch.Size`,
+`OrderedDict`), so a pickle that names anything else (`os.system`, `builtins.eval`, ...) is refused
+before it runs, as SGLang's SafeUnpickler refuses it. The inline format's storages are nested
+`torch.save` bytes, which torch opens with `weights_only=False`; here they go through
+`torch.load(weights_only=True)` instead.
 """
 
 from __future__ import annotations
@@ -64,12 +71,55 @@ def serialize_inline(named: list[tuple[str, torch.Tensor]]) -> str:
     )
 
 
-def deserialize(text: str) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of serialize, in the receiving process (opens the IPC handles / shared memory).
+def _load_storage_bytes(b: bytes) -> Any:
+    """torch.storage._load_from_bytes without code execution: the nested bytes are torch.save output."""
+    return torch.load(io.BytesIO(b), weights_only=True)
 
-    The payload is a pickle: an engine must only accept it from its own trainer (loopback or the
-    job's private network), exactly as SGLang's endpoint does."""
-    named = pickle.loads(base64.b64decode(text))
+
+_REDUCTIONS = "torch.multiprocessing.reductions"
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
+    ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
+    ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+    ("torch", "UntypedStorage"): torch.UntypedStorage,
+    ("torch", "Tensor"): torch.Tensor,
+    ("torch", "Size"): torch.Size,
+    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    **{
+        (_REDUCTIONS, name): getattr(reductions, name)
+        for name in (
+            "rebuild_tensor",
+            "rebuild_cuda_tensor",
+            "rebuild_storage_filename",
+            "rebuild_storage_empty",
+            "rebuild_typed_storage",
+            "rebuild_typed_storage_child",
+        )
+    },
+}
+"""What a tensor payload may name, by (module, name); dtypes (`torch.float32`, ...) are admitted too."""
+
+
+class TensorUnpickler(pickle.Unpickler):
+    """An unpickler that builds tensors and nothing else: any other global is an UnpicklingError."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name))
+        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            found = getattr(torch, name)
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"refused global {module}.{name}: a tensor payload may name only torch's tensor rebuilds"
+            )
+        return found
+
+
+def deserialize(text: str) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of serialize and serialize_inline, in the receiving process (opens the IPC handles /
+    shared memory), through TensorUnpickler: a payload naming anything but tensor rebuilds is refused."""
+    named = TensorUnpickler(io.BytesIO(base64.b64decode(text, validate=True))).load()
     if not isinstance(named, list) or not all(
         isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
         for x in named
