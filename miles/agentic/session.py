@@ -102,8 +102,8 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, no wrapper
-        if backend is not None:
-            return backend.encode(text, add_special_tokens=False).ids
+        if backend is not None:  # encode_batch releases the GIL while it works (encode holds it)
+            return backend.encode_batch([text], add_special_tokens=False)[0].ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render(

@@ -239,10 +239,12 @@ class SessionServer:
         """Close the sessions idle for longer than session_idle_timeout_s (their samples are dropped);
         their ids."""
         cutoff = time.monotonic() - self.session_idle_timeout_s
-        idle = [sid for sid, t in self._touched.items() if t < cutoff and sid in self.sessions]
+        idle = [sid for sid, t in self._touched.items() if t < cutoff]
         for sid in idle:
-            if sid in self.sessions:
-                self.close_session(sid)
+            self.sessions.pop(sid, None)
+            self._engine.pop(sid, None)
+            self._touched.pop(sid, None)
+            self._children.pop(sid, None)
             self._expired.add(sid)
         return idle
 

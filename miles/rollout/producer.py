@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -72,6 +74,8 @@ class ProducerStats:
     tokens: int = 0
     masked: int = 0
     """Samples left out of their group because they could not be scored (metadata["masked"])."""
+    masked_by: dict[str, int] = field(default_factory=dict)
+    """The same by reason (`rollout/masked_<reason>`: reward_not_finite, verifier_timeout, ...)."""
     since: float = field(default_factory=time.monotonic)
     episodes: dict[str, list[float]] = field(default_factory=dict)
     """Per-episode agent facts (AGENT_KEYS, plus `branches`) of the episodes finished since `take()`."""
@@ -98,12 +102,15 @@ class ProducerStats:
         }
         if self.masked or self.episodes:  # agentic runs log it every step, 0 included
             out["rollout/masked_samples"] = float(self.masked)
+        for reason, n in self.masked_by.items():
+            out[f"rollout/masked_{reason}"] = float(n)
         for key, values in self.episodes.items():
             out[f"agent/{_AGENT_NAMES.get(key, key)}"] = sum(values) / len(values)
         if self.episodes:
             out["agent/episodes"] = float(len(self.episodes["branches"]))
             out["agent/episodes_per_s"] = len(self.episodes["branches"]) / elapsed
         self.samples, self.tokens, self.since, self.episodes, self.masked = 0, 0, now, {}, 0
+        self.masked_by = {}
         return out
 
 
@@ -190,9 +197,15 @@ class Producer:
                 await self.teacher.score(group)
             if all(s.status is Status.FAILED for s in group):
                 log.warning("group %d failed on every sample: %s", group_id, group[0].metadata.get("error"))
+            for s in group:  # a reward that is not a number never reaches the loss
+                if not s.metadata.get("masked") and not math.isfinite(s.reward):
+                    s.metadata["masked"] = "reward not finite"
             masked = [s for s in group if s.metadata.get("masked")]
             if masked:  # unscorable samples leave the group (its advantages use the others)
                 self.stats.masked += len(masked)
+                for s in masked:
+                    reason = re.sub(r"\W+", "_", str(s.metadata["masked"])).strip("_").lower()
+                    self.stats.masked_by[reason] = self.stats.masked_by.get(reason, 0) + 1
                 group = [s for s in group if not s.metadata.get("masked")]
                 if not group:
                     reason = masked[0].metadata["masked"]

@@ -20,12 +20,14 @@ counts), tests/ is copied to /tests, `bash /tests/test.sh` runs under [verifier]
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.agentic.harbor.files import read_sandbox_file, task_files
 from miles.agentic.harbor.sandboxes import APP, episode_settings, make_sandbox
 from miles.agentic.harbor.task import Task, TaskError
 from miles.agentic.sandbox.base import ExecResult, Sandbox
@@ -148,9 +150,10 @@ class Episode:
         if context.resolve() not in [source, *source.parents] or not source.exists():
             raise TaskError(f"{where}: COPY source {src!r} is not a file or directory of {context}")
         target = self._under_app(dest, where)
+        files = task_files(self.task.path, context / src)
         if source.is_dir():
-            for f in sorted(p for p in source.rglob("*") if p.is_file()):
-                await self.sandbox.write_file(f"{target}/{f.relative_to(source)}", f.read_bytes())
+            for f in files:
+                await self.sandbox.write_file(f"{target}/{f.relative_to(context / src)}", f.read_bytes())
         else:
             into_dir = dest.endswith("/") or (self.sandbox.path / target.lstrip("/")).is_dir()  # type: ignore[operator]
             await self.sandbox.write_file(
@@ -211,7 +214,7 @@ class Episode:
         root = self.sandbox.path / sub  # type: ignore[operator]
         shutil.rmtree(root, ignore_errors=True)
         await self.sandbox.make_dir(sub)
-        for f in sorted(p for p in source.rglob("*") if p.is_file()):
+        for f in task_files(self.task.path, source):  # links and special files out of the task refused
             await self.sandbox.write_file(f"{sub}/{f.relative_to(source)}", f.read_bytes())
 
     async def verify(self) -> VerifierResult:
@@ -226,17 +229,27 @@ class Episode:
         if res.timed_out:
             return VerifierResult(None, "timeout", seconds, output)
         reward, status = await self._read_reward()
+        if reward is not None and not _admissible(reward, cfg.reward_range):
+            output = f"reward {reward!r} is not finite or outside reward_range {cfg.reward_range}\n" + output
+            reward, status = None, "bad_reward"
         if reward is None and status == "no_reward" and not res.ok:
             status = "crashed"
         return VerifierResult(reward, status, seconds, output)
 
     async def _read_reward(self) -> tuple[float | None, str]:
         logs = self.sandbox.path / "logs" / "verifier"  # type: ignore[operator]
-        try:
-            if (logs / "reward.txt").is_file():
-                return float((logs / "reward.txt").read_text().strip()), "ok"
-            if (logs / "reward.json").is_file():
-                return float(json.loads((logs / "reward.json").read_text())["reward"]), "ok"
+        try:  # the sandbox wrote these: read without following a link out of it
+            if (text := read_sandbox_file(logs / "reward.txt")) is not None:
+                return float(text.strip()), "ok"
+            if (text := read_sandbox_file(logs / "reward.json")) is not None:
+                return float(json.loads(text)["reward"]), "ok"
         except (ValueError, KeyError, TypeError):
             return None, "bad_reward"
+        if any((logs / n).is_symlink() for n in ("reward.txt", "reward.json")):
+            return None, "bad_reward"
         return None, "no_reward"
+
+
+def _admissible(reward: float, bounds: tuple[float, float] | None) -> bool:
+    """A verifier's reward is trained on only when finite and, if the task declares one, within its range."""
+    return math.isfinite(reward) and (bounds is None or bounds[0] <= reward <= bounds[1])

@@ -39,6 +39,14 @@ class _Section(BaseModel):
 class VerifierSection(_Section):
     timeout_sec: float = Field(600.0, gt=0)
     env: dict[str, str] = {}
+    reward_range: tuple[float, float] | None = None
+    """Miles' key (Harbor ignores it): rewards outside [low, high] mask the sample (`bad_reward`)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> VerifierSection:
+        if self.reward_range is not None and not self.reward_range[0] <= self.reward_range[1]:
+            raise ValueError(f"reward_range {list(self.reward_range)}: low must not exceed high")
+        return self
 
 
 class AgentSection(_Section):
@@ -232,6 +240,9 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(
             f"{root}: no task.toml (a Harbor task directory has task.toml, instruction.md, tests/)"
         )
+    from miles.agentic.harbor.files import check_tree
+
+    check_tree(root)  # before any of its files is read: no link or special file out of the task
     try:
         raw = tomllib.loads(toml_file.read_text())
     except tomllib.TOMLDecodeError as e:
