@@ -27,6 +27,7 @@ from typing import Any
 from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.engine import check_external_engines
 from miles.config.loading import apply_overrides
+from miles.launch.diskspace import full_file_system, write_elsewhere
 from miles.launch.engine_argv import engine_argv
 from miles.launch.external import check_external_servers, publish_external
 from miles.launch.prepare import check_rollout_inputs, check_teacher_model, ensure_model
@@ -362,7 +363,15 @@ def _report(recipe: str, run_dir: Path, rc: int, interrupted: int | None) -> int
     if rc == 0:
         print(f"miles: run finished; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
         return 0
-    error, path = trainer_error(run_dir)
+    try:
+        error, path = trainer_error(run_dir)
+    except OSError as e:
+        error, path = f"(its logs cannot be read: {e})", run_dir / "logs"
+    full = full_file_system(run_dir, error)
+    if full is not None:  # the run's own logs may be cut: say it here, and in a log elsewhere
+        report = f"miles: {full}\nthe trainer's last error ({path}):\n{error}\n"
+        spare = write_elsewhere(run_dir, report)
+        print(f"miles: {full}" + (f" (this report is also in {spare})" if spare else ""), file=sys.stderr)
     print(f"miles: trainer failed (exit {rc}); its log {path} ends with:", file=sys.stderr)
     print("\n".join(f"    {line}" for line in error.splitlines()), file=sys.stderr)
     if step:

@@ -172,17 +172,59 @@ def mark_complete(run_dir: str | Path, step: int, keep_last: int) -> None:
 
 
 def prune(run_dir: str | Path, newest: int, keep_last: int) -> None:
-    """After `newest` was sealed: keep the `keep_last` newest complete checkpoints up to it; remove
+    """After `newest` was sealed: keep the `keep_last` newest intact checkpoints up to it; remove
     older ones, unfinished directories of earlier saves, and any step after `newest` (left by a
-    timeline that a resume from an earlier checkpoint abandoned)."""
+    timeline that a resume from an earlier checkpoint abandoned). A complete checkpoint whose files
+    no longer match its marker's sizes (`quick_problem`) is damaged: it is set aside as
+    `step_<N>.damaged` and not counted among the kept, so an intact older one stays."""
     complete = [s for s in complete_steps(run_dir) if s <= newest]
-    keep = set(complete[-keep_last:]) | {newest}
+    intact: list[int] = []
+    for s in reversed(complete):  # newest first, until enough intact ones are found
+        if len(intact) == keep_last:
+            break
+        problem = None if s == newest else quick_problem(step_dir(run_dir, s))
+        if problem is None:
+            intact.append(s)
+        else:
+            set_aside(run_dir, s, problem)
+    keep = set(intact) | {newest}
     for s in _step_dirs(run_dir):
         if s in keep:
             continue
         if s > newest:
             log.info("removing checkpoint step %d at %s: after the resumed step", s, step_dir(run_dir, s))
         shutil.rmtree(step_dir(run_dir, s), ignore_errors=True)
+
+
+def quick_problem(directory: Path) -> str | None:
+    """Why a complete checkpoint is damaged, checking its marker and its files' sizes only (no hashing:
+    cheap enough for every save); None when it looks intact."""
+    try:
+        record = read_marker(directory)
+    except CheckpointError as exc:
+        return str(exc)
+    if record is None:
+        return None
+    for name, entry in record["files"].items():
+        try:
+            size = (directory / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != entry["size"]:
+            return f"{name} has {size} bytes, {entry['size']} were written"
+    return None
+
+
+def set_aside(run_dir: str | Path, step: int, problem: str) -> Path:
+    """Rename a damaged checkpoint to `step_<N>.damaged` (never counted, loaded or pruned); its new path."""
+    src = step_dir(run_dir, step)
+    dest, n = src.with_name(src.name + ".damaged"), 1
+    while dest.exists():
+        n += 1
+        dest = src.with_name(f"{src.name}.damaged-{n}")
+    os.replace(src, dest)
+    log.warning("checkpoint step %d is damaged (%s): set aside as %s", step, problem, dest)
+    return dest
 
 
 # ---- verification ------------------------------------------------------------------------------

@@ -140,3 +140,20 @@ def test_layout_module_imports_no_torch() -> None:
     code = "import sys, miles.train.checkpoint as c; c.find_resume_step('.'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_retention_counts_only_intact_checkpoints_and_sets_damaged_ones_aside(tmp_path) -> None:
+    """The PPO case: step 12's state was truncated, the run resumed from 10 and saved 14 with
+    keep_last 2: 10 and 14 are kept, 12 is set aside under a name that says so."""
+    _save(tmp_path, 10)
+    _save(tmp_path, 12)
+    state = step_dir(tmp_path, 12) / "state" / "__0_0.distcp"
+    state.write_bytes(state.read_bytes()[:100])
+    assert find_resume_step(tmp_path)[0] == 10
+    _save(tmp_path, 14, keep_last=2)
+    assert complete_steps(tmp_path) == [10, 14]
+    aside = tmp_path / "checkpoints" / "step_12.damaged"
+    assert aside.is_dir() and (aside / "state" / "__0_0.distcp").stat().st_size == 100
+    assert find_resume_step(tmp_path) == (14, [])
+    _save(tmp_path, 16, keep_last=2)  # set-aside checkpoints are never pruned nor counted
+    assert complete_steps(tmp_path) == [14, 16] and aside.is_dir()

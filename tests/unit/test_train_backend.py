@@ -169,7 +169,8 @@ def test_an_episode_counts_once_however_many_trajectories_it_produced(
                  for n, p in backend.model.named_parameters()}  # fmt: skip
         runs.append((metrics, grads))
     (m1, g1), (m5, g5) = runs
-    assert m1["loss"] == pytest.approx(m5["loss"], rel=1e-5)
+    # the loss of a first, on-policy step is sum(advantage) ~ 0: compared at the scale of float32 noise
+    assert m1["loss"] == pytest.approx(m5["loss"], rel=1e-5, abs=1e-6)
     assert m1["grad_norm"] == pytest.approx(m5["grad_norm"], rel=1e-5) and m1["grad_norm"] > 0
     worst = max(float((g1[k] - g5[k]).norm() / (g1[k].norm() + 1e-6 * m1["grad_norm"])) for k in g1)
     assert worst < 1e-4

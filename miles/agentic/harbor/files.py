@@ -20,9 +20,11 @@ import os
 import stat
 from pathlib import Path
 
-from miles.agentic.harbor.task import TaskError
-
 MAX_REWARD_BYTES = 64 * 1024
+
+
+class TaskError(ValueError):
+    """A task directory that cannot be used; the message names the file and the field."""
 
 
 def _problem(path: Path, root: Path) -> str | None:

@@ -27,9 +27,7 @@ from typing import Any
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class TaskError(ValueError):
-    """A task directory that cannot be used; the message names the file and the field."""
+from miles.agentic.harbor.files import TaskError, check_tree
 
 
 class _Section(BaseModel):
@@ -240,8 +238,6 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(
             f"{root}: no task.toml (a Harbor task directory has task.toml, instruction.md, tests/)"
         )
-    from miles.agentic.harbor.files import check_tree
-
     check_tree(root)  # before any of its files is read: no link or special file out of the task
     try:
         raw = tomllib.loads(toml_file.read_text())
