@@ -15,11 +15,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from miles.cluster.rendezvous import publish_engine, publish_router, read_engines
 from miles.launch.status import cancel, format_table, run_logs, run_status, sweep_status
 from miles.launch.submit import submit, sweep
+from miles.serving import key_files, run_keys
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "recipes" / "slurm-tiny.yaml")
@@ -158,6 +160,16 @@ def test_cancel(tmp_path: Path, tiny_model: str) -> None:
     while not (engines := read_engines(run_dir, f"{sub.job_ids[0]}.0")):
         assert time.monotonic() < deadline, run_logs(run_dir, "rollout")
         time.sleep(0.5)
+    # the job's engines take the per-job keys `miles submit` wrote (mode 600), and nothing else
+    api, admin = key_files(run_dir)
+    assert (api.stat().st_mode & 0o777, admin.stat().st_mode & 0o777) == (0o600, 0o600)
+    url, keys = engines[0]["url"], run_keys(run_dir)
+    gen = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+    assert httpx.post(url + "/generate", json=gen, timeout=30).status_code == 401
+    ok = httpx.post(url + "/generate", json=gen, headers=keys.headers("/generate"), timeout=30)
+    assert ok.status_code == 200, ok.text
+    flush = httpx.post(url + "/flush_cache", headers=keys.headers("/generate"), timeout=30)
+    assert flush.status_code == 401  # an admin route: the admin key only
     assert cancel(run_dir) == sub.job_ids[0]
     assert _wait(run_dir, ("CANCELLED",), 60).startswith("CANCELLED")
     assert _gone(engines[0]["pid"]), "the engine outlived the cancelled job"
