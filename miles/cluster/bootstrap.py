@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.cluster.environment import JobEnvironment, intra_op_threads
+from miles.cluster.network import interface_variables
 from miles.cluster.rendezvous import (
     ENGINES,
     EVAL_ENGINES,
@@ -242,7 +243,8 @@ def actor_variables(env: JobEnvironment, facts: dict[str, Any]) -> tuple[dict[st
         source = env.source
     port = master_port(env.job_id or 0)
     names = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local, "MASTER_ADDR": addr, "MASTER_PORT": port}
-    return {k: str(v) for k, v in names.items()}, source
+    # gloo and TensorPipe take interface names, not NCCL's `^` syntax: the one towards the master
+    return {k: str(v) for k, v in names.items()} | interface_variables(addr, env.socket_ifname), source
 
 
 def run_actor(run_dir: Path, command: list[str]) -> int:

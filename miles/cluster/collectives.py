@@ -34,8 +34,8 @@ def collectives_env(profile: Profile, log_dir: str) -> dict[str, str]:
             "TORCH_FR_DUMP_TEMP_FILE": dump,
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump,
         }
-    if c.socket_ifname:
-        env |= {k: c.socket_ifname for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
+    if c.socket_ifname:  # NCCL's syntax; gloo's and TensorPipe's interfaces are derived per rank at
+        env["NCCL_SOCKET_IFNAME"] = c.socket_ifname  # start (miles.cluster.network)
     if c.ib_hca:
         env["NCCL_IB_HCA"] = c.ib_hca
     return env | dict(c.env)

@@ -103,6 +103,9 @@ class JobEnvironment:
     """Tasks of this step on this node (SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID)."""
     omp_num_threads: int | None = None
     """OMP_NUM_THREADS as exported (by the user or the profile's env); None when unset."""
+    socket_ifname: str | None = None
+    """The profile's interface setting as exported for NCCL (NCCL_SOCKET_IFNAME, NCCL's syntax: names,
+    prefixes, `^` exclusions); gloo's and TensorPipe's are derived from it (miles.cluster.network)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> JobEnvironment:
@@ -128,6 +131,7 @@ class JobEnvironment:
             cpus_per_task=_int_or_none(e.get("SLURM_CPUS_PER_TASK")),
             tasks_on_node=_tasks_on_node(e),
             omp_num_threads=_int_or_none(e.get("OMP_NUM_THREADS")),
+            socket_ifname=e.get("NCCL_SOCKET_IFNAME") or None,
         )
 
     @property

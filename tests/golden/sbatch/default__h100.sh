@@ -20,7 +20,6 @@
 
 set -uo pipefail
 RUN_DIR=<repo>/runs/default
-export GLOO_SOCKET_IFNAME='^lo,docker'
 export NCCL_IB_HCA=mlx5
 export NCCL_SOCKET_IFNAME='^lo,docker'
 export PYTHONUNBUFFERED=1
@@ -32,7 +31,6 @@ export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 export TORCH_NCCL_ENABLE_MONITORING=1
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=480
 export TORCH_NCCL_TRACE_BUFFER_SIZE=20000
-export TP_SOCKET_IFNAME='^lo,docker'
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/control"
 rm -f "$RUN_DIR/control/preempt"
 echo "miles: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} run $RUN_DIR"
@@ -47,9 +45,9 @@ on_usr2() {
 }
 trap on_usr2 USR2
 
-srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --cpus-per-task=112 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --cpus-per-task=112 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
 ROLLOUT_PID=$!
-srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --cpus-per-task=14 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --cpus-per-task=14 --container-image=/shared/containers/miles-cuda.sqsh --container-mounts=/shared:/shared,<repo>/runs:<repo>/runs --container-env=NCCL_IB_HCA,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
 ACTOR_PID=$!
 
 # The first step to end decides: the actor step's status is the job's; any other step ending

@@ -20,7 +20,6 @@
 
 set -uo pipefail
 RUN_DIR=<repo>/runs/int4-tiny
-export GLOO_SOCKET_IFNAME='^lo,docker'
 export GPU_MAX_HW_QUEUES=2
 export HSA_NO_SCRATCH_RECLAIM=1
 export NCCL_IB_GID_INDEX=1
@@ -38,7 +37,6 @@ export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 export TORCH_NCCL_ENABLE_MONITORING=1
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=480
 export TORCH_NCCL_TRACE_BUFFER_SIZE=200000
-export TP_SOCKET_IFNAME='^lo,docker'
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/control"
 rm -f "$RUN_DIR/control/preempt"
 echo "miles: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0} run $RUN_DIR"
@@ -53,9 +51,9 @@ on_usr2() {
 }
 trap on_usr2 USR2
 
-srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --cpus-per-task=128 --container-image=/shared/containers/miles-rocm.sqsh --container-mounts=/shared:/shared,/local:/local,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,GPU_MAX_HW_QUEUES,HSA_NO_SCRATCH_RECLAIM,NCCL_IB_GID_INDEX,NCCL_IB_HCA,NCCL_P2P_NET_CHUNKSIZE,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,RCCL_MSCCL_ENABLE,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DESYNC_DEBUG,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --cpus-per-task=128 --container-image=/shared/containers/miles-rocm.sqsh --container-mounts=/shared:/shared,/local:/local,<repo>/runs:<repo>/runs --container-env=GPU_MAX_HW_QUEUES,HSA_NO_SCRATCH_RECLAIM,NCCL_IB_GID_INDEX,NCCL_IB_HCA,NCCL_P2P_NET_CHUNKSIZE,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,RCCL_MSCCL_ENABLE,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DESYNC_DEBUG,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
 ROLLOUT_PID=$!
-srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --cpus-per-task=16 --container-image=/shared/containers/miles-rocm.sqsh --container-mounts=/shared:/shared,/local:/local,<repo>/runs:<repo>/runs --container-env=GLOO_SOCKET_IFNAME,GPU_MAX_HW_QUEUES,HSA_NO_SCRATCH_RECLAIM,NCCL_IB_GID_INDEX,NCCL_IB_HCA,NCCL_P2P_NET_CHUNKSIZE,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,RCCL_MSCCL_ENABLE,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DESYNC_DEBUG,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE,TP_SOCKET_IFNAME --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
+srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --cpus-per-task=16 --container-image=/shared/containers/miles-rocm.sqsh --container-mounts=/shared:/shared,/local:/local,<repo>/runs:<repo>/runs --container-env=GPU_MAX_HW_QUEUES,HSA_NO_SCRATCH_RECLAIM,NCCL_IB_GID_INDEX,NCCL_IB_HCA,NCCL_P2P_NET_CHUNKSIZE,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,RCCL_MSCCL_ENABLE,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DESYNC_DEBUG,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
 ACTOR_PID=$!
 
 # The first step to end decides: the actor step's status is the job's; any other step ending
