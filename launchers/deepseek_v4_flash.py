@@ -11,10 +11,12 @@ the rollout's own log-probs the weights would all be 1).
 Optimizer state lives in host memory: the recipe sets `train.optimizer_offload: cpu`, megatron-core's
 CPU optimizer, over the MI355X profile's NVMe default (`--set train.optimizer_offload=nvme` streams
 that optimizer's state through the local NVMe instead, docs/megatron.md).
-AIME-2024 evaluation every 10 steps, 8 samples per problem (mean@8, pass@k), in `dedicated` mode: the
-trainer exports a snapshot of step 10, 20, ... and an eval engine group of its own evaluates it while
-training goes on; each result lands in metrics.jsonl at the step whose weights produced it
-(miles/eval/modes.py). A snapshot can also be evaluated by hand or as a Slurm job of its own:
+AIME-2024 evaluation every 10 steps, 8 samples per problem (mean@8, pass@k), in `shared` mode: on the
+rollout engines right after the step's weights were pushed, so the job is AMD's 4 nodes.
+`train --dedicated-eval` adds a fifth node: the trainer exports a snapshot of step 10, 20, ... and an
+eval engine group of its own evaluates it while training goes on; each result lands in metrics.jsonl
+at the step whose weights produced it (miles/eval/modes.py). `train --dry-run` renders and checks the
+job under ./runs (unless `--set run.runs_root=...` says where) and creates nothing elsewhere. A snapshot can also be evaluated by hand or as a Slurm job of its own:
 `miles eval RUN_DIR --step 20 --submit`.
 
 Miniature (`--scale tiny`): the same job shape on one host with a tiny random model written by
@@ -30,7 +32,7 @@ recipe it writes (recipe-<backend>.yaml) and runs/.
     python launchers/deepseek_v4_flash.py prepare-checkpoint --src HF_DIR --dst /shared/models/dsv4-flash
     python launchers/deepseek_v4_flash.py prepare-data [--src DAPO.parquet --answer-key reward_model.ground_truth]
     python launchers/deepseek_v4_flash.py prepare-eval --src aime_2024.jsonl
-    python launchers/deepseek_v4_flash.py train [--dry-run] [--set KEY=VALUE ...]
+    python launchers/deepseek_v4_flash.py train [--dry-run] [--dedicated-eval] [--set KEY=VALUE ...]
     python launchers/deepseek_v4_flash.py train --scale tiny [--backend megatron --dry-run]
 
 prepare-data writes the training JSONL the recipe's `jsonl` task reads: rows {"prompt", "answer"},
@@ -75,11 +77,7 @@ RECIPE = {
     },
     "eval": {
         "every_steps": 10,
-        "mode": "dedicated",
-        "num_engines": 1,
-        "max_in_flight": 2,
-        "overflow": "skip",
-        "keep_snapshots": 2,
+        "mode": "shared",
         "timeout_s": 5400.0,
         "datasets": {"aime2024": {"source": "aime", "path": AIME_FILE, "samples": 8, "temperature": 1.0}},
     },
@@ -328,9 +326,19 @@ def train_tiny(
     return train_main(str(recipe), overrides, overwrite=overwrite)
 
 
-def train(overrides: list[str], dry_run: bool) -> int:
+DEDICATED_EVAL = ["eval.mode=dedicated", "eval.num_engines=1", "eval.max_in_flight=2", "eval.overflow=skip",
+                  "eval.keep_snapshots=2"]  # fmt: skip
+"""`--dedicated-eval`: AIME on an eval node of its own (a fifth node), evaluating step snapshots while
+training goes on, instead of on the rollout engines between steps (AMD's four nodes)."""
+
+
+def train(overrides: list[str], dry_run: bool, dedicated_eval: bool = False) -> int:
     from miles.launch.submit import submit
 
+    overrides = (DEDICATED_EVAL if dedicated_eval else []) + overrides
+    if dry_run and not any(o.startswith("run.runs_root=") for o in overrides):
+        # a dry run writes nothing outside this checkout's runs/ unless told where
+        overrides = [f"run.runs_root={Path('runs').resolve()}", *overrides]
     sub = submit(RECIPE, "mi355x", overrides, dry_run=dry_run)
     print(f"{'rendered' if dry_run else 'submitted ' + sub.job_ids[0]}: {sub.script_path}")
     return 0
@@ -365,7 +373,16 @@ def main(argv: list[str] | None = None) -> int:
     _scale_args(q)
     q = sub.add_parser("train")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    q.add_argument("--dry-run", action="store_true")
+    q.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="render and check the job under ./runs (or run.runs_root), submit nothing",
+    )
+    q.add_argument(
+        "--dedicated-eval",
+        action="store_true",
+        help="evaluate on an eval node of its own (5 nodes instead of 4)",
+    )
     q.add_argument("--backend", choices=["fsdp", "megatron"], help="trainer of --scale tiny (default fsdp)")
     q.add_argument(
         "--overwrite", action="store_true", help="--scale tiny: replace an earlier run of the recipe"
@@ -402,7 +419,7 @@ def _run(args: argparse.Namespace) -> int:
             "--backend fsdp and --overwrite are for --scale tiny; the full scale trains with megatron"
         )
     else:
-        return train(args.set, args.dry_run)
+        return train(args.set, args.dry_run, args.dedicated_eval)
     return 0
 
 

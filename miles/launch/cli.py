@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from pathlib import Path
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -12,7 +13,8 @@ def _submit(args: argparse.Namespace) -> int:
 
     sub = submit(args.recipe, args.profile, args.set, dry_run=args.dry_run)
     if args.dry_run:
-        print(f"wrote {sub.script_path} and {sub.run_dirs[0]}/plan.yaml")
+        written = Path(sub.script_path).parent
+        print(f"wrote {sub.script_path} and {written / 'plan.yaml'}")
         print(shlex.join(sub.command))
     else:
         print(f"submitted job {sub.job_ids[0]} for {sub.run_dirs[0]}")
@@ -27,7 +29,8 @@ def _sweep(args: argparse.Namespace) -> int:
         job = sub.job_ids[i] if sub.job_ids else "(dry-run)"
         print(f"{job}  {run_dir}")
     if args.dry_run:
-        print(shlex.join(sub.command))
+        for command in [sub.command, *sub.more_commands]:
+            print(shlex.join(command))
     return 0
 
 

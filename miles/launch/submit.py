@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from miles.config import ConfigError, Plan, resolve, write_plan
 from miles.config.loading import apply_overrides, read_yaml
 from miles.config.profile import Profile, load_profile, profile_defaults
 from miles.launch.prepare import prepare_inputs
+from miles.launch.rundir import earlier_run
 from miles.launch.slurm import render_sbatch, sbatch_command
 from miles.launch.spec import build_job, check
 from miles.serving import make_run_keys
@@ -37,6 +39,8 @@ class Submission:
     script_path: str
     command: list[str]
     job_ids: list[str]
+    more_commands: list[list[str]] = field(default_factory=list)
+    """The sbatch lines of the other points of a sweep of het jobs (one job per point)."""
 
 
 def load_plan(
@@ -51,16 +55,21 @@ def load_plan(
     return plan, prof
 
 
-def _prepare_run(plan: Plan, profile: Profile, dry_run: bool) -> Path:
-    """Inputs first (a dry run only checks them), then the run directory with plan and launch facts."""
+def _prepare_run(plan: Plan, profile: Profile, dry_run: bool) -> tuple[Path, Path]:
+    """Inputs first (a dry run only checks them), then the run directory with plan and launch facts;
+    (the run directory, where its files were written). A dry run into the directory of an earlier run
+    writes beside it, in `<run>.dry-run/`, and leaves that run's files as they are."""
     prepare_inputs(plan, local=not profile.container.enabled, create=not dry_run)
-    run_dir = Path(plan.run_dir)
-    (run_dir / "logs" / "slurm").mkdir(parents=True, exist_ok=True)
-    write_plan(plan, run_dir / "plan.yaml")
-    write_atomic(run_dir / "launch.json", check(plan, profile), indent=1)
+    run_dir = out = Path(plan.run_dir)
+    if dry_run and earlier_run(run_dir):
+        out = run_dir.with_name(run_dir.name + ".dry-run")
+        print(f"miles: {run_dir} holds an earlier run; the dry run writes to {out} instead", file=sys.stderr)
+    (out / "logs" / "slurm").mkdir(parents=True, exist_ok=True)
+    write_plan(plan, out / "plan.yaml")
+    write_atomic(out / "launch.json", check(plan, profile), indent=1)
     if not dry_run:  # the job's servers take these keys, its clients send them (miles.serving)
         make_run_keys(run_dir)
-    return run_dir
+    return run_dir, out
 
 
 def _submit(script: str, script_path: Path, log_dir: str, array_size: int | None) -> list[str]:
@@ -80,10 +89,10 @@ def submit(
 ) -> Submission:
     """Render (and unless dry_run, submit) one job for the recipe; returns paths and the job id."""
     plan, prof = load_plan(recipe, profile, overrides)
-    run_dir = _prepare_run(plan, prof, dry_run)
+    run_dir, out = _prepare_run(plan, prof, dry_run)
     log_dir = str(run_dir / "logs" / "slurm")
     script = render_sbatch(build_job(plan, prof, [str(run_dir)], log_dir=log_dir))
-    script_path = run_dir / "submission.sh"
+    script_path = out / "submission.sh"
     script_path.write_text(script)
     command = sbatch_command(str(script_path))
     if dry_run:
@@ -133,7 +142,13 @@ def sweep(
     else:
         subs = [submit(recipe, profile, o, dry_run=dry_run) for o in per_point]
         job_ids = [j for s in subs for j in s.job_ids]
-        result = Submission([s.run_dirs[0] for s in subs], subs[0].script_path, subs[0].command, job_ids)
+        result = Submission(
+            [s.run_dirs[0] for s in subs],
+            subs[0].script_path,
+            subs[0].command,
+            job_ids,
+            [s.command for s in subs[1:]],
+        )
     index = [{"run_dir": d, "overrides": p} for d, p in zip(result.run_dirs, points, strict=True)]
     for point, job_id in zip(index, result.job_ids, strict=False):
         point["job_id"] = job_id
@@ -142,7 +157,7 @@ def sweep(
 
 
 def _sweep_array(plans: list[tuple[Plan, Profile]], sweep_dir: Path, dry_run: bool) -> Submission:
-    run_dirs = [str(_prepare_run(plan, prof, dry_run)) for plan, prof in plans]
+    run_dirs = [str(_prepare_run(plan, prof, dry_run)[0]) for plan, prof in plans]
     plan, prof = plans[0]
     log_dir = str(sweep_dir / "slurm")
     Path(log_dir).mkdir(parents=True, exist_ok=True)

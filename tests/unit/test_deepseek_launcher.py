@@ -49,10 +49,23 @@ def test_full_scale_plan_has_the_reports_layout(tmp_path: Path) -> None:
     assert " ".join(cmd).count("--ep-size 8") == 1
     facts = json.loads((tmp_path / "deepseek-v4-flash" / "launch.json").read_text())
     assert facts["actor_ranks"] == 16, "2 actor nodes x 8 GPUs = PP4 x DP4 (EP4 over the DP4)"
-    ev = plan.eval  # AIME every 10 steps on an eval group of its own, evaluating step snapshots
-    assert ev.mode == "dedicated" and ev.every_steps == 10
+    assert facts["eval_nodes"] == 0, "AMD's 4 nodes: no eval node unless --dedicated-eval"
+    ev = plan.eval  # AIME every 10 steps on the rollout engines: AMD's 4 nodes
+    assert ev.mode == "shared" and ev.every_steps == 10
     aime = ev.datasets["aime2024"]
     assert aime.source == "aime" and aime.samples == 8 and str(aime.path).endswith("aime-2024.jsonl")
+
+
+def test_dry_runs_stay_under_the_local_runs_root_and_a_dedicated_eval_node_is_asked_for(
+    tmp_path: Path,
+) -> None:
+    out = subprocess.run([sys.executable, SCRIPT, "train", "--dry-run", "--dedicated-eval"],
+                         capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    run = tmp_path / "runs" / "deepseek-v4-flash"
+    assert read_plan(run / "plan.yaml").eval.mode == "dedicated"
+    assert json.loads((run / "launch.json").read_text())["eval_nodes"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing created anywhere else
 
 
 @pytest.mark.parametrize(

@@ -311,13 +311,13 @@ def test_container_recipes_parse() -> None:
 def test_deepseek_launcher_renders(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(REPO / "launchers" / "deepseek_v4_flash.py"), "train", "--dry-run",
-         "--set", f"run.runs_root={tmp_path}"],
+         "--dedicated-eval", "--set", f"run.runs_root={tmp_path}"],
         capture_output=True, text=True, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     facts = (tmp_path / "deepseek-v4-flash" / "launch.json").read_text()
     assert '"actor_ranks": 16' in facts and '"num_engines": 2' in facts
-    # dedicated AIME evaluation: a third het group of one node runs the eval engine
+    # --dedicated-eval: a third het group of one node runs the eval engine
     assert '"eval_nodes": 1' in facts and '"eval_engines_per_node": 1' in facts
     text = (tmp_path / "deepseek-v4-flash" / "submission.sh").read_text()
     assert text.count("#SBATCH --gpus-per-node=8") == 3 and "miles-rocm.sqsh" in text
@@ -376,3 +376,27 @@ def test_failure_names_the_role_its_error_and_log(tmp_path: Path) -> None:
         early and (early["role"], early["exit_code"]) == ("rollout", 1) and "exited with -9" in early["error"]
     )
     assert failure(tmp_path, "miles: actor step exited with 0\n") is None
+
+
+def test_a_dry_run_leaves_an_earlier_runs_files_alone(tmp_path: Path) -> None:
+    run_dir = tmp_path / "slurm-tiny"
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "plan.yaml").write_text("the plan that ran\n")
+    sub = submit(TINY, "h200", [f"run.runs_root={tmp_path}"], dry_run=True)
+    assert (run_dir / "plan.yaml").read_text() == "the plan that ran\n"
+    assert not (run_dir / "submission.sh").exists() and not (run_dir / "launch.json").exists()
+    beside = tmp_path / "slurm-tiny.dry-run"
+    assert Path(sub.script_path) == beside / "submission.sh" and (beside / "plan.yaml").is_file()
+    assert f"RUN_DIR={run_dir}" in Path(sub.script_path).read_text()  # what a submit would run
+
+
+def test_a_dry_run_sweep_of_het_jobs_prints_every_points_sbatch_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "sweep", TINY, "--profile", "local", "--set",
+         f"run.runs_root={tmp_path}", "--grid", "train.lr=0.1,0.2,0.3", "--tag", "t", "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [x for x in out.stdout.splitlines() if x.startswith("sbatch")]
+    assert len(lines) == 3 and len(set(lines)) == 3, out.stdout

@@ -17,12 +17,6 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=16
 #SBATCH --partition=mi355x
-#SBATCH hetjob
-#SBATCH --nodes=1
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=128
-#SBATCH --partition=mi355x
 
 set -uo pipefail
 RUN_DIR=/shared/runs/deepseek-v4-flash
@@ -59,23 +53,12 @@ trap on_usr2 USR2
 
 srun --kill-on-bad-exit=1 --export=ALL --het-group=0 --cpus-per-task=128 --container-image=/shared/containers/miles-rocm.sqsh --container-mounts=/shared:/shared,/local:/local,/shared/runs:/shared/runs --container-env=GPU_MAX_HW_QUEUES,HSA_NO_SCRATCH_RECLAIM,NCCL_IB_GID_INDEX,NCCL_IB_HCA,NCCL_P2P_NET_CHUNKSIZE,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,RCCL_MSCCL_ENABLE,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DESYNC_DEBUG,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE --output="$RUN_DIR/logs/rollout-%t.log" python -m miles.cluster.bootstrap rollout --run-dir "$RUN_DIR" &
 ROLLOUT_PID=$!
-srun --kill-on-bad-exit=1 --export=ALL --het-group=2 --cpus-per-task=128 --container-image=/shared/containers/miles-rocm.sqsh --container-mounts=/shared:/shared,/local:/local,/shared/runs:/shared/runs --container-env=GPU_MAX_HW_QUEUES,HSA_NO_SCRATCH_RECLAIM,NCCL_IB_GID_INDEX,NCCL_IB_HCA,NCCL_P2P_NET_CHUNKSIZE,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,RCCL_MSCCL_ENABLE,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DESYNC_DEBUG,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE --output="$RUN_DIR/logs/eval-%t.log" python -m miles.cluster.bootstrap eval --run-dir "$RUN_DIR" &
-EVAL_PID=$!
 srun --kill-on-bad-exit=1 --export=ALL --het-group=1 --cpus-per-task=16 --container-image=/shared/containers/miles-rocm.sqsh --container-mounts=/shared:/shared,/local:/local,/shared/runs:/shared/runs --container-env=GPU_MAX_HW_QUEUES,HSA_NO_SCRATCH_RECLAIM,NCCL_IB_GID_INDEX,NCCL_IB_HCA,NCCL_P2P_NET_CHUNKSIZE,NCCL_SOCKET_IFNAME,PYTHONUNBUFFERED,RCCL_MSCCL_ENABLE,TORCH_FR_BUFFER_SIZE,TORCH_FR_DUMP_TEMP_FILE,TORCH_NCCL_ASYNC_ERROR_HANDLING,TORCH_NCCL_DEBUG_INFO_TEMP_FILE,TORCH_NCCL_DESYNC_DEBUG,TORCH_NCCL_DUMP_ON_TIMEOUT,TORCH_NCCL_ENABLE_MONITORING,TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,TORCH_NCCL_TRACE_BUFFER_SIZE --output="$RUN_DIR/logs/actor-%t.log" python -m miles.cluster.bootstrap actor --run-dir "$RUN_DIR" -- python -m miles.loop --run-dir "$RUN_DIR" --resume &
 ACTOR_PID=$!
 
 # The first step to end decides: the actor step's status is the job's; any other step ending
 # first fails the job at once. `wait -n` returns early when a trapped signal arrives.
-# Not watched: the eval step (its end is reported, the job goes on).
-EVAL_ENDED=0
-while kill -0 "$ACTOR_PID" 2>/dev/null && kill -0 "$ROLLOUT_PID" 2>/dev/null; do
-  wait -n
-  if [ "$EVAL_ENDED" -eq 0 ] && ! kill -0 "$EVAL_PID" 2>/dev/null; then
-    EVAL_ENDED=1
-    echo "miles: eval step ended; the job goes on without it"
-    tail -v -n 12 "$RUN_DIR/logs/eval"-*.log 2>/dev/null | sed "s/^/  | /"
-  fi
-done
+while kill -0 "$ACTOR_PID" 2>/dev/null && kill -0 "$ROLLOUT_PID" 2>/dev/null; do wait -n; done
 if ! kill -0 "$ACTOR_PID" 2>/dev/null; then
   wait "$ACTOR_PID"; STATUS=$?
   echo "miles: actor step exited with $STATUS"
@@ -88,5 +71,4 @@ elif ! kill -0 "$ROLLOUT_PID" 2>/dev/null; then
   kill -TERM "$ACTOR_PID" 2>/dev/null; wait "$ACTOR_PID" 2>/dev/null
 fi
 kill -TERM "$ROLLOUT_PID" 2>/dev/null; wait "$ROLLOUT_PID" 2>/dev/null
-kill -TERM "$EVAL_PID" 2>/dev/null; wait "$EVAL_PID" 2>/dev/null
 exit "$STATUS"
