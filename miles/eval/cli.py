@@ -89,13 +89,16 @@ def submit_eval(
     run_dir: str | Path, step: int, *, profile: str | None = None, mode: str | None = None,
     fn: str | None = None, dry_run: bool = False,
 ) -> EvalSubmission:  # fmt: skip
-    """Render (and unless dry_run, submit) the evaluation job of one complete snapshot."""
+    """Render (and unless dry_run, submit) the evaluation job of one complete snapshot, or of a
+    checkpointed step (the job exports its weights first)."""
     from miles.eval.snapshot import find_snapshot
     from miles.launch.jobs import FailedSubmissionError, ScriptExecutor
+    from miles.train.checkpoint import complete_steps
 
     run_dir = Path(run_dir).resolve()
     plan = read_plan(run_dir / "plan.yaml")
-    find_snapshot(run_dir, step)
+    if step not in complete_steps(run_dir):
+        find_snapshot(run_dir, step)
     if (fn is None and (mode or plan.eval.mode) == "external") and not plan.eval.external_fn:
         raise ConfigError(f"{run_dir}: eval.external_fn is not set in its plan; pass --fn module:function")
     prof = load_profile(profile or plan.launch.profile)

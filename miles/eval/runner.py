@@ -49,7 +49,7 @@ from miles.eval.modes import (
     Evaluations,
     evaluate_step,
 )
-from miles.eval.snapshot import eval_dir, find_snapshot
+from miles.eval.snapshot import eval_dir, find_snapshot, snapshot_from_checkpoint
 from miles.launch.engine_argv import engine_argv
 from miles.processes import child_options, free_port, stop_processes
 from miles.serving import key_arguments, run_keys, sglang_key_arguments
@@ -481,7 +481,10 @@ def evaluate_snapshot(run_dir: Path, step: int, mode: str | None = None, fn: str
     plan = plan.model_copy(update={"eval": plan.eval.model_copy(update=updates)})
     if mode == "external" and not plan.eval.external_fn:
         raise ConfigError(f"{run_dir}: eval.external_fn is not set in its plan; pass --fn module:function")
-    snapshot = find_snapshot(run_dir, step)
+    try:
+        snapshot = find_snapshot(run_dir, step)
+    except FileNotFoundError:  # a checkpointed step: its weights exported for evaluation first
+        snapshot = snapshot_from_checkpoint(run_dir, step)
     if mode == "external":
         return run_external(str(plan.eval.external_fn), snapshot)
     return asyncio.run(_evaluate_once(EvalService(plan, run_dir), step, snapshot))

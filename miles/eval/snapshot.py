@@ -75,6 +75,47 @@ def export_snapshot(buckets: Iterable[Any], run_dir: str | Path, step: int, temp
     return final
 
 
+def snapshot_from_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """A complete snapshot of `step` made from its training checkpoint (miles.export; a LoRA run's
+    single adapter is merged), for a step that was checkpointed but never exported for evaluation;
+    FileNotFoundError naming the steps that can be evaluated when there is no such checkpoint."""
+    from miles.config import ConfigError
+    from miles.export import export_run
+    from miles.train.checkpoint import complete_steps as checkpointed
+
+    run_dir = Path(run_dir)
+    if step not in checkpointed(run_dir):
+        have = sorted(set(complete_steps(run_dir)) | set(checkpointed(run_dir)))
+        raise FileNotFoundError(
+            f"step {step} of {run_dir} has neither an eval snapshot nor a checkpoint; steps that can be "
+            f"evaluated: {', '.join(map(str, have)) or 'none'}"
+        )
+    root = snapshots_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    partial, final = root / f".step_{step}.partial", snapshot_dir(run_dir, step)
+    shutil.rmtree(partial, ignore_errors=True)
+    start = time.monotonic()
+    try:
+        export_run(run_dir, partial, step, merge=_has_lora(run_dir))
+    except ConfigError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise FileNotFoundError(
+            f"step {step}: its checkpoint cannot be exported for evaluation: {e}"
+        ) from None
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    total = write_index(final)
+    marker = {"step": step, "export_s": time.monotonic() - start, "bytes": total, "time": time.time()}
+    write_atomic(final / COMPLETE, {**marker, "from_checkpoint": True}, durable=True)
+    return final
+
+
+def _has_lora(run_dir: Path) -> bool:
+    from miles.config import read_plan
+
+    return read_plan(run_dir / "plan.yaml").train.lora is not None
+
+
 def read_marker(path: str | Path) -> dict[str, Any] | None:
     """The `.complete` record of a snapshot directory, or None while it is incomplete."""
     try:

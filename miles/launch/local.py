@@ -296,6 +296,7 @@ def train_main(
 ) -> int:
     """Run the job to completion on this host, holding the run directory's lock; returns the exit
     status for the console."""
+    started = time.monotonic()
     plan = _plan(recipe, overrides or [], resume)
     check_external_engines(plan)
     check_rollout_inputs(plan)
@@ -307,10 +308,10 @@ def train_main(
             check_external_servers(plan, bool(resume))
         reserve_eval_cores(plan)
         share_cpu_threads(plan)
-        return _run(plan, recipe, run_dir, bool(resume), progress)
+        return _run(plan, recipe, run_dir, bool(resume), progress, started)
 
 
-def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool) -> int:
+def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool, started: float) -> int:
     """Engines, then trainer ranks under supervision; everything started is stopped at the end."""
     engine_gpus, trainer_gpus = gpu_placement(plan, visible_gpus())
     incarnation = new_incarnation()
@@ -346,10 +347,25 @@ def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool) -
         # (the supervisor swaps replacements into the slots)
         for s, h in old_handlers.items():
             signal.signal(s, h)
-    return _report(recipe, run_dir, rc, sup.interrupted if sup else None)
+    return _report(recipe, run_dir, rc, sup.interrupted if sup else None, started)
 
 
-def _report(recipe: str, run_dir: Path, rc: int, interrupted: int | None) -> int:
+def _summary(run_dir: Path, started: float) -> str:
+    """` in W min; held-out eval/pass@1 A (step a) -> B (step b)` of a finished run (no eval: the time)."""
+    from miles.metrics import read_metrics
+
+    evals = [r for r in read_metrics(run_dir) if isinstance(r.get("eval/pass@1"), (int, float))]
+    text = f" in {(time.monotonic() - started) / 60:.1f} min"
+    if evals:
+        first, last = evals[0], evals[-1]
+        text += (
+            f"; held-out eval/pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> "
+            f"{last['eval/pass@1']:.3f} (step {last['step']})"
+        )
+    return text
+
+
+def _report(recipe: str, run_dir: Path, rc: int, interrupted: int | None, started: float) -> int:
     """One closing message on the console; the exit status (128 + signal when interrupted)."""
     from miles.train.checkpoint import latest_complete_step
 
@@ -361,7 +377,10 @@ def _report(recipe: str, run_dir: Path, rc: int, interrupted: int | None) -> int
         print(f"miles: stopped by {name} ({saved}); continue with: {resume}", file=sys.stderr)
         return 128 + interrupted
     if rc == 0:
-        print(f"miles: run finished; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
+        print(
+            f"miles: run finished{_summary(run_dir, started)}; metrics in {run_dir / 'metrics.jsonl'}",
+            file=sys.stderr,
+        )
         return 0
     try:
         error, path = trainer_error(run_dir)

@@ -428,7 +428,7 @@ def earlier_run(run_dir: str | Path) -> list[str]:
     return [name for name in EARLIER_RUN if _files_under(Path(run_dir) / name)]
 
 
-def _planned_steps(run_dir: Path) -> int | None:
+def planned_steps(run_dir: Path) -> int | None:
     import yaml
 
     try:
@@ -444,7 +444,7 @@ def describe_earlier_run(run_dir: str | Path) -> str:
 
     run_dir = Path(run_dir)
     steps = [int(r["step"]) for r in read_metrics(run_dir) if isinstance(r.get("step"), int)]
-    planned = _planned_steps(run_dir)
+    planned = planned_steps(run_dir)
     of = f" of {planned}" if planned else ""
     if not steps:
         state = "stopped before its first step"

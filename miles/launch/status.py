@@ -94,11 +94,34 @@ def format_failure(run_dir: str | Path, fail: dict[str, Any]) -> str:
     )
 
 
+def local_status(run_dir: str | Path) -> dict[str, Any]:
+    """The row of a run of `miles train` (no job.json): RUNNING while a live process holds its lock,
+    else COMPLETED when its metrics reached train.steps, else STOPPED (resume it with --resume)."""
+    from miles.launch.rundir import current_owner, planned_steps
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "plan.yaml").is_file():
+        raise ConfigError(
+            f"{run_dir} has no plan.yaml: it is not a run directory of `miles train` or `submit`"
+        )
+    metrics = last_metrics(run_dir)
+    owner = current_owner(run_dir)
+    if owner is not None:
+        state = "RUNNING"
+    else:
+        planned = planned_steps(run_dir)
+        state = "COMPLETED" if planned is not None and metrics.get("step", -1) >= planned else "STOPPED"
+    job = f"local (pid {owner.pid})" if owner is not None else "local"
+    return {"run_dir": str(run_dir), "job_id": job, "state": state, "metrics": metrics}
+
+
 def run_status(run_dir: str | Path) -> dict[str, Any]:
-    """{run_dir, job_id, state, metrics} of one submitted run, and `failure` (see `failure`) when the
-    job ended in any state but COMPLETED."""
+    """{run_dir, job_id, state, metrics} of one run, and `failure` (see `failure`) when its Slurm
+    job ended in any state but COMPLETED; a run of `miles train` is described by `local_status`."""
     from miles.launch.jobs import job_object, job_state
 
+    if not (Path(run_dir) / "job.json").is_file() and (Path(run_dir) / "plan.yaml").is_file():
+        return local_status(run_dir)
     rec = job_record(run_dir)
     job = job_object(rec["log_dir"], rec["job_id"])
     state = job_state(job)
@@ -131,7 +154,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         body.append([r["job_id"], r["state"], step, r.get("point") or r["run_dir"], shown])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=False)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)) for row in [header, *body]]
-    if rows and all(r["state"].startswith(TERMINAL) for r in rows):
+    if rows and all(r["state"].startswith((*TERMINAL, "STOPPED")) for r in rows):
         done = sum(r["state"] == "COMPLETED" for r in rows)
         lines.append(f"summary: {done}/{len(rows)} completed")
     lines += [format_failure(r["run_dir"], r["failure"]) for r in rows if r.get("failure")]

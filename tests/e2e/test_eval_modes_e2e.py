@@ -5,6 +5,9 @@ is skipped and counted; every evaluated token came from the evaluated step's wei
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from conftest import finish, miles_train
 
@@ -36,6 +39,14 @@ def test_shared_mode_pauses_the_async_producer_and_logs_at_once(recipe) -> None:
         assert r["eval/lag_steps"] == 0 and r["eval/mixed_version_ratio"] == 0
         assert r["eval/weight_version_min"] == r["eval/weight_version_max"] == step
     assert not (run_dir / "eval" / "snapshots").exists()  # shared mode exports nothing
+    # by hand, as the README shows: a step with a checkpoint is exported, then evaluated
+    out = subprocess.run([sys.executable, "-m", "miles.cli", "eval", str(run_dir), "--step", "4"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "pass@1" in out.stdout and (run_dir / "eval" / "snapshots" / "step_4" / ".complete").is_file()
+    missing = subprocess.run([sys.executable, "-m", "miles.cli", "eval", str(run_dir), "--step", "3"],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert missing.returncode == 1 and "steps that can be evaluated: 4" in missing.stderr, missing.stderr
 
 
 def test_dedicated_mode_evaluates_snapshots_while_training_goes_on(recipe) -> None:
