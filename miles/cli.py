@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"miles: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handler (preparing a model, a download)
+        print("miles: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

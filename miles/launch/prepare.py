@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -133,19 +134,47 @@ def _create_tiny(path: Path, tiny: TinyModelConfig, seed: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     what = f"base model ({tiny.pretrain_steps} pretraining steps)" if tiny.pretrain_steps else "random model"
     print(f"miles: creating a tiny {what} at {path} ({tiny.arch})", file=sys.stderr)
+    start = last = time.monotonic()
+
+    def report(step: int, loss: float) -> None:  # the first step, then every 10 s, and the last
+        nonlocal last
+        now = time.monotonic()
+        if step not in (1, tiny.pretrain_steps) and now - last < 10.0:
+            return
+        last, left = now, (tiny.pretrain_steps - step) * (now - start) / step
+        print(f"miles: pretraining {step}/{tiny.pretrain_steps} steps, loss {loss:.3f}, ~{left:.0f} s left",
+              file=sys.stderr, flush=True)  # fmt: skip
+
     try:
-        init_tiny(
-            tmp,
-            arch=tiny.arch,
-            seed=seed,
-            vocab_size=tiny.vocab_size,
-            corpus=tiny.corpus,
-            pretrain_steps=tiny.pretrain_steps,
-            **tiny.sizes,
-        )
+        with one_torch_thread():
+            init_tiny(
+                tmp,
+                arch=tiny.arch,
+                seed=seed,
+                vocab_size=tiny.vocab_size,
+                corpus=tiny.corpus,
+                pretrain_steps=tiny.pretrain_steps,
+                report=report,
+                **tiny.sizes,
+            )
         os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch's intra-op threads set to 1 while a tiny model is made, then put back. Its GEMMs (hidden
+    64-256) are too small to gain from more threads, and on a busy machine more threads only wait on
+    each other (the pretraining's seconds per step with 1 and 2 threads: bench/RESULTS.md)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _train_base(path: Path, recipe: str, overrides: list[str], runs_root: str) -> None:

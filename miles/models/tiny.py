@@ -76,21 +76,26 @@ def base_text(corpus: str, n_docs: int, seed: int) -> list[str]:
     return _corpus(n_docs, seed)
 
 
-def pretrain(model, tok, docs: list[str], steps: int, seed: int, lr: float = 3e-3, batch: int = 32) -> float:
-    """`steps` causal-LM steps on batches of `docs` drawn with `seed`; returns the last batch's loss."""
+def pretrain(
+    model, tok, docs: list[str], steps: int, seed: int, lr: float = 3e-3, batch: int = 32, report=None
+) -> float:
+    """`steps` causal-LM steps on batches of `docs` drawn with `seed`; returns the last batch's loss.
+    `report(step, loss)` is called after every step (progress for the console)."""
     import torch
 
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     loss = torch.tensor(float("nan"))
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         enc = tok(rng.sample(docs, batch), return_tensors="pt", padding=True)
         labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
         loss = model(**enc, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if report is not None:
+            report(step, float(loss))
     model.eval()
     return loss.item()
 
@@ -187,16 +192,17 @@ def init_tiny(
     vocab_size: int = 384,
     corpus: str = "default",
     pretrain_steps: int = 0,
+    report=None,
     **sizes: int,
 ) -> Path:
     """Create the tiny model directory (fp32 safetensors + tokenizer), random or, with
-    `pretrain_steps`, a base (module docstring); returns its path."""
+    `pretrain_steps`, a base (module docstring; `report(step, loss)`: its progress); returns its path."""
     tok = build_tokenizer(vocab_size, seed, corpus)
     cfg = model_config(arch, len(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
     base = None
     if pretrain_steps:
         docs = base_text(corpus, 20_000, seed)
-        base = functools.partial(pretrain, tok=tok, docs=docs, steps=pretrain_steps, seed=seed)
+        base = functools.partial(pretrain, tok=tok, docs=docs, steps=pretrain_steps, seed=seed, report=report)
     return _write(Path(out_dir), cfg, tok, seed, "float32", "cpu", base)
 
 

@@ -155,3 +155,31 @@ def test_one_of_two_engines_killed_the_run_continues_and_the_router_gets_its_rep
     replacement = engine_record(run_dir, "engine-1")["url"]
     assert replacement != lost["url"] and lost["url"] not in workers
     assert steps_of(run_dir) == list(range(1, 13))
+
+
+def test_ctrl_c_while_the_base_model_is_pretrained_exits_130_without_a_traceback(recipe, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    path, _ = recipe(
+        model={"path": str(tmp_path / "base"), "init_tiny_if_missing": True,
+               "tiny": {"corpus": "coding", "vocab_size": 512, "pretrain_steps": 100000}},
+    )  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "train", str(path)],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    seen = []
+    try:
+        for line in proc.stderr:  # progress is printed while it pretrains
+            seen.append(line)
+            if "miles: pretraining" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert any("miles: pretraining" in x for x in seen), "".join(seen)
+    assert proc.returncode == 130, rest
+    assert "Traceback" not in rest and "miles: interrupted" in rest
+    assert not (tmp_path / "base").exists()  # no half-made model left behind
