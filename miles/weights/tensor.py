@@ -83,6 +83,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
     ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
     ("torch", "UntypedStorage"): torch.UntypedStorage,
+    ("torch.storage", "TypedStorage"): torch.TypedStorage,  # a CUDA tensor's storage class
+    ("torch", "TypedStorage"): torch.TypedStorage,
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "Size"): torch.Size,
     ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
