@@ -1,6 +1,7 @@
-"""The `miles` command. Thin: parses arguments, calls the room that does the work.
+"""The `miles` command: train, submit and sweep RL post-training jobs, and watch, evaluate and export them.
 
-Every handler imports its room lazily so that `miles submit` on a login node never imports torch.
+Thin: it parses arguments and calls the package that does the work, each imported only when its
+command runs, so that `miles submit` on a login node never imports torch.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import ConfigError
+from miles.models import save_modes
 
 log = logging.getLogger(__name__)
 
@@ -386,5 +387,6 @@ def _write(model: Any, model_path: str, dtype: str, out: Path, step: int) -> Pat
     except OSError:
         pass  # the base model ships no generation_config.json: transformers' defaults apply
     AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
+    save_modes(out)
     log.info("exported step %d to %s", step, out)
     return out

@@ -126,7 +126,7 @@ class RunView:
             "buffer": {"size": last.get("buffer/size"), "capacity": capacity},
             "updated": last.get("time"),
             "owner": owner,
-            "engines": self._engines(last),
+            "engines": self._engines(last, bool(owner["running"])),
             "trainers": self._trainers(plan, bool(owner["running"])),
             "slurm": self._slurm(),
         }
@@ -146,8 +146,9 @@ class RunView:
             "detail": f"last owner: {held.describe()}" if held else "no process owns it",
         }
 
-    def _engines(self, last: dict[str, Any]) -> list[dict[str, Any]]:
-        """Engines of the newest incarnation that published any, with a health probe each."""
+    def _engines(self, last: dict[str, Any], running: bool = True) -> list[dict[str, Any]]:
+        """Engines of the newest incarnation that published any, with a health probe each while the run
+        is running (a finished run's engines are `stopped`, not probed)."""
         from miles.cluster.rendezvous import engines_dir, read_engines
 
         stamps = []
@@ -166,7 +167,9 @@ class RunView:
                     "url": rec.get("url"),
                     "node": rec.get("node"),
                     "pid": rec.get("pid"),
-                    "state": "serving" if _answers(rec.get("url")) else "not answering",
+                    "state": ("serving" if _answers(rec.get("url")) else "not answering")
+                    if running
+                    else "stopped",
                     "running_reqs": last.get(f"engine/{i}/num_running_reqs"),
                     "waiting_reqs": last.get(f"engine/{i}/num_waiting_reqs"),
                 }

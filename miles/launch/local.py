@@ -66,7 +66,8 @@ def _prepare_run_dir(plan: Plan, resume: bool, overwrite: bool) -> Path:
                 "start without --resume (with --overwrite to discard the earlier run)"
             )
     for removed in prepare_run_dir(run_dir, resume=resume, overwrite=overwrite):
-        print(f"miles: --overwrite: removed {removed}", file=sys.stderr)
+        if overwrite:  # a plain start only clears leftovers that hold no data (rendezvous/, control/)
+            print(f"miles: --overwrite: removed {removed}", file=sys.stderr)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     make_run_keys(run_dir)  # the run's servers take these keys and its clients send them
     write_plan(plan, run_dir / "plan.yaml")

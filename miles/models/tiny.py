@@ -24,6 +24,8 @@ import functools
 import random
 from pathlib import Path
 
+from miles.models import save_modes
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -222,6 +224,7 @@ def _write(out: Path, cfg, tok, seed: int, dtype: str, device: str, before_save=
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    save_modes(out)
     return out
 
 

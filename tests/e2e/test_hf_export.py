@@ -8,6 +8,7 @@ weights in the ep0 files only). Bad inputs are errors that say what to change.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,10 @@ def test_fsdp_export_matches_the_trainer(recipe, tiny_model, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert {"model.safetensors", "config.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    # every file as the umask makes new files (transformers writes its shards through mode-600 temp files)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
 
     exported, trained = hf_logits(out), trainer_logits(run_dir, 2)
     assert (exported - trained).abs().max() <= TOL

@@ -74,7 +74,8 @@ def test_state_and_samples(client):
     assert (s["step"], s["steps_planned"], s["weight_version"]) == (3, 10, 3)
     assert s["buffer"] == {"size": 2, "capacity": 4}
     assert s["owner"]["running"] is False
-    assert [(e["url"], e["state"]) for e in s["engines"]] == [("http://127.0.0.1:9", "not answering")]
+    # a run no process owns: its engines are stopped, not probed as if it were serving
+    assert [(e["url"], e["state"]) for e in s["engines"]] == [("http://127.0.0.1:9", "stopped")]
     assert [(t["rank"], t["state"]) for t in s["trainers"]] == [(0, "stopped"), (1, "no log")]
     assert s["trainers"][0]["last_line"] == "step 3 reward 0.3"
     assert s["slurm"] is None  # not submitted: no job.json

@@ -268,10 +268,14 @@ def test_miles_status_answers_for_runs_of_miles_train(tmp_path) -> None:
     run.mkdir()
     (run / "plan.yaml").write_text("train:\n  steps: 3\n")
     (run / "metrics.jsonl").write_text('{"step": 1, "train/loss": 0.5}\n{"step": 2, "train/loss": 0.4}\n')
-    out = subprocess.run([sys.executable, "-m", "miles.cli", "status", str(run)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "status", str(run)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert "STOPPED" in out.stdout and "local" in out.stdout
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "train/loss": 0.3}\n')
-    out = subprocess.run([sys.executable, "-m", "miles.cli", "status", str(run)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "status", str(run)], capture_output=True, text=True
+    )
     assert "COMPLETED" in out.stdout and "summary: 1/1 completed" in out.stdout, out.stdout
