@@ -18,6 +18,7 @@ import pytest
 from conftest import finish, miles_train, pids_alive, run_pids, steps_of, stop, wait_for_step
 
 from miles.metrics import read_metrics
+from miles.serving import run_keys
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +55,12 @@ def test_dead_scheduler_makes_the_engine_unhealthy_and_it_is_replaced(recipe) ->
     try:
         wait_for_step(run_dir, 3, proc)
         url = engine_record(run_dir)["url"]
+        keys = run_keys(run_dir)  # the run's engines take its keys; this is an admin route
         httpx.post(
-            f"{url}/debug/inject_fault", json={"kind": "scheduler_death"}, timeout=10
+            f"{url}/debug/inject_fault",
+            json={"kind": "scheduler_death"},
+            headers=keys.headers("/debug/inject_fault"),
+            timeout=10,
         ).raise_for_status()
         assert httpx.get(f"{url}/health", timeout=10).status_code == 503
         out = finish(proc, timeout_s=500)
@@ -147,7 +152,10 @@ def test_one_of_two_engines_killed_the_run_continues_and_the_router_gets_its_rep
         os.kill(lost["pid"], signal.SIGKILL)
         wait_for_step(run_dir, 6, proc)
         router = json.loads((run_dir / "rendezvous" / "router.json").read_text())["url"]
-        workers = {w["url"] for w in httpx.get(f"{router}/workers", timeout=10).json()["workers"]}
+        auth = run_keys(run_dir).headers("/workers")
+        workers = {
+            w["url"] for w in httpx.get(f"{router}/workers", timeout=10, headers=auth).json()["workers"]
+        }
         out = finish(proc, timeout_s=500)
     finally:
         stop(proc)
