@@ -147,8 +147,8 @@ class RunView:
         }
 
     def _engines(self, last: dict[str, Any], running: bool = True) -> list[dict[str, Any]]:
-        """Engines of the newest incarnation that published any, with a health probe each while the run
-        is running (a finished run's engines are `stopped`, not probed)."""
+        """Engines of the newest incarnation that published any, with a health probe each: one that does
+        not answer is `not answering` while the run is running, else `stopped` (a finished run)."""
         from miles.cluster.rendezvous import engines_dir, read_engines
 
         stamps = []
@@ -167,9 +167,7 @@ class RunView:
                     "url": rec.get("url"),
                     "node": rec.get("node"),
                     "pid": rec.get("pid"),
-                    "state": ("serving" if _answers(rec.get("url")) else "not answering")
-                    if running
-                    else "stopped",
+                    "state": _engine_state(_answers(rec.get("url")), running),
                     "running_reqs": last.get(f"engine/{i}/num_running_reqs"),
                     "waiting_reqs": last.get(f"engine/{i}/num_waiting_reqs"),
                 }
@@ -267,6 +265,10 @@ def _last_line(path: Path, tail_bytes: int = 4096) -> str:
         f.seek(max(0, path.stat().st_size - tail_bytes))
         lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
     return lines[-1][-300:] if lines else ""
+
+
+def _engine_state(answers: bool, running: bool) -> str:
+    return "serving" if answers else ("not answering" if running else "stopped")
 
 
 def _answers(url: str | None) -> bool:
