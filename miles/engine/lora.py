@@ -312,6 +312,11 @@ class LoraBank:
             pairs[module] = (a, b)
         if not pairs:
             raise LoraError(f"adapter {name!r} holds no LoRA tensors")
+        covered = {m.rsplit(".", 1)[-1] for m in pairs}
+        if missing := sorted(set(config.targets) - covered):  # an incomplete set: refused, not zero-filled
+            raise LoraError(
+                f"adapter {name!r}: its config targets {missing}, but it holds no tensors for them"
+            )
         return pairs
 
     def unload(self, name: str) -> None:
