@@ -72,7 +72,8 @@ class AdapterConfig:
             raise LoraError("DoRA and rsLoRA adapters are not served (use_dora / use_rslora must be false)")
         targets = cfg.get("target_modules") or []
         if isinstance(targets, str):
-            targets = TARGETS if targets == "all-linear" else [targets]
+            # PEFT's all-linear leaves the output layer out
+            targets = [t for t in TARGETS if t != "lm_head"] if targets == "all-linear" else [targets]
         bad = [t for t in targets if t not in TARGETS]
         if bad:
             raise LoraError(f"adapter target_modules {bad} are not served; targets: {', '.join(TARGETS)}")
