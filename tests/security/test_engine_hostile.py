@@ -160,6 +160,12 @@ def test_a_poisoned_adapter_is_refused_and_serving_is_unchanged(engine, keys, ti
         engine.url + "/load_lora_adapter_from_tensors", json=body, headers=_h(keys["admin"]), timeout=60
     )
     assert r.status_code == 400 and "NaN or infinite" in r.json()["error_message"], r.text
+    partial = {"lora_name": "t", "config_dict": {**cfg, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+               "serialized_named_tensors": [serialize_inline(list(load_file(str(good / "adapter_model.safetensors")).items()))]}  # fmt: skip
+    r = httpx.post(
+        engine.url + "/load_lora_adapter_from_tensors", json=partial, headers=_h(keys["admin"]), timeout=60
+    )
+    assert r.status_code == 400 and "targets ['v_proj'], but it holds no tensors" in r.json()["error_message"], r.text
     assert _logprobs(engine, keys) == before  # bit-equal: nothing was loaded, no cache was touched
 
 
