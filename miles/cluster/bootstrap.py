@@ -42,7 +42,7 @@ from miles.cluster.rendezvous import (
 from miles.config import Plan, read_plan
 from miles.launch.engine_argv import engine_argv
 from miles.processes import child_options, stop_processes
-from miles.serving import key_arguments, run_keys, sglang_key_arguments
+from miles.serving import check_bind, key_arguments, run_keys, sglang_key_arguments
 
 
 def _facts(run_dir: Path) -> tuple[Plan, dict[str, Any]]:
@@ -210,8 +210,16 @@ def _start_router(plan: Plan, run_dir: Path, env: JobEnvironment, facts: dict[st
     host = "127.0.0.1" if facts["engine_host"] == "loopback" else node_address(env.node_name or "localhost")
     port = router_port(int(env.job_id or 0))
     bind = "127.0.0.1" if facts["engine_host"] == "loopback" else "0.0.0.0"
-    key = run_keys(run_dir).api
-    argv = router_command(plan, host=bind, port=port, worker_urls=urls) + (["--api-key", key] if key else [])
+    keys = run_keys(run_dir)
+    try:  # sglang-router has no such check of its own
+        check_bind("sglang-router", bind, keys, allow_unauthenticated=False)
+    except ValueError:
+        raise SystemExit(
+            f"miles bootstrap: the router would serve on {bind} without a key: {run_dir / 'keys'} is missing "
+            "(submit the run with `miles submit`, which writes it)"
+        ) from None
+    argv = router_command(plan, host=bind, port=port, worker_urls=urls)
+    argv += ["--api-key", keys.api] if keys.api else []
     proc = _spawn(argv, run_dir / "logs" / "router.log")
     from miles.cluster.rendezvous import publish_router
 
