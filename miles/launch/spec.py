@@ -9,6 +9,7 @@ besides plan.yaml (written as RUN_DIR/launch.json).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Any
@@ -201,6 +202,20 @@ def container_flags(plan: Plan, profile: Profile, image: str | None, env: dict[s
     return (*flags, f"--container-env={','.join(sorted(env))}")
 
 
+def sized_flags(flags: tuple[str, ...], nodes: int) -> tuple[str, ...]:
+    """A profile's sbatch flags for one het component of `nodes` nodes: `--segment=S` (topology/block:
+    nodes placed in segments of S) becomes the largest divisor of `nodes` not above S, since Slurm
+    refuses a node count that is not a multiple of the segment size (a component of fewer nodes than
+    S is one segment, all in one block)."""
+    out = []
+    for flag in flags:
+        if flag.startswith("--segment="):
+            size = int(flag.split("=", 1)[1])
+            flag = f"--segment={max(d for d in range(1, min(size, nodes) + 1) if nodes % d == 0)}"
+        out.append(flag)
+    return tuple(out)
+
+
 def build_job(
     plan: Plan, profile: Profile, run_dirs: list[str], *, log_dir: str, python: str | None = None
 ) -> JobSpec:
@@ -256,6 +271,7 @@ def build_job(
             StepSpec("rollout", None, rollout_argv, (*per_node, *flags)),
             StepSpec("actor", None, actor_argv, ("--overlap", rank_cpus, *mpi, *flags)),
         )
+    components = tuple(dataclasses.replace(c, flags=sized_flags(c.flags, c.nodes)) for c in components)
     return JobSpec(
         job_name=f"miles-{plan.run.name}" if len(run_dirs) == 1 else f"miles-sweep-{lc.sweep_tag}",
         run_dirs=tuple(run_dirs),

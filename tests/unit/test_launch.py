@@ -174,7 +174,8 @@ def test_colocated_is_one_group_with_overlapping_steps(tmp_path: Path) -> None:
 
 def test_profile_env_container_and_segment(tmp_path: Path) -> None:
     text = _job("gb300", [], tmp_path)
-    assert text.count("#SBATCH --segment=18") == 2
+    # the profile's 18, sized to each group: 1 rollout node, 2 actor nodes
+    assert "#SBATCH --segment=1\n" in text and "#SBATCH --segment=2\n" in text and "--segment=18" not in text
     assert "--container-image=/shared/containers/miles-cuda-arm64.sqsh" in text
     assert 'export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/logs/flight_recorder-"' in text
     assert "export NCCL_NVLS_ENABLE=0" in text
@@ -400,3 +401,16 @@ def test_a_dry_run_sweep_of_het_jobs_prints_every_points_sbatch_line(tmp_path: P
     assert out.returncode == 0, out.stderr
     lines = [x for x in out.stdout.splitlines() if x.startswith("sbatch")]
     assert len(lines) == 3 and len(set(lines)) == 3, out.stdout
+
+
+def test_a_segment_size_divides_each_het_components_node_count(tmp_path: Path) -> None:
+    """GB300's --segment=18 (topology/block): every het component gets a segment Slurm accepts (its
+    node count must be a multiple of the segment size)."""
+    from miles.launch.spec import sized_flags
+
+    text = _job("gb300", ["launch.rollout_nodes=2", "launch.actor_nodes=3"], tmp_path)
+    nodes = [int(x.split("=")[1]) for x in text.splitlines() if x.startswith("#SBATCH --nodes=")]
+    segments = [int(x.split("=")[1]) for x in text.splitlines() if x.startswith("#SBATCH --segment=")]
+    assert nodes == [2, 3] and segments == [2, 3]
+    assert sized_flags(("--segment=18",), 36) == ("--segment=18",)
+    assert sized_flags(("--segment=18", "--exclusive"), 20) == ("--segment=10", "--exclusive")

@@ -11,14 +11,14 @@
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=140
 #SBATCH --partition=gb300
-#SBATCH --segment=18
+#SBATCH --segment=1
 #SBATCH hetjob
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=4
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=35
 #SBATCH --partition=gb300
-#SBATCH --segment=18
+#SBATCH --segment=1
 
 set -uo pipefail
 RUN_DIR=<repo>/runs/ppo-tiny
