@@ -165,7 +165,9 @@ def test_a_poisoned_adapter_is_refused_and_serving_is_unchanged(engine, keys, ti
     r = httpx.post(
         engine.url + "/load_lora_adapter_from_tensors", json=partial, headers=_h(keys["admin"]), timeout=60
     )
-    assert r.status_code == 400 and "targets ['v_proj'], but it holds no tensors" in r.json()["error_message"], r.text
+    assert (
+        r.status_code == 400 and "targets ['v_proj'], but it holds no tensors" in r.json()["error_message"]
+    ), r.text
     assert _logprobs(engine, keys) == before  # bit-equal: nothing was loaded, no cache was touched
 
 
