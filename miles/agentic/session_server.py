@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import inspect
 import itertools
 import json
@@ -63,17 +62,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles.agentic.session import ChatTemplate, Session, TemplateFamily, Turn, template_message
+from miles.agentic.session_wire import chunks, json_body, json_reply, sample_json, sse
 from miles.chat.openai_schema import (
     ChatChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
     ChoiceLogprobs,
-    ChunkChoice,
-    Delta,
-    DeltaFunction,
-    DeltaToolCall,
     ModelCard,
     ModelList,
     OpenAIError,
@@ -296,13 +291,13 @@ class SessionServer:
 
         @app.delete("/sessions/{sid}")
         async def close(sid: str) -> JSONResponse:
-            samples = [_sample_json(s) for s in self.close_session(sid)]
+            samples = [sample_json(s) for s in self.close_session(sid)]
             return JSONResponse({"id": sid, "samples": samples})
 
         @app.get("/sessions/{sid}/v1/models")
         async def models(sid: str) -> Response:
             self._session(sid)
-            return _json(ModelList(data=[ModelCard(id=self.model_name, root=self.model_name)]))
+            return json_reply(ModelList(data=[ModelCard(id=self.model_name, root=self.model_name)]))
 
         @app.post("/sessions/{sid}/v1/chat/completions")
         async def chat(sid: str, request: Request) -> Response:
@@ -321,7 +316,7 @@ class SessionServer:
             raise OpenAIError(str(e), 413, code="request_too_large") from None
         except ValueError as e:
             raise OpenAIError(str(e)) from None
-        return _json_body(raw, default)
+        return json_body(raw, default)
 
     def _check_sizes(self, messages: list[dict[str, Any]]) -> None:
         for i, m in enumerate(messages):
@@ -362,9 +357,9 @@ class SessionServer:
         )
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _chunks(cid, model, choices, usage if include else None)
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        return _json(ChatCompletion(id=cid, model=model, choices=choices, usage=usage))
+            stream = chunks(cid, model, choices, usage if include else None)
+            return StreamingResponse(sse(stream), media_type="text/event-stream")
+        return json_reply(ChatCompletion(id=cid, model=model, choices=choices, usage=usage))
 
     def _sampling(self, req: ChatCompletionRequest) -> dict[str, Any]:
         stop_ids = [self.template.turn_end_id] + list(req.stop_token_ids or [])
@@ -505,65 +500,6 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         raise OpenAIError("'top_logprobs' is not supported by the session server", param="top_logprobs")
     if req.logit_bias:
         raise OpenAIError("'logit_bias' is not supported by the session server", param="logit_bias")
-
-
-# ---- wire helpers ----
-
-
-def _json_body(raw: bytes, default: Any = None) -> Any:
-    if not raw.strip():
-        if default is not None:
-            return default
-        raise OpenAIError("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise OpenAIError(f"the request body is not JSON: {e}") from None
-
-
-def _json(model: Any) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
-
-
-def _sample_json(s: Sample) -> dict[str, Any]:
-    out = dataclasses.asdict(s)
-    out["status"] = s.status.value
-    return json.loads(json.dumps(out, default=str))
-
-
-def _chunks(
-    cid: str, model: str, choices: list[ChatChoice], usage: Usage | None
-) -> list[ChatCompletionChunk]:
-    """The stream of finished choices: role, reasoning, content, tool calls, then the finish reason."""
-    created = int(time.time())
-    out = []
-
-    def chunk(index: int, delta: Delta, finish: Any = None, logprobs: Any = None) -> None:
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
-        out.append(ChatCompletionChunk(id=cid, created=created, model=model, choices=[choice]))
-
-    for c in choices:
-        m = c.message
-        chunk(c.index, Delta(role="assistant", content=""))
-        if m.reasoning_content:
-            chunk(c.index, Delta(reasoning_content=m.reasoning_content))
-        if m.content:
-            chunk(c.index, Delta(content=m.content), logprobs=c.logprobs)
-        for i, call in enumerate(m.tool_calls or []):
-            fn = DeltaFunction(name=call.function.name, arguments=call.function.arguments)
-            chunk(
-                c.index, Delta(tool_calls=[DeltaToolCall(index=i, id=call.id, type="function", function=fn)])
-            )
-        chunk(c.index, Delta(), finish=c.finish_reason)
-    if usage is not None:
-        out.append(ChatCompletionChunk(id=cid, created=created, model=model, choices=[], usage=usage))
-    return out
-
-
-async def _sse(chunks: list[ChatCompletionChunk]):
-    for c in chunks:
-        yield f"data: {c.model_dump_json()}\n\n"
-    yield "data: [DONE]\n\n"
 
 
 # ---- standalone ----
