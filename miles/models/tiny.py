@@ -97,7 +97,7 @@ def pretrain(
         loss.backward()
         opt.step()
         if report is not None:
-            report(step, float(loss))
+            report(step, loss.item())
     model.eval()
     return loss.item()
 
