@@ -122,6 +122,7 @@ class ApiKeys:
         return bool(self.api or self.admin)
 
     def allows(self, path: str, authorization: str | None, x_api_key: str | None = None) -> bool:
+        path = "/" + "/".join(part for part in path.split("/") if part)  # `//x/` is judged as `/x`
         if path.startswith(OPEN_PREFIXES):
             return True
         needed = (self.admin or self.api) if path in ADMIN_ROUTES else self.api

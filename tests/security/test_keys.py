@@ -32,6 +32,8 @@ def test_sglangs_decision_table() -> None:
     assert admin_only.allows("/generate", None) and not admin_only.allows("/load_lora_adapter", None)
     assert none.allows("/update_weights_from_tensor", None)
     assert both.allows("/v1/models", None, x_api_key="a") and not both.allows("/v1/models", "Basic a")
+    for variant in ("//update_weights_from_disk", "/update_weights_from_disk/", "/load_lora_adapter//"):
+        assert not both.allows(variant, bearer("a")) and both.allows(variant, bearer("A"))
     assert both.headers("/generate") == {"Authorization": "Bearer a"}
     assert both.headers("/update_weights_from_tensor") == {"Authorization": "Bearer A"}
 
