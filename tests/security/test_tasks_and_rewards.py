@@ -140,3 +140,23 @@ def test_the_producer_masks_non_finite_rewards_and_counts_them_by_reason() -> No
     metrics = producer.stats.take()
     assert metrics["rollout/masked_samples"] == 2.0
     assert metrics["rollout/masked_reward_not_finite"] == 2.0
+
+
+@needs_bwrap
+def test_miles_tasks_check_gives_a_refused_task_a_row_of_its_own(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret\n")
+    good = _task(tmp_path / "set" / "a-good", "mkdir -p /logs/verifier; echo 0 > /logs/verifier/reward.txt\n")
+    bad = _task(tmp_path / "set" / "b-linked")
+    (bad / "tests" / "data.txt").symlink_to(secret)
+    out = subprocess.run([sys.executable, "-m", "miles", "tasks", "check", str(tmp_path / "set")],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
+    assert set(rows) == {good.name, bad.name}, out.stdout
+    assert "data.txt" in rows[bad.name] and "outside the task directory" in rows[bad.name]
+    assert "host secret" not in out.stdout + out.stderr
+    assert "1/2 tasks passed" in out.stdout

@@ -8,14 +8,20 @@ import sys
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from miles.agentic.harbor.check import check_tasks, report
-    from miles.agentic.harbor.task import TaskError, load_dataset
+    from miles.agentic.harbor.check import TaskCheck, check_tasks, report
+    from miles.agentic.harbor.task import TaskError, load_task, task_dirs
 
     try:
-        tasks = load_dataset(args.paths)
+        dirs = task_dirs(args.paths)
     except TaskError as e:
         print(f"miles: error: {e}", file=sys.stderr)
         return 2
+    tasks, refused = [], []  # a task that cannot be read is a row of its own, not the end of the check
+    for d in dirs:
+        try:
+            tasks.append(load_task(d))
+        except TaskError as e:
+            refused.append(TaskCheck(d.name, None, None, str(e)))
     from miles.agentic.sandbox.container import ContainerSandboxConfig
 
     if args.image_dir and args.runtime == "local":
@@ -29,7 +35,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if args.runtime == "local"
         else ContainerSandboxConfig(runtime=args.runtime, image_dir=args.image_dir)
     )
-    table, ok = report(asyncio.run(check_tasks(tasks, jobs=args.jobs, backend=backend)))
+    checked = asyncio.run(check_tasks(tasks, jobs=args.jobs, backend=backend)) if tasks else []
+    table, ok = report(sorted([*checked, *refused], key=lambda r: r.task))
     print(table)
     return 0 if ok else 1
 

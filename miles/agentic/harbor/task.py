@@ -269,18 +269,24 @@ def load_task(path: str | Path) -> Task:
     return Task(root, config, instruction_file.read_text(), tuple(steps), image, tuple(notes))
 
 
-def load_dataset(paths: list[str | Path]) -> list[Task]:
-    """Tasks of each path: a task directory, or a folder whose sub-directories with task.toml are
-    tasks (sorted by name). A folder holding no task is an error."""
-    tasks: list[Task] = []
+def task_dirs(paths: list[str | Path]) -> list[Path]:
+    """The task directories of each path: the path itself when it holds task.toml, else its
+    sub-directories that do (sorted by name); TaskError for a path that is neither."""
+    found: list[Path] = []
     for p in map(Path, paths):
         if (p / "task.toml").is_file():
-            tasks.append(load_task(p))
+            found.append(p)
             continue
         if not p.is_dir():
             raise TaskError(f"{p}: not a directory")
-        found = sorted(d for d in p.iterdir() if (d / "task.toml").is_file())
-        if not found:
+        inside = sorted(d for d in p.iterdir() if (d / "task.toml").is_file())
+        if not inside:
             raise TaskError(f"{p}: neither a task (task.toml) nor a folder of tasks")
-        tasks.extend(load_task(d) for d in found)
-    return tasks
+        found.extend(inside)
+    return found
+
+
+def load_dataset(paths: list[str | Path]) -> list[Task]:
+    """Tasks of each path (`task_dirs`): a task directory, or a folder of task directories. A folder
+    holding no task, or a task that cannot be read, is an error."""
+    return [load_task(d) for d in task_dirs(paths)]
