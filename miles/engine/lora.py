@@ -94,8 +94,7 @@ def read_adapter(path: str | Path) -> tuple[AdapterConfig, dict[str, torch.Tenso
         raise LoraError(
             f"{path} is not a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)"
         )
-    config = AdapterConfig.from_peft(json.loads(cfg_file.read_text()))
-    return config, load_file(str(weights))
+    return AdapterConfig.from_peft(json.loads(cfg_file.read_text())), load_file(str(weights))
 
 
 class LoraBank:

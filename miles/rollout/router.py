@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from miles.processes import child_options, free_port, stop_processes
+from miles.serving import ApiKeys
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "manual")
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -70,7 +71,7 @@ class RouterProcess:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return ApiKeys(self.api_key).headers("/workers")
 
     def workers(self) -> list[dict[str, Any]]:
         resp = httpx.get(self.url + "/workers", timeout=10, headers=self.headers)
@@ -113,8 +114,7 @@ class RouterProcess:
         self.stop()
 
 
-def _ready(url: str, n_workers: int, api_key: str | None = None) -> bool:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def _ready(url: str, n_workers: int, headers: dict[str, str]) -> bool:
     try:
         if httpx.get(url + "/health", timeout=2).status_code != 200:
             return False
@@ -157,7 +157,7 @@ def start_router(
         router = RouterProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_file, api_key=api_key)
         deadline = time.monotonic() + startup_timeout_s
         while proc.poll() is None and time.monotonic() < deadline:
-            if _ready(router.url, len(worker_urls), api_key):
+            if _ready(router.url, len(worker_urls), router.headers):
                 return router
             time.sleep(0.1)
         exited_early = proc.poll() is not None
