@@ -88,11 +88,13 @@ def _num_recorded(req: Request) -> int:
 
 
 def _snapshot(req: Request, n: int) -> Request:
-    """A shallow copy of a request in flight, cut to its first `n` output tokens, not finished."""
+    """A shallow copy of a request in flight, cut to its first `n` output tokens, not finished (the
+    engine thread may finish the request meanwhile: what only a finished one carries is left out)."""
     snap = copy.copy(req)
     for name in RECORDED_FIELDS:
         setattr(snap, name, getattr(req, name)[:n])
     snap.finish = None
+    snap.routed_experts = None
     return snap
 
 
