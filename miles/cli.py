@@ -11,7 +11,6 @@ import logging
 import sys
 
 from miles.config import ConfigError
-from miles.eval.cli import add_eval_command
 from miles.launch.cli import add_launch_commands
 
 
@@ -28,6 +27,48 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from miles.launch.local import train_main
 
     return train_main(args.recipe, args.set, resume=args.resume, overwrite=args.overwrite)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate one step here (miles.eval.runner), or submit its evaluation as a Slurm job
+    (miles.launch.eval_job) once the step is known to have a snapshot or a checkpoint."""
+    if not args.submit:
+        from miles.eval.runner import snapshot_main
+
+        return snapshot_main(args)
+    from miles.eval.snapshot import find_snapshot
+    from miles.launch.eval_job import submit_eval
+    from miles.train.checkpoint import complete_steps
+
+    try:
+        if args.step not in complete_steps(args.run_dir):
+            find_snapshot(args.run_dir, args.step)
+        sub = submit_eval(
+            args.run_dir, args.step, profile=args.profile, mode=args.mode, fn=args.fn, dry_run=args.dry_run
+        )
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    if sub.job_id is None:
+        print(f"wrote {sub.script_path}")
+        print(" ".join(sub.command))
+    else:
+        print(f"submitted job {sub.job_id}: evaluation of step {args.step}, in {sub.job_dir}")
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate one step of a run (here, or --submit to Slurm)")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument(
+        "--step", type=int, required=True, help="the step to evaluate (a snapshot or a checkpoint)"
+    )
+    p.add_argument("--mode", choices=["dedicated", "external"], help="default: the run's eval.mode")
+    p.add_argument("--fn", help="an external eval function (module:function); implies --mode external")
+    p.add_argument("--out", help="result JSON (default RUN_DIR/eval/step_N/manual.json)")
+    p.add_argument("--submit", action="store_true", help="run it as a Slurm job of its own")
+    p.add_argument("--profile", help="hardware profile of the job (default: the run's launch.profile)")
+    p.add_argument("--dry-run", action="store_true", help="with --submit: write the script, do not submit")
+    p.set_defaults(func=_cmd_eval)
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -81,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_model(sub)
     add_launch_commands(sub)
-    add_eval_command(sub)
+    _add_eval(sub)
     from miles.agentic.harbor.cli import add_tasks_command
     from miles.dashboard.cli import add_dashboard_command
     from miles.export import add_export_command

@@ -72,3 +72,14 @@ def stop_processes(procs: Iterable[subprocess.Popen], timeout_s: float = 10.0) -
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(timeout=timeout_s)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists on this host (of any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

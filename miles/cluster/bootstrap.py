@@ -1,7 +1,7 @@
 """Job-side entry of every role: `python -m miles.cluster.bootstrap {rollout,eval,actor} --run-dir DIR`.
 
 rollout (one task per rollout node): start this node's engines (embedded `miles.engine`, or SGLang
-servers rendered by miles.launch.sglang), publish each URL once it answers /health, put the
+servers rendered by miles.rollout.sglang), publish each URL once it answers /health, put the
 sglang-router in front on the group's first node when there is more than one engine, then wait;
 SIGTERM stops exactly the children it started.
 
@@ -40,8 +40,8 @@ from miles.cluster.rendezvous import (
     wait_for_engines,
 )
 from miles.config import Plan, read_plan
-from miles.launch.engine_argv import engine_argv
 from miles.processes import child_options, stop_processes
+from miles.rollout.engine_argv import engine_argv
 from miles.serving import check_bind, key_arguments, run_keys, sglang_key_arguments
 
 
@@ -104,7 +104,7 @@ def _start_engine(
     plan: Plan, facts: dict[str, Any], run_dir: Path, env: JobEnvironment, i: int, role: str = "rollout"
 ) -> tuple:
     """Engine i of this node for `role` (rollout or eval), published once healthy; (process, log)."""
-    from miles.launch.sglang import sglang_port, sglang_server_command
+    from miles.rollout.sglang import sglang_port, sglang_server_command
 
     node = env.node_name or "local"
     loopback = facts["engine_host"] == "loopback"
@@ -204,7 +204,7 @@ def run_rollout(run_dir: Path, role: str = "rollout") -> int:
 
 
 def _start_router(plan: Plan, run_dir: Path, env: JobEnvironment, facts: dict[str, Any]):
-    from miles.launch.sglang import router_command, router_port
+    from miles.rollout.sglang import router_command, router_port
 
     urls = wait_for_engines(run_dir, facts["num_engines"], plan.engine.startup_timeout_s, incarnation(env))
     host = "127.0.0.1" if facts["engine_host"] == "loopback" else node_address(env.node_name or "localhost")

@@ -10,7 +10,7 @@ from miles.config.base import Section
 
 
 class SglangLaunchConfig(Section):
-    """Server flags for `engine.kind: sglang` beyond the engine section (rendered by miles.launch.sglang)."""
+    """Server flags for `engine.kind: sglang` beyond the engine section (rendered by miles.rollout.sglang)."""
 
     context_length: int | None = None
     """--context-length: prompt + response tokens one request may hold (None: the model's)."""

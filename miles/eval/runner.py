@@ -50,8 +50,8 @@ from miles.eval.modes import (
     evaluate_step,
 )
 from miles.eval.snapshot import eval_dir, find_snapshot, snapshot_from_checkpoint
-from miles.launch.engine_argv import engine_argv
 from miles.processes import child_options, free_port, stop_processes
+from miles.rollout.engine_argv import engine_argv
 from miles.serving import key_arguments, run_keys, sglang_key_arguments
 
 log = logging.getLogger("miles.eval")
@@ -243,7 +243,7 @@ class EvalService:
         """SGLang server i on this node (GPUs i*tp_size...), the command the rollout nodes run."""
         from miles.cluster.rendezvous import healthy
         from miles.engine.process import EngineProcess, log_tail
-        from miles.launch.sglang import sglang_server_command
+        from miles.rollout.sglang import sglang_server_command
 
         port, log_path = free_port(), self.run_dir / "logs" / f"eval-engine-{i}.log"
         argv = sglang_server_command(

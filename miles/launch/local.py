@@ -28,13 +28,14 @@ from miles.config import ConfigError, Plan, read_plan, resolve, write_plan
 from miles.config.engine import check_external_engines
 from miles.config.loading import apply_overrides
 from miles.launch.diskspace import full_file_system, write_elsewhere
-from miles.launch.engine_argv import engine_argv
 from miles.launch.external import check_external_servers, publish_external
-from miles.launch.prepare import check_rollout_inputs, check_teacher_model, ensure_model
+from miles.launch.prepare import check_teacher_model, ensure_model
 from miles.launch.rundir import RunDirLock, prepare_run_dir
 from miles.launch.supervise import EngineSlot, RunFailed, Supervisor, trainer_error
+from miles.loop.inputs import check_inputs
 from miles.metrics import ProgressBar
 from miles.processes import child_options, free_port, stop_processes
+from miles.rollout.engine_argv import engine_argv
 from miles.serving import key_arguments, make_run_keys, run_keys
 
 log = logging.getLogger("miles.launch")
@@ -300,7 +301,7 @@ def train_main(
     started = time.monotonic()
     plan = _plan(recipe, overrides or [], resume)
     check_external_engines(plan)
-    check_rollout_inputs(plan)
+    check_inputs(plan)
     with RunDirLock.acquire(plan.run_dir):
         run_dir = _prepare_run_dir(plan, bool(resume), overwrite)
         ensure_model(plan, train_base=True)

@@ -3,9 +3,9 @@
 `miles train` calls this on its host; `miles submit` and `miles sweep` call it on the submit host
 before `sbatch`, so a job (every array task, every requeue) only ever reads a complete model:
 
-- the rollout task and the reward are built here, so a bad task option, dataset file or reward path
-  is a ConfigError now, not a traceback in a job's log; so are the evaluation's datasets
-  (`eval.datasets`) and, in `external` mode, `eval.external_fn`;
+- what the loop builds from the plan (the rollout task, the reward, episode plug-ins, the evaluation's
+  datasets or `eval.external_fn`: miles.loop.inputs) is built here, so a bad task option, dataset file
+  or reward path is a ConfigError now, not a traceback in a job's log;
 - `model.path` (weights, config and tokenizer) must exist; with `model.init_tiny_if_missing` a tiny
   random model is created there; with `model.base_recipe` (local runs) that recipe is trained and
   its last checkpoint exported there. It is written into a temporary sibling directory and renamed into
@@ -30,50 +30,9 @@ from pathlib import Path
 
 from miles.config import ConfigError, Plan
 from miles.config.model import TinyModelConfig
+from miles.loop.inputs import check_inputs
 
 log = logging.getLogger("miles.launch")
-
-
-def check_rollout_inputs(plan: Plan) -> None:
-    """Build the task, load the reward and build what evaluation runs (the eval suites, or the
-    external function), so that a bad option, path or function is a ConfigError before any process
-    starts (and not a traceback in the trainer's log, or a skipped evaluation at its first step)."""
-    from miles.rollout.rewards import load_reward
-    from miles.rollout.tasks import plan_task
-
-    task = plan_task(plan)
-    load_reward(plan.rollout.reward)
-    _check_episode_plugins(plan)
-    if not plan.eval.every_steps:
-        return
-    if plan.eval.mode == "external":
-        from miles.eval.runner import load_external
-
-        assert plan.eval.external_fn  # the schema requires it in external mode
-        load_external(plan.eval.external_fn)
-    else:
-        from miles.eval.datasets import build_suites
-
-        build_suites(plan, task)
-
-
-def _check_episode_plugins(plan: Plan) -> None:
-    """The generate or agent function and the environment of multi-turn episodes load."""
-    from miles.rollout.generate import load_generate_fn
-
-    r = plan.rollout
-    load_generate_fn(r)
-    if r.agent_fn is not None:
-        from miles.agentic.rollout import load_agent_fn
-
-        load_agent_fn(r.agent_fn)
-    if r.env.name is not None:
-        from miles.agentic.envs.base import env_options, make_env
-
-        try:
-            make_env(r.env.name, **env_options(r.env.name, r.env.options, r.env.sandbox))
-        except ValueError as e:
-            raise ConfigError(f"rollout.env: {e}") from None
 
 
 @contextmanager
@@ -204,7 +163,7 @@ def prepare_inputs(plan: Plan, *, local: bool = True, create: bool = True) -> Pa
     run in a container) skips what needs the job's own software and filesystem to be checked;
     `create=False` (a dry run) checks without writing anything."""
     if local:
-        check_rollout_inputs(plan)
+        check_inputs(plan)
     path = ensure_model(plan, required=local) if create else Path(plan.model.path)
     if local:
         check_teacher_model(plan)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import ConfigError
+from miles.processes import pid_alive
 
 try:
     import fcntl
@@ -157,17 +158,6 @@ def process_start_ticks(pid: int) -> int | None:
         return None
     fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": field 3 is fields[0]
     return int(fields[19]) if len(fields) > 19 else None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID exists on this host (of any user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def this_process() -> LockOwner:

@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from miles.quant import int4, mx
+from miles.quant.contract import PACKED_FORMATS
 
-FORMATS = ("int4", "mxfp8", "nvfp4")
+FORMATS = PACKED_FORMATS
 Modules = Literal["experts", "linear"]
 
 _DENSE = re.compile(

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from miles.quant.contract import FP8_LAYOUTS
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
@@ -40,7 +42,7 @@ AMAX_FLOOR = 1e-10
 """Smallest amax used for a scale, so an all-zero block gets a finite scale (and zero bytes)."""
 
 Layout = Literal["fp8_block", "fp8_row"]
-LAYOUTS: tuple[str, ...] = ("fp8_block", "fp8_row")
+LAYOUTS = FP8_LAYOUTS
 
 _QUANTIZED_NAME = re.compile(
     r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"

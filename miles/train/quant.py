@@ -28,10 +28,8 @@ weights: it is a speed option, never the consistency mechanism.
 
 from __future__ import annotations
 
-import json
 import types
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,48 +37,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.config import ConfigError
-from miles.quant.formats import FORMATS, Format, Scheme
+from miles.quant.contract import engine_layout, packed_modules
+from miles.quant.formats import Format, Scheme
 from miles.quant.fp8 import LAYOUTS, fake_quant, is_quantized_name, quantize_weight, scale_name
 
 
-def engine_layout(plan: Any) -> str | None:
-    """The FP8 layout of `engine.quantization` ("fp8_block" / "fp8_row"), or None for any other engine."""
-    value = plan.engine.quantization
-    return value if value in LAYOUTS else None
-
-
 def engine_scheme(plan: Any) -> Scheme | None:
-    """The packed Scheme of `engine.quantization` (int4, mxfp8, nvfp4), `quant_modules: auto` resolved
-    from the model's config.json (experts for int4 on a MoE model, else linear); None otherwise."""
-    e = plan.engine
-    if e.quantization not in FORMATS:
+    """The packed Scheme of `engine.quantization` (int4, mxfp8, nvfp4; miles.quant.contract), or None."""
+    modules = packed_modules(plan)
+    if modules is None:
         return None
-    modules = e.quant_modules
-    if modules == "auto":
-        modules = "experts" if e.quantization == "int4" and _is_moe(plan.model.path) else "linear"
-    return Scheme(Format(e.quantization, e.int4_group_size), modules)
-
-
-def _is_moe(model_path: str) -> bool:
-    path = Path(model_path) / "config.json"
-    cfg = json.loads(path.read_text()) if path.exists() else {}
-    return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
+    return Scheme(Format(plan.engine.quantization, plan.engine.int4_group_size), modules)
 
 
 def engine_contract(plan: Any) -> str | Scheme | None:
     """The weight contract of the run's engines: an FP8 layout, a packed Scheme, or None (bf16)."""
     return engine_layout(plan) or engine_scheme(plan)
-
-
-def engine_quant_argv(plan: Any) -> list[str]:
-    """The embedded engine's quantisation flags for the run's contract."""
-    e = plan.engine
-    argv = ["--quantization", e.quantization, "--fp8-min-tokens", str(e.fp8_min_tokens)]
-    scheme = engine_scheme(plan)
-    if scheme is not None:
-        argv += ["--quant-modules", scheme.modules, "--int4-group-size", str(e.int4_group_size)]
-        argv += ["--int4-max-rows", str(e.int4_max_rows)]
-    return argv
 
 
 def fake_quant_layout(plan: Any) -> str | Scheme | None:

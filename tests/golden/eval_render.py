@@ -31,7 +31,7 @@ CASES = {
 
 def render(name: str) -> str:
     """The sbatch text of one case, with the repo path replaced by <repo>."""
-    from miles.eval.cli import build_eval_job
+    from miles.launch.eval_job import build_eval_job
     from miles.launch.slurm import render_sbatch
     from miles.launch.submit import load_plan
 

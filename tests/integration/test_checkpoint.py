@@ -197,7 +197,7 @@ def test_backend_read_error_names_the_step_and_path(fsdp):
 
 @pytest.mark.slow
 def test_resume_without_a_usable_checkpoint_refuses(fsdp):
-    from miles.loop_parts.state import LoopState
+    from miles.loop.state import LoopState
     from miles.metrics import MetricsLogger, read_metrics
     from miles.train.checkpoint import NoCheckpointError
 
@@ -221,7 +221,7 @@ def test_resume_without_a_usable_checkpoint_refuses(fsdp):
 @pytest.mark.slow
 def test_resume_of_a_run_without_progress_is_its_first_start(fsdp):
     """Every Slurm start passes --resume: a run directory with no checkpoint and no step starts fresh."""
-    from miles.loop_parts.state import LoopState
+    from miles.loop.state import LoopState
 
     backend, plan = fsdp()
     run_dir = Path(plan.run_dir)
@@ -237,7 +237,7 @@ def test_resume_of_a_run_without_progress_is_its_first_start(fsdp):
 def test_metrics_hold_each_step_once_after_resuming_past_a_damaged_checkpoint(fsdp):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from miles.loop_parts.state import LoopState
+    from miles.loop.state import LoopState
     from miles.metrics import read_metrics
 
     backend, plan = fsdp()

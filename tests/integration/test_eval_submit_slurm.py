@@ -14,8 +14,8 @@ import pytest
 from safetensors.torch import load_file
 
 from miles.config import resolve, write_plan
-from miles.eval.cli import submit_eval
 from miles.eval.snapshot import export_snapshot
+from miles.launch.eval_job import submit_eval
 from miles.launch.status import run_logs, run_status
 
 FNS = Path(__file__).resolve().parents[1] / "e2e"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.launch.rundir import RunDirBusy, RunDirLock, pid_alive, read_owner, slurm_job_state
+from miles.launch.rundir import RunDirBusy, RunDirLock, read_owner, slurm_job_state
+from miles.processes import pid_alive
 
 # Says it is ready, waits for a line on stdin, tries the lock, prints the outcome, then holds the
 # lock until its stdin closes.

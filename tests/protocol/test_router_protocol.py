@@ -97,11 +97,11 @@ def test_engine_log_has_no_invalid_http_noise(router, two_engines):
 
 @pytest.mark.parametrize("policy", ["cache_aware", "manual"])
 def test_rendered_router_command_parses_with_the_installed_router(policy):
-    """The job-side router command (miles.launch.sglang) against the installed sglang-router's parser."""
+    """The job-side router command (miles.rollout.sglang) against the installed sglang-router's parser."""
     from sglang_router.launch_router import parse_router_args
 
     from miles.config import resolve
-    from miles.launch.sglang import router_command
+    from miles.rollout.sglang import router_command
 
     plan = resolve({}, [f"engine.router_policy={policy}"])
     argv = router_command(plan, host="127.0.0.1", port=30029, worker_urls=["http://127.0.0.1:30000"])

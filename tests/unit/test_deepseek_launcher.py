@@ -14,7 +14,7 @@ import pytest
 from miles.config import read_plan
 from miles.config.layout import stage_layers
 from miles.config.rollout import TaskConfig
-from miles.launch.sglang import sglang_server_command
+from miles.rollout.sglang import sglang_server_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
 from launcher_render import GOLDEN, launcher, render  # noqa: E402

@@ -90,3 +90,56 @@ def test_the_reader_sees_function_level_imports_and_skips_type_only_ones(tmp_pat
 def test_the_package_has_no_import_cycle() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# Rooms that never import another room at run time (DESIGN.md: dependencies point down the house).
+NEVER = [
+    (("cluster", "agentic", "eval", "rollout", "engine", "train", "weights", "models", "quant"), "launch"),
+    (("launch",), "eval"),
+    (("models",), "agentic"),
+]
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Edges of `graph` that NEVER forbids, as 'a -> b'."""
+    found = []
+    for source, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            for rooms, forbidden in NEVER:
+                if _room(source) in rooms and _room(target) == forbidden:
+                    found.append(f"{source} -> {target}")
+    return found
+
+
+def test_the_never_list_finds_a_planted_upward_import() -> None:
+    graph = {"miles.cluster.x": {"miles.launch.y"}, "miles.launch.y": {"miles.eval.z"}, "miles.eval.z": set()}
+    assert upward_imports(graph) == ["miles.cluster.x -> miles.launch.y", "miles.launch.y -> miles.eval.z"]
+
+
+def test_no_room_imports_a_room_above_it() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_what_miles_submit_needs_imports_no_torch(tmp_path) -> None:
+    """The SGLang command builder, the plan-only quantisation contract, the loop's input checks and
+    the submission layer import no torch, and a dry run of `miles submit` imports none either (login
+    nodes have no torch)."""
+    import subprocess
+    import sys
+
+    recipe = ROOT.parent / "recipes" / "default.yaml"
+    code = (
+        "import sys\n"
+        "import miles.cli, miles.rollout.sglang, miles.rollout.engine_argv, miles.quant.contract\n"
+        "import miles.loop.inputs, miles.launch.submit, miles.launch.eval_job, miles.launch.local\n"
+        "assert 'torch' not in sys.modules, 'torch imported by an import'\n"
+        "from miles.launch.submit import submit\n"
+        f"submit({str(recipe)!r}, 'h100', ['run.runs_root={tmp_path}'], dry_run=True)\n"
+        "assert 'torch' not in sys.modules, 'torch imported by a dry run'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from miles.config import ConfigError
-from miles.launch.sglang import router_port, sglang_port, sglang_server_command
 from miles.launch.slurm import render_sbatch
 from miles.launch.spec import build_job
 from miles.launch.submit import grid_points, load_plan, submit, sweep
+from miles.rollout.sglang import router_port, sglang_port, sglang_server_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
 from render import golden_path, pairs, render  # noqa: E402
@@ -344,14 +344,14 @@ def test_gpu_placement_of_local_runs() -> None:
 
 def test_bad_task_or_reward_is_a_config_error_before_anything_starts() -> None:
     from miles.config import resolve
-    from miles.launch.local import check_rollout_inputs
+    from miles.loop.inputs import check_inputs
 
-    check_rollout_inputs(resolve({}))
+    check_inputs(resolve({}))
     too_many = {"rollout": {"task": {"name": "digits", "options": {"num_digits": 1}, "eval_size": 50}}}
     with pytest.raises(ConfigError, match="eval_size"):
-        check_rollout_inputs(resolve(too_many))
+        check_inputs(resolve(too_many))
     with pytest.raises(ConfigError, match="has no function 'nope'"):
-        check_rollout_inputs(resolve({"rollout": {"reward": "miles.rollout.rewards:nope"}}))
+        check_inputs(resolve({"rollout": {"reward": "miles.rollout.rewards:nope"}}))
 
 
 def test_failure_names_the_role_its_error_and_log(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 from miles.cluster.distributed import teardown_distributed
 from miles.config import ConfigError, resolve
 from miles.eval.datasets import build_suites
-from miles.launch.engine_argv import engine_argv
+from miles.rollout.engine_argv import engine_argv
 from miles.rollout.tasks import plan_task
 from miles.sample import Sample
 from miles.train import get_backend

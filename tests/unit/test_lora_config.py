@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from miles.config import ConfigError, resolve
-from miles.launch.engine_argv import engine_argv
+from miles.rollout.engine_argv import engine_argv
 
 LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "lm_head"]}
 

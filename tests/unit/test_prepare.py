@@ -104,15 +104,15 @@ def test_bad_external_eval_function_is_caught_before_anything_starts(tmp_path: P
 
 
 def test_eval_inputs_are_checked_only_when_evaluation_runs(tmp_path: Path) -> None:
-    from miles.launch.prepare import check_rollout_inputs
+    from miles.loop.inputs import check_inputs
 
     aime = {"aime": {"source": "aime", "path": str(tmp_path / "absent.jsonl")}}
     with pytest.raises(ConfigError, match="eval.datasets.aime"):
-        check_rollout_inputs(resolve({"eval": {"mode": "shared", "datasets": aime}}))
-    check_rollout_inputs(resolve({"eval": {"every_steps": 0, "datasets": aime}}))
+        check_inputs(resolve({"eval": {"mode": "shared", "datasets": aime}}))
+    check_inputs(resolve({"eval": {"every_steps": 0, "datasets": aime}}))
     (tmp_path / "good.jsonl").write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
     good = {"aime": {"source": "aime", "path": str(tmp_path / "good.jsonl")}}
-    check_rollout_inputs(resolve({"eval": {"mode": "dedicated", "datasets": good}}))
+    check_inputs(resolve({"eval": {"mode": "dedicated", "datasets": good}}))
 
 
 def test_base_recipe_is_resolved_beside_its_recipe_and_trained_only_locally(tmp_path: Path) -> None:
@@ -155,7 +155,7 @@ def test_coding_corpus_tokenizer_makes_tool_calls_short_and_keeps_them_in_text(t
 
 
 def test_coding_tokenizer_gives_each_task_word_one_token_in_every_context() -> None:
-    from miles.agentic.harbor.generate import NAMES, WORDS
+    from miles.models.coding_corpus import NAMES, WORDS
     from miles.models.tiny import build_tokenizer
 
     tok = build_tokenizer(512, 0, "coding")
@@ -173,12 +173,12 @@ def test_pretrain_steps_make_a_base_that_writes_shell_and_the_text_holds_no_task
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miles.agentic.harbor.generate import _draw, shell_text
     from miles.launch.prepare import _create_tiny
+    from miles.models.coding_corpus import draw_task, shell_text
 
     docs = shell_text(2000, 0)
     # "Create the file x.txt", "Set mode=y"
-    instructions = {_draw(0, i)[1].split(" in ")[0] for i in range(200)}
+    instructions = {draw_task(0, i).instruction.split(" in ")[0] for i in range(200)}
     assert not any("<tool_call>" in d or "/app" in d or any(i in d for i in instructions) for d in docs)
 
     def loss_on_unseen(path: Path) -> float:

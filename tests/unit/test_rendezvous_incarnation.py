@@ -8,7 +8,7 @@ import pytest
 
 from miles.cluster.environment import INCARNATION_VAR, JobEnvironment
 from miles.cluster.rendezvous import publish_engine, publish_router
-from miles.loop_parts.rollout_side import engine_urls
+from miles.loop.rollout_side import engine_urls
 
 
 @pytest.fixture

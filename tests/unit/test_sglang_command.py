@@ -200,8 +200,8 @@ def pairs() -> list[tuple[str, str]]:
 def render(recipe: str, profile: str, overrides: tuple[str, ...] = ()) -> tuple[list[str] | None, str]:
     """(argv or None, golden text) of the first SGLang server of a rollout node for recipe x profile."""
     from miles.config import ConfigError
-    from miles.launch.sglang import sglang_port, sglang_server_command
     from miles.launch.submit import load_plan
+    from miles.rollout.sglang import sglang_port, sglang_server_command
 
     cwd = os.getcwd()
     os.chdir(REPO)  # relative paths in recipes resolve against the repo root

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from miles.agentic.sandbox import process
 from miles.agentic.sandbox.base import ExecResult, Limits, SandboxError, SandboxStartError
-from miles.launch.rundir import pid_alive
+from miles.processes import pid_alive
 
 CLOSE_WAIT_S = 5.0
 """How long close() waits for killed processes to disappear before wiping anyway."""

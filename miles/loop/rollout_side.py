@@ -16,8 +16,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Coroutine, Iterable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
@@ -34,6 +35,10 @@ from miles.rollout.teacher import Teacher, check_tokenizer
 from miles.sample import Sample, Status
 from miles.serving import run_keys
 from miles.train.quant import engine_contract
+
+if TYPE_CHECKING:
+    from miles.eval.datasets import EvalSuite
+    from miles.weights import Bucket, WeightTransport
 
 log = logging.getLogger("miles.loop")
 
@@ -125,8 +130,8 @@ class RolloutSide:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout", daemon=True)
         self._stop: asyncio.Event | None = None
-        self._forever: Any = None
-        self._fill: Any = None
+        self._forever: Future[None] | None = None
+        self._fill: Future[None] | None = None
         self.lost: set[str] = set()
         """URLs of engines found unreachable since the last (re)connection."""
         self.published = set(urls)
@@ -134,7 +139,7 @@ class RolloutSide:
         self._closing = False
         self.replacements = 0
         """Reconnections after a lost engine so far (metric `engine/replacements`)."""
-        self.eval_suites: list[Any] = []
+        self.eval_suites: list[EvalSuite] = []
         """The evaluation datasets (built at the first evaluation)."""
         self.eval_skipped: Counter[str] = Counter()
         """Evaluations skipped so far, by reason (metrics `eval/skipped_<reason>`)."""
@@ -194,7 +199,7 @@ class RolloutSide:
         self.lost.add(url)
         self.generator.ready.clear()
 
-    def _transport(self, urls: list[str]) -> Any:
+    def _transport(self, urls: list[str]) -> WeightTransport:
         from miles.weights import get_transport
 
         w = self.plan.weights
@@ -324,7 +329,7 @@ class RolloutSide:
     def resume_engines(self) -> None:
         self.call(_gather(*(a.resume_memory_occupation() for a in self.admins)))
 
-    def push(self, buckets: Iterable[Any], version: int) -> None:
+    def push(self, buckets: Iterable[Bucket], version: int) -> None:
         """Push one version into every engine and open the generator's gate. When an engine is lost
         on the way, the remaining buckets are still drawn (every rank exports them collectively), the
         engine is recorded in `lost`, and the caller repairs and pushes again."""
@@ -342,7 +347,7 @@ class RolloutSide:
             return
         self._loop.call_soon_threadsafe(self.generator.ready.set)
 
-    def check_metrics(self, buckets: Iterable[Any]) -> dict[str, float]:
+    def check_metrics(self, buckets: Iterable[Bucket]) -> dict[str, float]:
         """The post-push check as a metric: `weights/check_max_diff` (bf16 engines, by values) or
         `weights/checksum_mismatch` (quantised engines and LoRA adapters, stored by the engines as
         `<adapter>/<name>`: tensors whose bytes differ, by checksums)."""

@@ -11,14 +11,21 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from miles.config import Plan
 from miles.metrics import MetricsLogger, read_metrics
+
+if TYPE_CHECKING:
+    from miles.loop.rollout_side import RolloutSide
+    from miles.sample import Sample
+    from miles.train.backend import TrainBackend
+    from miles.weights.transport import Bucket
 
 log = logging.getLogger("miles.loop")
 
@@ -76,7 +83,9 @@ class LoopState:
         return self.run_dir / "control" / "preempt"
 
     @classmethod
-    def restore(cls, backend: Any, plan: Plan, run_dir: Path, resume: bool, rank0: bool) -> LoopState:
+    def restore(
+        cls, backend: TrainBackend, plan: Plan, run_dir: Path, resume: bool, rank0: bool
+    ) -> LoopState:
         """Fresh start, or (resume) load the newest checkpoint that verifies; damaged newer ones are
         skipped with a warning. Resuming a run that recorded progress (metrics after step 0, a
         checkpoint directory) without a usable checkpoint raises NoCheckpointError; a run directory
@@ -90,7 +99,7 @@ class LoopState:
             )
         return state
 
-    def _resume(self, backend: Any, rank0: bool) -> bool:
+    def _resume(self, backend: TrainBackend, rank0: bool) -> bool:
         """Load the newest usable checkpoint (collective); False: nothing was recorded to resume."""
         from miles.train.checkpoint import NoCheckpointError
 
@@ -116,20 +125,20 @@ class LoopState:
         log.info("resumed from checkpoint step %d (data index %d)", self.step, self.data_index)
         return True
 
-    def rollout_side(self, plan: Plan, run_dir: Path) -> Any:
-        from miles.loop_parts.rollout_side import RolloutSide
+    def rollout_side(self, plan: Plan, run_dir: Path) -> RolloutSide:
+        from miles.loop.rollout_side import RolloutSide
 
         side = RolloutSide(plan, run_dir)
         side.start(self.data_index)
         return side
 
-    def push_weights(self, plan: Plan, backend: Any, side: Any) -> dict[str, float]:
+    def push_weights(self, plan: Plan, backend: TrainBackend, side: RolloutSide | None) -> dict[str, float]:
         """Export (collective on every rank) and push weights of version `step` into the engines."""
         start = time.monotonic()
         bucket_bytes = plan.weights.bucket_mb << 20
         sent = [0]
 
-        def counted(buckets: Any) -> Any:
+        def counted(buckets: Iterable[Bucket]) -> Iterator[Bucket]:
             for bucket in buckets:
                 sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
                 yield bucket
@@ -152,8 +161,8 @@ class LoopState:
                     pass
         return out
 
-    def rollout_metrics(self, samples: list[Any]) -> dict[str, float]:
-        from miles.loop_parts.rollout_side import batch_metrics
+    def rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        from miles.loop.rollout_side import batch_metrics
 
         return batch_metrics(samples)
 
@@ -164,13 +173,13 @@ class LoopState:
         assert self.logger is not None
         self.logger.log(step, metrics)
 
-    def save(self, backend: Any, side: Any) -> None:
+    def save(self, backend: TrainBackend, side: RolloutSide | None) -> None:
         """Complete checkpoint of this step with the data position (collective)."""
         index = broadcast(side.producer.next_index if side is not None else None)
         path = backend.save(self.step, {"step": self.step, "data_index": index})
         log.info("checkpoint of step %d written to %s", self.step, path)
 
-    def close(self, side: Any) -> None:
+    def close(self, side: RolloutSide | None) -> None:
         if side is not None:
             side.stop()
         if self.logger is not None:

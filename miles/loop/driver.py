@@ -1,4 +1,4 @@
-"""The RL loop, run on every trainer rank: `python -m miles.loop --run-dir RUN_DIR [--resume]`.
+"""The RL loop's driver, run on every trainer rank: `python -m miles.loop --run-dir RUN_DIR [--resume]`.
 
     for step: batch <- buffer (rank 0, sync or fully async)  -> broadcast to all ranks
               [colocated + sync: engines release their GPU memory] train(batch) [engines resume it]
@@ -28,28 +28,35 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles.cluster.environment import set_intra_op_threads
-from miles.config import read_plan
-from miles.loop_parts.rollout_side import REPLACED
-from miles.loop_parts.state import LoopState, barrier_flag, broadcast, setup_logging
+from miles.config import Plan, read_plan
+from miles.loop.rollout_side import REPLACED
+from miles.loop.state import LoopState, barrier_flag, broadcast, setup_logging
 from miles.processes import die_with_parent
+
+if TYPE_CHECKING:
+    from miles.eval.modes import Evaluations
+    from miles.loop.rollout_side import RolloutSide
+    from miles.sample import Sample
+    from miles.train.backend import TrainBackend
 
 
 def train_step(
-    backend: Any, samples: list[Any], side: Any, take_turns: bool, rank0: bool
+    backend: TrainBackend, samples: list[Sample], side: RolloutSide | None, take_turns: bool
 ) -> tuple[dict[str, float], dict[str, float]]:
     """One training step (train/* metrics) and its times; with `take_turns` the engines release
-    their GPU memory first and resume it after (rank 0 asks them; every rank waits for the release)."""
+    their GPU memory first and resume it after (rank 0, the rank with the rollout side `side`, asks
+    them; every rank waits for the release)."""
     start = time.monotonic()
     if take_turns:
-        broadcast(side.release_engines() if rank0 else None)
+        broadcast(side.release_engines() if side is not None else None)
     t_train = time.monotonic()
     # the critic's metrics keep their own family (critic/*); the policy's become train/*
     metrics = {k if k.startswith("critic/") else f"train/{k}": v for k, v in backend.train(samples).items()}
     t_resume = time.monotonic()
-    if take_turns and rank0:
+    if take_turns and side is not None:
         side.resume_engines()
     times = {"time/train_s": t_resume - t_train}
     if take_turns:
@@ -59,38 +66,40 @@ def train_step(
     return metrics, times
 
 
-def push_weights(state: LoopState, plan: Any, backend: Any, side: Any, rank0: bool) -> dict[str, float]:
+def push_weights(
+    state: LoopState, plan: Plan, backend: TrainBackend, side: RolloutSide | None
+) -> dict[str, float]:
     """Push the current weights; an engine lost during the push is replaced and pushed to again
     (at most engine.max_restarts + 1 attempts, all ranks together)."""
     for _ in range(plan.engine.max_restarts + 1):
         metrics = state.push_weights(plan, backend, side)
-        if not barrier_flag(rank0 and bool(side.lost)):
+        if not barrier_flag(side is not None and bool(side.lost)):
             return metrics
-        if rank0:
+        if side is not None:
             side.repair()
     raise RuntimeError(f"weight push kept failing after {plan.engine.max_restarts + 1} engine repairs")
 
 
-def next_batch(state: LoopState, plan: Any, backend: Any, side: Any, rank0: bool) -> list[Any]:
+def next_batch(state: LoopState, plan: Plan, backend: TrainBackend, side: RolloutSide | None) -> list[Sample]:
     """Rank 0's next batch on every rank; pushes the current weights first whenever rank 0 had to
     replace an engine (its new engine serves the initial weights until then)."""
-    while (samples := broadcast(side.batch(state.step) if rank0 else None)) == REPLACED:
-        push_weights(state, plan, backend, side, rank0)
+    while (samples := broadcast(side.batch(state.step) if side is not None else None)) == REPLACED:
+        push_weights(state, plan, backend, side)
     return samples
 
 
 def evaluate_weights(
-    plan: Any, backend: Any, side: Any, evals: Any, step: int, rank0: bool
+    plan: Plan, backend: TrainBackend, side: RolloutSide | None, evals: Evaluations | None, step: int
 ) -> dict[str, float]:
     """Evaluate the weights of `step`: `shared` mode on the rollout engines now (they serve them);
     otherwise every rank exports them as a snapshot, whose evaluation runs on while training goes
     on (miles.eval.modes). Returns what belongs in this step's record."""
     if plan.eval.mode == "shared":
-        return side.evaluate(step) if rank0 else {}
-    go, metrics = evals.admit(step, step == plan.train.steps) if rank0 else (False, {})
+        return side.evaluate(step) if side is not None else {}
+    go, metrics = evals.admit(step, step == plan.train.steps) if evals is not None else (False, {})
     if barrier_flag(go):
         buckets = backend.export_weights(plan.weights.bucket_mb << 20)
-        if rank0:
+        if evals is not None:
             evals.submit(step, buckets)
         else:
             for _ in buckets:
@@ -98,7 +107,7 @@ def evaluate_weights(
     return metrics
 
 
-def log_evaluations(state: LoopState, evals: Any, step: int, drain: bool = False) -> None:
+def log_evaluations(state: LoopState, evals: Evaluations | None, step: int, drain: bool = False) -> None:
     """Rank 0: finished dedicated/external evaluations into the records of their steps (`drain`:
     wait for those still running first)."""
     for at, result in (evals.drain(step) if drain else evals.collect(step)) if evals else []:
@@ -128,28 +137,28 @@ def run(run_dir: Path, resume: bool) -> int:
     )
     try:
         if state.step > 0 or plan.train.lora is not None:  # LoRA: the engines need the adapter at step 0
-            push_weights(state, plan, backend, side, rank0)
+            push_weights(state, plan, backend, side)
         if state.step == 0 and plan.eval.every_steps > 0:
-            row = evaluate_weights(plan, backend, side, evals, 0, rank0)
+            row = evaluate_weights(plan, backend, side, evals, 0)
             if rank0:
                 state.log(0, row)
         for step in range(state.step + 1, plan.train.steps + 1):
             t0 = time.monotonic()
-            samples = next_batch(state, plan, backend, side, rank0)
+            samples = next_batch(state, plan, backend, side)
             t1 = time.monotonic()
-            metrics, times = train_step(backend, samples, side, take_turns, rank0)
+            metrics, times = train_step(backend, samples, side, take_turns)
             state.step, t2 = step, time.monotonic()
             last = step == plan.train.steps
             pushed = step % plan.weights.update_interval == 0 or last
             if pushed:
-                metrics.update(push_weights(state, plan, backend, side, rank0))
+                metrics.update(push_weights(state, plan, backend, side))
             t3 = time.monotonic()
             state.eval_due |= bool(plan.eval.every_steps) and (step % plan.eval.every_steps == 0 or last)
             # shared mode waits for a push: the engines then serve exactly this step's weights
             if state.eval_due and (pushed or plan.eval.mode != "shared"):
-                metrics.update(evaluate_weights(plan, backend, side, evals, step, rank0))
+                metrics.update(evaluate_weights(plan, backend, side, evals, step))
                 state.eval_due = False
-            if rank0:
+            if side is not None:  # rank 0
                 metrics.update(side.metrics(), **state.rollout_metrics(samples))
                 sync_s = (
                     t3 - t2 + times.get("time/engine_release_s", 0.0) + times.get("time/engine_resume_s", 0.0)
@@ -202,7 +211,3 @@ def main(argv: list[str] | None = None) -> int:
     # torch and transformers made (about a second on a small CPU) before the launcher sees the end.
     gc.freeze()
     return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles.train.quant import engine_quant_argv
+from miles.quant.contract import engine_quant_argv
 
 
 def lora_slots(lora: Any) -> int:

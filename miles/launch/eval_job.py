@@ -1,21 +1,14 @@
-"""`miles eval RUN_DIR --step N [--submit]`: evaluate one step's snapshot of a run, here or as a Slurm job.
+"""`miles eval RUN_DIR --step N --submit`: the evaluation of one step of a run as a Slurm job.
 
-Without --submit it runs in this process (miles.eval.runner.evaluate_snapshot): the run's eval mode
-(`external` calls eval.external_fn, `dedicated` starts an eval engine here; a `shared` run's
-snapshots are evaluated as `dedicated`), or `--fn module:function` for another external function.
-The result goes to RUN_DIR/eval/step_N/manual.json and the console (the run's metrics.jsonl is
-left to the run's own loop, which may still be writing it).
-
-With --submit the same command becomes a Slurm job of one group and one step, rendered by
-miles.launch.slurm from a JobSpec with the profile's partition, CPUs, GPUs, environment, set-up
-and container, and submitted through the same layer as `miles submit`. The job has a directory of
-its own, RUN_DIR/eval/step_N/job/ (submission.sh, job.json, logs/), so `miles status` and
-`miles logs` work on it. Imports no torch (login nodes submit).
+The by-hand evaluation (`python -m miles.eval.runner snapshot`) becomes a Slurm job of one group and
+one step, rendered by miles.launch.slurm from a JobSpec with the profile's partition, CPUs, GPUs,
+environment, set-up and container, and submitted through the same layer as `miles submit`. The job
+has a directory of its own, RUN_DIR/eval/step_N/job/ (submission.sh, job.json, logs/), so `miles
+status` and `miles logs` work on it. Imports no torch (login nodes submit).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -89,16 +82,13 @@ def submit_eval(
     run_dir: str | Path, step: int, *, profile: str | None = None, mode: str | None = None,
     fn: str | None = None, dry_run: bool = False,
 ) -> EvalSubmission:  # fmt: skip
-    """Render (and unless dry_run, submit) the evaluation job of one complete snapshot, or of a
-    checkpointed step (the job exports its weights first)."""
-    from miles.eval.snapshot import find_snapshot
+    """Render (and unless dry_run, submit) the evaluation job of one step of a run: a step with a
+    complete eval snapshot, or a checkpointed one (the job exports its weights first); the caller
+    has checked that the step is one of them (`miles eval`)."""
     from miles.launch.jobs import FailedSubmissionError, ScriptExecutor
-    from miles.train.checkpoint import complete_steps
 
     run_dir = Path(run_dir).resolve()
     plan = read_plan(run_dir / "plan.yaml")
-    if step not in complete_steps(run_dir):
-        find_snapshot(run_dir, step)
     if (fn is None and (mode or plan.eval.mode) == "external") and not plan.eval.external_fn:
         raise ConfigError(f"{run_dir}: eval.external_fn is not set in its plan; pass --fn module:function")
     prof = load_profile(profile or plan.launch.profile)
@@ -118,35 +108,3 @@ def submit_eval(
     record = {"job_id": job.job_id, "log_dir": spec.log_dir, "submitted_at": time.time(), "step": step}
     (folder / "job.json").write_text(json.dumps(record, indent=1))
     return EvalSubmission(str(folder), str(script_path), command, job.job_id)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    if not args.submit:
-        from miles.eval.runner import snapshot_main
-
-        return snapshot_main(args)
-    try:
-        sub = submit_eval(
-            args.run_dir, args.step, profile=args.profile, mode=args.mode, fn=args.fn, dry_run=args.dry_run
-        )
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
-    if sub.job_id is None:
-        print(f"wrote {sub.script_path}")
-        print(" ".join(sub.command))
-    else:
-        print(f"submitted job {sub.job_id}: evaluation of step {args.step}, in {sub.job_dir}")
-    return 0
-
-
-def add_eval_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="evaluate the snapshot of one step of a run (here, or --submit to Slurm)")
-    p.add_argument("run_dir", help="the run directory")
-    p.add_argument("--step", type=int, required=True, help="the step whose snapshot to evaluate")
-    p.add_argument("--mode", choices=["dedicated", "external"], help="default: the run's eval.mode")
-    p.add_argument("--fn", help="an external eval function (module:function); implies --mode external")
-    p.add_argument("--out", help="result JSON (default RUN_DIR/eval/step_N/manual.json)")
-    p.add_argument("--submit", action="store_true", help="run it as a Slurm job of its own")
-    p.add_argument("--profile", help="hardware profile of the job (default: the run's launch.profile)")
-    p.add_argument("--dry-run", action="store_true", help="with --submit: write the script, do not submit")
-    p.set_defaults(func=cmd_eval)

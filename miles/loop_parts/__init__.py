@@ -1,1 +1,0 @@
-"""Pieces of the RL loop (miles/loop.py): rank-0 rollout side, loop state across restarts."""
