@@ -119,7 +119,7 @@ def export_run(
         raise ConfigError(f"miles export --merge: name one of {', '.join(lora.names)} with --adapter")
     contract = None
     if quantized:
-        from miles.train.quant import engine_contract
+        from miles.quant.formats import engine_contract
 
         contract = engine_contract(plan)
         if contract is None:
@@ -142,13 +142,13 @@ def export_run(
         if lora is not None:  # the base as loaded, then the adapter under PEFT's saved names
             from peft import set_peft_model_state_dict
 
-            from miles.train.fsdp.lora import wrap
+            from miles.lora.adapters import wrap
 
             model = wrap(model, lora)
             set_peft_model_state_dict(model, adapters, adapter_name=lora.names[0])
     elif (src / "state").is_dir():
         if lora is not None:
-            from miles.train.fsdp.lora import wrap
+            from miles.lora.adapters import wrap
 
             model = wrap(model, lora)
         _load_strict(model, _stack_experts(fsdp_state(src / "state", model), model.state_dict()), src)
@@ -363,7 +363,7 @@ def _write_adapters(
     or `adapter` at `out`, else each adapter at out/<name>."""
     import torch
 
-    from miles.train.fsdp.lora import write_adapter
+    from miles.lora.adapters import write_adapter
 
     model = model.to(getattr(torch, _DTYPES[dtype]))
     if adapter is not None or len(names) == 1:

@@ -37,8 +37,11 @@ def _derive(plan: Plan) -> dict[str, dict[str, Any]]:
         derived["train"]["loss"] = plan.train.loss.model_copy(
             update={"eps_clip_high": plan.train.loss.eps_clip}
         )
-    if plan.launch.layout == "colocated" and "transport" not in plan.weights.model_fields_set:
-        derived["weights"]["transport"] = "tensor"  # NCCL cannot connect two processes on one GPU
+    if "transport" not in plan.weights.model_fields_set:
+        if plan.train.lora is not None:
+            derived["weights"]["transport"] = "lora"  # a LoRA run pushes its adapters alone
+        elif plan.launch.layout == "colocated":
+            derived["weights"]["transport"] = "tensor"  # NCCL cannot connect two processes on one GPU
     return derived
 
 
@@ -72,6 +75,7 @@ def _check(plan: Plan) -> None:
     check_quantization(plan)
     check_distill(plan)
     check_lora(plan)
+    _check_transport(plan)
     if plan.launch.layout == "colocated" and plan.weights.transport == "distributed":
         raise ConfigError(
             "launch.layout=colocated puts engines on the trainer's GPUs, where NCCL cannot broadcast "
@@ -79,6 +83,18 @@ def _check(plan: Plan) -> None:
         )
     if t.optimizer_offload == "nvme" and not t.offload_dir:
         raise ConfigError("train.optimizer_offload=nvme needs train.offload_dir (a node-local directory)")
+
+
+def _check_transport(plan: Plan) -> None:
+    """`lora` is the transport of LoRA runs and of them alone."""
+    w, lora = plan.weights, plan.train.lora
+    if lora is None and w.transport == "lora":
+        raise ConfigError("weights.transport=lora pushes LoRA adapters: set train.lora, or another transport")
+    if lora is not None and "transport" in w.model_fields_set and w.transport != "lora":
+        raise ConfigError(
+            f"weights.transport={w.transport}: a train.lora run pushes its adapters alone, through the lora "
+            "transport; leave weights.transport unset (or set it to lora)"
+        )
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

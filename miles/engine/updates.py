@@ -29,7 +29,7 @@ dtype) as uint8 bytes (miles.weights.group.broadcast_from_trainer). /get_weights
 FP8 weight's dequantised values, as SGLang does.
 
 `/weights_checker` with `{"action": "checksum"}` answers SGLang's reply (utils/weight_checker.py):
-per HF name the hash of the bytes the engine stores (miles.quant.fp8.checksum: sha256 of the C-order
+per HF name the hash of the bytes the engine stores (miles.weights.checksum: sha256 of the C-order
 bytes, first 8 bytes in hex), an FP8 weight as its two tensors, so a trainer compares them with the
 bytes it sent; `per_gpu_checksum` over the sorted (name, hash) pairs and `per_engine_checksum` over
 the ranks' (one here). SGLang hashes the dequantised value of a quantised weight instead; the bytes
@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from miles.engine.fp8_weights import load_checkpoint, quantization_of
 from miles.engine.scheduler import Scheduler
 from miles.engine.validation import HTTPError
-from miles.quant.fp8 import checksum
+from miles.weights.checksum import checksum
 from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
 from miles.weights.tensor import deserialize
 

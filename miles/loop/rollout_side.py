@@ -21,10 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-import torch
-
 from miles.config import Plan
-from miles.processes import free_port
+from miles.quant.formats import engine_contract
 from miles.rollout.buffer import RolloutBuffer, load_policy
 from miles.rollout.client import SGLangClient
 from miles.rollout.generate import Generator, PromptEncoder
@@ -34,7 +32,6 @@ from miles.rollout.tasks import plan_task
 from miles.rollout.teacher import Teacher, check_tokenizer
 from miles.sample import Sample, Status
 from miles.serving import run_keys
-from miles.train.quant import engine_contract
 
 if TYPE_CHECKING:
     from miles.eval.datasets import EvalSuite
@@ -200,32 +197,13 @@ class RolloutSide:
         self.generator.ready.clear()
 
     def _transport(self, urls: list[str]) -> WeightTransport:
-        from miles.weights import get_transport
+        """The run's weight transport (`weights.transport`, derived `lora` for LoRA runs)."""
+        from miles.weights import Site, get_transport
 
-        w = self.plan.weights
-        mode = None if w.pause_mode == "none" else w.pause_mode
         local = all(urlparse(u).hostname in ("127.0.0.1", "localhost") for u in urls)
-        if self.plan.train.lora is not None:
-            from miles.train.fsdp.lora import adapter_config
-            from miles.weights.lora import LoraTransport
-
-            config = adapter_config(self.plan.train.lora, self.plan.model.path)
-            return LoraTransport(self.admins, config, pause_mode=mode, local=local, check=w.check)
-        cls = get_transport(w.transport)
-        if w.transport == "disk":
-            return cls(
-                self.admins,
-                self.run_dir / "weights",
-                template_dir=self.plan.model.path,
-                pause_mode=mode,
-                quantization=engine_contract(self.plan),
-            )
-        if w.transport == "tensor":
-            return cls(self.admins, pause_mode=mode)
-        addr = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-        device = self.plan.train.device
-        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        return cls(self.admins, addr, free_port(addr), backend="nccl" if cuda else "gloo", pause_mode=mode)
+        address = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+        site = Site(self.admins, self.run_dir, local, address)
+        return get_transport(self.plan.weights.transport).from_plan(self.plan, site)
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
         """Run a coroutine on the rollout loop and wait for its result."""

@@ -133,7 +133,10 @@ class LoopState:
         return side
 
     def push_weights(self, plan: Plan, backend: TrainBackend, side: RolloutSide | None) -> dict[str, float]:
-        """Export (collective on every rank) and push weights of version `step` into the engines."""
+        """Export (collective on every rank) and push weights of version `step` into the engines; with
+        `weights.check`, the check as metrics (from the push itself when the transport verifies)."""
+        from miles.weights import get_transport
+
         start = time.monotonic()
         bucket_bytes = plan.weights.bucket_mb << 20
         sent = [0]
@@ -152,7 +155,9 @@ class LoopState:
         out = {"weights/version": float(self.step), "weights/push_s": time.monotonic() - start}
         if sent[0]:  # the rank that holds the exported tensors
             out["weights/push_bytes"] = float(sent[0])
-        if plan.weights.check:
+        if plan.weights.check and get_transport(plan.weights.transport).push_verifies(plan):
+            out["weights/checksum_mismatch"] = 0.0  # each engine checked the bytes it stored in the push
+        elif plan.weights.check:  # a second export, compared with what the engines now serve
             buckets = backend.export_weights(bucket_bytes)
             if side is not None:
                 out.update(side.check_metrics(buckets))

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from miles.quant import int4, mx
-from miles.quant.contract import PACKED_FORMATS
+from miles.quant.contract import PACKED_FORMATS, engine_layout, packed_modules
 
 FORMATS = PACKED_FORMATS
 Modules = Literal["experts", "linear"]
@@ -264,3 +264,17 @@ def scheme_from_config(qc: dict[str, Any] | None) -> Scheme | None:
         f"quantization_config.quant_method {qc.get('quant_method')!r} (format {qc.get('format')!r}) is not "
         "one the embedded engine loads: fp8, compressed-tensors pack-quantized (int4), or miles (mxfp8, nvfp4)"
     )
+
+
+def engine_scheme(plan: Any) -> Scheme | None:
+    """The packed Scheme of the run's `engine.quantization` (int4, mxfp8, nvfp4; what it covers:
+    miles.quant.contract.packed_modules), or None."""
+    modules = packed_modules(plan)
+    if modules is None:
+        return None
+    return Scheme(Format(plan.engine.quantization, plan.engine.int4_group_size), modules)
+
+
+def engine_contract(plan: Any) -> str | Scheme | None:
+    """The weight contract of the run's engines: an FP8 layout, a packed Scheme, or None (bf16)."""
+    return engine_layout(plan) or engine_scheme(plan)

@@ -25,7 +25,6 @@ Wire and checkpoint layout: a quantised `X.weight` travels with `X.weight_scale_
 
 from __future__ import annotations
 
-import hashlib
 import re
 from typing import Literal
 
@@ -282,10 +281,3 @@ def scale_name(name: str) -> str:
     if not name.endswith(".weight"):
         raise ValueError(f"only a '.weight' tensor has an FP8 scale, got {name!r}")
     return name + "_scale_inv"
-
-
-def checksum(t: Tensor) -> str:
-    """SGLang's host tensor hash: sha256 of the raw C-order bytes, first 8 bytes as 16 hex digits."""
-    host = t.detach().cpu().contiguous()
-    data = host.reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(memoryview(data)).hexdigest()[:16]

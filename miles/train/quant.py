@@ -37,22 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.config import ConfigError
-from miles.quant.contract import engine_layout, packed_modules
-from miles.quant.formats import Format, Scheme
+from miles.quant.formats import Scheme, engine_contract
 from miles.quant.fp8 import LAYOUTS, fake_quant, is_quantized_name, quantize_weight, scale_name
-
-
-def engine_scheme(plan: Any) -> Scheme | None:
-    """The packed Scheme of `engine.quantization` (int4, mxfp8, nvfp4; miles.quant.contract), or None."""
-    modules = packed_modules(plan)
-    if modules is None:
-        return None
-    return Scheme(Format(plan.engine.quantization, plan.engine.int4_group_size), modules)
-
-
-def engine_contract(plan: Any) -> str | Scheme | None:
-    """The weight contract of the run's engines: an FP8 layout, a packed Scheme, or None (bf16)."""
-    return engine_layout(plan) or engine_scheme(plan)
 
 
 def fake_quant_layout(plan: Any) -> str | Scheme | None:

@@ -3,7 +3,7 @@
 `check_weights`: values read back through /get_weights_by_name, within a tolerance (bf16 engines).
 `check_checksums`: byte equality through /weights_checker {"action": "checksum"} (SGLang's route and
 reply shape): the engine hashes the bytes it stores per tensor (sha256 of the raw C-order bytes, 16
-hex digits: `miles.quant.fp8.checksum`), the trainer hashes the bytes it sent. For FP8 engines this
+hex digits: `miles.weights.checksum`), the trainer hashes the bytes it sent. For FP8 engines this
 is the check of the quantisation contract: the FP8 weight and its `weight_scale_inv` must arrive,
 and stay, exactly as the trainer quantised them. It needs an engine that reports checksums under
 the Hugging Face names it was sent (the embedded engine does; a tensor-parallel or fused-parameter
@@ -68,7 +68,7 @@ async def check_checksums(
 ) -> dict[str, str]:
     """Byte equality of every given tensor on every engine; {"<engine URL>:<name>": what differs},
     empty when each engine stores exactly the bytes of each tensor."""
-    from miles.quant.fp8 import checksum
+    from miles.weights.checksum import checksum
 
     stored = await asyncio.gather(*(engine_checksums(e) for e in engines))
     bad: dict[str, str] = {}

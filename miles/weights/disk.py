@@ -20,12 +20,13 @@ import json
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 
-from miles.quant.formats import Scheme
+from miles.quant.formats import Scheme, engine_contract
 from miles.quant.fp8 import LAYOUTS, quantization_config
-from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode
+from miles.weights.transport import Bucket, EngineAdmin, Site, check_pause_mode, pause_mode_of
 
 _TEMPLATE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 
@@ -53,6 +54,21 @@ class DiskTransport:
         self.template_dir = Path(template_dir) if template_dir else None
         self.pause_mode = pause_mode
         self.current: Path | None = None
+
+    @classmethod
+    def push_verifies(cls, plan: Any) -> bool:
+        return False
+
+    @classmethod
+    def from_plan(cls, plan: Any, site: Site) -> DiskTransport:
+        """Versions under RUN_DIR/weights, in the engines' weight contract, beside the model's files."""
+        return cls(
+            site.engines,
+            site.run_dir / "weights",
+            template_dir=plan.model.path,
+            pause_mode=pause_mode_of(plan),
+            quantization=engine_contract(plan),
+        )
 
     async def setup(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

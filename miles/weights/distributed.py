@@ -14,9 +14,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
+from miles.processes import free_port
 from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
-from miles.weights.transport import Bucket, EngineAdmin, check_pause_mode, dtype_name, push_paused
+from miles.weights.transport import (
+    Bucket,
+    EngineAdmin,
+    Site,
+    check_pause_mode,
+    dtype_name,
+    pause_mode_of,
+    push_paused,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +54,25 @@ class DistributedTransport:
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
         self.group = None
+
+    @classmethod
+    def push_verifies(cls, plan: Any) -> bool:
+        return False
+
+    @classmethod
+    def from_plan(cls, plan: Any, site: Site) -> DistributedTransport:
+        """An update group at the trainer's address on a free port: NCCL when the trainer is on CUDA."""
+        import torch
+
+        device = plan.train.device
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        return cls(
+            site.engines,
+            site.address,
+            free_port(site.address),
+            backend="nccl" if cuda else "gloo",
+            pause_mode=pause_mode_of(plan),
+        )
 
     async def setup(self) -> None:
         world = 1 + len(self.engines)

@@ -1,6 +1,6 @@
 """LoraTransport: each push sends only the LoRA adapters, replacing each in place in every engine.
 
-The trainer exports `<adapter>/<PEFT saved name>` tensors (miles/train/fsdp/lora.py). Per adapter and
+The trainer exports `<adapter>/<PEFT saved name>` tensors (miles.lora.adapters.wire_name). Per adapter and
 engine, one `/load_lora_adapter_from_tensors` under the adapter's name: the embedded engine replaces an
 adapter of the same name in place (miles/engine/lora.py), so nothing is unloaded first (an unload waits
 for the requests in flight, which never finish while generation is paused). The tensors travel inside
@@ -20,9 +20,10 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from miles.quant.fp8 import checksum
+from miles.lora.adapters import adapter_config, split_wire_name
+from miles.weights.checksum import checksum
 from miles.weights.tensor import pack, serialize, serialize_inline
-from miles.weights.transport import Bucket, check_pause_mode, paused
+from miles.weights.transport import Bucket, Site, check_pause_mode, pause_mode_of, paused
 
 
 class LoraTransport:
@@ -41,6 +42,19 @@ class LoraTransport:
         self.pause_mode = pause_mode
         self.bytes_sent = 0
 
+    @classmethod
+    def push_verifies(cls, plan: Any) -> bool:
+        """With `weights.check` each engine compares the bytes it stored with the sent checksums."""
+        return plan.weights.check
+
+    @classmethod
+    def from_plan(cls, plan: Any, site: Site) -> LoraTransport:
+        """The run's adapters with their adapter_config.json, by reference when every engine is local."""
+        config = adapter_config(plan.train.lora, plan.model.path)
+        return cls(
+            site.engines, config, pause_mode=pause_mode_of(plan), local=site.local, check=plan.weights.check
+        )
+
     async def setup(self) -> None:
         return None
 
@@ -48,7 +62,7 @@ class LoraTransport:
         adapters: dict[str, list[tuple[str, Any]]] = {}
         for bucket in buckets:
             for name, t in bucket:
-                adapter, _, saved = name.partition("/")
+                adapter, saved = split_wire_name(name)
                 adapters.setdefault(adapter, []).append((saved, t.detach()))
         if self.local:  # one buffer per adapter and dtype, alive until every engine has answered
             adapters = {a: pack(named) for a, named in adapters.items()}

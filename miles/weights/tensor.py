@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions  # noqa: F401  (registers the tensor reductions)
 
-from miles.weights.transport import Bucket, check_pause_mode, push_paused
+from miles.weights.transport import Bucket, Site, check_pause_mode, pause_mode_of, push_paused
 
 
 def pack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
@@ -137,6 +137,14 @@ class TensorTransport:
         check_pause_mode(pause_mode)
         self.engines = list(engines)
         self.pause_mode = pause_mode
+
+    @classmethod
+    def push_verifies(cls, plan: Any) -> bool:
+        return False
+
+    @classmethod
+    def from_plan(cls, plan: Any, site: Site) -> TensorTransport:
+        return cls(site.engines, pause_mode=pause_mode_of(plan))
 
     async def setup(self) -> None:
         return None

@@ -14,7 +14,9 @@ Contract (all implementations):
 - Transports must not mutate the tensors they are given, and must keep no reference after `push`.
 
 Engines are reached through `EngineAdmin` (the SGLang client in miles.rollout.client implements
-it), so this room does not depend on how HTTP is spoken.
+it), so this room does not depend on how HTTP is spoken. Each transport is built from the run's plan
+and its `Site` by one lookup in `miles.weights.TRANSPORTS` (`from_plan`), and says whether its push
+already verifies what the engines stored (`push_verifies`), so that `weights.check` needs no second export.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -63,8 +67,28 @@ class EngineAdmin(Protocol):
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list: ...
 
 
+@dataclass(frozen=True)
+class Site:
+    """Where a run's transport works: the engines, the run directory, whether every engine is on this
+    host (`local`) and the address the trainer's rank 0 is reached at from the engines."""
+
+    engines: Sequence[EngineAdmin]
+    run_dir: Path
+    local: bool
+    address: str
+
+
 class WeightTransport(Protocol):
     """Push a versioned stream of buckets of named full tensors from trainer rank 0 into every engine."""
+
+    @classmethod
+    def from_plan(cls, plan: Any, site: Site) -> WeightTransport: ...
+
+    @classmethod
+    def push_verifies(cls, plan: Any) -> bool:
+        """True when, for this plan, `push` itself checks the bytes each engine stored (and raises on a
+        difference); known on every trainer rank, which all skip the post-push check's export then."""
+        ...
 
     async def setup(self) -> None: ...
     async def push(self, buckets: Iterable[Bucket], version: str) -> None: ...
@@ -82,6 +106,12 @@ def with_last(items: Iterable[Bucket]) -> Iterator[tuple[Bucket, bool]]:
         yield current, False
         current = following
     yield current, True
+
+
+def pause_mode_of(plan: Any) -> str | None:
+    """`weights.pause_mode` as the transports take it (None: no pause)."""
+    mode = plan.weights.pause_mode
+    return None if mode == "none" else mode
 
 
 def check_pause_mode(mode: str | None) -> None:

@@ -136,7 +136,8 @@ def test_quantized_export_is_the_engine_format(tiny_model, tmp_path, fmt):
     tensors are the contract's encoding of the checkpoint's weights."""
     from miles.engine.fp8_weights import build_decoder, checkpoint_layout
     from miles.engine.model import ModelSpec, load_weights
-    from miles.train.quant import engine_contract, export_pairs
+    from miles.quant.formats import engine_contract
+    from miles.train.quant import export_pairs
 
     run = megatron_run(tmp_path, tiny_model, tp=1, pp=1)
     plan = yaml.safe_load((run / "plan.yaml").read_text())

@@ -45,7 +45,7 @@ def test_lora_run_pushes_the_adapter_and_exports_it(recipe, tiny_model, tmp_path
             "loss": {"entropy_coef": 0.01},  # moves the adapter even when every reward of a group is equal
             "checkpoint": {"every_steps": 3},
         },
-        weights={"check": True},
+        weights={"transport": "lora", "check": True},
     )
     finish(miles_train(path))
     records = [r for r in read_metrics(run_dir) if r["step"] > 0 and "weights/push_bytes" in r]
@@ -92,7 +92,7 @@ def test_two_adapters_train_on_their_own_tasks_in_one_run(recipe, tiny_model, tm
     from transformers import AutoModelForCausalLM
 
     from miles.cluster.distributed import teardown_distributed
-    from miles.train.fsdp.lora import activate
+    from miles.lora.adapters import activate
 
     tasks = {
         op: {"name": "digits", "options": {"op": op, "num_digits": 2}, "eval_size": 4}
@@ -114,7 +114,7 @@ def test_two_adapters_train_on_their_own_tasks_in_one_run(recipe, tiny_model, tm
             "loss": {"entropy_coef": 0.01},
             "checkpoint": {"every_steps": 3},
         },
-        weights={"check": True},
+        weights={"transport": "lora", "check": True},
     )
     finish(miles_train(path))
     records = {r["step"]: r for r in read_metrics(run_dir)}

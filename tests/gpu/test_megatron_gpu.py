@@ -130,7 +130,7 @@ def _reference_step(env, samples, lr, old_logp=None, lora=None, adapter=None):
         from peft import get_peft_model, set_peft_model_state_dict
 
         from miles.config.train import LoraConfig
-        from miles.train.fsdp.lora import peft_config
+        from miles.lora.adapters import peft_config
 
         hf = get_peft_model(hf, peft_config(LoraConfig(**lora)))
         set_peft_model_state_dict(hf, {k.removeprefix("policy/"): v.cuda() for k, v in adapter.items()})

@@ -44,8 +44,8 @@ def test_megatron_lora_equals_peft_and_trains_only_the_adapter(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from miles.config.train import LoraConfig
+    from miles.lora.adapters import peft_config
     from miles.models.tiny import init_tiny
-    from miles.train.fsdp.lora import peft_config
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path = str(init_tiny(tmp_path / "m", arch="qwen2", seed=3))

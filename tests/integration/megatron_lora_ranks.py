@@ -104,7 +104,7 @@ def _peft(model: str, cfg, exported: dict[str, torch.Tensor]):
     from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from miles.train.fsdp.lora import peft_config
+    from miles.lora.adapters import peft_config
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     peft = get_peft_model(hf, peft_config(cfg))

@@ -44,9 +44,31 @@ def _generate(engine) -> dict:
 
 
 def test_registry_lists_known_names():
-    assert set(TRANSPORTS) == {"disk", "distributed", "tensor"}
-    with pytest.raises(KeyError, match="disk, distributed"):
+    assert set(TRANSPORTS) == {"disk", "distributed", "tensor", "lora"}
+    with pytest.raises(KeyError, match="disk, distributed, tensor, lora"):
         get_transport("carrier-pigeon")
+
+
+def test_every_transport_is_built_from_the_plan_by_its_name(tmp_path, tiny_model):
+    """One registry lookup builds the run's transport; a LoRA run gets the lora transport, whose push
+    verifies what the engines stored when weights.check is on (and no other transport's does)."""
+    from miles.config import resolve
+    from miles.weights import Site
+
+    site = Site([], tmp_path, True, "127.0.0.1")
+    plans = {
+        "distributed": resolve({"model": {"path": tiny_model}}),
+        "tensor": resolve({"model": {"path": tiny_model}, "launch": {"layout": "colocated"}}),
+        "disk": resolve({"model": {"path": tiny_model}, "weights": {"transport": "disk", "check": True}}),
+        "lora": resolve({"model": {"path": tiny_model}, "train": {"lora": {"rank": 4}}, "weights": {"check": True}}),
+    }
+    for name, plan in plans.items():
+        assert plan.weights.transport == name
+        transport = get_transport(name).from_plan(plan, site)
+        assert type(transport) is TRANSPORTS[name]
+        assert type(transport).push_verifies(plan) == (name == "lora")
+    lora = get_transport("lora").from_plan(plans["lora"], site)
+    assert lora.config["r"] == 4 and lora.local and lora.check
 
 
 def test_distributed_update_over_gloo(engine, tiny_model):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles.engine.process import start_engine
-from miles.quant.fp8 import checksum
+from miles.weights.checksum import checksum
 from miles.weights.tensor import serialize_inline
 
 PROMPT = [12, 40, 7, 99, 5, 230, 61, 18, 77, 150]

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from miles.quant import fp8
+from miles.weights.checksum import checksum
 
 SHAPES = [(1, 1), (127, 129), (128, 128), (300, 1000), (896, 4864)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -234,8 +235,8 @@ def test_fp8_linear_rejects_mismatched_shapes() -> None:
 def test_checksum_is_sha256_of_the_raw_bytes(t) -> None:
     raw = t.contiguous().view(torch.uint8).numpy().tobytes()
     digest = hashlib.sha256(raw).digest()[:8]
-    assert fp8.checksum(t) == f"{int.from_bytes(digest, 'big'):016x}"
-    assert len(fp8.checksum(t)) == 16
+    assert checksum(t) == f"{int.from_bytes(digest, 'big'):016x}"
+    assert len(checksum(t)) == 16
 
 
 def _names(config) -> list[tuple[str, int]]:

@@ -178,7 +178,7 @@ def test_fp8_checkpoint_loads_as_it_is(tiny_model, checkpoint, tmp_path):
 
 def test_checksums_of_a_plain_engine_cover_every_hf_name(tiny_model, checkpoint):
     from miles.engine.updates import checksum_reply
-    from miles.quant.fp8 import checksum
+    from miles.weights.checksum import checksum
 
     spec, weights = checkpoint
     reply = checksum_reply(Decoder(spec, weights, "cpu", torch.float32).params, [])

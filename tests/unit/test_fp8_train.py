@@ -149,7 +149,8 @@ def test_fake_quant_needs_an_fp8_engine():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fake_quant_with_an_fp8_engine_resolves(layout):
-    from miles.train.quant import engine_layout, fake_quant_layout
+    from miles.quant.contract import engine_layout
+    from miles.train.quant import fake_quant_layout
 
     plan = _plan(train={"quantization": "fake_quant"}, engine={"quantization": layout})
     assert engine_layout(plan) == fake_quant_layout(plan) == layout

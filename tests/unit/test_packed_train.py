@@ -12,9 +12,9 @@ from miles.config import ConfigError, resolve
 from miles.engine.model import ModelSpec
 from miles.engine.packed_weights import PackedDecoder
 from miles.quant.contract import engine_quant_argv
-from miles.quant.formats import Format, Scheme
+from miles.quant.formats import Format, Scheme, engine_scheme
 from miles.train.fsdp.weights import checkpoint_names
-from miles.train.quant import engine_scheme, export_pairs, install_fake_quant
+from miles.train.quant import export_pairs, install_fake_quant
 
 FORMATS = [Format("int4", 32), Format("mxfp8"), Format("nvfp4")]
 IDS = torch.tensor([[12, 40, 7, 99, 5, 230, 61, 18, 3, 77]])

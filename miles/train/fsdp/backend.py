@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from miles.cluster.distributed import init_distributed
 from miles.config import ConfigError, Plan
+from miles.quant.formats import engine_contract
 from miles.sample import Sample
 from miles.train import quant
 from miles.train.batching import Packed, RankPlan, check_samples, pack, plan_rank, response_logprobs
@@ -125,9 +126,10 @@ class FSDPBackend:
         prepare = self._quantization(plan)
         adapters: dict[str, Any] = {}
         if t.lora is not None:  # the causal LM wrapped by PEFT, only the adapters trainable
-            from miles.train.fsdp import lora
+            from miles.lora.adapters import freeze_base
+            from miles.train.fsdp.lora import build
 
-            adapters = {"build": lora.build(t.lora), "freeze": lora.freeze_base}
+            adapters = {"build": build(t.lora), "freeze": freeze_base}
         self.model = load_sharded(
             plan.model.path, self.device, dtype, trainable=True, prepare=prepare, **adapters
         )
@@ -183,7 +185,7 @@ class FSDPBackend:
         """train.lora.adapters: each adapter's samples train it alone (it is the active adapter, its
         optimiser steps, its gradients are clipped alone); metrics per adapter (`<name>/<key>`) and,
         unprefixed, their means over the adapters trained."""
-        from miles.train.fsdp.lora import activate
+        from miles.lora.adapters import activate
 
         per: dict[str, dict[str, float]] = {}
         for name, part in self.adapters.split(samples).items():
@@ -506,10 +508,10 @@ class FSDPBackend:
         quantised from the model.dtype tensor (the values a fake-quant forward computes with)."""
         dtype = _DTYPES[self.plan.model.dtype]
         if self.plan.train.lora is not None:  # the adapters alone, as <adapter>/<PEFT's saved name>
-            from miles.train.fsdp import lora
+            from miles.lora.adapters import adapter_tensors
 
-            return bucketize(lora.adapter_tensors(self.model, dtype), bucket_bytes, keep=self.rank == 0)
-        named = quant.export_pairs(iter_full_tensors(self.model, dtype), quant.engine_contract(self.plan))
+            return bucketize(adapter_tensors(self.model, dtype), bucket_bytes, keep=self.rank == 0)
+        named = quant.export_pairs(iter_full_tensors(self.model, dtype), engine_contract(self.plan))
         return bucketize(named, bucket_bytes, keep=self.rank == 0)
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:

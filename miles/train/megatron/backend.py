@@ -557,7 +557,7 @@ class MegatronBackend:
 
         Collective: every rank must iterate to the end.
         """
-        from miles.train.quant import engine_contract
+        from miles.quant.formats import engine_contract
 
         if self.plan.train.lora is not None:  # the adapter alone, under PEFT's saved names
             from miles.train.megatron import lora

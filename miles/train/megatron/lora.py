@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from miles.lora.adapters import wire_name
 from miles.train.megatron import convert
 from miles.train.quant import swapped_forward
 
@@ -185,7 +186,7 @@ def adapter_tensors(gpt: nn.Module, name: str, s: convert.Shapes) -> Iterator[tu
 
     for mname, t in weights.iter_megatron_full(gpt, s, keep=is_adapter):
         mod, _, leaf = mname.rpartition(".")
-        yield f"{name}/{peft_name(mod, leaf, 0)}", t
+        yield wire_name(name, peft_name(mod, leaf, 0)), t
 
 
 def peft_name(module: str, leaf: str, layer_offset: int) -> str:
