@@ -10,7 +10,6 @@ packing, the objective and the tiny model itself are the real ones.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,15 +170,17 @@ def test_mask_zero_tokens_add_nothing_to_loss_or_gradient(encoder: PromptEncoder
 
 
 def test_mismatch_metric_and_buffer_read_only_policy_tokens(encoder: PromptEncoder) -> None:
-    from miles.train.fsdp.backend import FSDPBackend
+    from miles.train.step import StepStats
 
     samples = _multi_turn_samples(encoder)
     packed = pack(samples, [0, 1])
     on = packed.mask == 1
     logp = torch.where(on, packed.rollout_logp - 0.5, torch.full_like(packed.rollout_logp, -40.0))
-    stats = torch.zeros(2, dtype=torch.float64)
-    FSDPBackend._add_mismatch(SimpleNamespace(), stats, logp, packed)
-    assert stats[-1] == 6 and stats[-2] / stats[-1] == pytest.approx(0.5)
+    stats = StepStats()
+    stats.add_mismatch(logp, packed.rollout_logp, packed.mask)
+    assert stats["mismatch_tokens"] == 6 and stats["mismatch_sum"] / stats[
+        "mismatch_tokens"
+    ] == pytest.approx(0.5)
     # staleness: the oldest version of any generated token (observations carry their turn's version)
     wrong = samples[0]
     policy_versions = [v for v, m in zip(wrong.weight_versions, wrong.loss_mask, strict=True) if m]

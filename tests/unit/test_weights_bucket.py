@@ -35,3 +35,10 @@ def test_pause_mode_checked():
     check_pause_mode(None)
     with pytest.raises(ValueError, match="in_place"):
         check_pause_mode("later")
+
+
+def test_a_rank_that_keeps_nothing_sees_the_same_bucket_boundaries() -> None:
+    named = _named([10, 25, 5, 40, 1])
+    kept = list(iter_buckets(named, bucket_bytes=30 * 4))
+    empty = list(iter_buckets(named, bucket_bytes=30 * 4, keep=False))
+    assert len(empty) == len(kept) > 1 and all(b == [] for b in empty)

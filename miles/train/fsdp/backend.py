@@ -49,24 +49,21 @@ from miles.cluster.distributed import init_distributed
 from miles.config import ConfigError, Plan
 from miles.quant.formats import engine_contract
 from miles.sample import Sample
-from miles.train import quant
+from miles.train import quant, step
 from miles.train.batching import Packed, RankPlan, check_samples, pack, plan_rank, response_logprobs
 from miles.train.distill import topk_logprobs
 from miles.train.fsdp import checkpoint
 from miles.train.fsdp.critic import Critic
 from miles.train.fsdp.sharding import load_sharded
-from miles.train.fsdp.weights import bucketize, iter_full_tensors
+from miles.train.fsdp.weights import iter_full_tensors
 from miles.train.losses import get_estimator, token_weights
 from miles.train.losses.value import CRITIC_STATS, add_target_stats, critic_metrics, ppo_targets, value_loss
 from miles.train.objective import TokenBatch, policy_objective
 from miles.train.optim import build_optimizer, build_scheduler
 from miles.train.routing_replay import RoutingReplay, packed_routing
+from miles.weights.bucket import iter_buckets
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# metric sums all-reduced at the end of a step; *_loss are already weighted, the rest are token sums
-_LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
-_TOKEN_KEYS = ("kl", "entropy", "clip_frac", "tis_weight", "tis_clip_frac", "distill_reverse_kl")
-_SEQ_KEYS = ("tis_clip_seq_frac",)  # sequence counts (divided by the trained sequences)
 
 
 def pick_device_type(name: str) -> str:
@@ -205,45 +202,43 @@ class FSDPBackend:
         return out
 
     def _train(self, samples: list[Sample]) -> dict[str, float]:
-        """One step over `samples` with the current optimiser and LR schedule; its metrics."""
+        """One step over `samples` with the current optimiser and LR schedule (miles.train.step's
+        recipe); its metrics."""
         start = time.perf_counter()
         check_samples(samples)
         self._samples = samples
         if self.routing is not None:
             self.routing.reset()
         t = self.plan.train
-        counts = torch.tensor([float(sum(s.loss_mask)) for s in samples])
-        rewards = torch.tensor([float(s.reward) for s in samples])
-        groups = torch.tensor([s.group_id for s in samples])
-        weights = torch.tensor([float(s.weight) for s in samples])
-        adv: dict[int, Any] = dict(
-            enumerate(self.estimator.compute(rewards, groups, counts, t.loss, weights).tolist())
-        )
-        n_mini = min(t.mini_batches_per_step, len(samples))
-        chunks = [c.tolist() for c in torch.arange(len(samples)).chunk(n_mini)]
+        adv: dict[int, Any] = dict(enumerate(step.advantages(samples, self.plan)))
         plans = [
-            plan_rank(samples, c, self.rank, self.world_size, t.max_tokens_per_microbatch) for c in chunks
+            plan_rank(samples, ids, self.rank, self.world_size, t.max_tokens_per_microbatch)
+            for ids in step.mini_batches(len(samples), self.plan)
         ]
         lr = float(self.optimizer.param_groups[0]["lr"])
-        stats = torch.zeros(len(_LOSS_KEYS) + len(_TOKEN_KEYS) + len(_SEQ_KEYS) + 2, dtype=torch.float64)
+        stats = step.StepStats()
         critic_metrics: dict[str, float] = {}
         if self.critic is not None:
             critic_metrics, adv = self._train_critic(samples, plans)
         grad_norms = []
-        if self.critic is None or self.step >= t.critic.warmup_steps:
+        if step.policy_trains(None if self.critic is None else self.step, self.plan):
             old, ref = self._pre_forward(samples, plans, stats)
             for k, rank_plan in enumerate(plans):
                 measure = k == 0 and t.loss.old_logprobs != "recompute"
                 grad_norms.append(self._update(samples, rank_plan, adv, old, ref, stats, measure))
             self.scheduler.step()
-        stats = stats.to(self.device)
-        dist.all_reduce(stats)
-        metrics = self._metrics(stats.cpu(), plans, grad_norms, lr, start, rewards)
-        metrics.update(critic_metrics)
+        stats.reduce(self._all_reduce)
+        tokens, seqs = sum(p.total_tokens for p in plans), sum(p.total_seqs for p in plans)
+        metrics = stats.metrics(len(plans), tokens, seqs, distill=t.distill is not None)
+        metrics.update(
+            grad_norm=step.mean(grad_norms),
+            lr=lr,
+            reward_mean=float(sum(s.reward for s in samples) / len(samples)),
+            step_time_s=time.perf_counter() - start,
+            **critic_metrics,
+        )
         if self.routing is not None:
-            router = self.routing.stats().to(self.device)
-            dist.all_reduce(router)
-            metrics.update(self.routing.metrics(router.cpu()))
+            metrics.update(self.routing.metrics(self._all_reduce(self.routing.stats())))
         self._samples = []
         return metrics
 
@@ -369,7 +364,7 @@ class FSDPBackend:
 
     @torch.no_grad()
     def _pre_forward(
-        self, samples: list[Sample], plans: list[RankPlan], stats: Tensor
+        self, samples: list[Sample], plans: list[RankPlan], stats: step.StepStats
     ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
         """Per-sample old-policy (recompute) and reference log-probs, before any update."""
         recompute = self.plan.train.loss.old_logprobs == "recompute"
@@ -383,7 +378,7 @@ class FSDPBackend:
                     logp, *_ = self._forward(self.model, packed)
                     if real:
                         old.update(_split(logp, packed))
-                        self._add_mismatch(stats, logp, packed)
+                        stats.add_mismatch(logp, packed.rollout_logp, packed.mask)
                 if self.ref_model is not None:
                     ref_logp, *_ = self._forward(self.ref_model, packed)
                     if real:
@@ -397,7 +392,7 @@ class FSDPBackend:
         adv: dict[int, Any],
         old: dict[int, Tensor],
         ref: dict[int, Tensor],
-        stats: Tensor,
+        stats: step.StepStats,
         measure_mismatch: bool,
     ) -> float:
         """Accumulate gradients over this rank's micro-batches, clip, and take one optimiser step."""
@@ -415,10 +410,9 @@ class FSDPBackend:
             loss, sums = policy_objective(tb, cfg.loss, self.estimator.sequence_ratio, coef)
             # FSDP averages gradients over ranks; the global weights already normalise the loss
             (loss * self.world_size).backward()
-            values = [sums[key] for key in _LOSS_KEYS + _TOKEN_KEYS + _SEQ_KEYS]
-            stats[: len(values)] += torch.stack(values).double().cpu()
+            stats.add(sums)
             if measure_mismatch:
-                self._add_mismatch(stats, logp.detach(), packed)
+                stats.add_mismatch(logp, packed.rollout_logp, packed.mask)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(norm, DTensor):
@@ -464,40 +458,6 @@ class FSDPBackend:
             teacher_topk_logp=None if packed.teacher_topk_logp is None else packed.teacher_topk_logp.to(d),
         )
 
-    def _add_mismatch(self, stats: Tensor, logp: Tensor, packed: Packed) -> None:
-        mask = packed.mask.to(logp.device)
-        diff = (logp.float() - packed.rollout_logp.to(logp.device)).abs()
-        stats[-2] += float((mask * diff).sum())
-        stats[-1] += float(mask.sum())
-
-    def _metrics(
-        self,
-        stats: Tensor,
-        plans: list[RankPlan],
-        grad_norms: list[float],
-        lr: float,
-        start: float,
-        rewards: Tensor,
-    ) -> dict[str, float]:
-        n_loss = len(_LOSS_KEYS)
-        tokens = sum(p.total_tokens for p in plans)
-        out = {key: float(stats[i]) / len(plans) for i, key in enumerate(_LOSS_KEYS)}
-        for j, key in enumerate(_TOKEN_KEYS):
-            out[key] = float(stats[n_loss + j]) / max(tokens, 1)
-        seqs = sum(p.total_seqs for p in plans)
-        for j, key in enumerate(_SEQ_KEYS):
-            out[key] = float(stats[n_loss + len(_TOKEN_KEYS) + j]) / max(seqs, 1)
-        out["tis_weight_mean"] = out.pop("tis_weight")
-        if self.plan.train.distill is None:
-            out.pop("distill_reverse_kl")
-        out["logprob_mismatch"] = float(stats[-2]) / max(float(stats[-1]), 1.0)
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
-        out["lr"] = lr
-        out["tokens"] = float(tokens)
-        out["reward_mean"] = float(rewards.mean())
-        out["step_time_s"] = time.perf_counter() - start
-        return out
-
     # ---- weights, checkpoints, memory -----------------------------------------------------------
 
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
@@ -510,9 +470,9 @@ class FSDPBackend:
         if self.plan.train.lora is not None:  # the adapters alone, as <adapter>/<PEFT's saved name>
             from miles.lora.adapters import adapter_tensors
 
-            return bucketize(adapter_tensors(self.model, dtype), bucket_bytes, keep=self.rank == 0)
+            return iter_buckets(adapter_tensors(self.model, dtype), bucket_bytes, keep=self.rank == 0)
         named = quant.export_pairs(iter_full_tensors(self.model, dtype), engine_contract(self.plan))
-        return bucketize(named, bucket_bytes, keep=self.rank == 0)
+        return iter_buckets(named, bucket_bytes, keep=self.rank == 0)
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:
         """Checkpoint the full training state under <run_dir>/checkpoints/step_<step>/."""

@@ -13,7 +13,7 @@ the stacked tensors leave here split into those views (`checkpoint_names`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -49,29 +49,3 @@ def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Ite
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         yield from checkpoint_names(name, tensor if dtype is None else tensor.to(dtype))
-
-
-def bucketize(
-    named: Iterable[tuple[str, Tensor]], bucket_bytes: int, keep: bool = True
-) -> Iterator[list[tuple[str, Tensor]]]:
-    """Group tensors into buckets of at most `bucket_bytes` (a larger tensor alone in its bucket).
-
-    With keep=False the same bucket boundaries are produced but the buckets are empty: ranks that
-    take part in the gathers without using the result stay in step with the one that does.
-    """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes}); set weights.bucket_mb")
-    bucket: list[tuple[str, Tensor]] = []
-    size = 0
-    count = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if count and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size, count = [], 0, 0
-        if keep:
-            bucket.append((name, tensor))
-        size += nbytes
-        count += 1
-    if count:
-        yield bucket

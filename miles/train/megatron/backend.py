@@ -45,6 +45,7 @@ from torch import Tensor
 from miles.config import ConfigError
 from miles.config.layout import check_layout
 from miles.sample import Sample
+from miles.train import step
 from miles.train.losses.aggregate import normalizers
 from miles.train.megatron import batch as B
 from miles.train.megatron import checkpoint, memory, weights
@@ -153,15 +154,9 @@ class MegatronBackend:
 
     def _build(self):
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.transformer.module import Float16Module
 
         from miles.train.losses import get_estimator
+        from miles.train.megatron.optim import schedule_hooks, wrap_for_training
 
         t = self.plan.train
         dtype = torch.bfloat16 if self.plan.model.dtype == "bfloat16" else torch.float32
@@ -185,26 +180,11 @@ class MegatronBackend:
             lora.install(gpt, t.lora, self.hf_cfg, self.plan.run.seed)
         replay = t.routing_replay == "rollout"
         self.moe = MoERouting(gpt, self.hf_cfg, M.layer_offset(gpt), replay) if tf.num_moe_experts else None
-        wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
         self._install_fake_quant(gpt)
         # bf16 logits stay bf16 (Float16Module would upcast them: twice the vocabulary-sized bytes
         # each way); the fused log-prob kernel reads them as they are and computes in fp32
         self._forward_kwargs = {"fp32_output": False} if dtype == torch.bfloat16 else {}
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-        ddp = DistributedDataParallel(tf, ddp_cfg, wrapped)
-        opt_cfg = OptimizerConfig(
-            optimizer="adam",
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            adam_beta1=t.betas[0],
-            adam_beta2=t.betas[1],
-            clip_grad=t.grad_clip,
-            bf16=dtype == torch.bfloat16,
-            params_dtype=dtype,
-            use_distributed_optimizer=True,
-            **offload_config(t.optimizer_offload),
-        )
-        optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+        ddp, optimizer = wrap_for_training(tf, gpt, dtype, t, t.lr, offload_config(t.optimizer_offload))
         if t.optimizer_offload == "nvme":
             from miles.train.megatron import nvme
 
@@ -224,9 +204,7 @@ class MegatronBackend:
             self.critic = Critic(
                 self.plan, self.hf_cfg, fields, offload_config(t.optimizer_offload), self._forward_kwargs
             )
-        tf.finalize_model_grads_func = finalize_model_grads
-        tf.grad_scale_func = optimizer.scale_loss
-        tf.no_sync_func = ddp.no_sync
+        schedule_hooks(tf, ddp, optimizer)
         return ddp, optimizer
 
     def _reference(self, tf: Any, hf_state: dict[str, Tensor], dtype: torch.dtype) -> torch.nn.Module:
@@ -279,59 +257,63 @@ class MegatronBackend:
 
     # ---------------------------------------------------------------- train
     def train(self, samples: list[Sample]) -> dict[str, float]:
-        """One step: mini_batches_per_step optimiser updates over `samples` (same list on every rank)."""
+        """One step (miles.train.step's recipe): mini_batches_per_step optimiser updates over `samples`
+        (the same list on every rank), each data-parallel rank packing its share of each mini-batch."""
         from megatron.core import parallel_state as ps
 
         from miles.train.batching import check_samples
-        from miles.train.losses import get_estimator
 
         check_samples(samples)
         start = time.perf_counter()
-        cfg, t = self.plan.train.loss, self.plan.train
-        est = get_estimator(cfg.advantage)
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        groups = torch.tensor([s.group_id for s in samples])
-        counts = torch.tensor([float(sum(s.loss_mask or [1] * s.response_length)) for s in samples])
-        weights = torch.tensor([float(s.weight) for s in samples])
-        adv = est.compute(rewards, groups, counts, cfg, weights).tolist()
+        recompute = self.plan.train.loss.old_logprobs == "recompute"
+        adv = step.advantages(samples, self.plan)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        n_mini = t.mini_batches_per_step
-        if len(samples) < n_mini * dp:
-            raise ConfigError(
-                f"{len(samples)} samples cannot feed train.mini_batches_per_step={n_mini} x {dp} "
-                "data-parallel ranks: lower mini_batches_per_step or raise the rollout batch"
-            )
-        recompute = cfg.old_logprobs == "recompute"
         if self.moe is not None:  # router metrics: each sample's policy forward once
             self.moe.reset()
         parts = []
-        for k in range(n_mini):
-            ids = list(range(k * len(samples) // n_mini, (k + 1) * len(samples) // n_mini))
+        for ids in step.mini_batches(len(samples), self.plan, dp):
             mine_ids = ids[dp_rank::dp]
             mine = [samples[i] for i in mine_ids]
             parts.append(([samples[i] for i in ids], mine, self._pack(mine, [adv[i] for i in mine_ids])))
-        critic_metrics: dict[str, float] = {}
-        if self.critic is not None:
-            critic_metrics = self._train_critic(parts)
+        critic_steps = None if self.critic is None else self.critic.steps
+        critic_metrics = {} if self.critic is None else self._train_critic(parts)
+        stats, updates = step.StepStats(), []
+        lr = self.plan.train.lr * lr_factor(self.step_count, self.plan.train)
+        if step.policy_trains(critic_steps, self.plan):
+            updates = self._policy_updates(parts, stats, recompute)
+        stats.reduce(_all_reduce_sum)
+        tokens, seqs = normalizers([s.loss_mask for s in samples])
+        metrics = stats.metrics(
+            len(updates), int(tokens), int(seqs), distill=self.plan.train.distill is not None
+        )
+        metrics.update(
+            grad_norm=step.mean(n for n, _ in updates),
+            update_skipped=step.mean(float(skipped) for _, skipped in updates),
+            lr=lr,
+            **critic_metrics,
+        )
+        if self.moe is not None:
+            metrics.update(self.moe.metrics())
+        metrics["step_time_s"] = time.perf_counter() - start
+        return metrics
+
+    def _policy_updates(self, parts, stats: step.StepStats, recompute: bool) -> list[tuple[float, bool]]:
+        """Every mini-batch's old and reference log-probs before the first update changes the policy,
+        then one update per mini-batch; (grad norm, skipped) of each. The engine/trainer mismatch is
+        measured on the recomputed old log-probs, or else on the first update's forward."""
         if self.moe is not None:
             self.moe.measure = recompute
-        totals: dict[str, float] = {}
-        if self.critic is None or critic_metrics["critic/warmup"] == 0.0:
-            # every mini-batch's old and reference log-probs before the first update changes the policy
-            pre = [self._pre_forward(mine, mbs, recompute) for _, mine, mbs in parts]
-            for k, ((mini, mine, mbs), (old, ref)) in enumerate(zip(parts, pre, strict=True)):
-                if self.moe is not None:
-                    self.moe.measure = k == 0 and not recompute
-                metrics = self._update(mini, mine, mbs, old, ref)
-                for name, v in metrics.items():
-                    totals[name] = totals.get(name, 0.0) + (v if name == "tokens" else v / n_mini)
-        else:
-            totals["grad_norm"] = 0.0  # the critic's warm-up: the policy is not updated
-        totals.update(critic_metrics)
-        if self.moe is not None:
-            totals.update(self.moe.metrics())
-        totals["step_time_s"] = time.perf_counter() - start
-        return totals
+        pre = [self._pre_forward(mine, mbs, recompute) for _, mine, mbs in parts]
+        if recompute:
+            for (_, mine, _), (old, _) in zip(parts, pre, strict=True):
+                _add_mismatch(stats, mine, old)
+        out = []
+        for k, ((mini, mine, mbs), (old, ref)) in enumerate(zip(parts, pre, strict=True)):
+            measure = k == 0 and not recompute
+            if self.moe is not None:
+                self.moe.measure = measure
+            out.append(self._update(mini, mine, mbs, old, ref, stats, measure))
+        return out
 
     def _train_critic(
         self, parts: list[tuple[list[Sample], list[Sample], list[B.MicroBatch]]]
@@ -387,24 +369,23 @@ class MegatronBackend:
         mbs = B.pack(samples, adv, self.plan.train.max_tokens_per_microbatch, dev, self.packed)
         return mbs if self.moe is None else self.moe.pad_micro_batches(mbs)
 
-    def _update(self, mini, mine, mbs, old, ref) -> dict[str, float]:
+    def _update(self, mini, mine, mbs, old, ref, stats: step.StepStats, measure: bool) -> tuple[float, bool]:
         """One optimiser update over a mini-batch (`mini`: all of it; `mine`: this DP rank's part, packed
-        as `mbs`; `old` / `ref`: its old-policy and reference log-probs, indexed as `mine`, or None)."""
+        as `mbs`; `old` / `ref`: its old-policy and reference log-probs, indexed as `mine`, or None);
+        its objective sums go into `stats` (with the mismatch when `measure`). (grad norm, skipped)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         t = self.plan.train
-        lr = t.lr * lr_factor(self.step_count, t)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        masks = [s.loss_mask or [1] * s.response_length for s in mini]
-        norm = normalizers(masks, [float(s.weight) for s in mini])
+            g["lr"] = t.lr * lr_factor(self.step_count, t)
+        norm = normalizers([s.loss_mask for s in mini], [float(s.weight) for s in mini])
         scale = len(mbs) * ps.get_data_parallel_world_size()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = get_forward_backward_func()(
             forward_step_func=partial(
-                self._forward_step, norm=norm, scale=scale, old=old, ref=ref, samples=mine
+                self._forward_step, norm=norm, scale=scale, old=old, ref=ref, samples=mine, measure=measure
             ),
             data_iterator=iter(mbs),
             model=[self.model],
@@ -415,11 +396,10 @@ class MegatronBackend:
         )
         ok, grad_norm, _ = self.optimizer.step()
         self.step_count += 1
-        metrics = self._reduce_metrics(out, norm[0])
-        metrics.update(grad_norm=float(grad_norm or 0.0), lr=lr, update_skipped=float(not ok))
-        return metrics
+        _add_outputs(stats, out)
+        return float(grad_norm or 0.0), not ok
 
-    def _forward_step(self, data_iterator, model, norm, scale, old, ref, samples):
+    def _forward_step(self, data_iterator, model, norm, scale, old, ref, samples, measure):
         mb = next(data_iterator)
         with self._routes(samples, mb):
             out = model(
@@ -430,9 +410,9 @@ class MegatronBackend:
                 **self._forward_kwargs,
                 output_processor=partial(B.response_head, mb=mb),
             )
-        return out, partial(self._loss, mb, norm, scale, old, ref)
+        return out, partial(self._loss, mb, norm, scale, old, ref, measure)
 
-    def _loss(self, mb: B.MicroBatch, norm, scale, old, ref, logits):
+    def _loss(self, mb: B.MicroBatch, norm, scale, old, ref, measure, logits):
         from miles.train.distill import topk_logprobs
         from miles.train.losses import get_estimator, token_weights
         from miles.train.objective import TokenBatch, policy_objective
@@ -471,35 +451,10 @@ class MegatronBackend:
         distill = self.plan.train.distill
         coef = distill.coef if distill else 0.0
         loss, sums = policy_objective(tb, cfg, get_estimator(cfg.advantage).sequence_ratio, coef)
-        if distill is None:
-            sums.pop("distill_reverse_kl")
-        sums["logprob_mismatch"] = (mb.mask * (logp.detach() - mb.rollout_logp).abs()).sum()
-        sums["tokens"] = mb.mask.sum()
-        trained = torch.zeros(n, device=mb.mask.device).index_add(0, mb.seq_index, mb.mask.float())
-        sums["seqs"] = (trained > 0).sum().float()
+        zero = mb.mask.new_zeros((), dtype=torch.float32)
+        sums["mismatch_sum"] = (mb.mask * (logp.detach() - mb.rollout_logp).abs()).sum() if measure else zero
+        sums["mismatch_tokens"] = mb.mask.sum().float() if measure else zero
         return loss * scale, sums
-
-    def _reduce_metrics(self, outputs: list[dict], total_tokens: int) -> dict[str, float]:
-        """Sum micro-batch metric sums over the DP ranks; `_loss` names are final, others per token."""
-        from megatron.core import parallel_state as ps
-
-        names = sorted(outputs[0]) if outputs else []
-        names_obj = [names]
-        dist.broadcast_object_list(names_obj, src=dist.get_world_size() - 1)
-        names = names_obj[0]
-        vec = torch.zeros(len(names), dtype=torch.float64, device="cuda")
-        if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-            for o in outputs:
-                vec += torch.stack([o[k].double() for k in names])
-        dist.all_reduce(vec)
-        tokens = max(float(vec[names.index("tokens")]), 1.0)
-        seqs = max(float(vec[names.index("seqs")]), 1.0) if "seqs" in names else 1.0
-        out = {}
-        for k, v in zip(names, vec.tolist(), strict=True):
-            final = k == "loss" or k.endswith("_loss") or k in ("tokens", "seqs")
-            per = seqs if k.endswith("_seq_frac") else tokens
-            out["tis_weight_mean" if k == "tis_weight" else k] = v if final else v / per
-        return out
 
     def _pre_forward(self, samples: list[Sample], mbs: list[B.MicroBatch], recompute: bool):
         """(old-policy, reference) log-probs of this rank's `samples`, packed as `mbs`: the policy's
@@ -558,12 +513,13 @@ class MegatronBackend:
         Collective: every rank must iterate to the end.
         """
         from miles.quant.formats import engine_contract
+        from miles.weights.bucket import iter_buckets
 
         if self.plan.train.lora is not None:  # the adapter alone, under PEFT's saved names
             from miles.train.megatron import lora
 
             named = lora.adapter_tensors(self.gpt, self.plan.train.lora.name, M.shapes_of(self.hf_cfg))
-            for bucket in weights.bucketize(named, bucket_bytes):  # collective over pipeline stages
+            for bucket in iter_buckets(named, bucket_bytes):  # collective over pipeline stages
                 yield bucket if dist.get_rank() == 0 else []
             return
         contract = engine_contract(self.plan)
@@ -597,3 +553,33 @@ class MegatronBackend:
     def onload(self) -> None:
         if self.offloader is not None:
             self.offloader.onload()
+
+
+def _all_reduce_sum(x: Tensor) -> Tensor:
+    """Sum of `x` over every rank of the job (each rank has added only what it alone holds)."""
+    y = x.to("cuda")
+    dist.all_reduce(y)
+    return y.cpu()
+
+
+def _add_outputs(stats: step.StepStats, outputs: list[dict[str, Tensor]]) -> None:
+    """Add an update's micro-batch sums (present on the last pipeline stage; counted once per
+    data-parallel rank, by its tensor-parallel rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
+        return
+    for o in outputs:
+        stats.add(o)
+
+
+def _add_mismatch(stats: step.StepStats, samples: list[Sample], old: list[Tensor | None]) -> None:
+    """The recomputed old log-probs' mismatch with the rollout's (last pipeline stage, TP rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_rank() != 0:
+        return
+    for s, logp in zip(samples, old, strict=True):
+        if logp is not None:
+            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            stats.add_mismatch(logp, rollout, torch.tensor(s.loss_mask, dtype=torch.float32))

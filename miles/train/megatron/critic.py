@@ -47,13 +47,8 @@ class Critic:
         forward_kwargs: dict[str, Any],
     ) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.transformer.module import Float16Module
+
+        from miles.train.megatron.optim import schedule_hooks, wrap_for_training
 
         t = plan.train
         if t.pipeline_parallel > 1:
@@ -82,27 +77,8 @@ class Critic:
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
         gpt.value_head = head
-        wrapped = Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-        self.model = DistributedDataParallel(tf, ddp_cfg, wrapped)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=self.lr,
-                weight_decay=t.weight_decay,
-                adam_beta1=t.betas[0],
-                adam_beta2=t.betas[1],
-                clip_grad=t.grad_clip,
-                bf16=dtype == torch.bfloat16,
-                params_dtype=dtype,
-                use_distributed_optimizer=True,
-                **opt_fields,
-            ),
-            [self.model],
-        )
-        tf.finalize_model_grads_func = finalize_model_grads
-        tf.grad_scale_func = self.optimizer.scale_loss
-        tf.no_sync_func = self.model.no_sync
+        self.model, self.optimizer = wrap_for_training(tf, gpt, dtype, t, self.lr, opt_fields)
+        schedule_hooks(tf, self.model, self.optimizer)
         self.dp_group = ps.get_data_parallel_group()
 
     @property

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from miles.train.megatron import convert
 from miles.train.megatron import model as M
+from miles.weights.bucket import iter_buckets
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -116,21 +117,6 @@ def _full_shape(name: str, shard_shape: tuple[int, ...], s: convert.Shapes) -> t
     return tuple(out)
 
 
-def bucketize(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group (name, tensor) into lists of at most bucket_bytes; a larger tensor travels alone."""
-    bucket: Bucket = []
-    size = 0
-    for name, t in items:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
-
-
 def export_buckets(
     gpt: torch.nn.Module, hf_cfg: Any, bucket_bytes: int, contract: Any = None
 ) -> Iterator[Bucket]:
@@ -141,4 +127,4 @@ def export_buckets(
 
     s = M.shapes_of(hf_cfg)
     named = convert.iter_megatron_to_hf(iter_megatron_full(gpt, s), s)
-    return bucketize(export_pairs(named, contract), bucket_bytes)
+    return iter_buckets(export_pairs(named, contract), bucket_bytes)
