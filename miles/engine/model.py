@@ -46,9 +46,9 @@ import torch.nn.functional as F
 
 from miles.engine import moe
 from miles.engine.fused_forward import FusedForward
-from miles.engine.spec import QK_NORM_ARCHS, SUPPORTED_ARCHS, Batch, ModelSpec, load_weights
+from miles.engine.spec import Batch, ModelSpec, load_weights
 
-__all__ = ["SUPPORTED_ARCHS", "Batch", "Decoder", "ModelSpec", "load_weights"]
+__all__ = ["Batch", "Decoder", "ModelSpec", "load_weights"]
 
 
 def _token_slots(b: Batch) -> torch.Tensor:
@@ -137,10 +137,7 @@ class Decoder(FusedForward):
                 names += s.moe.expert_names(i)
             else:
                 names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-            if s.arch == "Qwen2ForCausalLM":
-                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-            if s.arch in QK_NORM_ARCHS:
-                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+            names += s.family.attention_names(p)
         return names
 
     def _fused_groups(self) -> dict[str, list[str]]:
@@ -318,7 +315,7 @@ class Decoder(FusedForward):
         k = self._project(x, p + "k_proj.weight", self.params.get(p + "k_proj.bias"))
         v = self._project(x, p + "v_proj.weight", self.params.get(p + "v_proj.bias"))
         q, k, v = q.view(T, s.num_heads, D), k.view(T, KVH, D), v.view(T, KVH, D)
-        if s.arch in QK_NORM_ARCHS:
+        if s.family.qk_norm:
             w = self.params
             q, k = self._norm(q, w[p + "q_norm.weight"]), self._norm(k, w[p + "k_norm.weight"])
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v

@@ -11,9 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles.engine import moe
-
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
-QK_NORM_ARCHS = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+from miles.models.families import Family, get_family
 
 
 @dataclass(frozen=True)
@@ -35,14 +33,16 @@ class ModelSpec:
     moe: moe.MoeSpec | None = None
     """The mixture-of-experts shape (Qwen3MoeForCausalLM), None for dense models."""
 
+    @property
+    def family(self) -> Family:
+        """The model family (miles/models/families/): what the decoder's layers hold."""
+        return get_family(self.arch)
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelSpec:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         arch = (cfg.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"model architecture {arch!r} is not supported; known: {sorted(SUPPORTED_ARCHS)}"
-            )
+        family = get_family(arch)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
@@ -61,7 +61,7 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-            moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if "Moe" in arch else None,
+            moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if family.moe else None,
         )
 
 

@@ -25,6 +25,7 @@ import random
 from pathlib import Path
 
 from miles.models import save_modes
+from miles.models.families import FAMILIES, family_of_model_type
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -39,12 +40,8 @@ _WORDS = (
     "you are helpful think step please give only final"
 ).split()
 
-ARCHS = {
-    "qwen2": "Qwen2Config",
-    "qwen3": "Qwen3Config",
-    "llama": "LlamaConfig",
-    "qwen3_moe": "Qwen3MoeConfig",
-}
+ARCHS = {f.model_type: f.config_class for f in FAMILIES.values()}
+"""`--arch` values: the model types of the registered families (miles/models/families/)."""
 # the tiny mixture-of-experts shape: 4 experts, top-2, the first layer dense
 MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
 ROW_TOKENS = 64
@@ -178,11 +175,11 @@ def model_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, **sizes: 
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
-    if arch == "qwen3_moe":
+    family = family_of_model_type(arch)
+    if family.moe:
         dims.update(MOE_DEFAULTS, norm_topk_prob=True)
     dims.update(sizes)
-    qk_norm = arch in ("qwen3", "qwen3_moe")
-    extra = {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]} if qk_norm else {}
+    extra = {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]} if family.qk_norm else {}
     cls = getattr(transformers, ARCHS[arch])
     return cls(
         vocab_size=vocab_size,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles.models.families import family_of_model_type
 from miles.train.megatron import convert, moe
 from miles.train.varlen_attention import packed_causal_attention
 
@@ -109,11 +110,7 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s = convert.Shapes.from_hf(hf_cfg)
-    arch = hf_cfg.model_type
-    if arch not in ("qwen2", "qwen3", "llama", "qwen3_moe"):
-        raise ValueError(
-            f"model type {arch!r} has no Megatron mapping; known: qwen2, qwen3, llama, qwen3_moe"
-        )
+    family = family_of_model_type(hf_cfg.model_type)  # ValueError naming the known ones
     moe.check(hf_cfg)
     return TransformerConfig(
         num_layers=s.num_layers,
@@ -127,8 +124,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch == "qwen2" or bool(getattr(hf_cfg, "attention_bias", False)),
-        qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=family.qkv_bias or bool(getattr(hf_cfg, "attention_bias", False)),
+        qk_layernorm=family.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # SwiGLU as one compiled kernel each way (megatron's torch.compile fuser; needs no TE)

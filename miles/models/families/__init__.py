@@ -1,0 +1,35 @@
+"""The model families Miles serves and trains, one module each, registered here by the Hugging Face
+architecture name (`architectures[0]` of config.json).
+
+A family states the facts the engine's decoder and the trainers' model builders branch on (biases,
+norms, experts); adding a family is adding a module and its line below. Unknown names are refused
+with the known ones listed.
+"""
+
+from __future__ import annotations
+
+from miles.models.families import llama, qwen2, qwen3, qwen3_moe
+from miles.models.families.base import Family
+
+FAMILIES: dict[str, Family] = {
+    f.hf_arch: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
+}
+
+
+def get_family(hf_arch: str) -> Family:
+    """The family of an HF architecture name; ValueError listing the known ones otherwise."""
+    if hf_arch not in FAMILIES:
+        raise ValueError(f"model architecture {hf_arch!r} is not supported; known: {sorted(FAMILIES)}")
+    return FAMILIES[hf_arch]
+
+
+def family_of_model_type(model_type: str) -> Family:
+    """The family of a config's `model_type` (what the trainers read); ValueError listing the known ones."""
+    for f in FAMILIES.values():
+        if f.model_type == model_type:
+            return f
+    known = sorted(f.model_type for f in FAMILIES.values())
+    raise ValueError(f"model type {model_type!r} is not supported; known: {', '.join(known)}")
+
+
+__all__ = ["FAMILIES", "Family", "family_of_model_type", "get_family"]

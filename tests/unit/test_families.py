@@ -1,0 +1,34 @@
+"""Model families as plug-ins (miles/models/families/): the registry's lookups, and each family's facts
+against transformers' own model of that family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.models.families import FAMILIES, family_of_model_type, get_family
+from miles.models.tiny import model_config
+
+
+def test_an_unknown_family_is_refused_listing_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; known: \['LlamaForCausalLM'"):
+        get_family("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; known: llama, qwen2"):
+        family_of_model_type("gpt2")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES.values()), ids=lambda f: f.model_type)
+def test_each_family_names_the_attention_tensors_transformers_builds(family) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config(family.model_type, 64, 1, 0)
+    assert cfg.architectures is None or cfg.architectures[0] == family.hf_arch
+    torch.manual_seed(0)
+    names = set(AutoModelForCausalLM.from_config(cfg).state_dict())
+    prefix = "model.layers.0."
+    extra = {n for n in names if n.startswith(prefix + "self_attn.")} - {
+        prefix + f"self_attn.{x}_proj.weight" for x in "qkvo"
+    }
+    assert extra == set(family.attention_names(prefix))
+    assert family_of_model_type(cfg.model_type) is family
+    assert any(".experts." in n for n in names) == family.moe
