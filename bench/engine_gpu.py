@@ -127,7 +127,7 @@ def run_in_process(model: Path, prompts, args, cuda_graph: bool) -> dict:
         out["graph_step_gpu_ms"] = graph_gpu_time(sched, args)
         if args.profile:
             profile_decode(sched, args)
-    sched.release_memory()
+    sched.holdings.release_memory()
     return out
 
 

@@ -156,7 +156,7 @@ def engine_run(sched, arm: Arm, prompts: list[list[int]], w: Workload, device: s
 
     if arm.min_tokens is not None:
         sched.decoder.min_tokens = arm.min_tokens
-    sched.flush_cache()
+    sched.holdings.flush_cache()
     sp = SamplingParams(max_new_tokens=w.completion, temperature=1.0, ignore_eos=True)
     reqs = [Request(str(i), p, sp, i, frozenset()) for i, p in enumerate(prompts)]
     sync(device)

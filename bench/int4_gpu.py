@@ -69,7 +69,7 @@ def _run(sched, arm: Arm, prompts: list[list[int]], new: int, device: str) -> fl
 
     if arm.quantization == "int4":
         sched.decoder.int4_max_rows = arm.max_rows
-    sched.flush_cache()
+    sched.holdings.flush_cache()
     sp = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)
     reqs = [Request(str(i), p, sp, i, frozenset()) for i, p in enumerate(prompts)]
     sync(device)

@@ -98,7 +98,7 @@ def decode_part(args, device: str) -> list[dict]:
 
     def run(arm: str, prompts: list[list[int]]) -> float:
         sched, n = scheds[arm], arms[arm][1]
-        sched.flush_cache()
+        sched.holdings.flush_cache()
         sp = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)
         reqs = [
             Request(str(i), p, sp, i, frozenset(), lora=f"a{i % n}" if n else None)

@@ -29,7 +29,14 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     marks: dict[int, float] = {}
-    pretrain(model, tok, docs, 5 + args.steps, 0, report=lambda step, _: marks.setdefault(step, time.perf_counter()))
+    pretrain(
+        model,
+        tok,
+        docs,
+        5 + args.steps,
+        0,
+        report=lambda step, _: marks.setdefault(step, time.perf_counter()),
+    )
     print(f"threads={args.threads} s/step={(marks[5 + args.steps] - marks[5]) / args.steps:.3f}")
 
 

@@ -256,7 +256,7 @@ def build_state(args: argparse.Namespace) -> EngineState:
     )
     for name, config, tensors, path in adapters:
         try:
-            scheduler.load_lora(name, config, tensors, path)
+            scheduler.holdings.load_lora(name, config, tensors, path)
         except ValueError as e:
             raise SystemExit(f"--lora-paths {name}={path}: {e}") from None
     tok = load_codec(model_dir)

@@ -12,55 +12,65 @@ yields [x W^T | x A^T], and the kernel that reads the output next adds the adapt
 (miles/engine/triton_lora.py): the RoPE and K/V-store kernel for q/k/v, the activation's for gate/up,
 and the add-and-norm's for o and down. No adapters' kernel runs on its own.
 
-`FusedForward` is a part of `Decoder`, its base class, kept in a file of its own for size. It reads
-the decoder's weights (`params`, `storage`, `wide`), its adapter bank (`lora`) and its per-op pieces
-(`_project`, `_attend`, `_mlp`, `_logits`, `_decode_mask`, `_take_routing`).
+`FusedForward` is the forward strategy a CUDA `Decoder` holds (`Decoder.fused_forward`). It reads
+the decoder's weights (`params`, `storage`, `wide`), its adapter bank (`lora`) and the per-op pieces
+it shares with the CPU forward (`_project`, `_attend`, `_mlp`, `_logits`, `_decode_mask`,
+`_take_routing`, `_has_fused`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from miles.engine.spec import Batch
 
+if TYPE_CHECKING:
+    from miles.engine.model import Decoder
+
 
 class FusedForward:
-    """The CUDA forward of `Decoder` (miles/engine/model.py; module docstring)."""
+    """The CUDA forward of a `Decoder` (miles/engine/model.py; module docstring)."""
 
-    def _forward_fused(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def __init__(self, decoder: Decoder) -> None:
+        self.d = decoder
+
+    def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """`forward` on CUDA in ~10 kernels a layer: the fp32 residual add fused with the next norm,
         one GEMM for q/k/v and one for gate/up, RoPE fused with the K/V pool write, silu(gate) * up in
         one kernel (miles/engine/triton_fused.py; the same roundings as the per-op path)."""
         from miles.engine.triton_fused import add_rms_norm_, rope_store_kv
 
-        w, st, eps = self.params, self.storage, self.spec.rms_norm_eps
+        d = self.d
+        w, st, eps = d.params, d.storage, d.spec.rms_norm_eps
         x = w["model.embed_tokens.weight"][b.input_ids].float()
-        freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
+        freqs = b.positions.float()[:, None] * d.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()  # the per-op path's [cos | cos] halves, once
-        mask = self._decode_mask(b)
-        layers = [f"model.layers.{i}." for i in range(self.spec.num_layers)]
+        mask = d._decode_mask(b)
+        layers = [f"model.layers.{i}." for i in range(d.spec.num_layers)]
         after = [p + "input_layernorm.weight" for p in layers[1:]] + ["model.norm.weight"]
-        h = add_rms_norm_(x, None, w[layers[0] + "input_layernorm.weight"], eps, self.dtype)
+        h = add_rms_norm_(x, None, w[layers[0] + "input_layernorm.weight"], eps, d.dtype)
         for i, (p, next_norm) in enumerate(zip(layers, after, strict=True)):
             qkv, lora = self._qkv_parts(h, p + "self_attn.qkv_proj", st.get(p + "self_attn.qkv_proj.bias"))
             q_norm, k_norm = w.get(p + "self_attn.q_norm.weight"), w.get(p + "self_attn.k_norm.weight")
             q = rope_store_kv(
-                qkv, cos, sin, *pool[i], b.write_slots, self.spec.num_heads, q_norm, k_norm, eps, lora
+                qkv, cos, sin, *pool[i], b.write_slots, d.spec.num_heads, q_norm, k_norm, eps, lora
             )
-            attended = self._attend(q, b, pool[i], mask)
+            attended = d._attend(q, b, pool[i], mask)
             h = self._project_add_norm(
                 attended, p + "self_attn.o_proj.weight", x, w[p + "post_attention_layernorm.weight"]
             )
-            if self._has_fused(p + "mlp.gate_up_proj.weight"):
+            if d._has_fused(p + "mlp.gate_up_proj.weight"):
                 act = self._gate_up_act(h, p + "mlp.gate_up_proj.weight")
                 h = self._project_add_norm(act, p + "mlp.down_proj.weight", x, w[next_norm])
             else:  # a sparse (MoE) layer, or FP8 gate/up kept unfused (miles/engine/fp8_weights.py)
-                h = add_rms_norm_(x, self._mlp(i, h), w[next_norm], eps, self.dtype)
-        self._take_routing(b.write_slots)
+                h = add_rms_norm_(x, d._mlp(i, h), w[next_norm], eps, d.dtype)
+        d._take_routing(b.write_slots)
         # decode (one query per request) packs exactly the last tokens, in order; the norm is per row
         decode = b.query_index.shape[1] == 1
-        return self._logits(h if decode else h[b.last_index], None if decode else b.last_index)
+        return d._logits(h if decode else h[b.last_index], None if decode else b.last_index)
 
     def _qkv_parts(
         self, x: torch.Tensor, module: str, bias: torch.Tensor | None
@@ -68,10 +78,11 @@ class FusedForward:
         """(q/k/v projection, None) for the RoPE and K/V-store kernel (CUDA forward); with the LoRA
         group's A stacked under the weight, (the base projection, the adapters' part), which that kernel
         adds."""
-        if self.lora is not None and self.lora.fuses_next(module):
-            wide_bias = None if bias is None else self.wide[module + ".bias"]
-            return self.lora.rope_parts(F.linear(x, self.wide[module + ".weight"], wide_bias), module)
-        return self._project(x, module + ".weight", bias), None
+        d = self.d
+        if d.lora is not None and d.lora.fuses_next(module):
+            wide_bias = None if bias is None else d.wide[module + ".bias"]
+            return d.lora.rope_parts(F.linear(x, d.wide[module + ".weight"], wide_bias), module)
+        return d._project(x, module + ".weight", bias), None
 
     def _project_add_norm(
         self, inp: torch.Tensor, name: str, x: torch.Tensor, norm: torch.Tensor
@@ -81,17 +92,19 @@ class FusedForward:
         GEMM, adds and norms."""
         from miles.engine.triton_fused import add_rms_norm_
 
-        module, eps = name.removesuffix(".weight"), self.spec.rms_norm_eps
-        if self.lora is not None and self.lora.fuses_next(module):
-            return self.lora.split_add_norm(F.linear(inp, self.wide[name]), module, x, norm, eps, self.dtype)
-        return add_rms_norm_(x, self._project(inp, name), norm, eps, self.dtype)
+        d = self.d
+        module, eps = name.removesuffix(".weight"), d.spec.rms_norm_eps
+        if d.lora is not None and d.lora.fuses_next(module):
+            return d.lora.split_add_norm(F.linear(inp, d.wide[name]), module, x, norm, eps, d.dtype)
+        return add_rms_norm_(x, d._project(inp, name), norm, eps, d.dtype)
 
     def _gate_up_act(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up weight `name` (CUDA forward); with the LoRA group's A
         stacked under it, one kernel finishes the GEMM and applies the activation."""
         from miles.engine.triton_fused import silu_mul
 
+        d = self.d
         module = name.removesuffix(".weight")
-        if self.lora is not None and self.lora.fuses_next(module):
-            return self.lora.split_silu(F.linear(x, self.wide[name]), module)
-        return silu_mul(self._project(x, name))
+        if d.lora is not None and d.lora.fuses_next(module):
+            return d.lora.split_silu(F.linear(x, d.wide[name]), module)
+        return silu_mul(d._project(x, name))

@@ -80,7 +80,7 @@ def _attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-class Decoder(FusedForward):
+class Decoder:
     """Weights by HF name plus a forward over a Batch; the KV pool is owned by the caller.
 
     Storage: each layer's q/k/v weights (and biases) are rows of one fused `qkv_proj` tensor, its
@@ -106,6 +106,8 @@ class Decoder(FusedForward):
         self.fused = self.device.type == "cuda"
         """The CUDA forward runs the fused GEMMs and the Triton kernels of triton_fused.py; False runs
         the per-op path (the CPU forward's), one GEMM per HF weight."""
+        self.fused_forward = FusedForward(self)
+        """The forward strategy of CUDA tensors when `fused` (miles/engine/fused_forward.py)."""
         self.record_routing = False
         """MoE: each forward leaves the top-k expert ids of its tokens in `routing`."""
         self.routing: torch.Tensor | None = None
@@ -502,7 +504,7 @@ class Decoder(FusedForward):
         if self.lora is not None:
             self.lora.begin(_token_slots(b))
         if self.fused and b.input_ids.is_cuda:
-            return self._forward_fused(b, pool)
+            return self.fused_forward.forward(b, pool)
         x = self.params["model.embed_tokens.weight"][b.input_ids]
         # bf16 on CUDA: the residual stream stays fp32 (each sublayer's input is rounded once), which
         # roughly halves the log-prob error against an fp32 forward for a few elementwise kernels

@@ -187,7 +187,7 @@ def _control_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def _flush():
-        await asyncio.to_thread(s.flush_cache)
+        await asyncio.to_thread(s.holdings.flush_cache)
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/abort_request")
@@ -221,11 +221,11 @@ def _control_routes(app: FastAPI, state: EngineState) -> None:
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def _release(request: Request):
         await parse_body(request, MemoryReqInput)
-        await asyncio.to_thread(s.release_memory)
+        await asyncio.to_thread(s.holdings.release_memory)
         return {"success": True, "message": "memory released"}
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def _resume(request: Request):
         await parse_body(request, MemoryReqInput)
-        await asyncio.to_thread(s.resume_memory)
+        await asyncio.to_thread(s.holdings.resume_memory)
         return {"success": True, "message": "memory resumed"}

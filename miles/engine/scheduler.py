@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.engine.control import HoldingsControl
+from miles.engine.control import Holdings
 from miles.engine.cuda_graph import DecodeGraphs
 from miles.engine.engine_thread import EngineThread
 from miles.engine.kv_cache import RowKV, SlotAllocator
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class Scheduler(HoldingsControl, EngineThread):
+class Scheduler(EngineThread):
     """Owns the decoder, the KV pool and every request; `run()` is the engine thread's body.
 
     The pool has one slot more than `max_total_tokens` (the scratch slot) and the slot table one row
@@ -92,6 +92,8 @@ class Scheduler(HoldingsControl, EngineThread):
     ):
         super().__init__(stuck_timeout_s, max_step_failures)
         self.decoder = decoder
+        self.holdings = Holdings(self)
+        """Weights, adapters and memory, changed between two steps (miles/engine/control.py)."""
         self.max_running = max_running_requests
         self.max_total_tokens = max_total_tokens
         self.max_prefill_tokens = max_prefill_tokens

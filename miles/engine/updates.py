@@ -15,7 +15,7 @@ The update group is joined as SGLang's engines join it (miles/weights/group.py):
 holding every tensor's bytes back to back, as SGLang's FlattenedTensorBucket lays them out.
 
 Tensors are received or read while generation goes on; they are loaded between two engine steps
-(Scheduler.update_weights), which also flushes the prefix cache and sets the weight version. One
+(Holdings.update_weights, miles/engine/control.py), which also flushes the prefix cache and sets the weight version. One
 weight operation runs at a time, in a worker thread. No HTTP call waits longer than `timeout_s` +
 GRACE_S: torch's waits (store, rendezvous, each broadcast) are bounded by `timeout_s`, and a call
 that still finds work unfinished at its deadline is answered 400 (the work finishes in the
@@ -269,7 +269,9 @@ class WeightUpdater:
         weights = load_checkpoint(
             path, quantization_of(self.scheduler.decoder), getattr(self.scheduler.decoder, "scheme", None)
         )
-        self.scheduler.update_weights(weights, body.weight_version, body.abort_all_requests, complete=True)
+        self.scheduler.holdings.update_weights(
+            weights, body.weight_version, body.abort_all_requests, complete=True
+        )
         self.model_path = body.model_path
         return "Succeeded to update model weights."
 
@@ -316,7 +318,7 @@ class WeightUpdater:
                 f"receiving the broadcast failed ({e}); update group {body.group_name!r} was dropped, "
                 "join a new one with /init_weights_update_group"
             ) from e
-        self.scheduler.update_weights(received, body.weight_version, body.abort_all_requests)
+        self.scheduler.holdings.update_weights(received, body.weight_version, body.abort_all_requests)
         message = "Succeeded to update parameter online."
         return message + (f" Weight version updated to {body.weight_version}." if body.weight_version else "")
 
@@ -353,7 +355,7 @@ class WeightUpdater:
             named = deserialize(body.serialized_named_tensors[0])
         except (ValueError, TypeError, EOFError, pickle.UnpicklingError, binascii.Error) as e:
             raise ValueError(f"serialized_named_tensors could not be decoded: {e}") from None
-        self.scheduler.update_weights(dict(named), body.weight_version, body.abort_all_requests)
+        self.scheduler.holdings.update_weights(dict(named), body.weight_version, body.abort_all_requests)
         del named  # drop the sender's memory mapping before answering
         if self.scheduler.decoder.device.type == "cuda":
             torch.cuda.synchronize(self.scheduler.decoder.device)
@@ -372,7 +374,7 @@ class WeightUpdater:
 
         self._bank()
         config, tensors = read_adapter(body.lora_path)
-        self.scheduler.load_lora(body.lora_name, config, tensors, body.lora_path)
+        self.scheduler.holdings.load_lora(body.lora_name, config, tensors, body.lora_path)
         return self._loaded()
 
     def load_lora_tensors(self, body: LoadLoraTensors) -> dict[str, Any]:
@@ -389,7 +391,7 @@ class WeightUpdater:
         except (ValueError, TypeError, EOFError, pickle.UnpicklingError, binascii.Error) as e:
             raise ValueError(f"serialized_named_tensors could not be decoded: {e}") from None
         config = AdapterConfig.from_peft(body.config_dict)
-        self.scheduler.load_lora(body.lora_name, config, named, "__tensor__")
+        self.scheduler.holdings.load_lora(body.lora_name, config, named, "__tensor__")
         if body.expected_checksums:
             stored = bank.stored(body.lora_name)
             bad = sorted(
@@ -405,7 +407,7 @@ class WeightUpdater:
 
     def unload_lora(self, body: UnloadLora) -> dict[str, Any]:
         self._bank()
-        self.scheduler.unload_lora(body.lora_name)
+        self.scheduler.holdings.unload_lora(body.lora_name)
         return self._loaded()
 
     def _loaded(self) -> dict[str, Any]:

@@ -39,10 +39,10 @@ def engine(model: str) -> dict:
     alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     weight_bytes = sum(t.numel() * t.element_size() for t in sched.decoder.params.values())
     pool_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in sched.pool)
-    sched.release_memory()
+    sched.holdings.release_memory()
     released_alloc, released_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     pinned = all(not t.is_cuda and t.is_pinned() for t in sched.decoder.params.values())
-    sched.resume_memory()
+    sched.holdings.resume_memory()
     resumed_alloc = torch.cuda.memory_allocated()
     after = [r.output for r in T._run(sched, work)]
     return dict(

@@ -60,7 +60,9 @@ def test_every_transport_is_built_from_the_plan_by_its_name(tmp_path, tiny_model
         "distributed": resolve({"model": {"path": tiny_model}}),
         "tensor": resolve({"model": {"path": tiny_model}, "launch": {"layout": "colocated"}}),
         "disk": resolve({"model": {"path": tiny_model}, "weights": {"transport": "disk", "check": True}}),
-        "lora": resolve({"model": {"path": tiny_model}, "train": {"lora": {"rank": 4}}, "weights": {"check": True}}),
+        "lora": resolve(
+            {"model": {"path": tiny_model}, "train": {"lora": {"rank": 4}}, "weights": {"check": True}}
+        ),
     }
     for name, plan in plans.items():
         assert plan.weights.transport == name

@@ -106,7 +106,7 @@ def test_prefix_reuse(engine):
     turn2 = system + [5, 6] + first.output + [7, 8, 9]
     cached = _run(engine, [_req("t2", turn2, 10)])[0]
     assert cached.cached_tokens >= len(system) + 2
-    engine.flush_cache()
+    engine.holdings.flush_cache()
     fresh = _run(engine, [_req("t3", turn2, 10)])[0]
     assert fresh.cached_tokens == 0
     assert fresh.output == cached.output
@@ -122,7 +122,7 @@ def test_pause_in_place_keeps_requests_across_update(engine, tiny_model):
     engine.pause("in_place")
     assert not any(r.done.done() for r in reqs)
     new = {k: v * 1.5 for k, v in load_weights(tiny_model).items() if k.endswith("norm.weight")}
-    engine.update_weights(new, "v1", abort_all=False)
+    engine.holdings.update_weights(new, "v1", abort_all=False)
     engine.resume()
     done = [r.done.result(timeout=60) for r in reqs]
     for r in done:
@@ -133,7 +133,7 @@ def test_pause_in_place_keeps_requests_across_update(engine, tiny_model):
 def test_pause_retract_then_continue_gives_same_tokens(engine):
     prompts = [list(range(3 + i, 20 + i)) for i in range(3)]
     reference = _run(engine, [_req(f"ref{i}", p, 300) for i, p in enumerate(prompts)])
-    engine.flush_cache()
+    engine.holdings.flush_cache()
     reqs = [_req(i, p, 300) for i, p in enumerate(prompts)]
     for r in reqs:
         engine.submit(r)
@@ -262,11 +262,11 @@ def test_admin_operations_run_on_the_engine_thread(engine, tiny_model):
     load = engine.decoder.load
     engine.decoder.load = lambda w, strict=False: (seen.append(threading.current_thread()), load(w, strict))
     norms = {k: v for k, v in load_weights(tiny_model).items() if k.endswith("norm.weight")}
-    engine.update_weights(norms, "v2", abort_all=False)
+    engine.holdings.update_weights(norms, "v2", abort_all=False)
     assert seen == [engine._engine_thread] and seen[0] is not threading.current_thread()
     assert engine.weight_version == "v2"
     with pytest.raises(ValueError, match="unknown weight names"):
-        engine.update_weights({"no.such.weight": torch.zeros(1)}, "v3", abort_all=False)
+        engine.holdings.update_weights({"no.such.weight": torch.zeros(1)}, "v3", abort_all=False)
     assert engine.weight_version == "v2"
     assert _run(engine, [_req("after", [1, 2, 3], 3)])[0].finish["type"] == "length"
 

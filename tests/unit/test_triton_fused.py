@@ -155,7 +155,7 @@ def silu_cases() -> list[dict]:
 
 
 def forward_cases() -> list[dict]:
-    """Decoder._forward_fused against Decoder.forward's per-op path (fp32: only the norms' sums of
+    """Decoder.fused_forward.forward against Decoder.forward's per-op path (fp32: only the norms' sums of
     squares are ordered differently), on a prefill of two requests and then a decode step."""
     import torch
 
@@ -182,7 +182,7 @@ def forward_cases() -> list[dict]:
             decode = Batch.decode(
                 torch.tensor([11, 12]), torch.tensor([3, 2]), torch.tensor([0, 1]), table, 4
             )
-            run = dec._forward_fused if fused else dec.forward
+            run = dec.fused_forward.forward if fused else dec.forward
             out[fused] = (
                 run(prefill, pool),
                 run(decode, pool),

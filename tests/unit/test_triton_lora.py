@@ -173,7 +173,7 @@ def _rope_case(
 
 
 def _decoder_case(seed: int) -> dict:
-    """The CUDA forward (Decoder._forward_fused) of a decoder whose adapters' A is stacked under its
+    """The CUDA forward (Decoder.fused_forward.forward) of a decoder whose adapters' A is stacked under its
     weights, gate/up through lora_split_silu, against the per-op forward with the bank's PyTorch path,
     on a prefill of two requests: one on an adapter, one on the base model."""
     import torch
@@ -218,7 +218,7 @@ def _decoder_case(seed: int) -> dict:
         last_index=torch.tensor([2, 4]), lora_slots=torch.tensor([0, 0, 0, -1, -1]),
     )  # fmt: skip
     dec.lora.begin(prefill.lora_slots)
-    fused = dec._forward_fused(prefill, dec.new_kv_pool(8))
+    fused = dec.fused_forward.forward(prefill, dec.new_kv_pool(8))
     into_next = sorted(k for k in dec.lora.stacked if dec.lora.fuses_next(k))
     silu_groups = [k for k in into_next if k.endswith(".gate_up_proj")]
     norm_groups = [k for k in into_next if k.endswith((".o_proj", ".down_proj"))]
