@@ -109,6 +109,29 @@ def export_run(
         raise ConfigError(f"{out} exists and is not empty: name a new directory for the export")
     plan = read_plan(run_dir / "plan.yaml")
     lora = plan.train.lora
+    _check_lora_flags(run_dir, lora, merge, adapter)
+    contract = _export_contract(run_dir, plan) if quantized else None
+    choice = choose(run_dir, step)
+    for note in choice.notes:
+        log.warning("%s", note)
+    try:
+        step = choice.check()
+    except CheckpointError as e:
+        raise ConfigError(f"miles export: {e}") from e
+    model = _load_checkpoint(step_dir(run_dir, step), plan)
+    if lora is not None and not merge:
+        return _write_adapters(model, lora.names, adapter, plan.model.path, plan.model.dtype, out, step)
+    if lora is not None:
+        model.set_adapter(adapter or lora.names[0])
+        model = model.merge_and_unload()
+    _write(model, plan.model.path, plan.model.dtype, out, step)
+    if contract is not None:
+        _write_quantized(model, out, contract)
+    return out
+
+
+def _check_lora_flags(run_dir: Path, lora: Any, merge: bool, adapter: str | None) -> None:
+    """--merge / --adapter only for LoRA runs, naming one of their adapters where it must."""
     if (merge or adapter) and lora is None:
         raise ConfigError(
             f"miles export --merge/--adapter: {run_dir} did not train a LoRA adapter (train.lora); drop them"
@@ -117,23 +140,24 @@ def export_run(
         raise ConfigError(f"miles export --adapter {adapter}: {run_dir} trained {', '.join(lora.names)}")
     if merge and adapter is None and len(lora.names) > 1:
         raise ConfigError(f"miles export --merge: name one of {', '.join(lora.names)} with --adapter")
-    contract = None
-    if quantized:
-        from miles.quant.formats import engine_contract
 
-        contract = engine_contract(plan)
-        if contract is None:
-            raise ConfigError(
-                f"miles export --quantized: {run_dir}'s engine.quantization is none; export without --quantized"
-            )
-    choice = choose(run_dir, step)
-    for note in choice.notes:
-        log.warning("%s", note)
-    try:
-        step = choice.check()
-    except CheckpointError as e:
-        raise ConfigError(f"miles export: {e}") from e
-    src = step_dir(run_dir, step)
+
+def _export_contract(run_dir: Path, plan: Any) -> Any:
+    """--quantized: the run's engine weight contract (a ConfigError for a bf16 engine)."""
+    from miles.quant.formats import engine_contract
+
+    contract = engine_contract(plan)
+    if contract is None:
+        raise ConfigError(
+            f"miles export --quantized: {run_dir}'s engine.quantization is none; export without --quantized"
+        )
+    return contract
+
+
+def _load_checkpoint(src: Path, plan: Any) -> Any:
+    """The HF model (PEFT-wrapped for a LoRA run) with the weights of checkpoint directory `src`,
+    whichever backend wrote it."""
+    lora = plan.train.lora
     model = _empty_model(plan.model.path)
     if (src / "megatron").is_dir():
         state = megatron_state(src / "megatron", model.config)
@@ -154,15 +178,7 @@ def export_run(
         _load_strict(model, _stack_experts(fsdp_state(src / "state", model), model.state_dict()), src)
     else:
         raise ConfigError(f"{src} holds neither state/ (FSDP) nor megatron/ (Megatron) checkpoint files")
-    if lora is not None and not merge:
-        return _write_adapters(model, lora.names, adapter, plan.model.path, plan.model.dtype, out, step)
-    if lora is not None:
-        model.set_adapter(adapter or lora.names[0])
-        model = model.merge_and_unload()
-    _write(model, plan.model.path, plan.model.dtype, out, step)
-    if contract is not None:
-        _write_quantized(model, out, contract)
-    return out
+    return model
 
 
 def _empty_model(model_path: str) -> Any:

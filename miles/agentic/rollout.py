@@ -229,24 +229,18 @@ async def _play(
         if left <= 0:
             s.status = Status.TRUNCATED
             return
-        params = {**sampling, "max_new_tokens": min(int(sampling.get("max_new_tokens", left)), left)}
-        t0 = time.monotonic()
+        if demo is not None and turn >= len(demo):
+            break
         try:
-            if demo is not None:
-                if turn >= len(demo):
-                    break
-                forced = (renderer.encode_text(demo[turn]) + [renderer.eos_id])[:left]
-                r = await gen.call_forced(s, s.prompt_ids + s.response_ids, forced, slot=slot)
-            else:
-                r = await gen.call_engine(s, s.prompt_ids + s.response_ids, params, slot=slot)
+            r = await _model_turn(
+                gen, ep, renderer, sampling, left, slot, None if demo is None else demo[turn]
+            )
         except EngineError as e:
             if not s.response_ids:
                 raise  # the first turn's request is refused: a configuration error, not an episode's
             # a later turn refused (the episode outgrew the engine's context): it ends truncated
             s.status, s.metadata["error"] = Status.TRUNCATED, str(e)
             return
-        finally:
-            ep.facts["generate_s"] += time.monotonic() - t0
         if r is None:  # the engine never finished the turn: the episode failed
             return
         ep.add_turn(r)
@@ -270,6 +264,24 @@ async def _play(
         history.extend([{"role": "assistant", "content": text}, *result.messages])
         ep.add_observation(ids)
     s.status = Status.TRUNCATED
+
+
+async def _model_turn(
+    gen: Generator, ep: Episode, renderer: TurnRenderer, sampling: dict[str, Any], left: int, slot: int,
+    demo_turn: str | None,
+) -> Any:  # fmt: skip
+    """The engine's reply to the episode so far, at most `left` tokens; with `demo_turn`, that turn's
+    text forced in the engine's place. Its time goes to the episode's generate_s."""
+    s = ep.s
+    t0 = time.monotonic()
+    try:
+        if demo_turn is not None:
+            forced = (renderer.encode_text(demo_turn) + [renderer.eos_id])[:left]
+            return await gen.call_forced(s, s.prompt_ids + s.response_ids, forced, slot=slot)
+        params = {**sampling, "max_new_tokens": min(int(sampling.get("max_new_tokens", left)), left)}
+        return await gen.call_engine(s, s.prompt_ids + s.response_ids, params, slot=slot)
+    finally:
+        ep.facts["generate_s"] += time.monotonic() - t0
 
 
 AgentFn = Any

@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 import uvicorn
@@ -84,8 +85,8 @@ def _add_health_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m miles.engine", description=__doc__)
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, where it is served, and its batching and CUDA-graph limits."""
     p.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: let the OS choose")
@@ -106,6 +107,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4096,
         help="longest (padded) context with a captured decode graph; longer contexts decode eagerly",
     )
+    p.add_argument("--url-file", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="MoE: record each token's top-k experts so /generate can return routed_experts",
+    )
+
+
+def _add_quantization_args(p: argparse.ArgumentParser) -> None:
+    """Low-precision weights (FP8 layouts and packed formats)."""
     p.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
@@ -132,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_FP8_MIN_TOKENS,
         help="GEMMs with fewer rows dequantise FP8 weights and run in the model dtype (decode)",
     )
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters served unmerged (SGLang's flags)."""
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (miles/engine/lora.py)")
     p.add_argument(
         "--lora-paths", nargs="*", default=[], metavar="NAME=PATH", help="PEFT adapters to load at start-up"
@@ -151,13 +167,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="layers adapters may target (q_proj ... down_proj, or all; default: the start-up adapters', else all)",
     )
-    p.add_argument("--url-file", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--enable-return-routed-experts",
-        action="store_true",
-        help="MoE: record each token's top-k experts so /generate can return routed_experts",
-    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m miles.engine", description=__doc__)
+    _add_model_args(p)
+    _add_quantization_args(p)
+    _add_lora_args(p)
     _add_health_args(p)
     streaming.add_args(p)
     args = p.parse_args(argv)
@@ -221,12 +237,8 @@ def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def build_state(args: argparse.Namespace) -> EngineState:
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda given but CUDA is not available; use --device cpu")
-    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
-    torch.manual_seed(args.seed)
+def _build_decoder(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[ModelSpec, Any]:
+    """The model's spec and decoder with the flags' quantisation and routing record."""
     model_dir = Path(args.model)
     spec = ModelSpec.from_dir(model_dir)
     try:
@@ -243,6 +255,44 @@ def build_state(args: argparse.Namespace) -> EngineState:
             f"--enable-return-routed-experts needs a mixture-of-experts model; {spec.arch} is dense"
         )
     decoder.record_routing = args.enable_return_routed_experts
+    return spec, decoder
+
+
+def _server_args(args: argparse.Namespace, scheduler: Scheduler, device: str, dtype: torch.dtype) -> dict:
+    """/server_info's server_args, with SGLang's names."""
+    lora = scheduler.decoder.lora
+    return {
+        "model_path": model_path_of(args.model),
+        "tokenizer_path": model_path_of(args.model),
+        "host": args.host,
+        "port": args.port,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "max_running_requests": args.max_running_requests,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "random_seed": args.seed,
+        "tp_size": 1,
+        "dp_size": 1,
+        "page_size": 1,
+        "disable_cuda_graph": not scheduler.use_cuda_graph,
+        "cuda_graph_max_bs": scheduler.graph_max_bs,
+        "enable_return_routed_experts": args.enable_return_routed_experts,
+        "enable_lora": args.enable_lora or bool(args.lora_paths),
+        "max_loras_per_batch": args.max_loras_per_batch,
+        "max_lora_rank": None if lora is None else lora.max_rank,
+        "quantization": _sglang_quantization(args.quantization),
+        "fp8_layout": args.quantization if args.quantization.startswith("fp8") else None,
+    }
+
+
+def build_state(args: argparse.Namespace) -> EngineState:
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda given but CUDA is not available; use --device cpu")
+    dtype = DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    torch.manual_seed(args.seed)
+    model_dir = Path(args.model)
+    spec, decoder = _build_decoder(args, device, dtype)
     adapters = _start_lora(args, decoder) if args.enable_lora or args.lora_paths else []
     scheduler = Scheduler(
         decoder,
@@ -262,33 +312,11 @@ def build_state(args: argparse.Namespace) -> EngineState:
     tok = load_codec(model_dir)
     if tok is None:
         log.warning("no tokenizer.json in %s: only input_ids requests will work", model_dir)
-    server_args = {
-        "model_path": model_path_of(args.model),
-        "tokenizer_path": model_path_of(args.model),
-        "host": args.host,
-        "port": args.port,
-        "device": device,
-        "dtype": str(dtype).removeprefix("torch."),
-        "max_running_requests": args.max_running_requests,
-        "max_prefill_tokens": args.max_prefill_tokens,
-        "random_seed": args.seed,
-        "tp_size": 1,
-        "dp_size": 1,
-        "page_size": 1,
-        "disable_cuda_graph": not scheduler.use_cuda_graph,
-        "cuda_graph_max_bs": scheduler.graph_max_bs,
-        "enable_return_routed_experts": args.enable_return_routed_experts,
-        "enable_lora": args.enable_lora or bool(args.lora_paths),
-        "max_loras_per_batch": args.max_loras_per_batch,
-        "max_lora_rank": None if scheduler.decoder.lora is None else scheduler.decoder.lora.max_rank,
-        "quantization": _sglang_quantization(args.quantization),
-        "fp8_layout": args.quantization if args.quantization.startswith("fp8") else None,
-    }
     state = EngineState(
         scheduler,
         model_path_of(args.model),
         tok,
-        server_args,
+        _server_args(args, scheduler, device, dtype),
         _eos_ids(model_dir, spec, tok),
         args.seed,
         max_request_bytes=args.max_request_bytes,

@@ -216,6 +216,45 @@ def sized_flags(flags: tuple[str, ...], nodes: int) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _groups_and_steps(
+    plan: Plan, profile: Profile, python: str, actor: ComponentSpec, flags: tuple, common: dict
+) -> tuple[tuple[ComponentSpec, ...], tuple[StepSpec, ...]]:
+    """The job's het groups and job steps: disaggregated (a rollout group, the actor group, and an
+    eval group when the plan has one) or colocated (engines and trainer ranks on the actor nodes)."""
+    lc, gpus = plan.launch, profile.gpus_per_node
+    boot = (python, "-m", "miles.cluster.bootstrap")
+    rollout_argv = (*boot, "rollout", "--run-dir", RUN_DIR)
+    actor_argv = (*boot, "actor", "--run-dir", RUN_DIR, "--", python, "-m", lc.actor_module)
+    actor_argv += ("--run-dir", RUN_DIR, "--resume")
+    mpi = ("--mpi=pmix",) if profile.bootstrap == "mpi" else ()
+    node_cpus, rank_cpus = (
+        f"--cpus-per-task={profile.cpus_per_node}",
+        f"--cpus-per-task={actor.cpus_per_task}",
+    )
+    if lc.layout != "disaggregated":
+        per_node = ("--overlap", f"--nodes={lc.actor_nodes}", "--ntasks-per-node=1", node_cpus)
+        steps = (
+            StepSpec("rollout", None, rollout_argv, (*per_node, *flags)),
+            StepSpec("actor", None, actor_argv, ("--overlap", rank_cpus, *mpi, *flags)),
+        )
+        return (actor,), steps
+    rollout = ComponentSpec(
+        "rollout", lc.rollout_nodes, 1, gpus, cpus_per_task=profile.cpus_per_node, **common
+    )
+    components: tuple[ComponentSpec, ...] = (rollout, actor)
+    steps: tuple[StepSpec, ...] = (StepSpec("rollout", 0, rollout_argv, (node_cpus, *flags)),)
+    if has_eval_group(plan):
+        # group 2: the eval engines; its end (a lost engine) skips evaluations, never ends the job
+        eval_group = ComponentSpec(
+            "eval", lc.eval_nodes, 1, gpus, cpus_per_task=profile.cpus_per_node, **common
+        )
+        components += (eval_group,)
+        eval_argv = (*boot, "eval", "--run-dir", RUN_DIR)
+        steps += (StepSpec("eval", 2, eval_argv, (node_cpus, *flags), fatal=False),)
+    steps += (StepSpec("actor", 1, actor_argv, (rank_cpus, *mpi, *flags)),)
+    return components, steps
+
+
 def build_job(
     plan: Plan, profile: Profile, run_dirs: list[str], *, log_dir: str, python: str | None = None
 ) -> JobSpec:
@@ -243,34 +282,7 @@ def build_job(
     actor = ComponentSpec(
         "actor", lc.actor_nodes, facts["actor_tasks_per_node"], gpus, cpus_per_task=actor_cpus, **common
     )
-    boot = (python, "-m", "miles.cluster.bootstrap")
-    rollout_argv = (*boot, "rollout", "--run-dir", RUN_DIR)
-    actor_argv = (*boot, "actor", "--run-dir", RUN_DIR, "--", python, "-m", lc.actor_module)
-    actor_argv += ("--run-dir", RUN_DIR, "--resume")
-    mpi = ("--mpi=pmix",) if profile.bootstrap == "mpi" else ()
-    node_cpus, rank_cpus = f"--cpus-per-task={profile.cpus_per_node}", f"--cpus-per-task={actor_cpus}"
-    if lc.layout == "disaggregated":
-        rollout = ComponentSpec(
-            "rollout", lc.rollout_nodes, 1, gpus, cpus_per_task=profile.cpus_per_node, **common
-        )
-        components: tuple[ComponentSpec, ...] = (rollout, actor)
-        steps: tuple[StepSpec, ...] = (StepSpec("rollout", 0, rollout_argv, (node_cpus, *flags)),)
-        if has_eval_group(plan):
-            # group 2: the eval engines; its end (a lost engine) skips evaluations, never ends the job
-            eval_group = ComponentSpec(
-                "eval", lc.eval_nodes, 1, gpus, cpus_per_task=profile.cpus_per_node, **common
-            )
-            components += (eval_group,)
-            eval_argv = (*boot, "eval", "--run-dir", RUN_DIR)
-            steps += (StepSpec("eval", 2, eval_argv, (node_cpus, *flags), fatal=False),)
-        steps += (StepSpec("actor", 1, actor_argv, (rank_cpus, *mpi, *flags)),)
-    else:
-        components = (actor,)
-        per_node = ("--overlap", f"--nodes={lc.actor_nodes}", "--ntasks-per-node=1", node_cpus)
-        steps = (
-            StepSpec("rollout", None, rollout_argv, (*per_node, *flags)),
-            StepSpec("actor", None, actor_argv, ("--overlap", rank_cpus, *mpi, *flags)),
-        )
+    components, steps = _groups_and_steps(plan, profile, python, actor, flags, common)
     components = tuple(dataclasses.replace(c, flags=sized_flags(c.flags, c.nodes)) for c in components)
     return JobSpec(
         job_name=f"miles-{plan.run.name}" if len(run_dirs) == 1 else f"miles-sweep-{lc.sweep_tag}",

@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from miles.loop.rollout_side import RolloutSide
     from miles.sample import Sample
     from miles.train.backend import TrainBackend
+
+log = logging.getLogger("miles.loop")
 
 
 def train_step(
@@ -114,6 +117,57 @@ def log_evaluations(state: LoopState, evals: Evaluations | None, step: int, drai
         state.logger.amend(at, result)
 
 
+@dataclass
+class Run:
+    """One trainer rank's parts of the run; `side` and `evals` are rank 0's (None on the others)."""
+
+    plan: Plan
+    backend: TrainBackend
+    state: LoopState
+    side: RolloutSide | None
+    evals: Evaluations | None
+    take_turns: bool
+    """Colocated + sync: rollout and training take turns on the GPUs, the engines stepping aside while
+    the trainer trains (unless both fit); colocated + async: both stay resident all the time."""
+
+
+def one_step(r: Run, step: int) -> bool:
+    """Step `step`: batch, train, push, evaluate, record, checkpoint; True when preempted (its
+    checkpoint written)."""
+    plan, state, side = r.plan, r.state, r.side
+    t0 = time.monotonic()
+    samples = next_batch(state, plan, r.backend, side)
+    t1 = time.monotonic()
+    metrics, times = train_step(r.backend, samples, side, r.take_turns)
+    state.step, t2 = step, time.monotonic()
+    last = step == plan.train.steps
+    pushed = step % plan.weights.update_interval == 0 or last
+    if pushed:
+        metrics.update(push_weights(state, plan, r.backend, side))
+    t3 = time.monotonic()
+    state.eval_due |= bool(plan.eval.every_steps) and (step % plan.eval.every_steps == 0 or last)
+    # shared mode waits for a push: the engines then serve exactly this step's weights
+    if state.eval_due and (pushed or plan.eval.mode != "shared"):
+        metrics.update(evaluate_weights(plan, r.backend, side, r.evals, step))
+        state.eval_due = False
+    if side is not None:  # rank 0
+        metrics.update(side.metrics(), **state.rollout_metrics(samples))
+        turns = times.get("time/engine_release_s", 0.0) + times.get("time/engine_resume_s", 0.0)
+        metrics.update(
+            times, **{"time/rollout_s": t1 - t0, "time/sync_s": t3 - t2 + turns, "time/step_s": t3 - t0}
+        )
+        state.log(step, metrics)
+        log.info("step %d reward %.3f", step, metrics["rollout/reward_mean"])
+        log_evaluations(state, r.evals, step)
+    preempt = barrier_flag(side is not None and state.preempt_requested())
+    every = plan.train.checkpoint.every_steps
+    if preempt or last or (every and step % every == 0):
+        state.save(r.backend, side)
+    if preempt:
+        log.warning("preempted: checkpoint of step %d written, exiting", step)
+    return preempt
+
+
 def run(run_dir: Path, resume: bool) -> int:
     import torch.distributed as dist
 
@@ -124,17 +178,12 @@ def run(run_dir: Path, resume: bool) -> int:
     backend = get_backend(plan.train.backend)()
     backend.setup(plan)
     rank0 = dist.get_rank() == 0
-    log = setup_logging(run_dir, dist.get_rank())
+    setup_logging(run_dir, dist.get_rank())
     state = LoopState.restore(backend, plan, run_dir, resume, rank0)
     side = state.rollout_side(plan, run_dir) if rank0 else None
     evals = evaluations(plan, run_dir) if rank0 else None
-    # colocated + sync: rollout and training take turns on the GPUs, the engines stepping aside while
-    # the trainer trains (unless both fit); colocated + async: both stay resident all the time
-    take_turns = (
-        plan.launch.layout == "colocated"
-        and plan.rollout.schedule == "sync"
-        and plan.engine.release_memory_in_train
-    )
+    colocated_sync = plan.launch.layout == "colocated" and plan.rollout.schedule == "sync"
+    r = Run(plan, backend, state, side, evals, colocated_sync and plan.engine.release_memory_in_train)
     try:
         if state.step > 0 or plan.train.lora is not None:  # LoRA: the engines need the adapter at step 0
             push_weights(state, plan, backend, side)
@@ -143,38 +192,7 @@ def run(run_dir: Path, resume: bool) -> int:
             if rank0:
                 state.log(0, row)
         for step in range(state.step + 1, plan.train.steps + 1):
-            t0 = time.monotonic()
-            samples = next_batch(state, plan, backend, side)
-            t1 = time.monotonic()
-            metrics, times = train_step(backend, samples, side, take_turns)
-            state.step, t2 = step, time.monotonic()
-            last = step == plan.train.steps
-            pushed = step % plan.weights.update_interval == 0 or last
-            if pushed:
-                metrics.update(push_weights(state, plan, backend, side))
-            t3 = time.monotonic()
-            state.eval_due |= bool(plan.eval.every_steps) and (step % plan.eval.every_steps == 0 or last)
-            # shared mode waits for a push: the engines then serve exactly this step's weights
-            if state.eval_due and (pushed or plan.eval.mode != "shared"):
-                metrics.update(evaluate_weights(plan, backend, side, evals, step))
-                state.eval_due = False
-            if side is not None:  # rank 0
-                metrics.update(side.metrics(), **state.rollout_metrics(samples))
-                sync_s = (
-                    t3 - t2 + times.get("time/engine_release_s", 0.0) + times.get("time/engine_resume_s", 0.0)
-                )
-                metrics.update(
-                    times, **{"time/rollout_s": t1 - t0, "time/sync_s": sync_s, "time/step_s": t3 - t0}
-                )
-                state.log(step, metrics)
-                log.info("step %d reward %.3f", step, metrics["rollout/reward_mean"])
-                log_evaluations(state, evals, step)
-            preempt = barrier_flag(rank0 and state.preempt_requested())
-            every = plan.train.checkpoint.every_steps
-            if preempt or last or (every and step % every == 0):
-                state.save(backend, side)
-            if preempt:
-                log.warning("preempted: checkpoint of step %d written, exiting", step)
+            if one_step(r, step):
                 return 0
         log_evaluations(state, evals, state.step, drain=True)
         return 0

@@ -56,6 +56,18 @@ class TokenBatch:
     """[N, k] the teacher's log-probs of its top-k tokens (mode topk_reverse_kl), or None."""
 
 
+def _shaped_advantages(tb: TokenBatch, cfg: LossConfig, mask: Tensor, distill_coef: float) -> Tensor:
+    """The per-token advantages with the reward-side terms: the KL penalty (kl_in_reward) and the
+    teacher's shift (distillation by log-probs)."""
+    advantages = tb.advantages
+    if tb.ref_logp is not None and cfg.kl_in_reward:
+        kl_old = kl_estimate(tb.old_logp, tb.ref_logp, cfg.kl_estimator)
+        advantages = advantages + kl_penalty(kl_old, mask, tb.seq_index, tb.n_seqs, cfg.kl_coef)
+    if tb.teacher_logp is not None:
+        advantages = shifted_advantages(advantages, tb.logp, tb.teacher_logp, mask, distill_coef)
+    return advantages
+
+
 def policy_objective(
     tb: TokenBatch, cfg: LossConfig, sequence_ratio: bool = False, distill_coef: float = 0.0
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -68,13 +80,7 @@ def policy_objective(
     the share of sequences with at least one such token.
     """
     mask = tb.mask.to(tb.logp.dtype)
-    advantages = tb.advantages
-    has_ref = tb.ref_logp is not None
-    if has_ref and cfg.kl_in_reward:
-        kl_old = kl_estimate(tb.old_logp, tb.ref_logp, cfg.kl_estimator)
-        advantages = advantages + kl_penalty(kl_old, mask, tb.seq_index, tb.n_seqs, cfg.kl_coef)
-    if tb.teacher_logp is not None:
-        advantages = shifted_advantages(advantages, tb.logp, tb.teacher_logp, mask, distill_coef)
+    advantages = _shaped_advantages(tb, cfg, mask, distill_coef)
     log_ratio = tb.logp - tb.old_logp
     if sequence_ratio:
         log_ratio = sequence_log_ratio(log_ratio, mask, tb.seq_index, tb.n_seqs)
@@ -82,21 +88,19 @@ def policy_objective(
     pg, clipped = ppo_clip_loss(log_ratio, advantages, cfg.eps_clip, eps_high, cfg.dual_clip)
     w_tis, tis_hit = tis_weights(tb.old_logp, tb.rollout_logp, cfg.tis, cfg.tis_clip)
     pg_loss = (tb.weights * w_tis * pg).sum()
-    loss = pg_loss
     zero = pg_loss.detach() * 0
     kl_loss, kl_sum = zero, zero
-    if has_ref:
+    if tb.ref_logp is not None:
         kl = kl_estimate(tb.logp, tb.ref_logp, cfg.kl_estimator)
         kl_sum = (mask * kl).sum().detach()
         if not cfg.kl_in_reward and cfg.kl_coef > 0:
             kl_loss = cfg.kl_coef * (tb.weights * kl).sum()
-            loss = loss + kl_loss
     entropy_loss, entropy_sum = zero, zero
     if tb.entropy is not None:
         entropy_sum = (mask * tb.entropy).sum().detach()
         if cfg.entropy_coef > 0:
             entropy_loss = -cfg.entropy_coef * (tb.weights * tb.entropy).sum()
-            loss = loss + entropy_loss
+    loss = pg_loss + kl_loss + entropy_loss
     sums = {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),

@@ -163,24 +163,8 @@ def parse_dockerfile(path: Path) -> tuple[str | None, list[DockerStep], list[str
 
     Continuation lines (trailing backslash) are joined. COPY/ADD take local sources only (no URLs, no
     --from stages); RUN in exec form (JSON) is refused: the local backend runs shell commands."""
-    text = path.read_text()
-    lines: list[tuple[int, str]] = []
-    buf, start = "", 0
-    for n, raw in enumerate(text.splitlines(), 1):
-        stripped = raw.strip()
-        if not buf and (not stripped or stripped.startswith("#")):
-            continue
-        if not buf:
-            start = n
-        if stripped.endswith("\\"):
-            buf += stripped[:-1] + " "
-            continue
-        lines.append((start, buf + stripped))
-        buf = ""
-    if buf:
-        lines.append((start, buf))
     image, steps, notes = None, [], []
-    for n, line in lines:
+    for n, line in _instructions(path.read_text()):
         word, _, rest = line.partition(" ")
         word, rest = word.upper(), rest.strip()
         where = f"{path}:{n}"
@@ -202,23 +186,50 @@ def parse_dockerfile(path: Path) -> tuple[str | None, list[DockerStep], list[str
                 raise TaskError(f"{where}: RUN in exec form (JSON); write it as a shell command")
             steps.append(DockerStep("run", (rest,), n))
         elif word == "ENV":
-            first = rest.split(maxsplit=1)[0] if rest else ""
-            if "=" in first:  # ENV K1=V1 K2="V 2" ...
-                for pair in shlex.split(rest):
-                    key, sep, value = pair.partition("=")
-                    if not sep or not key:
-                        raise TaskError(f"{where}: ENV {pair!r} is not KEY=VALUE")
-                    steps.append(DockerStep("env", (key, value), n))
-            else:  # the legacy form: ENV KEY VALUE
-                key, _, value = rest.partition(" ")
-                if not key or not value:
-                    raise TaskError(f"{where}: ENV needs KEY=VALUE (or KEY VALUE)")
-                steps.append(DockerStep("env", (key, value.strip()), n))
+            steps += [DockerStep("env", pair, n) for pair in _env_pairs(rest, where)]
         elif word in _IGNORED:
             notes.append(f"{where}: {word} ignored by the local backend")
         else:
             raise TaskError(f"{where}: unknown Dockerfile instruction {word}")
     return image, steps, notes
+
+
+def _instructions(text: str) -> list[tuple[int, str]]:
+    """(first line number, instruction) of a Dockerfile's text: comments and blank lines dropped,
+    continuation lines (trailing backslash) joined."""
+    lines: list[tuple[int, str]] = []
+    buf, start = "", 0
+    for n, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if not buf:
+            start = n
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        lines.append((start, buf + stripped))
+        buf = ""
+    if buf:
+        lines.append((start, buf))
+    return lines
+
+
+def _env_pairs(rest: str, where: str) -> list[tuple[str, str]]:
+    """The (KEY, VALUE) pairs of an ENV instruction: `K1=V1 K2="V 2"`, or the legacy `KEY VALUE`."""
+    first = rest.split(maxsplit=1)[0] if rest else ""
+    if "=" not in first:
+        key, _, value = rest.partition(" ")
+        if not key or not value:
+            raise TaskError(f"{where}: ENV needs KEY=VALUE (or KEY VALUE)")
+        return [(key, value.strip())]
+    pairs = []
+    for pair in shlex.split(rest):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise TaskError(f"{where}: ENV {pair!r} is not KEY=VALUE")
+        pairs.append((key, value))
+    return pairs
 
 
 def _field_errors(file: Path, err: ValidationError) -> str:
