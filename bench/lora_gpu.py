@@ -75,14 +75,14 @@ def decode_part(args, device: str) -> list[dict]:
     torch_path = build_decoder(spec, path, device, dtype, "none", 1024)  # the same, without the fused kernel
     torch_path.lora = _bank(torch_path, 1, batch)
     torch_path.lora.load("a0", config, _adapter(torch_path.lora, 0), "random")
-    torch_path.lora.blocks = {}
+    torch_path.lora.terms.blocks = {}
     apart = build_decoder(spec, path, device, dtype, "none", 1024)  # A in its own tensors: a GEMM of its own
     apart.lora = _bank(apart, 1, batch, stack=None)
     apart.lora.load("a0", config, _adapter(apart.lora, 0), "random")
     apart_next = build_decoder(spec, path, device, dtype, "none", 1024)  # split, then the next kernel
     apart_next.lora = _bank(apart_next, 1, batch)
     apart_next.lora.load("a0", config, _adapter(apart_next.lora, 0), "random")
-    apart_next.lora.fuse_consumers = False
+    apart_next.lora.terms.fuse_consumers = False
     aligned = {}
     for align in args.align or []:  # the stacked block padded to other multiples (the A rows alone: 1)
         aligned[align] = build_decoder(spec, path, device, dtype, "none", 1024)

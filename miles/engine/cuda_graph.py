@@ -84,7 +84,7 @@ class DecodeGraphs:
 
     def _forward(self, batch: int, context_len: int) -> torch.Tensor:
         s = self.static
-        lora = None if self.decoder.lora is None else self.decoder.lora.rows
+        lora = None if self.decoder.lora is None else self.decoder.lora.requests.rows
         b = Batch.decode(s[0, :batch], s[1, :batch], s[2, :batch], self.table, context_len, lora)
         return self.decoder.forward(b, self.pool)
 

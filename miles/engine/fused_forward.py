@@ -79,9 +79,9 @@ class FusedForward:
         group's A stacked under the weight, (the base projection, the adapters' part), which that kernel
         adds."""
         d = self.d
-        if d.lora is not None and d.lora.fuses_next(module):
+        if d.lora is not None and d.lora.terms.fuses_next(module):
             wide_bias = None if bias is None else d.wide[module + ".bias"]
-            return d.lora.rope_parts(F.linear(x, d.wide[module + ".weight"], wide_bias), module)
+            return d.lora.terms.rope_parts(F.linear(x, d.wide[module + ".weight"], wide_bias), module)
         return d._project(x, module + ".weight", bias), None
 
     def _project_add_norm(
@@ -94,8 +94,8 @@ class FusedForward:
 
         d = self.d
         module, eps = name.removesuffix(".weight"), d.spec.rms_norm_eps
-        if d.lora is not None and d.lora.fuses_next(module):
-            return d.lora.split_add_norm(F.linear(inp, d.wide[name]), module, x, norm, eps, d.dtype)
+        if d.lora is not None and d.lora.terms.fuses_next(module):
+            return d.lora.terms.split_add_norm(F.linear(inp, d.wide[name]), module, x, norm, eps, d.dtype)
         return add_rms_norm_(x, d._project(inp, name), norm, eps, d.dtype)
 
     def _gate_up_act(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -105,6 +105,6 @@ class FusedForward:
 
         d = self.d
         module = name.removesuffix(".weight")
-        if d.lora is not None and d.lora.fuses_next(module):
-            return d.lora.split_silu(F.linear(x, d.wide[name]), module)
+        if d.lora is not None and d.lora.terms.fuses_next(module):
+            return d.lora.terms.split_silu(F.linear(x, d.wide[name]), module)
         return silu_mul(d._project(x, name))

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from miles.engine.admission import check_adapter_numbers, check_finite
+from miles.engine.lora_terms import LoraTerms, kernel_blocks
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 _TENSOR = re.compile(
@@ -98,7 +99,9 @@ def read_adapter(path: str | Path) -> tuple[AdapterConfig, dict[str, torch.Tenso
 
 
 class LoraBank:
-    """Adapter slots of one decoder (module docstring)."""
+    """Adapter slots of one decoder (module docstring), split by job: the bank stores the adapters
+    (slots, A and B, loads and unloads); `requests` binds running requests to slots; `terms`
+    (miles/engine/lora_terms.py) computes the adapters' terms in the forward."""
 
     def __init__(
         self,
@@ -110,68 +113,69 @@ class LoraBank:
         dtype: torch.dtype,
         max_rows: int,
         home: Callable[[str, int], torch.Tensor | None] | None = None,
+        kernels: bool | None = None,
     ):
         """`shapes`: HF module name (model.layers.N.self_attn.q_proj, ...) -> (out, in) of every linear
         layer an adapter may target; `max_rows`: scheduler rows (the per-row slot table's size);
         `home(key, rows)`: zero rows stacked under the weight of layer or group `key` to keep its A in
-        (`Decoder.widen`), or None where it cannot."""
+        (`Decoder.widen`), or None where it cannot; `kernels`: whether the Triton kernels compute the
+        terms (None: on CUDA; tests run them on the CPU under Triton's interpreter)."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError("--max-loras-per-batch and --max-lora-rank must be >= 1")
         self.max_loras, self.max_rank, self.targets = max_loras, max_rank, targets
         self.device, self.dtype = device, dtype
         self.shapes = dict(shapes)
         self.modules = {m: s for m, s in shapes.items() if m.rsplit(".", 1)[-1] in targets}
-        self.width = width = max_loras * max_rank
+        self.width = max_loras * max_rank
         """Columns of every slot's rank side by side (S R): the width of each member's block of A and B."""
+        members_of = {f"{h}.{leaf}": ms for h, leaf, ms in _fused_members(self.modules)}
+        run_kernels = device.type == "cuda" if kernels is None else kernels
+        every = members_of | {m: [m] for m in self.modules}
+        blocks = kernel_blocks(self.modules, every, max_rank, max_loras, device) if run_kernels else {}
+        self._allocate(members_of, {k for k in blocks} if home is not None else set(), home)
+        self.scale = torch.zeros(max_loras, device=device, dtype=torch.float32)
+        self.slots: dict[str, int] = {}
+        self.configs: dict[str, AdapterConfig] = {}
+        self.sources: dict[str, str] = {}
+        self.requests = LoraRequests(self, max_rows)
+        self.terms = LoraTerms(self, blocks)
+
+    def _allocate(
+        self,
+        members_of: dict[str, list[str]],
+        stackable: set[str],
+        home: Callable[[str, int], torch.Tensor | None] | None,
+    ) -> None:
+        """A and B of every targeted module: a group's (`members_of`: fused name -> members) in one A and
+        one block-diagonal B; an A stacked under the layer's weight (`home`) where `stackable`."""
         self.A: dict[str, torch.Tensor] = {}
         self.B: dict[str, torch.Tensor] = {}
         self.groups: dict[str, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
         """Fused name (a layer's qkv_proj / gate_up_proj) -> (A [n W, in], block-diagonal B [sum out, n W],
         the n members) over its targeted members, whose A / B above are views into them: the fused
         forward runs one pair of GEMMs for the group."""
-        members_of = {f"{h}.{leaf}": ms for h, leaf, ms in _fused_members(self.modules)}
-        grouped = {m for ms in members_of.values() for m in ms}
-        units = members_of | {m: [m] for m in self.modules if m not in grouped}  # each with its own A and B
-        self.blocks = self._kernel_blocks(members_of | {m: [m] for m in self.modules})
-        """Group or module (a group's members too: the per-op forward multiplies them one by one) -> the
-        member of each column block, for the fused kernel (CUDA only)."""
         self.stacked: set[str] = set()
-        """Groups and modules whose A is stacked under the layer's weight (`split` finishes their GEMM)."""
-        self.fuse_consumers = True
-        """A stacked layer's adapters' term is computed by the kernel that reads its output next: gate/up's
-        activation (`split_silu`), o's and down's residual add and norm (`split_add_norm`), q/k/v's RoPE
-        and K/V store (`rope_parts`). False: `split` writes the output and the next kernel reads it (the
-        benchmark's anchor)."""
+        """Groups and modules whose A is stacked under the layer's weight (`terms.split` finishes their GEMM)."""
         self._a: dict[str, torch.Tensor] = {}
         """Group or lone module -> its A, which `_views` splits into `A` and `groups`."""
+        grouped = {m for ms in members_of.values() for m in ms}
+        units = members_of | {m: [m] for m in self.modules if m not in grouped}  # each with its own A and B
         for key, members in units.items():
             outs = [self.modules[m][0] for m in members]
-            rows, width_in = len(members) * width, self.modules[members[0]][1]
-            a = home(key, rows) if home is not None and key in self.blocks else None
+            rows, width_in = len(members) * self.width, self.modules[members[0]][1]
+            a = home(key, rows) if home is not None and key in stackable else None
             if a is None:
-                a = torch.zeros(rows, width_in, device=device, dtype=dtype)
+                a = torch.zeros(rows, width_in, device=self.device, dtype=self.dtype)
             else:
                 self.stacked.add(key)
             self._a[key] = a
-            b = torch.zeros(sum(outs), rows, device=device, dtype=dtype)
+            b = torch.zeros(sum(outs), rows, device=self.device, dtype=self.dtype)
             for k, m in enumerate(members):
                 r0 = sum(outs[:k])
-                self.B[m] = b[r0 : r0 + outs[k], k * width : (k + 1) * width]
+                self.B[m] = b[r0 : r0 + outs[k], k * self.width : (k + 1) * self.width]
             if key in members_of:
                 self.groups[key] = (a, b, members)
         self._views()
-        self.scale = torch.zeros(max_loras, device=device, dtype=torch.float32)
-        self.column_slot = torch.arange(width, device=device) // max_rank
-        self.rows = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=device)
-        """Scheduler row -> slot of its request's adapter (-1: the base model); one spare row at the end."""
-        self.slots: dict[str, int] = {}
-        self.configs: dict[str, AdapterConfig] = {}
-        self.sources: dict[str, str] = {}
-        self.in_use: dict[str, int] = {}
-        self.tokens: torch.Tensor | None = None
-        """Slot of each token of the current forward (set by the decoder), or None: no adapter at all."""
-        self._mask: torch.Tensor | None = None
-        self._masks: dict[int, torch.Tensor] = {}
 
     @classmethod
     def for_decoder(
@@ -182,6 +186,7 @@ class LoraBank:
         targets: tuple[str, ...],
         max_rows: int,
         stack: int | None = STACK_ALIGN,
+        kernels: bool | None = None,
     ) -> LoraBank:
         """The bank of `decoder` (miles/engine/model.py) over every projection an adapter may target
         (a sparse MoE layer's experts take none), its A stacked under the decoder's weights in a block
@@ -202,7 +207,7 @@ class LoraBank:
 
         return cls(
             shapes, max_loras, max_rank, targets, decoder.device, decoder.dtype, max_rows,
-            home=home if stack else None,
+            home=home if stack else None, kernels=kernels,
         )  # fmt: skip
 
     def _views(self) -> None:
@@ -223,25 +228,6 @@ class LoraBank:
         for key in self.stacked:
             self._a[key] = rows_of(key)[: self._a[key].shape[0]]
         self._views()
-
-    def _runs_kernels(self) -> bool:
-        """Whether the Triton kernels (miles/engine/triton_lora.py) compute the adapters' terms: on CUDA
-        (tests run them on the CPU under Triton's interpreter)."""
-        return self.device.type == "cuda"
-
-    def _kernel_blocks(self, units: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-        """`blocks` of the groups and modules in `units` (key -> members) whose shapes the kernel takes."""
-        if not self._runs_kernels():
-            return {}
-        from miles.engine.triton_lora import fits, member_blocks
-
-        out = {}
-        for key, members in units.items():
-            outs, width_in = [self.modules[m][0] for m in members], self.modules[members[0]][1]
-            blocks = member_blocks(outs) if fits(self.max_rank, self.max_loras, width_in) else None
-            if blocks is not None and key != "lm_head":
-                out[key] = blocks.to(self.device)
-        return out
 
     # ---- adapters ----------------------------------------------------------------------------------
 
@@ -324,9 +310,9 @@ class LoraBank:
             raise LoraError(
                 f"no adapter named {name!r} is loaded (loaded: {', '.join(self.slots) or 'none'})"
             )
-        if self.in_use.get(name):
+        if self.requests.in_use.get(name):
             raise LoraError(
-                f"adapter {name!r} is used by {self.in_use[name]} running requests; unload it after they "
+                f"adapter {name!r} is used by {self.requests.in_use[name]} running requests; unload it after they "
                 "finish, or load the new version under the same name (it is replaced in place)"
             )
         slot = self.slots.pop(name)
@@ -344,24 +330,6 @@ class LoraBank:
             )
         return slot
 
-    # ---- requests ------------------------------------------------------------------------------------
-
-    def bind(self, row: int, name: str | None) -> None:
-        """Scheduler row `row` runs adapter `name` (None: the base model) until `unbind`."""
-        self.rows[row] = self.slot_of(name)
-        if name is not None:
-            self.in_use[name] = self.in_use.get(name, 0) + 1
-
-    def unbind(self, row: int, name: str | None) -> None:
-        self.rows[row] = -1
-        if name is not None:
-            self.in_use[name] -= 1
-
-    def token_slots(self, names: list[str | None], counts: list[int]) -> torch.Tensor:
-        """The slot of each packed token of requests running `names`, with `counts` new tokens each."""
-        slots = torch.tensor([self.slot_of(n) for n in names], device=self.device)
-        return torch.repeat_interleave(slots, torch.tensor(counts, device=self.device))
-
     def stored(self, name: str) -> dict[str, torch.Tensor]:
         """The tensors of adapter `name` as stored (PEFT names, the bank's dtype): what checksums hash."""
         slot, rank = self.slots[name], self.configs[name].rank
@@ -374,121 +342,33 @@ class LoraBank:
                 out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
         return out
 
-    # ---- the forward ---------------------------------------------------------------------------------
 
-    def begin(self, token_slots: torch.Tensor | None) -> None:
-        """Set the slots of the next forward's tokens (None: no token has an adapter)."""
-        self.tokens = token_slots
-        if token_slots is None:
-            self._mask = None
-            return
-        hit = self.column_slot[None, :] == token_slots[:, None]
-        self._mask = (hit.to(torch.float32) * self.scale[self.column_slot][None, :]).to(self.dtype)
-        self._masks = {n: self._mask.repeat(1, n) for n in {len(g[2]) for g in self.groups.values()}}
+class LoraRequests:
+    """Which adapter each running request uses: per scheduler row (`rows`, a device tensor the decode
+    graph reads in place) and per prefill token (`token_slots`); `in_use` counts the requests of each
+    adapter, which `LoraBank.unload` consults (`LoraBank.requests`)."""
 
-    def delta(self, x: torch.Tensor, module: str, rows: torch.Tensor | None = None) -> torch.Tensor | None:
-        """s B (A x) of each token's adapter for HF module `module` (None: no adapter targets it);
-        `rows`: which of the forward's tokens `x` holds (the LM head sees the last ones only)."""
-        if self._mask is None or module not in self.modules:
-            return None
-        mask = self._mask if rows is None else self._mask[rows]
-        h = x.reshape(-1, x.shape[-1]) @ self.A[module].t()
-        h.mul_(mask)  # the scale of each token's slot; 0 on the other slots' columns
-        return (h @ self.B[module].t()).view(*x.shape[:-1], -1)
+    def __init__(self, bank: LoraBank, max_rows: int) -> None:
+        self.bank = bank
+        self.rows = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=bank.device)
+        """Scheduler row -> slot of its request's adapter (-1: the base model); one spare row at the end."""
+        self.in_use: dict[str, int] = {}
 
-    def stacks(self, key: str) -> bool:
-        """Whether the forward should run layer or group `key` as one GEMM over its weight with the A
-        stacked under it, then `split`."""
-        return self.tokens is not None and key in self.stacked and key in self.blocks
+    def bind(self, row: int, name: str | None) -> None:
+        """Scheduler row `row` runs adapter `name` (None: the base model) until `unbind`."""
+        self.rows[row] = self.bank.slot_of(name)
+        if name is not None:
+            self.in_use[name] = self.in_use.get(name, 0) + 1
 
-    def split(self, both: torch.Tensor, key: str) -> torch.Tensor:
-        """y = x W^T + the adapters' term of `key`, from both = [x W^T | x A^T] (one kernel)."""
-        from miles.engine.triton_lora import lora_split
+    def unbind(self, row: int, name: str | None) -> None:
+        self.rows[row] = -1
+        if name is not None:
+            self.in_use[name] -= 1
 
-        assert self.tokens is not None
-        b = self.groups[key][1] if key in self.groups else self.B[key]
-        return lora_split(both, b, self.blocks[key], self.tokens, self.scale, self.max_rank, self.width)
-
-    def fuses_next(self, key: str) -> bool:
-        """Whether layer or group `key` should run as one GEMM over its weight with A stacked under it,
-        its adapters' term then added by the kernel that reads the output next (`rope_parts` for q/k/v,
-        `split_silu` for gate/up, `split_add_norm` for o and down): `stacks`, unless `fuse_consumers` is
-        off."""
-        return self.fuse_consumers and self.stacks(key)
-
-    def rope_parts(self, both: torch.Tensor, key: str) -> tuple[torch.Tensor, tuple]:
-        """(x W^T, the `lora` argument of miles/engine/triton_fused.py's `rope_store_kv`) of q/k/v group
-        `key` from both = [x W^T | x A^T]."""
-        assert self.tokens is not None
-        b = self.groups[key][1]
-        out, width = b.shape[0], self.width
-        return both[:, :out], (
-            both[:, out : out + 3 * width],
-            b,
-            self.tokens,
-            self.scale,
-            self.max_rank,
-            width,
-        )
-
-    def split_add_norm(
-        self,
-        both: torch.Tensor,
-        key: str,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """x += y in place and the RMS-normed rows (as `add_rms_norm_`), y = `split(both, key)`, in one
-        kernel."""
-        from miles.engine.triton_lora import lora_split_add_rms_norm_
-
-        assert self.tokens is not None
-        return lora_split_add_rms_norm_(
-            both, self.B[key], self.tokens, self.scale, self.max_rank, self.width, x, weight, eps, dtype
-        )
-
-    def split_silu(self, both: torch.Tensor, key: str) -> torch.Tensor:
-        """silu(gate) * up of gate/up group `key` from both = [x W^T | x A^T]: `split` and the
-        activation in one kernel."""
-        from miles.engine.triton_lora import lora_split_silu
-
-        assert self.tokens is not None
-        return lora_split_silu(both, self.groups[key][1], self.tokens, self.scale, self.max_rank, self.width)
-
-    def add(self, y: torch.Tensor, x: torch.Tensor, module: str) -> bool:
-        """y += the adapters' term of HF module `module` in place (a GEMM, the mask, a GEMM-accumulate);
-        False when no adapter targets it."""
-        if self._mask is None or module not in self.modules:
-            return False
-        self._accumulate(y, x, self.A[module], self.B[module], module, self._mask)
-        return True
-
-    def add_fused(self, y: torch.Tensor, x: torch.Tensor, fused: str) -> bool:
-        """y += the adapters' terms of fused layer `fused` (model.layers.N.self_attn.qkv_proj, ...) in
-        two GEMMs and a mask over its members; False when no adapter targets any member."""
-        group = self.groups.get(fused)
-        if group is None or self._mask is None:
-            return False
-        a, b, members = group
-        self._accumulate(y, x, a, b, fused, self._masks[len(members)])
-        return True
-
-    def _accumulate(
-        self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, key: str, mask: torch.Tensor
-    ) -> None:
-        """y += ((x a^T) * mask) b^T in place: on CUDA the A GEMM and one Triton kernel where `key` (a
-        module or group) fits it, else a GEMM, the mask and a GEMM-accumulate."""
-        if key in self.blocks:
-            from miles.engine.triton_lora import lora_add_
-
-            assert self.tokens is not None
-            lora_add_(y, x, a, b, self.blocks[key], self.tokens, self.scale, self.max_rank, self.width)
-            return
-        h = x.reshape(-1, x.shape[-1]) @ a.t()
-        h.mul_(mask)
-        y.view(-1, y.shape[-1]).addmm_(h, b.t())
+    def token_slots(self, names: list[str | None], counts: list[int]) -> torch.Tensor:
+        """The slot of each packed token of requests running `names`, with `counts` new tokens each."""
+        slots = torch.tensor([self.bank.slot_of(n) for n in names], device=self.bank.device)
+        return torch.repeat_interleave(slots, torch.tensor(counts, device=self.bank.device))
 
 
 def _fused_members(modules: dict[str, tuple[int, int]]):

@@ -419,7 +419,7 @@ class Decoder:
         parts = [d] if prefill is None else [prefill, d]
         ids, positions = torch.cat([b.input_ids for b in parts]), torch.cat([b.positions for b in parts])
         if self.lora is not None:
-            self.lora.begin(torch.cat([_token_slots(b) for b in parts]))
+            self.lora.terms.begin(torch.cat([_token_slots(b) for b in parts]))
         n_pre = 0 if prefill is None else prefill.input_ids.shape[0]
         x = self.params["model.embed_tokens.weight"][ids]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -474,18 +474,18 @@ class Decoder:
         if self.lora is None:
             return self._linear(x, name, bias)
         module = name.removesuffix(".weight")
-        if self.lora.stacks(module):  # one GEMM yields [x W^T | x A^T] (widen), one kernel the rest
+        if self.lora.terms.stacks(module):  # one GEMM yields [x W^T | x A^T] (widen), one kernel the rest
             wide_bias = None if bias is None else self.wide[module + ".bias"]
-            return self.lora.split(F.linear(x, self.wide[name], wide_bias), module)
+            return self.lora.terms.split(F.linear(x, self.wide[name], wide_bias), module)
         y = self._linear(x, name, bias)
         head, _, leaf = module.rpartition(".")
         members = self._FUSED_MEMBERS.get(leaf)
         if members is None:
-            self.lora.add(y, x, module)
+            self.lora.terms.add(y, x, module)
             return y
-        if self.lora.add_fused(y, x, module):  # one GEMM pair for all members
+        if self.lora.terms.add_fused(y, x, module):  # one GEMM pair for all members
             return y
-        deltas = [self.lora.delta(x, f"{head}.{m}") for m in members]
+        deltas = [self.lora.terms.delta(x, f"{head}.{m}") for m in members]
         if all(d is None for d in deltas):
             return y
         parts = [
@@ -502,7 +502,7 @@ class Decoder:
     def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits (fp32) at each request's last new token: [B, vocab]. Writes the new K/V to the pool."""
         if self.lora is not None:
-            self.lora.begin(_token_slots(b))
+            self.lora.terms.begin(_token_slots(b))
         if self.fused and b.input_ids.is_cuda:
             return self.fused_forward.forward(b, pool)
         x = self.params["model.embed_tokens.weight"][b.input_ids]
@@ -562,5 +562,5 @@ class Decoder:
             logits = torch.mm(x, head.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(x, head).float()
-        delta = None if self.lora is None else self.lora.delta(x, "lm_head", rows)
+        delta = None if self.lora is None else self.lora.terms.delta(x, "lm_head", rows)
         return logits if delta is None else logits + delta.float()

@@ -92,8 +92,7 @@ class Scheduler(EngineThread):
     ):
         super().__init__(stuck_timeout_s, max_step_failures)
         self.decoder = decoder
-        self.holdings = Holdings(self)
-        """Weights, adapters and memory, changed between two steps (miles/engine/control.py)."""
+        self.holdings = Holdings(self)  # weights, adapters, memory (miles/engine/control.py)
         self.max_running = max_running_requests
         self.max_total_tokens = max_total_tokens
         self.max_prefill_tokens = max_prefill_tokens
@@ -191,7 +190,7 @@ class Scheduler(EngineThread):
 
     # ---- LoRA adapters (miles/engine/lora.py) ----
     def _lora_rows(self) -> torch.Tensor | None:
-        return None if self.decoder.lora is None else self.decoder.lora.rows
+        return None if self.decoder.lora is None else self.decoder.lora.requests.rows
 
     def _lora_gone(self, req: Request) -> bool:
         """Whether the adapter of a waiting request was unloaded meanwhile (it is then finished, aborted)."""
@@ -205,7 +204,7 @@ class Scheduler(EngineThread):
         batch = prefill_batch(group, self.table)
         if self.decoder.lora is not None:
             counts = [r.num_tokens - r.kv_len for r in group]
-            batch.lora_slots = self.decoder.lora.token_slots([r.lora for r in group], counts)
+            batch.lora_slots = self.decoder.lora.requests.token_slots([r.lora for r in group], counts)
         return batch
 
     def stats(self) -> dict[str, Any]:
@@ -323,7 +322,7 @@ class Scheduler(EngineThread):
             req.row = heapq.heappop(self._free_rows)
             self._constants.admit(req)
             if self.decoder.lora is not None:
-                self.decoder.lora.bind(req.row, req.lora)
+                self.decoder.lora.requests.bind(req.row, req.lora)
             self._special += req.opts is not None and req.opts.per_step
             self._rows += req.opts is not None and req.opts.wants_rows
             if self.row_kv is not None:
@@ -357,7 +356,7 @@ class Scheduler(EngineThread):
 
     def _free(self, req: Request) -> None:
         if req.row >= 0 and self.decoder.lora is not None:
-            self.decoder.lora.unbind(req.row, req.lora)
+            self.decoder.lora.requests.unbind(req.row, req.lora)
         if req.row >= 0:
             self.slots.release(req.slots)
             heapq.heappush(self._free_rows, req.row)

@@ -76,26 +76,27 @@ def test_only_matrices_of_the_compute_dtype_widen(tiny_model):
     assert dec.widen("model.layers.0.mlp.down_proj.weight", 8) is None  # weights on the host
 
 
-def test_the_bank_keeps_its_a_in_the_stacked_rows_through_offload(tiny_model):
+def test_the_bank_keeps_its_a_in_the_stacked_rows_through_offload(tiny_model, monkeypatch):
     """The bank's bookkeeping on the CPU: with column blocks for every layer (the CUDA kernel's, which
     the CPU has none of), `for_decoder` stacks each A under its weight in a padded block; the A the
     bank reads (then through the PyTorch path, blocks dropped) keeps its shape and values after the
     weights went to the host and back, and the adapter still changes the logits the same way."""
+    from miles.engine import lora
     from miles.engine.lora import STACK_ALIGN, TARGETS, AdapterConfig, LoraBank
 
-    class Stacking(LoraBank):
-        def _kernel_blocks(self, units: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-            return {k: torch.zeros(1) for k in units if k != "lm_head"}
+    def every_unit(modules, units, *_):  # blocks for every layer, as the CUDA kernel would take them
+        return {k: torch.zeros(1) for k in units if k != "lm_head"}
 
+    monkeypatch.setattr(lora, "kernel_blocks", every_unit)
     dec = Decoder(ModelSpec.from_dir(tiny_model), load_weights(tiny_model), "cpu", torch.float32)
     base = _logits(dec)
     rank, slots = 4, 2
-    dec.lora = Stacking.for_decoder(dec, slots, rank, TARGETS, 8)
+    dec.lora = LoraBank.for_decoder(dec, slots, rank, TARGETS, 8, kernels=True)
     assert {QKV, "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_up_proj"} <= dec.lora.stacked
     assert dec.stacked_rows(QKV + ".weight").shape[0] == STACK_ALIGN  # 3 x 8 rows of A, padded
     tensors = peft_tensors(dec.lora, rank, torch.Generator().manual_seed(2), 0.1)
     dec.lora.load("x", AdapterConfig(rank, 8.0, TARGETS[:-1]), tensors, "t")
-    dec.lora.blocks = {}  # the PyTorch path, which reads A from the stacked rows
+    dec.lora.terms.blocks = {}  # the PyTorch path, which reads A from the stacked rows
 
     def adapted() -> torch.Tensor:
         n = len(PROMPT)

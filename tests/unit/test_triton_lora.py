@@ -184,22 +184,18 @@ def _decoder_case(seed: int) -> dict:
     from miles.engine.lora import TARGETS, AdapterConfig, LoraBank
     from miles.engine.model import Batch, Decoder, ModelSpec
 
-    class Interpreted(LoraBank):
-        def _runs_kernels(self) -> bool:
-            return True
-
     spec = ModelSpec("Qwen2ForCausalLM", 50, 128, 2, 4, 2, 64, 10000.0, EPS, False, 512, (1,))
     gen = torch.Generator().manual_seed(seed)
     shapes = _weight_shapes(spec, inter=128)
     weights = {n: torch.randn(s, generator=gen) * (0.2 if len(s) > 1 else 1.0) for n, s in shapes.items()}
     dec = Decoder(spec, weights, "cpu", torch.float32)
     rank, slots = 8, 2
-    dec.lora = Interpreted.for_decoder(dec, slots, rank, TARGETS, 4)
+    dec.lora = LoraBank.for_decoder(dec, slots, rank, TARGETS, 4, kernels=True)  # Triton's interpreter
     tensors = peft_tensors(dec.lora, rank, gen, 0.2)
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), tensors, "t")
     calls = {"silu": 0, "norm": 0, "rope": 0}
     silu, norm = triton_lora.lora_split_silu, triton_lora.lora_split_add_rms_norm_
-    rope = dec.lora.rope_parts
+    rope = dec.lora.terms.rope_parts
 
     def counted(kind, fn):
         def call(*args):
@@ -210,20 +206,20 @@ def _decoder_case(seed: int) -> dict:
 
     triton_lora.lora_split_silu = counted("silu", silu)
     triton_lora.lora_split_add_rms_norm_ = counted("norm", norm)
-    dec.lora.rope_parts = counted("rope", rope)
+    dec.lora.terms.rope_parts = counted("rope", rope)
     prefill = Batch(
         input_ids=torch.tensor([5, 6, 7, 8, 9]), positions=torch.tensor([0, 1, 2, 0, 1]),
         write_slots=torch.tensor([1, 2, 3, 4, 5]), query_index=torch.tensor([[0, 1, 2], [3, 4, 0]]),
         query_pos=torch.tensor([[0, 1, 2], [0, 1, -1]]), context_slots=torch.tensor([[1, 2, 3], [4, 5, 0]]),
         last_index=torch.tensor([2, 4]), lora_slots=torch.tensor([0, 0, 0, -1, -1]),
     )  # fmt: skip
-    dec.lora.begin(prefill.lora_slots)
+    dec.lora.terms.begin(prefill.lora_slots)
     fused = dec.fused_forward.forward(prefill, dec.new_kv_pool(8))
-    into_next = sorted(k for k in dec.lora.stacked if dec.lora.fuses_next(k))
+    into_next = sorted(k for k in dec.lora.stacked if dec.lora.terms.fuses_next(k))
     silu_groups = [k for k in into_next if k.endswith(".gate_up_proj")]
     norm_groups = [k for k in into_next if k.endswith((".o_proj", ".down_proj"))]
     rope_groups = [k for k in into_next if k.endswith(".qkv_proj")]
-    dec.lora.blocks = {}  # the per-op forward and the bank's PyTorch path (A read from the stacked rows)
+    dec.lora.terms.blocks = {}  # the per-op forward and the bank's PyTorch path (A read from the stacked rows)
     per_op = dec.forward(prefill, dec.new_kv_pool(8))
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), {k: v * 0 for k, v in tensors.items()}, "t")
     base = dec.forward(prefill, dec.new_kv_pool(8))
