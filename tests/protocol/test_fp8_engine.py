@@ -28,13 +28,13 @@ from miles.engine.model import load_weights
 from miles.engine.process import start_engine
 from miles.processes import free_port
 from miles.quant.fp8 import (
-    checksum,
     dequantize_weight,
     fake_quant,
     is_quantized_name,
     quantize_weight,
     scale_name,
 )
+from miles.weights.checksum import checksum
 from miles.weights.group import broadcast_from_trainer, destroy_update_group, init_update_group
 from miles.weights.tensor import serialize
 
