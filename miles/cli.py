@@ -72,10 +72,11 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from miles.metrics import plot_run
+    from miles.metrics import plot_run, run_summary
 
     for path in plot_run(args.run_dir):
         print(path)
+    print(run_summary(args.run_dir))
     return 0
 
 

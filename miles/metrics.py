@@ -228,6 +228,33 @@ def _summary(records: list[dict[str, Any]], run_name: str, path: Path) -> bool:
     return True
 
 
+def eval_progress(records: list[dict]) -> str:
+    """`held-out eval/pass@1 A (step a) -> B (step b)` of a run's records ("" without evaluations)."""
+    evals = [r for r in records if isinstance(r.get("eval/pass@1"), (int, float))]
+    if not evals:
+        return ""
+    first, last = evals[0], evals[-1]
+    return (
+        f"held-out eval/pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> "
+        f"{last['eval/pass@1']:.3f} (step {last['step']})"
+    )
+
+
+def run_summary(run_dir: str | Path) -> str:
+    """One line on a run: its held-out pass@1 first -> last, its steps and wall time (first to last
+    record), and where its plots are."""
+    records = read_metrics(run_dir)
+    times = [r["time"] for r in records if isinstance(r.get("time"), (int, float))]
+    minutes = (max(times) - min(times)) / 60 if times else 0.0
+    steps = max((r["step"] for r in records), default=0)
+    parts = [
+        eval_progress(records),
+        f"{steps} steps in {minutes:.1f} min",
+        f"plots in {Path(run_dir) / 'plots'}",
+    ]
+    return f"miles: {run_dir}: " + "; ".join(p for p in parts if p)
+
+
 def plot_run(run_dir: str | Path) -> list[str]:
     """Write summary.png and one PNG per panel (reward, eval, ...) into RUN_DIR/plots; returns their paths."""
     import matplotlib

@@ -354,17 +354,10 @@ def _run(plan: Plan, recipe: str, run_dir: Path, resume: bool, progress: bool, s
 
 def _summary(run_dir: Path, started: float) -> str:
     """` in W min; held-out eval/pass@1 A (step a) -> B (step b)` of a finished run (no eval: the time)."""
-    from miles.metrics import read_metrics
+    from miles.metrics import eval_progress, read_metrics
 
-    evals = [r for r in read_metrics(run_dir) if isinstance(r.get("eval/pass@1"), (int, float))]
-    text = f" in {(time.monotonic() - started) / 60:.1f} min"
-    if evals:
-        first, last = evals[0], evals[-1]
-        text += (
-            f"; held-out eval/pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> "
-            f"{last['eval/pass@1']:.3f} (step {last['step']})"
-        )
-    return text
+    progress = eval_progress(read_metrics(run_dir))
+    return f" in {(time.monotonic() - started) / 60:.1f} min" + (f"; {progress}" if progress else "")
 
 
 def _report(recipe: str, run_dir: Path, rc: int, interrupted: int | None, started: float) -> int:

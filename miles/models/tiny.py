@@ -12,7 +12,7 @@ an instruction and in a command (`containing red`, `mode=red`): a tool call of s
 about fifteen tokens instead of forty.
 
 `pretrain_steps` > 0 makes a base model instead of a random one: that many causal-LM steps (AdamW,
-16 rows of 64 tokens packed from documents) on the corpus's base text before the model is written. For `coding` that is
+batches of 32 documents) on the corpus's base text before the model is written. For `coding` that is
 shell sessions and comments (coding_corpus.py's `shell_text`, never a task's instruction or a tool call), so
 that RL starts, as it does with real models, from a model that has read some shell: a random model
 of this size needs thousands of examples before it copies a word from its prompt into its answer.
@@ -44,8 +44,6 @@ ARCHS = {f.model_type: f.config_class for f in FAMILIES.values()}
 """`--arch` values: the model types of the registered families (miles/models/families/)."""
 # the tiny mixture-of-experts shape: 4 experts, top-2, the first layer dense
 MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])
-ROW_TOKENS = 64
-"""Length of a pretraining row (`pretrain`): documents are packed into rows of this many tokens."""
 
 
 def _corpus(n_lines: int, seed: int) -> list[str]:
@@ -78,27 +76,25 @@ def base_text(corpus: str, n_docs: int, seed: int) -> list[str]:
 
 
 def pretrain(
-    model, tok, docs: list[str], steps: int, seed: int, lr: float = 3e-3, rows: int = 16, report=None
+    model, tok, docs: list[str], steps: int, seed: int, lr: float = 3e-3, batch: int = 32, report=None
 ) -> float:
-    """`steps` causal-LM steps on `docs` drawn with `seed`; returns the last batch's loss. The
-    documents are tokenised once; a step's batch is `rows` rows of `ROW_TOKENS` tokens packed from
-    randomly drawn documents, each followed by the end-of-text token (no padding, so no token of the
-    batch is wasted: about half the time per step of padded batches of as many documents).
-    `report(step, loss)` is called after every step (progress for the console)."""
+    """`steps` causal-LM steps on batches of `batch` documents of `docs` drawn with `seed`, each
+    document a row of its own from position 0, right-padded to the batch's longest; returns the last
+    batch's loss. The documents are tokenised once. `report(step, loss)` is called after every step
+    (progress for the console)."""
     import torch
 
     rng = random.Random(seed)
-    encoded = [ids + [tok.convert_tokens_to_ids("<|endoftext|>")] for ids in tok(docs)["input_ids"]]
+    encoded = tok(docs)["input_ids"]
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     loss = torch.tensor(float("nan"))
-    need = rows * ROW_TOKENS
     for step in range(1, steps + 1):
-        stream: list[int] = []
-        while len(stream) < need:
-            stream += rng.choice(encoded)
-        ids = torch.tensor(stream[:need]).view(rows, ROW_TOKENS)
-        loss = model(input_ids=ids, labels=ids).loss
+        rows = rng.sample(encoded, batch)
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -142,10 +142,10 @@ def _megatron(path: str, root: str, quant: str, scheme: Scheme):
     from miles.config import Plan
     from miles.train.megatron.backend import MegatronBackend
 
+    group = {"int4_group_size": scheme.fmt.group_size} if scheme.name == "int4" else {}  # others: fixed
     plan = Plan.model_validate({
         "model": {"path": path, "dtype": "float32"},
-        "engine": {"quantization": scheme.name, "quant_modules": scheme.modules,
-                   "int4_group_size": scheme.fmt.group_size},
+        "engine": {"quantization": scheme.name, "quant_modules": scheme.modules, **group},
         "train": {"backend": "megatron", "lr": 1e-3, "quantization": quant},
         "run": {"runs_root": root, "name": f"{scheme.name}-{scheme.modules}"},
     })  # fmt: skip

@@ -57,3 +57,25 @@ def test_plot_run_writes_pngs(tmp_path) -> None:
 def test_plot_run_without_metrics_is_clear(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_run(tmp_path)
+
+
+def test_miles_plot_ends_with_one_summary_line(tmp_path) -> None:
+    """`miles plot RUN` (the last command of `make run`) ends with the run's held-out pass@1 before
+    and after, its steps and wall time, and where the plots are."""
+    import subprocess
+    import sys
+
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log(0, {"eval/pass@1": 0.125})
+    log.log(1, {"rollout/reward_mean": 0.5})
+    log.log(2, {"eval/pass@1": 0.75})
+    log.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "miles", "plot", str(tmp_path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith(
+        f"miles: {tmp_path}: held-out eval/pass@1 0.125 (step 0) -> 0.750 (step 2); 2 steps in "
+    )
+    assert last.endswith(f"min; plots in {tmp_path / 'plots'}")
