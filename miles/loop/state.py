@@ -155,7 +155,7 @@ class LoopState:
         out = {"weights/version": float(self.step), "weights/push_s": time.monotonic() - start}
         if sent[0]:  # the rank that holds the exported tensors
             out["weights/push_bytes"] = float(sent[0])
-        if plan.weights.check and get_transport(plan.weights.transport).push_verifies(plan):
+        if plan.weights.check and get_transport(plan.weights.transport).checks_in_push:
             out["weights/checksum_mismatch"] = 0.0  # each engine checked the bytes it stored in the push
         elif plan.weights.check:  # a second export, compared with what the engines now serve
             buckets = backend.export_weights(bucket_bytes)

@@ -93,8 +93,7 @@ class StepStats:
         diff = (logp.detach().float() - rollout_logp.to(logp.device)).abs()
         mask = mask.to(logp.device)
         i = self.KEYS.index("mismatch_sum")
-        self.values[i] += float((mask * diff).sum())
-        self.values[i + 1] += float(mask.sum())
+        self.values[i : i + 2] += torch.stack([(mask * diff).sum(), mask.sum()]).double().cpu()
 
     def reduce(self, all_reduce: Callable[[Tensor], Tensor]) -> None:
         """Sum over the trainer ranks (`all_reduce` returns the summed tensor)."""

@@ -34,6 +34,8 @@ _TEMPLATE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 class DiskTransport:
     """Safetensors on a shared filesystem + /update_weights_from_disk on every engine."""
 
+    checks_in_push = False
+
     def __init__(
         self,
         engines: Sequence[EngineAdmin],
@@ -54,10 +56,6 @@ class DiskTransport:
         self.template_dir = Path(template_dir) if template_dir else None
         self.pause_mode = pause_mode
         self.current: Path | None = None
-
-    @classmethod
-    def push_verifies(cls, plan: Any) -> bool:
-        return False
 
     @classmethod
     def from_plan(cls, plan: Any, site: Site) -> DiskTransport:

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 class DistributedTransport:
     """torch.distributed broadcast into every engine (SGLang's update-from-distributed protocol)."""
 
+    checks_in_push = False
+
     def __init__(
         self,
         engines: Sequence[EngineAdmin],
@@ -54,10 +56,6 @@ class DistributedTransport:
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
         self.group = None
-
-    @classmethod
-    def push_verifies(cls, plan: Any) -> bool:
-        return False
 
     @classmethod
     def from_plan(cls, plan: Any, site: Site) -> DistributedTransport:

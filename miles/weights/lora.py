@@ -27,6 +27,9 @@ from miles.weights.transport import Bucket, Site, check_pause_mode, pause_mode_o
 
 
 class LoraTransport:
+    checks_in_push = True
+    """With `check` each engine compares the bytes it stored with the sent checksums."""
+
     def __init__(
         self,
         engines: Sequence[Any],
@@ -41,11 +44,6 @@ class LoraTransport:
         self.config = config
         self.pause_mode = pause_mode
         self.bytes_sent = 0
-
-    @classmethod
-    def push_verifies(cls, plan: Any) -> bool:
-        """With `weights.check` each engine compares the bytes it stored with the sent checksums."""
-        return plan.weights.check
 
     @classmethod
     def from_plan(cls, plan: Any, site: Site) -> LoraTransport:

@@ -133,14 +133,12 @@ def deserialize(text: str) -> list[tuple[str, torch.Tensor]]:
 class TensorTransport:
     """Engines on this host receive references to the trainer's tensors (/update_weights_from_tensor)."""
 
+    checks_in_push = False
+
     def __init__(self, engines: Sequence[Any], *, pause_mode: str | None = "in_place"):
         check_pause_mode(pause_mode)
         self.engines = list(engines)
         self.pause_mode = pause_mode
-
-    @classmethod
-    def push_verifies(cls, plan: Any) -> bool:
-        return False
 
     @classmethod
     def from_plan(cls, plan: Any, site: Site) -> TensorTransport:

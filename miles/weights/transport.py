@@ -16,7 +16,7 @@ Contract (all implementations):
 Engines are reached through `EngineAdmin` (the SGLang client in miles.rollout.client implements
 it), so this room does not depend on how HTTP is spoken. Each transport is built from the run's plan
 and its `Site` by one lookup in `miles.weights.TRANSPORTS` (`from_plan`), and says whether its push
-already verifies what the engines stored (`push_verifies`), so that `weights.check` needs no second export.
+already checks what the engines stored (`checks_in_push`), so that `weights.check` needs no second export.
 """
 
 from __future__ import annotations
@@ -84,11 +84,9 @@ class WeightTransport(Protocol):
     @classmethod
     def from_plan(cls, plan: Any, site: Site) -> WeightTransport: ...
 
-    @classmethod
-    def push_verifies(cls, plan: Any) -> bool:
-        """True when, for this plan, `push` itself checks the bytes each engine stored (and raises on a
-        difference); known on every trainer rank, which all skip the post-push check's export then."""
-        ...
+    checks_in_push: bool
+    """With `weights.check`, `push` itself compares the bytes each engine stored with what it sent (and
+    raises on a difference): every trainer rank then skips the post-push check's second export."""
 
     async def setup(self) -> None: ...
     async def push(self, buckets: Iterable[Bucket], version: str) -> None: ...

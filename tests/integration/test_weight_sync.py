@@ -68,7 +68,7 @@ def test_every_transport_is_built_from_the_plan_by_its_name(tmp_path, tiny_model
         assert plan.weights.transport == name
         transport = get_transport(name).from_plan(plan, site)
         assert type(transport) is TRANSPORTS[name]
-        assert type(transport).push_verifies(plan) == (name == "lora")
+        assert (plan.weights.check and type(transport).checks_in_push) == (name == "lora")
     lora = get_transport("lora").from_plan(plans["lora"], site)
     assert lora.config["r"] == 4 and lora.local and lora.check
 

@@ -329,7 +329,7 @@ class MegatronBackend:
             for j, v in enumerate(critic.values(mine, mbs))
         }
         masks = {
-            (k, j): torch.tensor(s.loss_mask or [1] * s.response_length, dtype=torch.float32)
+            (k, j): torch.tensor(s.loss_mask, dtype=torch.float32)
             for k, (_, mine, _) in enumerate(parts)
             for j, s in enumerate(mine)
         }
@@ -567,19 +567,18 @@ def _add_outputs(stats: step.StepStats, outputs: list[dict[str, Tensor]]) -> Non
     data-parallel rank, by its tensor-parallel rank 0)."""
     from megatron.core import parallel_state as ps
 
-    if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
+    if not outputs or not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
         return
-    for o in outputs:
-        stats.add(o)
+    stats.add({k: torch.stack([o[k] for o in outputs]).sum() for k in outputs[0]})  # one transfer
 
 
 def _add_mismatch(stats: step.StepStats, samples: list[Sample], old: list[Tensor | None]) -> None:
     """The recomputed old log-probs' mismatch with the rollout's (last pipeline stage, TP rank 0)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_tensor_model_parallel_rank() != 0:
+    held = [(s, logp) for s, logp in zip(samples, old, strict=True) if logp is not None]
+    if not held or ps.get_tensor_model_parallel_rank() != 0:
         return
-    for s, logp in zip(samples, old, strict=True):
-        if logp is not None:
-            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-            stats.add_mismatch(logp, rollout, torch.tensor(s.loss_mask, dtype=torch.float32))
+    rollout = torch.tensor([x for s, _ in held for x in s.rollout_logprobs], dtype=torch.float32)
+    mask = torch.tensor([m for s, _ in held for m in s.loss_mask], dtype=torch.float32)
+    stats.add_mismatch(torch.cat([logp for _, logp in held]), rollout, mask)  # the mini-batch at once

@@ -144,7 +144,7 @@ class Critic:
         t = self.plan.train
         for g in self.optimizer.param_groups:
             g["lr"] = self.lr * lr_factor(self.steps, t)
-        masks = [s.loss_mask or [1] * s.response_length for s in mini]
+        masks = [s.loss_mask for s in mini]  # check_samples: a mask covers each response
         norm = normalizers(masks, [float(s.weight) for s in mini])
         scale = len(mbs) * ps.get_data_parallel_world_size()
 
