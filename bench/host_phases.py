@@ -20,7 +20,7 @@ import miles.engine.scheduler as scheduler_module
 from miles.engine.staging import InFlight
 
 SCHEDULER_PHASES = (
-    "step", "_step_ahead", "_land", "_admit", "_retire", "_grow", "_decode", "_to_device",
+    "step", "_land", "_admit", "_retire", "_grow", "_decode", "_to_device",
     "_launch_decode", "_sample_on_device", "_record_rows", "_record",
 )  # fmt: skip
 
@@ -50,6 +50,7 @@ def timed_phases(sched):
 
     for name in SCHEDULER_PHASES:
         wrap(sched, name, name)
+    wrap(sched.decoding, "advance", "_step_ahead")  # the label of earlier records (decode_modes.StepAhead)
     wrap(sched.decoder, "forward", "decoder.forward")  # eager forwards (prefills; decode off the graphs)
     if sched.graphs is not None:
         wrap(sched.graphs, "run", "graphs.run")

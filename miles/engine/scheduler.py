@@ -16,12 +16,8 @@ version that produced it.
 On CUDA a decode step replays a captured graph (miles/engine/cuda_graph.py) and the host work per
 step is a handful of list operations per request plus two host-to-device copies and one readback;
 prefills run eagerly, grouped so that padding a group to its longest member stays cheap.
-With `overlap` (the default on CUDA) the host runs one decode step ahead of its readback: step k+1
-is launched with step k's sampled tokens as its input, still on the device, and only then are step
-k's tokens read back and recorded, so the host's per-request work runs while the GPU computes.
-A request that finishes at step k has already been put into step k+1; that extra token is dropped
-and its slot freed (stream order keeps the slot's later owner safe). Anything else (admitting,
-prefill, pause, weight updates, memory release) first lands the step in flight (`_land`).
+With `overlap` (the default on CUDA) the host runs one decode step ahead of its readback; how a
+decode step is recorded is the strategy held as `decoding` (miles/engine/decode_modes.py).
 The calls that change what the engine holds (weights, LoRA adapters, memory) are in
 miles/engine/control.py.
 On CPU a decode step reads keys from the RowKV (miles/engine/kv_cache.py) in place; a request takes
@@ -47,6 +43,7 @@ import torch
 
 from miles.engine.control import Holdings
 from miles.engine.cuda_graph import DecodeGraphs
+from miles.engine.decode_modes import InStep, StepAhead
 from miles.engine.engine_thread import EngineThread
 from miles.engine.kv_cache import RowKV, SlotAllocator
 from miles.engine.logprobs import RowBuffers, extra_rows, output_rows, prompt_asks, record_prompt, step_rows
@@ -62,7 +59,7 @@ from miles.engine.request import (
     sampling_rows,
 )
 from miles.engine.sampling import sample
-from miles.engine.staging import InFlight, Staging
+from miles.engine.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +98,8 @@ class Scheduler(EngineThread):
         self.use_cuda_graph = cuda_graph and on_gpu
         self.overlap = on_gpu if overlap is None else overlap
         """Decode one step ahead of the readback (module docstring); on CPU only for tests."""
-        self._inflight: InFlight | None = None
+        self.decoding = StepAhead(self) if self.overlap else InStep(self)
+        """How a decode step is recorded (miles/engine/decode_modes.py)."""
         self._staging: Staging | None = None
         self.graph_max_bs = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
         self.graph_max_context = cuda_graph_max_context
@@ -223,9 +221,9 @@ class Scheduler(EngineThread):
         """One engine step; False when there was nothing to do."""
         if self._needs_memory:
             self._alloc_memory()
-        if self._inflight is not None:
+        if self.decoding.inflight is not None:
             self._fault_point()
-            if not self._would_admit() and self._step_ahead():
+            if not self._would_admit() and self.decoding.advance():
                 self._retire()
                 self.num_steps += 1
                 return True
@@ -275,8 +273,8 @@ class Scheduler(EngineThread):
         """After a failed step: take out the batch's requests and start the KV bookkeeping afresh
         (pool contents stay; the prefix cache is lost). Waiting requests hold no slots and stay queued."""
         batch = {id(r): r for r in self.running}
-        batch.update((id(r), r) for r in (self._inflight.reqs if self._inflight else []) if not r.done.done())
-        self._inflight, self.running, self._special, self._rows = None, [], 0, 0
+        batch.update((id(r), r) for r in (self.decoding.inflight.reqs if self.decoding.inflight else []) if not r.done.done())
+        self.decoding.inflight, self.running, self._special, self._rows = None, [], 0, 0
         for req in batch.values():
             req.slots, req.kv_len, req.row = [], 0, -1
         self.slots = SlotAllocator(self.max_total_tokens)
@@ -436,67 +434,21 @@ class Scheduler(EngineThread):
         self, reqs: list[Request], ints: torch.Tensor, floats: torch.Tensor, context: int, head: np.ndarray
     ):
         """Forward and sample on the device (`ints` = ids, positions, rows, slots, seeds, steps, top_k;
-        `head` its first four rows on the host); with overlap the tokens stay in flight, else they are
-        recorded at once."""
+        `head` its first four rows on the host); `decoding` then records the tokens or holds them in
+        flight."""
         if self.graphs is not None and self.graphs.bucket(len(reqs), context) is not None:
             logits = self.graphs.run(ints[:3], context)
         else:
             batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context, self._lora_rows())
             logits = self.decoder.forward(batch, self.pool)
-        if not self.overlap or self._special:
-            return self._sample(reqs, logits, (ints[4:], floats))
-        tokens, logps = self._sample_on_device(reqs, logits, (ints[4:], floats))
-        rows = step_rows(reqs, logits, floats[0]) if self._rows else None
-        if self._staging is None:  # CPU (tests): nothing to copy
-            host, ready = (tokens, logps), None
-        else:  # rows queued before the tokens' readback event, which then covers both
-            rows = rows.to_host(self._row_buffers) if rows is not None else None
-            host, ready = self._staging.fetch(tokens, logps)
-        self._inflight = InFlight(reqs, tokens, host, ready, self.weight_version, rows, head)
+        self.decoding.take(reqs, logits, ints, floats, head)
 
     def _would_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_running and bool(self._free_rows)
 
-    def _step_ahead(self) -> bool:
-        """Launch the next decode step of the requests in flight from their device-side tokens, then
-        record the step in flight. False (nothing launched) when the pool is full or none goes on."""
-        prev = self._inflight
-        if self._special:
-            return False
-        # requests still running after this landing: not finished earlier, and not certain to stop now
-        keep, live, max_context = [], 0, self.max_context
-        for i, r in enumerate(prev.reqs):
-            if r.finish is not None:
-                continue
-            live += 1
-            n = len(r.output) + 1
-            if not r.abort_requested and n < r.params.max_new_tokens and len(r.prompt) + n < max_context:
-                keep.append(i)
-        if live != len(self.running):
-            return False  # requests joined since (their first decode goes with everyone's, landed)
-        reqs = [prev.reqs[i] for i in keep]
-        fresh = self.slots.allocate(len(reqs)) if reqs else None
-        if fresh is None:
-            return False
-        for req, slot in zip(reqs, fresh, strict=True):
-            req.slots.append(slot)
-        # each request one position on from the step in flight, in the same row; row 0 first holds
-        # where each request sits in the step in flight, then its token from there
-        at = np.array(keep, dtype=np.int64)
-        head = np.stack([at, prev.head[1, at] + 1, prev.head[2, at], np.array(fresh, dtype=np.int64)])
-        context = self._decode_context(int(head[1].max()) + 1)
-        ints, floats = self._to_device(self._constants.decode_rows(head))
-        ints[0].copy_(prev.tokens.index_select(0, ints[0]))
-        self.table[ints[2], ints[1]] = ints[3]
-        self._launch_decode(reqs, ints, floats, context, head)
-        self._record_rows(prev.reqs, *prev.read(), prev.version, prev.rows)
-        return True
-
     def _land(self) -> None:
         """Record the decode step in flight, if any (waits for the device)."""
-        prev, self._inflight = self._inflight, None
-        if prev is not None:
-            self._record_rows(prev.reqs, *prev.read(), prev.version, prev.rows)
+        self.decoding.land()
 
     def _record_rows(self, reqs: list[Request], tokens, logps, version: str, rows: Any) -> None:
         """`_record`, then the step's log-prob rows (StepRows or None) onto the requests that took a token."""

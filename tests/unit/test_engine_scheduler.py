@@ -187,8 +187,8 @@ def test_overlap_records_the_same_tokens(tiny_model, temperature):
         sched = Scheduler(
             Decoder(spec, load_weights(tiny_model), "cpu", torch.float32), 6, 4096, overlap=overlap
         )
-        real = sched._step_ahead
-        sched._step_ahead = lambda f=real: (ahead.append(f()), ahead[-1])[1]
+        real = sched.decoding.advance
+        sched.decoding.advance = lambda f=real: (ahead.append(f()), ahead[-1])[1]
         reqs = [_req(i, p, m, temperature, seed=i) for i, (p, m) in enumerate(work)]
         for r in reqs:
             r.stop_ids = stop
@@ -198,7 +198,7 @@ def test_overlap_records_the_same_tokens(tiny_model, temperature):
         sched.submit(again)
         sched.run_until_idle()
         results.append((reqs, again))
-        assert sched._inflight is None and not sched.running
+        assert sched.decoding.inflight is None and not sched.running
         assert sched.slots.num_cached_tokens > 0
         sched.slots.flush()
         assert sched.slots.num_free == sched.max_total_tokens  # no slot leaked
