@@ -12,6 +12,7 @@ import sys
 
 from miles.config import ConfigError
 from miles.launch.cli import add_launch_commands
+from miles.models.families import FAMILIES
 
 
 def _cmd_model_init_tiny(args: argparse.Namespace) -> int:
@@ -85,7 +86,7 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     msub = p.add_subparsers(dest="model_cmd", required=True)
     q = msub.add_parser("init-tiny", help="write a tiny random model + tokenizer for tests and CPU runs")
     q.add_argument("dir")
-    q.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama", "qwen3_moe"])
+    q.add_argument("--arch", default="qwen2", choices=sorted(f.model_type for f in FAMILIES.values()))
     q.add_argument("--seed", type=int, default=0)
     q.add_argument(
         "--size",

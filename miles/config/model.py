@@ -26,7 +26,7 @@ TINY_SIZE_KEYS = (
 class TinyModelConfig(Section):
     """The tiny random model `model.init_tiny_if_missing` creates (miles/models/tiny.py)."""
 
-    arch: Literal["qwen2", "qwen3", "llama", "qwen3_moe"] = "qwen2"
+    arch: Literal["qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3", "deepseek_v4"] = "qwen2"
     """Model family (qwen3_moe: a mixture of experts, by default 4 experts, top-2, layer 0 dense)."""
     vocab_size: int = 384
     """Vocabulary of the locally trained BPE tokenizer."""

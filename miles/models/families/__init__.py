@@ -8,11 +8,12 @@ with the known ones listed.
 
 from __future__ import annotations
 
-from miles.models.families import llama, qwen2, qwen3, qwen3_moe
+from miles.models.families import deepseek_v3, deepseek_v4, llama, qwen2, qwen3, qwen3_moe
 from miles.models.families.base import Family
 
 FAMILIES: dict[str, Family] = {
-    f.hf_arch: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
+    f.hf_arch: f
+    for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v4.FAMILY)
 }
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKENDS = ("engine", "fsdp", "megatron")
+"""The rooms that load a model: the embedded engine and the two trainers."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,17 @@ class Family:
     """Per-head RMS norms of q and k before RoPE (Qwen3)."""
     moe: bool = False
     """Sparse layers of routed experts (miles/engine/moe.py reads their shape from the config)."""
+    attention: str = "gqa"
+    """The attention of its layers: `gqa` (grouped-query heads over a K/V cache), `mla` (multi-head
+    latent attention over a cache of one latent per token), `deepseek_v4` (sliding window plus
+    compressed and sparse-compressed caches)."""
+    backends: tuple[str, ...] = BACKENDS
+    """The rooms of BACKENDS that load it; the others refuse it when a plan is resolved."""
+    tiny: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    """Config keys of its tiny model (`miles model init-tiny`) over the common tiny sizes."""
+    tiny_init: Callable[[Any, int], None] | None = field(default=None, hash=False, compare=False)
+    """`tiny_init(model, seed)`: fills what transformers' random init leaves constant (routing tables,
+    correction biases), so a tiny model takes every path of the family."""
 
     def attention_names(self, prefix: str) -> list[str]:
         """HF names of one layer's attention tensors beyond q/k/v/o weights (`prefix`: `model.layers.i.`)."""
@@ -28,3 +44,11 @@ class Family:
         if self.qk_norm:
             names += [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
         return names
+
+    def refuse_unless(self, backend: str) -> None:
+        """ValueError naming the family, `backend` and the rooms that do load it, unless `backend` does."""
+        if backend not in self.backends:
+            raise ValueError(
+                f"{backend} cannot load {self.hf_arch} (model_type {self.model_type}); "
+                f"what loads it: {', '.join(self.backends)}"
+            )
