@@ -273,7 +273,11 @@ class Scheduler(EngineThread):
         """After a failed step: take out the batch's requests and start the KV bookkeeping afresh
         (pool contents stay; the prefix cache is lost). Waiting requests hold no slots and stay queued."""
         batch = {id(r): r for r in self.running}
-        batch.update((id(r), r) for r in (self.decoding.inflight.reqs if self.decoding.inflight else []) if not r.done.done())
+        batch.update(
+            (id(r), r)
+            for r in (self.decoding.inflight.reqs if self.decoding.inflight else [])
+            if not r.done.done()
+        )
         self.decoding.inflight, self.running, self._special, self._rows = None, [], 0, 0
         for req in batch.values():
             req.slots, req.kv_len, req.row = [], 0, -1

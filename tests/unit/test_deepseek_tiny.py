@@ -40,7 +40,10 @@ def test_tiny_deepseek_v3_has_latent_attention_grouped_routing_and_a_dense_first
     cfg = model.config
     assert type(model).__name__ == get_family("DeepseekV3ForCausalLM").hf_arch == "DeepseekV3ForCausalLM"
     attn = model.model.layers[0].self_attn
-    assert attn.q_a_proj is not None and attn.kv_a_proj_with_mqa.out_features == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert (
+        attn.q_a_proj is not None
+        and attn.kv_a_proj_with_mqa.out_features == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    )
     assert not hasattr(model.model.layers[0].mlp, "gate")  # first_k_dense_replace = 1: a dense MLP
     sparse = [layer.mlp for layer in model.model.layers[1:]]
     assert all(m.gate.num_group > 1 and m.gate.topk_group < m.gate.num_group for m in sparse)
@@ -61,7 +64,11 @@ def test_tiny_deepseek_v4_has_every_attention_and_moe_kind(v4) -> None:
         "heavily_compressed_attention",
     }
     assert set(cfg.mlp_layer_types) == {"hash_moe", "moe"} and cfg.hc_mult >= 2
-    hashed = [layer.mlp.gate for layer, t in zip(model.model.layers, cfg.mlp_layer_types) if t == "hash_moe"]
+    hashed = [
+        layer.mlp.gate
+        for layer, t in zip(model.model.layers, cfg.mlp_layer_types, strict=True)
+        if t == "hash_moe"
+    ]
     table = hashed[0].tid2eid
     assert table.shape == (cfg.vocab_size, cfg.num_experts_per_tok)
     assert all(len(set(row.tolist())) == cfg.num_experts_per_tok for row in table)  # k distinct experts

@@ -11,9 +11,13 @@ from miles.models.tiny import model_config
 
 
 def test_an_unknown_family_is_refused_listing_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; known: \['DeepseekV3ForCausalLM'"):
+    with pytest.raises(
+        ValueError, match=r"'GPT2LMHeadModel' is not supported; known: \['DeepseekV3ForCausalLM'"
+    ):
         get_family("GPT2LMHeadModel")
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; known: deepseek_v3, deepseek_v4, llama, qwen2"):
+    with pytest.raises(
+        ValueError, match="model type 'gpt2' is not supported; known: deepseek_v3, deepseek_v4, llama, qwen2"
+    ):
         family_of_model_type("gpt2")
 
 

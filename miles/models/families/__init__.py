@@ -13,7 +13,14 @@ from miles.models.families.base import Family
 
 FAMILIES: dict[str, Family] = {
     f.hf_arch: f
-    for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v4.FAMILY)
+    for f in (
+        llama.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+        qwen3_moe.FAMILY,
+        deepseek_v3.FAMILY,
+        deepseek_v4.FAMILY,
+    )
 }
 
 
