@@ -240,8 +240,13 @@ def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> frozenset[int]:
 def _build_decoder(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[ModelSpec, Any]:
     """The model's spec and decoder with the flags' quantisation and routing record."""
     model_dir = Path(args.model)
-    spec = ModelSpec.from_dir(model_dir)
     try:
+        spec = ModelSpec.from_dir(model_dir)
+        if spec.mla is not None and (args.quantization != "none" or args.enable_lora):
+            raise ValueError(
+                f"{spec.arch} (multi-head latent attention) is served without --quantization and "
+                "--enable-lora: drop those flags"
+            )
         scheme = None
         if args.quantization in FORMATS:
             scheme = Scheme(Format(args.quantization, args.int4_group_size), args.quant_modules)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from miles.engine import moe
 from miles.engine.fused_forward import FusedForward
+from miles.engine.mla import LatentAttention
 from miles.engine.spec import Batch, ModelSpec, load_weights
 
 __all__ = ["Batch", "Decoder", "ModelSpec", "load_weights"]
@@ -101,9 +102,11 @@ class Decoder:
         self.params: dict[str, torch.Tensor] = {}
         self._fused: dict[str, list[tuple[str, int]]] = {}  # fused name -> (HF name, rows) stacked in it
         self._host: dict[str, torch.Tensor] = {}  # pinned buffers, reused by every offload
-        self.paged_decode = self.device.type == "cuda"
+        self.latent = LatentAttention(self, spec.mla) if spec.mla is not None else None
+        """The attention of a model with multi-head latent attention (miles/engine/mla.py), else None."""
+        self.paged_decode = self.device.type == "cuda" and self.latent is None
         """CUDA decode attention reads K/V in place from the pool (Triton kernel) instead of gathering."""
-        self.fused = self.device.type == "cuda"
+        self.fused = self.device.type == "cuda" and self.latent is None
         """The CUDA forward runs the fused GEMMs and the Triton kernels of triton_fused.py; False runs
         the per-op path (the CPU forward's), one GEMM per HF weight."""
         self.fused_forward = FusedForward(self)
@@ -134,7 +137,10 @@ class Decoder:
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-            names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+            if s.mla is not None:
+                names += s.mla.attention_names(p)
+            else:
+                names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
             if s.moe is not None and i in s.moe.sparse_layers:
                 names += s.moe.expert_names(i)
             else:
@@ -276,6 +282,8 @@ class Decoder:
         fresh routing table of as many slots beside it."""
         s = self.spec
         self.new_routing_table(num_slots)
+        if self.latent is not None:
+            return self.latent.new_pool(num_slots)
         shape = (s.num_kv_heads, num_slots, s.head_dim)
         mk = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
         return [(mk(), mk()) for _ in range(s.num_layers)]
@@ -323,6 +331,8 @@ class Decoder:
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool, mask) -> torch.Tensor:
+        if self.latent is not None:
+            return self.latent.forward(i, x, b, cos, sin, pool, mask)
         q, k, v = self._qkv(i, x, cos, sin)
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
@@ -450,10 +460,17 @@ class Decoder:
                 m.num_experts, 2 * m.intermediate_size, -1
             )
             down = self._stacked(p + "experts.down_proj").view(m.num_experts, -1, m.intermediate_size)
-            out, ids = moe.sparse_mlp(x, self.params[p + "gate.weight"], gate_up, down, m)
+            bias = self.params.get(p + "gate.e_score_correction_bias")
+            out, ids = moe.sparse_mlp(x, self.params[p + "gate.weight"], gate_up, down, m, bias)
             if self.record_routing:
                 self._routed.append(ids)
+            if m.shared_intermediate:
+                out = out + self._dense_mlp(x, p + "shared_experts.")
             return out
+        return self._dense_mlp(x, p)
+
+    def _dense_mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """W_down (silu(W_gate x) * W_up x) of the MLP whose weights are named `p` + {gate,up,down}_proj."""
         gate, up = self._project(x, p + "gate_proj.weight"), self._project(x, p + "up_proj.weight")
         return self._project(F.silu(gate) * up, p + "down_proj.weight")
 

@@ -1,4 +1,4 @@
-"""The engine's mixture-of-experts layer: the Qwen3-MoE sparse MLP (router + experts).
+"""The engine's mixture-of-experts layer: the sparse MLPs of Qwen3-MoE and DeepSeek-V3 (router + experts).
 
 Maths (one token x [H], E experts, top-k), as transformers' Qwen3MoeSparseMoeBlock:
     p   = softmax(W_gate x)                      in fp32 over the E router logits
@@ -6,6 +6,12 @@ Maths (one token x [H], E experts, top-k), as transformers' Qwen3MoeSparseMoeBlo
     out = sum_{e in S} w_e * W_down[e] (silu(W_g[e] x) * (W_u[e] x))
 Layer i is sparse when it is not in `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0; the
 others keep the dense MLP of the decoder (miles/engine/model.py).
+DeepSeek-V3's router (`scoring` "sigmoid", as DeepseekV3TopkRouter) in fp32:
+    p = sigmoid(W_gate x),  c = p + b  (b: the correction bias, for the choice only)
+    the `topk_group` best of `n_group` expert groups by the sum of each group's two best c, then
+    S = top-k of c within them,  w_e = p_e / sum_S p  (norm_topk_prob)  * routed_scaling_factor
+and a shared expert (an MLP of width `shared_intermediate`) adds to every token's output. Its sparse
+layers are those from `first_k_dense_replace` on (every `moe_layer_freq`-th).
 
 Storage: a sparse layer's experts live in two stacked tensors, `mlp.experts.gate_up_proj` [E, 2I, H]
 (expert e's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I] — transformers' own
@@ -23,8 +29,8 @@ Four exact expert paths, one result:
     inside a CUDA graph. The earlier CUDA path, kept as the fused kernels' anchor (bench/moe_gpu.py).
   - `experts_gathered`: each (token, slot) gathers its expert's weights and runs a batched matmul —
     also free of host syncs, the CUDA fallback for small batches (decode) without grouped GEMM.
-Left out: shared experts (Qwen2-MoE; the Qwen3-MoE config has none), expert parallelism, the
-router's auxiliary loss (training only).
+Left out: Qwen2-MoE's gated shared expert, expert parallelism, the router's auxiliary loss
+(training only).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ weights); larger batches (prefill) use the looped path."""
 
 @dataclass(frozen=True)
 class MoeSpec:
-    """The mixture-of-experts shape of a Qwen3-MoE config."""
+    """The mixture-of-experts shape of a Qwen3-MoE or DeepSeek-V3 config."""
 
     num_experts: int
     top_k: int
@@ -54,27 +60,58 @@ class MoeSpec:
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
     """The decoder layers whose MLP is sparse, ascending (the order of routed-expert records)."""
+    scoring: str = "softmax"
+    """The router: "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3: correction bias, expert groups)."""
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate: int = 0
+    """Width of the shared expert every token goes through (DeepSeek), 0 for none."""
 
     @classmethod
     def from_config(cls, cfg: dict, num_layers: int) -> MoeSpec:
+        if "n_routed_experts" in cfg:
+            return cls._deepseek(cfg, num_layers)
         # transformers 5 writes `num_local_experts`, published checkpoints `num_experts`
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         if experts <= 0:
             raise ValueError("Qwen3MoeForCausalLM config has no experts: set num_experts > 0 in config.json")
-        top_k = int(cfg["num_experts_per_tok"])
-        if not 0 < top_k <= experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+        top_k = _top_k(cfg, experts)
         if cfg.get("shared_expert_intermediate_size"):
             raise ValueError("shared experts (shared_expert_intermediate_size) are not supported")
         dense, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step", 1))
         sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
         return cls(experts, top_k, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob")), sparse)
 
+    @classmethod
+    def _deepseek(cls, cfg: dict, num_layers: int) -> MoeSpec:
+        experts = int(cfg["n_routed_experts"])
+        groups, best = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        if experts % groups or not 0 < best <= groups:
+            raise ValueError(f"n_group={groups}, topk_group={best} do not split n_routed_experts={experts}")
+        first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+        return cls(
+            experts,
+            _top_k(cfg, experts),
+            int(cfg["moe_intermediate_size"]),
+            bool(cfg.get("norm_topk_prob", True)),
+            tuple(i for i in range(first, num_layers) if i % freq == 0),
+            scoring="sigmoid",
+            n_group=groups,
+            topk_group=best,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            shared_intermediate=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+        )
+
     def expert_names(self, layer: int) -> list[str]:
         """The per-expert HF names of a sparse layer, in the row order of the stacked tensors:
         gate_up stacks gate_0, up_0, gate_1, up_1, ...; down stacks down_0, down_1, ..."""
         p = f"model.layers.{layer}.mlp."
         names = [p + "gate.weight"]
+        if self.scoring == "sigmoid":
+            names.append(p + "gate.e_score_correction_bias")
+        if self.shared_intermediate:
+            names += [f"{p}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
         for e in range(self.num_experts):
             names += [f"{p}experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")]
         return names
@@ -99,6 +136,13 @@ class MoeSpec:
         )
 
 
+def _top_k(cfg: dict, experts: int) -> int:
+    top_k = int(cfg["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+    return top_k
+
+
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in x's dtype, expert ids [T, k] int64) of the router W_gate [E, H]."""
     logits = F.linear(x, gate)
@@ -107,6 +151,25 @@ def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool) -> tuple[
     if norm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids
+
+
+def route_grouped(
+    x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, spec: MoeSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (module docstring): (weights [T, k] in x's dtype, expert ids [T, k])."""
+    scores = F.linear(x.float(), gate.float()).sigmoid()
+    choice = scores + bias.float()
+    if spec.n_group > 1:
+        T = choice.shape[0]
+        by_group = choice.view(T, spec.n_group, -1)
+        best = by_group.topk(2, dim=-1).values.sum(dim=-1).topk(spec.topk_group, dim=-1).indices
+        keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        choice = by_group.masked_fill(~keep[..., None], float("-inf")).view(T, -1)
+    ids = choice.topk(spec.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * spec.routed_scaling_factor).to(x.dtype), ids
 
 
 def _sorted(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,11 +261,20 @@ def experts(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch
 
 
 def sparse_mlp(
-    x: torch.Tensor, gate: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, spec: MoeSpec
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    spec: MoeSpec,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(MLP output [T, H], expert ids [T, k]) of a sparse layer for the normalised input x: router
-    W_gate [E, H], experts gate_up [E, 2I, H] and down [E, H, I]."""
-    weights, ids = route(x, gate, spec.top_k, spec.norm_topk_prob)
+    """(routed experts' output [T, H], expert ids [T, k]) of a sparse layer for the normalised input
+    x: router W_gate [E, H] (and DeepSeek's correction bias), experts gate_up [E, 2I, H] and down
+    [E, H, I]. A shared expert is the caller's (a dense MLP)."""
+    if spec.scoring == "sigmoid":
+        weights, ids = route_grouped(x, gate, bias, spec)
+    else:
+        weights, ids = route(x, gate, spec.top_k, spec.norm_topk_prob)
     return experts(x, ids, weights, gate_up, down), ids
 
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles.engine import moe
+from miles.engine.mla import MlaSpec
 from miles.models.families import Family, get_family
 
 
@@ -31,7 +32,10 @@ class ModelSpec:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     moe: moe.MoeSpec | None = None
-    """The mixture-of-experts shape (Qwen3MoeForCausalLM), None for dense models."""
+    """The mixture-of-experts shape (Qwen3-MoE, DeepSeek-V3), None for dense models."""
+    mla: MlaSpec | None = None
+    """The latent attention's shape (DeepSeek-V3: miles/engine/mla.py), None for grouped-query attention.
+    With it, `num_kv_heads` is 1 (one latent per token) and `head_dim` the RoPE part's."""
 
     @property
     def family(self) -> Family:
@@ -43,25 +47,28 @@ class ModelSpec:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         arch = (cfg.get("architectures") or ["?"])[0]
         family = get_family(arch)
+        family.refuse_unless("engine")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
         eos = cfg.get("eos_token_id")
         heads = cfg["num_attention_heads"]
+        mla = MlaSpec.from_config(cfg) if family.attention == "mla" else None
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or heads,
+            head_dim=mla.qk_rope_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if family.moe else None,
+            mla=mla,
         )
 
 
