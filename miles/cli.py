@@ -98,6 +98,34 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=_cmd_model_init_tiny)
 
 
+def _cmd_align(args: argparse.Namespace) -> int:
+    from miles.align import main
+
+    try:
+        return main(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"miles align: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_align(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "align",
+        help="score one generation with the engine and the trainer; |delta log p| and the first module that differs",
+    )
+    p.add_argument("model", help="a local Hugging Face model directory")
+    p.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
+    p.add_argument("--prompts", help="a file of prompts: one per line, text or JSON with a 'prompt' key")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tolerance", type=float, default=1e-3, help="module rel difference counted as divergent")
+    p.add_argument("--no-replay", action="store_true", help="MoE: the trainer routes on its own (no R3)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the summary figures to this file")
+    p.set_defaults(func=_cmd_align)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -123,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plot)
 
     _add_model(sub)
+    _add_align(sub)
     add_launch_commands(sub)
     _add_eval(sub)
     from miles.agentic.harbor.cli import add_tasks_command

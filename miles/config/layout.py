@@ -251,6 +251,43 @@ def _check_model(plan: Plan) -> None:
             )
 
 
+def _architecture(plan: Plan) -> str | None:
+    """`architectures[0]` of the model's config.json, or of the tiny model the run will create; None
+    when neither is known yet."""
+    config = Path(plan.model.path) / "config.json"
+    if config.is_file():
+        try:
+            archs = json.loads(config.read_text()).get("architectures") or [None]
+        except (OSError, ValueError):
+            return None  # _model_shape names the unreadable file
+        return archs[0]
+    if plan.model.init_tiny_if_missing and plan.model.base_recipe is None:
+        from miles.models.families import family_of_model_type
+
+        return family_of_model_type(plan.model.tiny.arch).hf_arch
+    return None
+
+
+def _check_family(plan: Plan) -> None:
+    """Refuse a model family the chosen trainer or the embedded engine cannot load, naming who can."""
+    from miles.models.families import FAMILIES
+
+    family = FAMILIES.get(_architecture(plan) or "")
+    if family is None:
+        return  # not known yet, or a family outside the registry: the room that loads it decides
+    trainers = [b for b in family.backends if b != "engine"]
+    if plan.train.backend not in family.backends:
+        raise ConfigError(
+            f"train.backend={plan.train.backend} cannot load {family.hf_arch} (model {plan.model.path}): "
+            f"set train.backend to {' or '.join(trainers)}"
+        )
+    if plan.engine.kind == "embedded" and not plan.engine.urls and "engine" not in family.backends:
+        raise ConfigError(
+            f"the embedded engine cannot load {family.hf_arch} (model {plan.model.path}): serve it with "
+            "engine.kind=sglang (or engine.urls of servers that do)"
+        )
+
+
 def check_layout(plan: Plan, ranks: int | None = None, ranks_key: str = "train.num_ranks") -> None:
     """Refuse a parallel layout the backend cannot run, naming the key to change.
 
@@ -262,4 +299,5 @@ def check_layout(plan: Plan, ranks: int | None = None, ranks_key: str = "train.n
     if ranks is not None:
         _check_ranks(plan, ranks, ranks_key)
     _check_model(plan)
+    _check_family(plan)
     _check_context_parallel(plan)

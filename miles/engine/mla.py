@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from miles.engine.kv_cache import gather_slots
+
 if TYPE_CHECKING:
     from miles.engine.model import Decoder
     from miles.engine.spec import Batch
@@ -128,11 +130,9 @@ class LatentAttention:
     def _attend(self, query: torch.Tensor, b: Batch, latent: torch.Tensor, mask) -> torch.Tensor:
         """Attended latents [B, Q, H, r]: each request's queries (heads folded into the query length)
         over its context's latents gathered from the pool."""
-        from miles.engine.model import _gather_slots
-
         (B, Q), H, D = b.query_index.shape, query.shape[1], query.shape[2]
         L = b.context_slots.shape[1]
-        keys = _gather_slots(latent, b.context_slots).view(B, 1, L, D)
+        keys = gather_slots(latent, b.context_slots).view(B, 1, L, D)
         qb = query[b.query_index].permute(0, 2, 1, 3).reshape(B, 1, H * Q, D)
         scale = (self.m.qk_nope_head_dim + self.m.qk_rope_head_dim) ** -0.5
         out = F.scaled_dot_product_attention(

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from miles.engine import moe
 from miles.engine.fused_forward import FusedForward
+from miles.engine.kv_cache import gather_slots as _gather_slots
 from miles.engine.mla import LatentAttention
 from miles.engine.spec import Batch, ModelSpec, load_weights
 
@@ -57,20 +58,6 @@ def _token_slots(b: Batch) -> torch.Tensor:
     if b.lora_slots is not None:
         return b.lora_slots
     return torch.full_like(b.input_ids, -1)
-
-
-def _gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """pool[:, slots] for a [KVH, num_slots, D] pool, copied as 8-byte words where rows allow it.
-
-    The index kernel costs per element, not per byte: gathering bf16 rows as int64 words moves the
-    same bytes with a quarter of the elements. On CPU, index_select over the flattened slots is
-    ~4x faster than advanced indexing (0.13 vs 0.59 ms for 64 x 128 slots of a [4, 16384, 32] pool)."""
-    words = pool.view(torch.int64) if (pool.shape[-1] * pool.element_size()) % 8 == 0 else pool
-    if pool.is_cuda:
-        rows = words[:, slots]
-    else:
-        rows = torch.index_select(words, 1, slots.reshape(-1)).view(*words.shape[:1], *slots.shape, -1)
-    return rows.view(pool.dtype)
 
 
 def _attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -111,6 +98,9 @@ class Decoder:
         the per-op path (the CPU forward's), one GEMM per HF weight."""
         self.fused_forward = FusedForward(self)
         """The forward strategy of CUDA tensors when `fused` (miles/engine/fused_forward.py)."""
+        self.trace: dict[str, torch.Tensor] | None = None
+        """When a dict, the per-op forward leaves each sublayer's output [T, hidden] in it under its
+        transformers module name (`model.layers.3.self_attn`): the alignment tool's side (miles/align.py)."""
         self.record_routing = False
         """MoE: each forward leaves the top-k expert ids of its tokens in `routing`."""
         self.routing: torch.Tensor | None = None
@@ -533,15 +523,25 @@ class Decoder:
         mask = self._decode_mask(b)
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
-            h = self._norm(x, self.params[p + "input_layernorm.weight"]).to(self.dtype)
-            x = x + self._attention(i, h, b, cos, sin, pool, mask)
-            x = x + self._mlp(
-                i, self._norm(x, self.params[p + "post_attention_layernorm.weight"]).to(self.dtype)
+            h = self._traced(p + "input_layernorm", self._norm(x, self.params[p + "input_layernorm.weight"]))
+            x = x + self._traced(
+                p + "self_attn", self._attention(i, h.to(self.dtype), b, cos, sin, pool, mask)
             )
+            h = self._norm(x, self.params[p + "post_attention_layernorm.weight"])
+            h = self._traced(p + "post_attention_layernorm", h)
+            x = x + self._traced(p + "mlp", self._mlp(i, h.to(self.dtype)))
         self._take_routing(b.write_slots)
+        if self.trace is not None:
+            self.trace["model.norm"] = self._norm(x, self.params["model.norm.weight"]).to(self.dtype)
         return self._logits(
             self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype), b.last_index
         )
+
+    def _traced(self, module: str, out: torch.Tensor) -> torch.Tensor:
+        """`out`, kept in `trace` under its transformers module name when tracing."""
+        if self.trace is not None:
+            self.trace[module] = out
+        return out
 
     def new_routing_table(self, num_slots: int) -> None:
         """With `record_routing`, a zeroed `routing_table` beside a KV pool of `num_slots` slots."""

@@ -13,7 +13,11 @@ log-probs then drift from the rollout's for reasons that are not the policy's ch
 The weights stay a function of the router's logits, so the router still gets gradients; only the
 (non-differentiable) selection is replaced.
 
-Hugging Face MoE models (Qwen3-MoE in transformers 5) route in a `*TopKRouter` module returning
+DeepSeek routers score with a sigmoid (V3; the best expert groups first) or sqrtsoftplus (V4), choose
+on the scores plus a correction bias, and weight by the scores normalised and times
+`routed_scaling_factor`; replay keeps those weights and takes the rollout's experts.
+
+Hugging Face MoE models (Qwen3-MoE, DeepSeek-V3/V4 in transformers 5) route in a `*TopKRouter` module returning
 (logits, weights, indices). `RoutingReplay.install(model)` replaces each router's forward once;
 per micro-batch, `RoutingReplay.batch(...)` installs the routing of the packed row
 (miles/train/batching.py: one row of concatenated sequences) built by `packed_routing`. Positions
@@ -27,7 +31,7 @@ the Switch load-balancing loss E * sum_e f_e P_e, measured (not added to the obj
 
 Megatron-core replays routing per MoE layer over its packed rows; `per_layer_rows` cuts the packed
 routing into those [T, k] rows. Deliberately left out: shared experts (always on, nothing to
-replay), routers of other shapes (grouped / sigmoid routers), and partial rows
+replay; DeepSeek-V4's hash-routed layers, whose experts the token id fixes), and partial rows
 (`routed_experts_start_len`): a sample's rows must cover all its tokens but the last.
 """
 
@@ -65,7 +69,7 @@ def find_routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(decoder layer index, router) of every top-k router of a Hugging Face MoE model."""
     found = []
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k"):
+        if type(module).__name__.lower().endswith("topkrouter") and hasattr(module, "top_k"):
             match = _LAYER.search(name + ".")
             if match is None:
                 raise ValueError(f"router {name} is not inside a numbered decoder layer")
@@ -191,9 +195,11 @@ class RoutingReplay:
             self._routing = self._valid = None
             self._use = self._measure = False
 
-    def route(self, slot: int, probs: Tensor) -> tuple[Tensor, Tensor]:
-        """(experts used [T, k], the trainer's own top-k [T, k]) for router `slot` given probs [T, E]."""
-        natural = torch.topk(probs, self.shape.top_k, dim=-1).indices
+    def route(self, slot: int, probs: Tensor, natural: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(experts used [T, k], the trainer's own choice [T, k]) for router `slot` given its scores
+        [T, E] (`natural`: the router's own choice where it is not the top-k of `probs`)."""
+        if natural is None:
+            natural = torch.topk(probs, self.shape.top_k, dim=-1).indices
         used = natural
         given = (
             self._given(slot, probs) if self._routing is not None and (self._use or self._measure) else None
@@ -263,6 +269,8 @@ class RoutingReplay:
 
 def _bound_forward(router: nn.Module, rr: RoutingReplay, slot: int):
     """The router's forward with the selection taken from `rr` (same outputs as transformers')."""
+    if hasattr(router, "routed_scaling_factor"):
+        return _bound_deepseek(router, rr, slot)
 
     def forward(hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         hidden = hidden_states.reshape(-1, router.hidden_dim)
@@ -273,5 +281,40 @@ def _bound_forward(router: nn.Module, rr: RoutingReplay, slot: int):
         if router.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), used
+
+    return forward
+
+
+def _deepseek_scores(router: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logits, scores, own choice [T, k]) of a DeepSeek router: V3's sigmoid in fp32 with the
+    correction bias and the best expert groups (DeepseekV3TopkRouter), V4's `score_fn` (sqrtsoftplus)
+    with the correction bias (DeepseekV4TopKRouter)."""
+    bias = router.e_score_correction_bias
+    if not hasattr(router, "num_group"):
+        logits = F.linear(hidden, router.weight)
+        scores = router.score_fn(logits)
+        return logits, scores, torch.topk(scores + bias, router.top_k, dim=-1).indices
+    logits = F.linear(hidden.float(), router.weight.float())
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if router.num_group > 1:
+        by_group = choice.view(choice.shape[0], router.num_group, -1)
+        best = by_group.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices
+        keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        choice = by_group.masked_fill(~keep[..., None], float("-inf")).view(choice.shape[0], -1)
+    return logits, scores, torch.topk(choice, router.top_k, dim=-1).indices
+
+
+def _bound_deepseek(router: nn.Module, rr: RoutingReplay, slot: int):
+    """A DeepSeek router's forward with the selection from `rr`: the weights are the router's scores
+    at the experts used, normalised (norm_topk_prob) and scaled by routed_scaling_factor."""
+
+    def forward(hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits, scores, natural = _deepseek_scores(router, hidden_states.reshape(-1, router.hidden_dim))
+        used, _ = rr.route(slot, scores, natural)
+        weights = scores.gather(1, used)
+        if getattr(router, "norm_topk_prob", True):
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * router.routed_scaling_factor, used
 
     return forward

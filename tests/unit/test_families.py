@@ -39,3 +39,27 @@ def test_each_family_names_the_attention_tensors_transformers_builds(family) -> 
     assert extra == set(family.attention_names(prefix))
     assert family_of_model_type(cfg.model_type) is family
     assert any(".experts." in n for n in names) == family.moe
+
+
+def test_a_plan_whose_rooms_cannot_load_the_family_is_refused_at_resolve(tmp_path) -> None:
+    from miles.config import ConfigError, resolve
+
+    def plan(arch: str, **sections):
+        base = {
+            "run": {"runs_root": str(tmp_path)},
+            "model": {"path": str(tmp_path / arch), "tiny": {"arch": arch}},
+        }
+        return resolve(base | sections)
+
+    with pytest.raises(
+        ConfigError,
+        match=r"the embedded engine cannot load DeepseekV4ForCausalLM .*engine.kind=sglang",
+    ):
+        plan("deepseek_v4")
+    with pytest.raises(
+        ConfigError,
+        match=r"train.backend=megatron cannot load DeepseekV3ForCausalLM .*set train.backend to fsdp",
+    ):
+        plan("deepseek_v3", train={"backend": "megatron"})
+    assert plan("deepseek_v3").model.tiny.arch == "deepseek_v3"  # the engine and FSDP load it
+    assert plan("deepseek_v4", engine={"kind": "sglang"}).engine.kind == "sglang"

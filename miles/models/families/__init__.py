@@ -40,4 +40,10 @@ def family_of_model_type(model_type: str) -> Family:
     raise ValueError(f"model type {model_type!r} is not supported; known: {', '.join(known)}")
 
 
-__all__ = ["FAMILIES", "Family", "family_of_model_type", "get_family"]
+def packs_sequences(model_type: str) -> bool:
+    """Whether transformers' forward of `model_type` keeps packed sequences apart (Family.packs);
+    True for a model type of no registered family."""
+    return next((f.packs for f in FAMILIES.values() if f.model_type == model_type), True)
+
+
+__all__ = ["FAMILIES", "Family", "family_of_model_type", "get_family", "packs_sequences"]

@@ -32,6 +32,10 @@ class Family:
     compressed and sparse-compressed caches)."""
     backends: tuple[str, ...] = BACKENDS
     """The rooms of BACKENDS that load it; the others refuse it when a plan is resolved."""
+    packs: bool = True
+    """transformers' forward keeps sequences packed into one row apart (the block-diagonal mask of
+    restarting position_ids); False (DeepSeek-V4, whose compressors pool across the row): the FSDP
+    trainer gives each sequence a micro-batch of its own."""
     tiny: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
     """Config keys of its tiny model (`miles model init-tiny`) over the common tiny sizes."""
     tiny_init: Callable[[Any, int], None] | None = field(default=None, hash=False, compare=False)

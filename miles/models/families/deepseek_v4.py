@@ -44,6 +44,7 @@ FAMILY = Family(
     moe=True,
     attention="deepseek_v4",
     backends=("fsdp",),
+    packs=False,
     tiny=dict(
         num_hidden_layers=5,
         num_key_value_heads=1,

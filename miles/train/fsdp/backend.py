@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from miles.cluster.distributed import init_distributed
 from miles.config import ConfigError, Plan
+from miles.models.families import packs_sequences
 from miles.quant.formats import engine_contract
 from miles.sample import Sample
 from miles.train import quant, step
@@ -134,6 +135,8 @@ class FSDPBackend:
             self.ref_model = load_sharded(
                 plan.model.path, self.device, dtype, trainable=False, prepare=prepare
             )
+        self._budget = t.max_tokens_per_microbatch if packs_sequences(self.model.config.model_type) else 1
+        """Tokens per packed micro-batch (1: a sequence each, for a family whose forward mixes a row)."""
         replay = t.routing_replay == "rollout"
         self.routing = RoutingReplay.install(self.model, replay)
         if self.ref_model is not None:
@@ -212,7 +215,7 @@ class FSDPBackend:
         t = self.plan.train
         adv: dict[int, Any] = dict(enumerate(step.advantages(samples, self.plan)))
         plans = [
-            plan_rank(samples, ids, self.rank, self.world_size, t.max_tokens_per_microbatch)
+            plan_rank(samples, ids, self.rank, self.world_size, self._budget)
             for ids in step.mini_batches(len(samples), self.plan)
         ]
         lr = float(self.optimizer.param_groups[0]["lr"])

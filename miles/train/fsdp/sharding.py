@@ -11,10 +11,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def causal_lm(path: str) -> nn.Module:
-    """The HF causal LM at `path`, in fp32, with torch's SDPA attention."""
+    """The HF causal LM at `path`, in fp32, with torch's SDPA attention where its class has it
+    (DeepSeek-V4's has its own attention only)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError as e:
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 def load_sharded(

@@ -1,0 +1,307 @@
+"""Token-level alignment of the engine and the trainer (`miles align MODEL`).
+
+The engine generates once; the engine and the trainer then score the same tokens. A rollout's
+|Δ log p| = |log p_engine(token) - log p_trainer(token)| per generated token is what off-policy
+corrections (TIS, masking) pay for, and its tail names the tokens where the two differ. Then, for
+the sequence holding the worst token, both run one forward over it and their sublayer outputs are
+compared module by module, in forward order:
+
+    model.layers.i.input_layernorm, .self_attn, .post_attention_layernorm, .mlp, ..., model.norm
+
+with rel(module) = max |engine - trainer| / max |trainer| over the positions that predict a scored
+token (all but the last, which also has no replayed route). The first module whose rel exceeds the
+tolerance is where the two implementations part (a difference upstream of it stays within the
+tolerance, and everything downstream inherits it).
+
+The trainer side of `--backend fsdp` is the FSDP trainer's own model builder (transformers' class,
+`miles/train/fsdp/sharding.causal_lm`), unsharded; with routing replay (`--replay`, MoE models) its
+routers take the engine's experts as the trainer does under `train.routing_replay=rollout`.
+The engine side is the embedded engine's decoder on the same weights (its per-op forward).
+Left out: `--backend megatron` (refused, naming fsdp), and architectures the engine does not serve
+(refused by the engine, naming the rooms that load them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_PROMPTS = (
+    "what is the sum of 12 and 30? answer:",
+    "reverse the word level, then count its letters.",
+    "the next value of the sequence 2 4 6 8 is",
+    "copy this list: 7 1 9 3 and sort it.",
+)
+MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+@dataclass
+class Scored:
+    """One generated sequence, scored by both sides."""
+
+    prompt: list[int]
+    output: list[int]
+    engine: list[float]
+    trainer: list[float] = field(default_factory=list)
+    routes: np.ndarray | None = None
+    """[len(prompt + output) - 1, layers * k] the engine's experts (MoE with routing recorded)."""
+
+    @property
+    def delta(self) -> np.ndarray:
+        return np.abs(np.asarray(self.engine) - np.asarray(self.trainer))
+
+
+@dataclass
+class Report:
+    """What `miles align` prints."""
+
+    sequences: list[Scored]
+    modules: list[tuple[str, float]]
+    """(module, rel) for the worst sequence, in forward order."""
+    tolerance: float
+    worst: list[tuple[int, int, int, float, float]] = field(default_factory=list)
+    """(sequence, position in the output, token, engine log p, trainer log p), worst first."""
+
+    @property
+    def deltas(self) -> np.ndarray:
+        return np.concatenate([s.delta for s in self.sequences])
+
+    @property
+    def first_divergent(self) -> str | None:
+        return next((m for m, rel in self.modules if rel > self.tolerance), None)
+
+    def summary(self) -> dict[str, Any]:
+        d = self.deltas
+        return {
+            "tokens": int(d.size),
+            "mean": float(d.mean()),
+            "p99": float(np.percentile(d, 99)),
+            "max": float(d.max()),
+            "first_divergent_module": self.first_divergent,
+        }
+
+
+def read_prompts(path: str | None, tokenizer) -> list[list[int]]:
+    """Token ids of the prompts: a file of JSON lines (`prompt` or `text`) or plain lines, or the
+    built-in few. ValueError naming the file when it holds none."""
+    if path is None:
+        texts = list(DEFAULT_PROMPTS)
+    else:
+        texts = []
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = line
+            texts.append(row.get("prompt") or row.get("text") or "" if isinstance(row, dict) else str(row))
+        texts = [t for t in texts if t]
+        if not texts:
+            raise ValueError(
+                f"{path} holds no prompt: write one per line (text, or JSON with a 'prompt' key)"
+            )
+    return [tokenizer(t)["input_ids"] or [tokenizer.eos_token_id] for t in texts]
+
+
+def engine_generate(
+    decoder, prompts: list[list[int]], max_new: int, temperature: float, seed: int
+) -> list[Scored]:
+    """The engine's continuations (sampled with `seed`), log-probs and, for MoE models, routes."""
+    from miles.engine.sampling import SamplingParams
+    from miles.engine.scheduler import Request, Scheduler
+
+    moe = decoder.spec.moe is not None
+    decoder.record_routing = moe
+    sched = Scheduler(
+        decoder, max(len(prompts), 1), sum(len(p) for p in prompts) + len(prompts) * max_new + 64
+    )
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        sp = SamplingParams(max_new_tokens=max_new, temperature=temperature, ignore_eos=True)
+        req = Request(rid=str(i), prompt=list(prompt), params=sp, seed=seed + i, stop_ids=frozenset())
+        req.return_routed_experts = moe
+        reqs.append(req)
+        sched.submit(req)
+    sched.run_until_idle()
+    out = []
+    for r in reqs:
+        n = len(r.prompt) + len(r.output) - 1
+        routes = r.routed_experts.reshape(n, -1).numpy() if moe and r.routed_experts is not None else None
+        out.append(Scored(list(r.prompt), list(r.output), list(r.logprobs), routes=routes))
+    return out
+
+
+def trainer_model(path: str, dtype: torch.dtype, replay: bool):
+    """The FSDP trainer's model (unsharded) and, with `replay`, its routers patched for R3."""
+    from miles.train.fsdp.sharding import causal_lm
+    from miles.train.routing_replay import RoutingReplay
+
+    model = causal_lm(path).to(dtype).eval()
+    return model, RoutingReplay.install(model, replay) if replay else None
+
+
+def _replayed(rr, seq: Scored):
+    """The routing context of one sequence for the patched routers (a no-op without replay)."""
+    import contextlib
+
+    from miles.sample import Sample
+    from miles.train.routing_replay import packed_routing
+
+    if rr is None or seq.routes is None:
+        return contextlib.nullcontext()
+    sample = Sample(0, 0, seq.prompt, seq.output)
+    sample.routed_experts = seq.routes
+    return rr.batch(packed_routing([sample], [0], rr.shape, required=True), measure=False)
+
+
+@torch.no_grad()
+def trainer_score(model, rr, seqs: list[Scored]) -> None:
+    """Each sequence's generated tokens scored by the trainer's forward (fp32 log-softmax)."""
+    for s in seqs:
+        ids = torch.tensor([s.prompt + s.output])
+        with _replayed(rr, s):
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        n = len(s.prompt)
+        s.trainer = [lp[n - 1 + j, t].item() for j, t in enumerate(s.output)]
+
+
+def _engine_trace(decoder, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """The engine's sublayer outputs over one sequence (one prefill forward with tracing on)."""
+    from miles.engine.spec import Batch
+
+    n = len(tokens)
+    ar = torch.arange(n, device=decoder.device)
+    batch = Batch(ar.new_tensor(tokens), ar, ar + 1, ar[None], ar[None], (ar + 1)[None], ar)
+    decoder.trace, decoder.record_routing = {}, False
+    try:
+        decoder.forward(batch, decoder.new_kv_pool(n + 1))
+        return decoder.trace
+    finally:
+        decoder.trace = None
+
+
+@torch.no_grad()
+def _trainer_trace(model, rr, seq: Scored, names: list[str]) -> dict[str, torch.Tensor]:
+    """The trainer's outputs of the modules `names` over one sequence (forward hooks)."""
+    seen: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+    hooks = []
+    for name in names:
+
+        def keep(_m, _a, out, name=name):
+            seen[name] = (out[0] if isinstance(out, tuple) else out).detach()[0]
+
+        hooks.append(modules[name].register_forward_hook(keep))
+    try:
+        with _replayed(rr, seq):
+            model(input_ids=torch.tensor([seq.prompt + seq.output]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def compare_modules(decoder, model, rr, seq: Scored) -> list[tuple[str, float]]:
+    """(module, rel) in forward order over one sequence (module docstring)."""
+    engine = _engine_trace(decoder, seq.prompt + seq.output)
+    names = [n for n in engine if n in dict(model.named_modules())]
+    trainer = _trainer_trace(model, rr, seq, names)
+    out = []
+    for name in names:  # the last position predicts no scored token and has no replayed route
+        a, b = engine[name][:-1].float(), trainer[name][:-1].float()
+        rel = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+        out.append((name, rel))
+    return out
+
+
+def align(
+    model_dir: str,
+    prompts: list[list[int]] | None = None,
+    max_new: int = 32,
+    dtype: torch.dtype = torch.float32,
+    tolerance: float = 1e-3,
+    replay: bool = True,
+    temperature: float = 1.0,
+    seed: int = 0,
+    top: int = 5,
+    patch=None,
+) -> Report:
+    """Generate with the engine, score with both, compare modules (module docstring). `patch(decoder,
+    model)` may change either side before scoring (tests plant a bug there)."""
+    from transformers import AutoTokenizer
+
+    from miles.engine.model import Decoder, ModelSpec, load_weights
+
+    if prompts is None:
+        prompts = read_prompts(None, AutoTokenizer.from_pretrained(model_dir))
+    spec = ModelSpec.from_dir(model_dir)
+    decoder = Decoder(spec, load_weights(model_dir), "cpu", dtype)
+    model, rr = trainer_model(model_dir, dtype, replay and spec.moe is not None)
+    if patch is not None:
+        patch(decoder, model)
+    seqs = engine_generate(decoder, prompts, max_new, temperature, seed)
+    trainer_score(model, rr, seqs)
+    worst_seq = max(range(len(seqs)), key=lambda i: seqs[i].delta.max())
+    report = Report(seqs, compare_modules(decoder, model, rr, seqs[worst_seq]), tolerance)
+    pos = [(i, j) for i, s in enumerate(seqs) for j in range(len(s.output))]
+    pos.sort(key=lambda ij: -seqs[ij[0]].delta[ij[1]])
+    report.worst = [(i, j, seqs[i].output[j], seqs[i].engine[j], seqs[i].trainer[j]) for i, j in pos[:top]]
+    return report
+
+
+def render(report: Report, tokenizer=None) -> str:
+    """The report as text: the |Δ log p| figures, the worst tokens, the modules up to the first
+    divergent one (or all, when none is)."""
+    s = report.summary()
+    lines = [
+        f"|delta log p| over {s['tokens']} generated tokens: mean {s['mean']:.3g}  p99 {s['p99']:.3g}  "
+        f"max {s['max']:.3g}",
+        "worst tokens (sequence, position, token, engine log p, trainer log p):",
+    ]
+    for i, j, tok, a, b in report.worst:
+        text = repr(tokenizer.decode([tok])) if tokenizer is not None else ""
+        lines.append(f"  seq {i} pos {j} token {tok} {text}  {a:.5f}  {b:.5f}  (|d| {abs(a - b):.3g})")
+    first = report.first_divergent
+    lines.append(
+        f"modules of the worst sequence (rel = max|engine - trainer| / max|trainer|, tolerance "
+        f"{report.tolerance:g}):"
+    )
+    for name, rel in report.modules:
+        mark = "  <- first beyond tolerance" if name == first else ""
+        lines.append(f"  {name:<44} {rel:.3g}{mark}")
+        if name == first:
+            break
+    lines.append(f"first divergent module: {first}" if first else "no module beyond tolerance")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """`miles align` (miles/cli.py)."""
+    from transformers import AutoTokenizer
+
+    if args.backend != "fsdp":
+        raise ValueError(f"--backend {args.backend}: only fsdp is aligned so far; use --backend fsdp")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    tok = AutoTokenizer.from_pretrained(args.model)
+    report = align(
+        args.model,
+        read_prompts(args.prompts, tok),
+        args.max_new_tokens,
+        dtype,
+        args.tolerance,
+        not args.no_replay,
+        args.temperature,
+        args.seed,
+    )
+    print(render(report, tok))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.summary(), indent=2) + "\n")
+    return 0 if not math.isnan(report.summary()["max"]) else 1

@@ -1,0 +1,88 @@
+"""`miles align`: the engine and the trainer (FSDP's model) score one generation; on the same weights
+they agree, and a bug planted on either side is named by module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from miles.align import align, render
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    from miles.models.tiny import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("v3") / "m", arch="deepseek_v3", seed=1))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from miles.models.tiny import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("q3") / "m", arch="qwen3", seed=2))
+
+
+PROMPTS = [[5, 17, 40, 99, 12], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [200, 3]]
+
+
+@pytest.mark.parametrize("which", ["qwen3", "v3"])
+def test_the_same_weights_agree(which, request):
+    report = align(request.getfixturevalue(which), PROMPTS, max_new=16)
+    s = report.summary()
+    assert s["tokens"] == 3 * 16 and s["max"] <= 1e-4
+    assert report.first_divergent is None
+    assert [m for m, _ in report.modules][:4] == [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.self_attn",
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.0.mlp",
+    ]
+    assert "no module beyond tolerance" in render(report)
+
+
+def test_a_wrong_routed_scaling_factor_in_the_trainer_is_named(v3):
+    def patch(_decoder, model):
+        model.model.layers[2].mlp.gate.routed_scaling_factor = 2.0
+
+    report = align(v3, PROMPTS, max_new=16, patch=patch)
+    assert report.first_divergent == "model.layers.2.mlp"
+    assert report.summary()["max"] > 1e-3
+    assert "model.layers.2.mlp" in render(report).splitlines()[-1]
+
+
+def test_a_scaled_q_norm_in_the_engine_is_named(qwen3):
+    def patch(decoder, _model):
+        decoder.params["model.layers.1.self_attn.q_norm.weight"].mul_(1.5)
+
+    report = align(qwen3, PROMPTS, max_new=8, patch=patch)
+    assert report.first_divergent == "model.layers.1.self_attn"
+
+
+def test_a_permuted_correction_bias_shows_only_without_replay(v3):
+    def patch(_decoder, model):
+        gate = model.model.layers[1].mlp.gate
+        gate.e_score_correction_bias.copy_(gate.e_score_correction_bias.flip(0) * 20)
+
+    assert align(v3, PROMPTS, max_new=8, patch=patch).first_divergent is None  # R3: the engine's experts
+    assert align(v3, PROMPTS, max_new=8, patch=patch, replay=False).first_divergent == "model.layers.1.mlp"
+
+
+def test_the_command_prints_the_figures_and_refuses_megatron(v3, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "what is 2 plus 2?"}\nreverse the word cat\n')
+    cmd = [sys.executable, "-m", "miles.cli", "align", v3, "--prompts", str(prompts), "--max-new-tokens", "6"]
+    done = subprocess.run(
+        cmd + ["--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "over 12 generated tokens" in done.stdout and "no module beyond tolerance" in done.stdout
+    assert (tmp_path / "s.json").read_text().count('"max"') == 1
+    bad = subprocess.run(cmd + ["--backend", "megatron"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "use --backend fsdp" in bad.stderr and "Traceback" not in bad.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    none = subprocess.run(cmd[:5] + ["--prompts", str(empty)], capture_output=True, text=True, timeout=300)
+    assert none.returncode == 2 and "holds no prompt" in none.stderr
