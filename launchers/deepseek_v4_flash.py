@@ -20,8 +20,8 @@ job under ./runs (unless `--set run.runs_root=...` says where) and creates nothi
 `miles eval RUN_DIR --step 20 --submit`.
 
 Miniature (`--scale tiny`): the same job shape on one host with a tiny random model written by
-miles.models.tiny. Miles has no multi-head latent attention (MLA, DeepSeek's attention), so the
-miniature is a Qwen3-MoE model (grouped-query attention; top-k softmax router, renormalised; 8
+miles.models.tiny. The embedded engine does not serve DeepSeek-V4 yet (docs/deepseek.md: the FSDP
+trainer trains it, the engine serves DeepSeek-V3's latent attention), so the miniature is a Qwen3-MoE model (grouped-query attention; top-k softmax router, renormalised; 8
 experts, top-2; layer 0 dense) of 5 layers. `--backend fsdp` (the default) runs on this host's CPU
 with the embedded engine, R3 and TIS, in a few minutes; `--backend megatron` is the full recipe's
 trainer in small for a CUDA host of 5 GPUs (one engine, 4 trainer ranks): PP2 with the layers split
@@ -260,17 +260,25 @@ def prepare_data(
 
 
 def prepare_checkpoint(src: str | None, dst: str, scale: str) -> None:
-    """Full scale: stage the Hugging Face checkpoint on the shared filesystem (engines and trainer read
-    it there). Tiny: write the random Qwen3-MoE miniature."""
+    """Full scale: check that `src` is a DeepSeek-V4 checkpoint (miles/models/deepseek_v4_layout.py:
+    every tensor of its config, FP8 weights with their block scales) and stage it on the shared
+    filesystem (engines and trainer read it there). Tiny: write the random Qwen3-MoE miniature."""
     if scale == "tiny":
         from miles.models.tiny import init_tiny
 
         print(f"wrote tiny qwen3_moe model to {init_tiny(dst, arch='qwen3_moe', **TINY_SHAPE)}")
         return
-    if not src or not (Path(src) / "config.json").is_file():
-        raise SystemExit(f"--src {src} holds no config.json: pass the Hugging Face checkpoint directory")
+    from miles.models.deepseek_v4_layout import LayoutError, check
+
+    try:
+        layout = check(src or ".")
+    except LayoutError as e:
+        raise SystemExit(f"--src: {e}") from None
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    print(f"staged {src} -> {dst}")
+    print(
+        f"staged {src} -> {dst}: DeepSeek-V4, {layout.layers} layers, {layout.experts} experts, "
+        f"{layout.tensors} tensors ({layout.fp8} FP8 weights with their scales, {layout.mtp} of MTP layers)"
+    )
 
 
 def prepare_eval(src: str | None, dst: str, scale: str) -> None:

@@ -162,10 +162,10 @@ def _replayed(rr, seq: Scored):
 
 
 @torch.no_grad()
-def trainer_score(model, rr, seqs: list[Scored]) -> None:
+def trainer_score(model, rr, seqs: list[Scored], device: str = "cpu") -> None:
     """Each sequence's generated tokens scored by the trainer's forward (fp32 log-softmax)."""
     for s in seqs:
-        ids = torch.tensor([s.prompt + s.output])
+        ids = torch.tensor([s.prompt + s.output], device=device)
         with _replayed(rr, s):
             logits = model(input_ids=ids, use_cache=False).logits[0].float()
         lp = torch.log_softmax(logits, dim=-1)
