@@ -242,10 +242,12 @@ def _build_decoder(args: argparse.Namespace, device: str, dtype: torch.dtype) ->
     model_dir = Path(args.model)
     try:
         spec = ModelSpec.from_dir(model_dir)
-        if spec.mla is not None and (args.quantization != "none" or args.enable_lora):
+        if spec.mla is not None and (
+            args.quantization not in ("none", "fp8_block", "fp8_row") or args.enable_lora
+        ):
             raise ValueError(
-                f"{spec.arch} (multi-head latent attention) is served without --quantization and "
-                "--enable-lora: drop those flags"
+                f"{spec.arch} (multi-head latent attention) is served in the model dtype or FP8 "
+                "(--quantization fp8_block / fp8_row), without --enable-lora: drop the other flags"
             )
         scheme = None
         if args.quantization in FORMATS:

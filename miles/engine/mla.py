@@ -14,9 +14,10 @@ values (a view, not a copy), and W_uv applies to the attended latent. RoPE pairs
 (x_0, x_1), (x_2, x_3), ... when `rope_interleave` (DeepSeek's checkpoints), else rotate_half.
 Each layer's query heads fold into the query length of one shared-KV head, as the decoder's
 grouped-query attention does, so the decoder's mask and packing serve unchanged.
-Left out: YaRN rope scaling (DeepSeek-V3's long-context checkpoints), the CUDA fused forward and the
-CPU row decode (this attention takes the decoder's per-op path on every device), LoRA on these
-projections.
+FP8 engines store the projections as the FP8 contract's pairs (miles/quant/fp8.py); W_kvb, used as
+a matrix here, is read dequantised. Left out: YaRN rope scaling (DeepSeek-V3's long-context
+checkpoints), the CUDA fused forward and the CPU row decode (this attention takes the decoder's
+per-op path on every device), LoRA on these projections.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class LatentAttention:
         c = d._norm(c, d.params[p + "kv_a_layernorm.weight"])
         latent, _ = pool[i]
         latent[0, b.write_slots] = torch.cat((c, self._rope(k_rot[:, None], cos, sin)[:, 0]), dim=-1)
-        w = d.params[p + "kv_b_proj.weight"].view(H, dn + m.v_head_dim, r)
+        w = d.get(p + "kv_b_proj.weight").view(H, dn + m.v_head_dim, r)  # FP8 engines: dequantised
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w[:, :dn])
         query = torch.cat((q_lat, self._rope(q_rot, cos, sin)), dim=-1)  # [T, H, r + d_r]
         out = self._attend(query, b, latent, mask)  # [B, Q, H, r]

@@ -123,7 +123,7 @@ def test_latent_attention_takes_the_per_op_path_without_row_decode(v3):
     assert sched.row_kv is None and not dec.fused and not dec.paged_decode
 
 
-@pytest.mark.parametrize("flag", [["--quantization", "fp8_block"], ["--enable-lora"]])
+@pytest.mark.parametrize("flag", [["--quantization", "int4"], ["--enable-lora"]])
 def test_the_server_refuses_what_latent_attention_lacks(v3, flag):
     import subprocess
     import sys
@@ -131,7 +131,7 @@ def test_the_server_refuses_what_latent_attention_lacks(v3, flag):
     cmd = [sys.executable, "-m", "miles.engine", "--model", v3, "--port", "0", *flag]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "multi-head latent attention" in done.stderr and "drop those flags" in done.stderr
+    assert "multi-head latent attention" in done.stderr and "drop the other flags" in done.stderr
 
 
 def test_the_engine_refuses_a_family_it_cannot_serve_naming_who_can(tmp_path):
@@ -140,3 +140,43 @@ def test_the_engine_refuses_a_family_it_cannot_serve_naming_who_can(tmp_path):
     path = init_tiny(tmp_path / "v4", arch="deepseek_v4", seed=0)
     with pytest.raises(ValueError, match=r"engine cannot load DeepseekV4ForCausalLM .*what loads it: fsdp"):
         ModelSpec.from_dir(path)
+
+
+@pytest.mark.parametrize("layout", ["fp8_block", "fp8_row"])
+def test_fp8_latent_attention_equals_a_decoder_holding_the_fake_quant_values(v3, layout):
+    """The FP8 contract on the latent attention's projections: stored as FP8 pairs, the forward equal to
+    a plain decoder of the fake-quant values; an update keeps the scales it came with."""
+    from miles.engine.fp8_weights import Fp8Decoder
+    from miles.quant.fp8 import FP8_DTYPE, fake_quant, is_quantized_name, quantize_weight, scale_name
+
+    spec, weights = ModelSpec.from_dir(v3), load_weights(v3)
+    covered = [n for n in weights if is_quantized_name(n)]
+    assert {n.split(".")[-2] for n in covered} >= {
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+    }
+    fp8 = Fp8Decoder(spec, weights, "cpu", torch.float32, layout, min_tokens=1)
+    assert all(fp8.params[n].dtype == FP8_DTYPE for n in covered)
+    fake = Decoder(
+        spec,
+        {n: fake_quant(w, layout) if n in covered else w for n, w in weights.items()},
+        "cpu",
+        torch.float32,
+    )
+    tokens = [random.Random(3).randrange(4, 380) for _ in range(29)]
+    ar = torch.arange(len(tokens))
+
+    def logits(dec):
+        batch = Batch(ar.new_tensor(tokens), ar, ar + 1, ar[None], ar[None], (ar + 1)[None], ar)
+        return dec.forward(batch, dec.new_kv_pool(64))
+
+    assert torch.allclose(logits(fp8), logits(fake), atol=1e-5, rtol=0)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    q, s = quantize_weight(weights[name] * 0.5, layout)
+    fp8.load({name: q, scale_name(name): s})
+    assert torch.equal(fp8.params[scale_name(name)], s) and torch.equal(
+        fp8.params[name].view(torch.uint8), q.view(torch.uint8)
+    )
