@@ -14,15 +14,18 @@ tolerance is where the two implementations part (a difference upstream of it sta
 tolerance, and everything downstream inherits it).
 
 The trainer side of `--backend fsdp` is the FSDP trainer's own model builder (transformers' class,
-`miles/train/fsdp/sharding.causal_lm`), unsharded; with routing replay (`--replay`, MoE models) its
-routers take the engine's experts as the trainer does under `train.routing_replay=rollout`.
-The engine side is the embedded engine's decoder on the same weights (its per-op forward).
-Left out: `--backend megatron` (refused, naming fsdp), and architectures the engine does not serve
-(refused by the engine, naming the rooms that load them).
+`miles/train/fsdp/sharding.causal_lm`), unsharded; with routing replay (on by default for MoE models,
+`--no-replay` off) its routers take the engine's experts as the trainer does under
+`train.routing_replay=rollout`. `--backend megatron` is the Megatron trainer's GPTModel on one rank,
+loaded from the HF weights as the backend loads them, its sublayers compared under Megatron's names
+(`decoder.layers.i.self_attention`, `.pre_mlp_layernorm`, `.mlp`, `decoder.final_layernorm`); its
+routers route on their own. The engine side is the embedded engine's decoder on the same weights (its
+per-op forward). A model a side cannot load is refused, naming the rooms that load it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -138,19 +141,134 @@ def engine_generate(
     return out
 
 
-def trainer_model(path: str, dtype: torch.dtype, replay: bool):
-    """The FSDP trainer's model (unsharded) and, with `replay`, its routers patched for R3."""
-    from miles.train.fsdp.sharding import causal_lm
-    from miles.train.routing_replay import RoutingReplay
+class FsdpSide:
+    """The FSDP trainer's model (unsharded: `miles/train/fsdp/sharding.causal_lm`), its routers
+    patched for R3 when `replay`."""
 
-    model = causal_lm(path).to(dtype).eval()
-    return model, RoutingReplay.install(model, replay) if replay else None
+    def __init__(self, path: str, dtype: torch.dtype, replay: bool, device: str = "cpu"):
+        from miles.train.fsdp.sharding import causal_lm
+        from miles.train.routing_replay import RoutingReplay
+
+        self.model = causal_lm(path).to(device=device, dtype=dtype).eval()
+        self.rr = RoutingReplay.install(self.model, replay) if replay else None
+        self.device = device
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    @torch.no_grad()
+    def logits(self, seq: Scored) -> torch.Tensor:
+        """fp32 logits [T, vocab] of the sequence's prompt and output."""
+        ids = torch.tensor([seq.prompt + seq.output], device=self.device)
+        with _replayed(self.rr, seq):
+            return self.model(input_ids=ids, use_cache=False).logits[0].float()
+
+    @torch.no_grad()
+    def trace(self, seq: Scored, names: list[str]) -> dict[str, torch.Tensor]:
+        """The outputs [T, hidden] of the modules `names` (transformers' names) over one sequence."""
+        modules = dict(self.model.named_modules())
+        return _hooked(
+            modules, {n: n for n in names if n in modules}, lambda: self.logits(seq), batch_first=True
+        )
+
+
+MEGATRON_MODULES = {
+    "input_layernorm": "input_layernorm",
+    "self_attn": "self_attention",
+    "post_attention_layernorm": "pre_mlp_layernorm",
+    "mlp": "mlp",
+}
+"""transformers' sublayer names -> megatron-core's (local layer spec; with Transformer Engine the input
+norm is fused into the QKV GEMM and has no output of its own)."""
+
+
+class MegatronSide:
+    """The Megatron trainer's GPTModel (miles/train/megatron/model.py) on one rank, loaded from the HF
+    weights as the backend loads them; routers route on their own (no replay)."""
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        from miles.train.megatron import model as M
+
+        self._ours = not dist.is_initialized()
+        if self._ours:  # a private one-rank group (nothing leaves this process), gone at close()
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            ps.initialize_model_parallel(1, 1)
+        cfg = AutoConfig.from_pretrained(path)
+        self.model = M.build_gpt(cfg, M.transformer_config(cfg, dtype, 1, 1, use_cpu=True))
+        M.load_hf_into(self.model, M.read_hf_state(path), cfg)
+        self.model.eval()
+        self.rr = None
+
+    def close(self) -> None:
+        """Tear down the process group this side made, if it made one."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self._ours:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+            self._ours = False
+
+    @torch.no_grad()
+    def logits(self, seq: Scored) -> torch.Tensor:
+        ids = torch.tensor([seq.prompt + seq.output])
+        with _cpu_device():
+            return self.model(ids, torch.arange(ids.shape[1])[None], None)[0].float()
+
+    @torch.no_grad()
+    def trace(self, seq: Scored, names: list[str]) -> dict[str, torch.Tensor]:
+        modules = dict(self.model.named_modules())
+        theirs = {}
+        for name in names:
+            parts = name.split(".")
+            if name == "model.norm":
+                theirs[name] = "decoder.final_layernorm"
+            elif len(parts) == 4 and parts[3] in MEGATRON_MODULES:
+                theirs[name] = f"decoder.layers.{parts[2]}.{MEGATRON_MODULES[parts[3]]}"
+        theirs = {k: v for k, v in theirs.items() if v in modules}
+        return _hooked(modules, theirs, lambda: self.logits(seq), batch_first=False)
+
+
+@contextlib.contextmanager
+def _cpu_device():
+    """megatron-core's rotary table asks torch.cuda for its device; without CUDA it is told the CPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+def _hooked(modules: dict, names: dict[str, str], run, batch_first: bool) -> dict[str, torch.Tensor]:
+    """Outputs of modules[names[k]] under key k while `run()` runs (first element of a tuple output,
+    the one sequence of its batch)."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for ours, theirs in names.items():
+
+        def keep(_m, _a, out, ours=ours):
+            out = (out[0] if isinstance(out, tuple) else out).detach().clone()  # later adds may be in place
+            seen[ours] = out[0] if batch_first else out[:, 0]
+
+        hooks.append(modules[theirs].register_forward_hook(keep))
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 def _replayed(rr, seq: Scored):
     """The routing context of one sequence for the patched routers (a no-op without replay)."""
-    import contextlib
-
     from miles.sample import Sample
     from miles.train.routing_replay import packed_routing
 
@@ -161,14 +279,10 @@ def _replayed(rr, seq: Scored):
     return rr.batch(packed_routing([sample], [0], rr.shape, required=True), measure=False)
 
 
-@torch.no_grad()
-def trainer_score(model, rr, seqs: list[Scored], device: str = "cpu") -> None:
-    """Each sequence's generated tokens scored by the trainer's forward (fp32 log-softmax)."""
+def trainer_score(side, seqs: list[Scored]) -> None:
+    """Each sequence's generated tokens scored by the trainer side's forward (fp32 log-softmax)."""
     for s in seqs:
-        ids = torch.tensor([s.prompt + s.output], device=device)
-        with _replayed(rr, s):
-            logits = model(input_ids=ids, use_cache=False).logits[0].float()
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = torch.log_softmax(side.logits(s), dim=-1)
         n = len(s.prompt)
         s.trainer = [lp[n - 1 + j, t].item() for j, t in enumerate(s.output)]
 
@@ -188,38 +302,37 @@ def _engine_trace(decoder, tokens: list[int]) -> dict[str, torch.Tensor]:
         decoder.trace = None
 
 
-@torch.no_grad()
-def _trainer_trace(model, rr, seq: Scored, names: list[str]) -> dict[str, torch.Tensor]:
-    """The trainer's outputs of the modules `names` over one sequence (forward hooks)."""
-    seen: dict[str, torch.Tensor] = {}
-    modules = dict(model.named_modules())
-    hooks = []
-    for name in names:
-
-        def keep(_m, _a, out, name=name):
-            seen[name] = (out[0] if isinstance(out, tuple) else out).detach()[0]
-
-        hooks.append(modules[name].register_forward_hook(keep))
-    try:
-        with _replayed(rr, seq):
-            model(input_ids=torch.tensor([seq.prompt + seq.output]), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
-
-
-def compare_modules(decoder, model, rr, seq: Scored) -> list[tuple[str, float]]:
+def compare_modules(decoder, side, seq: Scored) -> list[tuple[str, float]]:
     """(module, rel) in forward order over one sequence (module docstring)."""
     engine = _engine_trace(decoder, seq.prompt + seq.output)
-    names = [n for n in engine if n in dict(model.named_modules())]
-    trainer = _trainer_trace(model, rr, seq, names)
+    trainer = side.trace(seq, list(engine))
     out = []
-    for name in names:  # the last position predicts no scored token and has no replayed route
+    for name in engine:  # the last position predicts no scored token and has no replayed route
+        if name not in trainer:
+            continue
         a, b = engine[name][:-1].float(), trainer[name][:-1].float()
         rel = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
         out.append((name, rel))
     return out
+
+
+def trainer_side(model_dir: str, backend: str, dtype: torch.dtype, replay: bool):
+    """The trainer side of `backend` (fsdp or megatron); ValueError naming what loads the model."""
+    import json as _json
+
+    from miles.models.families import FAMILIES
+
+    arch = (_json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [""])[0]
+    family = FAMILIES.get(arch)
+    if family is not None:
+        family.refuse_unless(backend)
+    if backend == "megatron":
+        return MegatronSide(model_dir, dtype)
+    return FsdpSide(model_dir, dtype, replay)
+
+
+DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+"""Module rel difference counted as divergent, by compute dtype (bf16's own rounding reads ~1e-2)."""
 
 
 def align(
@@ -227,12 +340,13 @@ def align(
     prompts: list[list[int]] | None = None,
     max_new: int = 32,
     dtype: torch.dtype = torch.float32,
-    tolerance: float = 1e-3,
+    tolerance: float | None = None,
     replay: bool = True,
     temperature: float = 1.0,
     seed: int = 0,
     top: int = 5,
     patch=None,
+    backend: str = "fsdp",
 ) -> Report:
     """Generate with the engine, score with both, compare modules (module docstring). `patch(decoder,
     model)` may change either side before scoring (tests plant a bug there)."""
@@ -243,14 +357,19 @@ def align(
     if prompts is None:
         prompts = read_prompts(None, AutoTokenizer.from_pretrained(model_dir))
     spec = ModelSpec.from_dir(model_dir)
-    decoder = Decoder(spec, load_weights(model_dir), "cpu", dtype)
-    model, rr = trainer_model(model_dir, dtype, replay and spec.moe is not None)
-    if patch is not None:
-        patch(decoder, model)
-    seqs = engine_generate(decoder, prompts, max_new, temperature, seed)
-    trainer_score(model, rr, seqs)
-    worst_seq = max(range(len(seqs)), key=lambda i: seqs[i].delta.max())
-    report = Report(seqs, compare_modules(decoder, model, rr, seqs[worst_seq]), tolerance)
+    side = trainer_side(model_dir, backend, dtype, replay and spec.moe is not None)
+    try:
+        decoder = Decoder(spec, load_weights(model_dir), "cpu", dtype)
+        if patch is not None:
+            patch(decoder, side.model)
+        seqs = engine_generate(decoder, prompts, max_new, temperature, seed)
+        trainer_score(side, seqs)
+        worst_seq = max(range(len(seqs)), key=lambda i: seqs[i].delta.max())
+        modules = compare_modules(decoder, side, seqs[worst_seq])
+    finally:
+        side.close()
+    tol = DEFAULT_TOLERANCE.get(dtype, 1e-3) if tolerance is None else tolerance
+    report = Report(seqs, modules, tol)
     pos = [(i, j) for i, s in enumerate(seqs) for j in range(len(s.output))]
     pos.sort(key=lambda ij: -seqs[ij[0]].delta[ij[1]])
     report.worst = [(i, j, seqs[i].output[j], seqs[i].engine[j], seqs[i].trainer[j]) for i, j in pos[:top]]
@@ -287,8 +406,6 @@ def main(args) -> int:
     """`miles align` (miles/cli.py)."""
     from transformers import AutoTokenizer
 
-    if args.backend != "fsdp":
-        raise ValueError(f"--backend {args.backend}: only fsdp is aligned so far; use --backend fsdp")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     tok = AutoTokenizer.from_pretrained(args.model)
     report = align(
@@ -300,6 +417,7 @@ def main(args) -> int:
         not args.no_replay,
         args.temperature,
         args.seed,
+        backend=args.backend,
     )
     print(render(report, tok))
     if args.json:

@@ -118,7 +118,9 @@ def _add_align(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", help="a file of prompts: one per line, text or JSON with a 'prompt' key")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--tolerance", type=float, default=1e-3, help="module rel difference counted as divergent")
+    p.add_argument(
+        "--tolerance", type=float, help="module rel difference counted as divergent (default 1e-3; bf16 5e-2)"
+    )
     p.add_argument("--no-replay", action="store_true", help="MoE: the trainer routes on its own (no R3)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

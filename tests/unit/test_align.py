@@ -3,6 +3,7 @@ they agree, and a bug planted on either side is named by module."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -70,7 +71,7 @@ def test_a_permuted_correction_bias_shows_only_without_replay(v3):
     assert align(v3, PROMPTS, max_new=8, patch=patch, replay=False).first_divergent == "model.layers.1.mlp"
 
 
-def test_the_command_prints_the_figures_and_refuses_megatron(v3, tmp_path):
+def test_the_command_prints_the_figures_and_refuses_a_backend_that_cannot_load_the_model(v3, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "what is 2 plus 2?"}\nreverse the word cat\n')
     cmd = [sys.executable, "-m", "miles.cli", "align", v3, "--prompts", str(prompts), "--max-new-tokens", "6"]
@@ -81,8 +82,32 @@ def test_the_command_prints_the_figures_and_refuses_megatron(v3, tmp_path):
     assert "over 12 generated tokens" in done.stdout and "no module beyond tolerance" in done.stdout
     assert (tmp_path / "s.json").read_text().count('"max"') == 1
     bad = subprocess.run(cmd + ["--backend", "megatron"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "use --backend fsdp" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert (
+        "megatron cannot load DeepseekV3ForCausalLM" in bad.stderr
+        and "what loads it: engine, fsdp" in bad.stderr
+    )
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     none = subprocess.run(cmd[:5] + ["--prompts", str(empty)], capture_output=True, text=True, timeout=300)
     assert none.returncode == 2 and "holds no prompt" in none.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_megatron_side_agrees_and_names_a_planted_bug(qwen3):
+    """The Megatron trainer's GPTModel against the engine: agreement on the same weights, and a scaled
+    pre-MLP norm on Megatron's side named by transformers' module name."""
+    clean = align(qwen3, PROMPTS, max_new=8, backend="megatron")
+    assert clean.summary()["max"] <= 1e-4 and clean.first_divergent is None
+    assert [m for m, _ in clean.modules][:3] == [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.self_attn",
+        "model.layers.0.post_attention_layernorm",
+    ]
+
+    def patch(_decoder, gpt):
+        gpt.decoder.layers[1].pre_mlp_layernorm.weight.data.mul_(1.3)
+
+    assert align(qwen3, PROMPTS, max_new=8, backend="megatron", patch=patch).first_divergent == (
+        "model.layers.1.post_attention_layernorm"
+    )
