@@ -9,7 +9,8 @@ from the stored pair whenever the pair changes (load, update, onload): dequantis
 step reads and writes the weight twice more and ran at 0.4x of bf16 on an H200 (bench/RESULTS.md).
 The copy costs 2 bytes per covered parameter; `min_tokens: 1` runs every GEMM in FP8 and keeps none.
 On CPU the weight is dequantised and multiplied in the model dtype.
-Embeddings, lm_head, norms, biases, MoE routers and experts stay in the model dtype.
+Embeddings, lm_head, norms, biases, MoE routers and experts stay in the model dtype; an FP8 tensor
+outside the contract (the experts of DeepSeek's FP8 checkpoints) is dequantised with its scale at load.
 
 Where the bytes come from, the engine never re-quantises what it is sent:
 - a bf16/fp32 checkpoint is quantised once at load with the contract's `quantize_weight`;
@@ -268,12 +269,12 @@ class Fp8Decoder(Decoder):
         out: dict[str, torch.Tensor] = {}
         for name, t in weights.items():
             base = name.removesuffix(SCALE_SUFFIX)
-            if base != name and is_quantized_name(base):
+            if base != name and (is_quantized_name(base) or base in weights):
                 if base not in weights:
                     raise ValueError(f"{name} came without {base}: send an FP8 weight and its scale together")
                 continue  # taken with its weight
             if not is_quantized_name(name):
-                out[name] = t
+                out[name] = self._outside_contract(name, t, weights)
                 continue
             sname = scale_name(name)
             if t.dtype == FP8_DTYPE:
@@ -294,6 +295,17 @@ class Fp8Decoder(Decoder):
             else:
                 raise ValueError(f"{name}: {t.dtype} is neither float8_e4m3fn nor a float dtype")
         return out
+
+    def _outside_contract(self, name: str, t: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A tensor the contract does not cover, in the model dtype: an FP8 one (DeepSeek's checkpoints
+        ship their experts in FP8 too) dequantised with the scale sent beside it."""
+        if t.dtype != FP8_DTYPE:
+            return t
+        sname = scale_name(name)
+        if sname not in weights:
+            raise ValueError(f"{name} is float8_e4m3fn but {sname} was not sent with it")
+        check_scale(name, t, weights[sname], self.layout)
+        return dequantize_weight(t, weights[sname], self.layout, self.dtype)
 
     def _stored(self, name: str) -> torch.Tensor:
         return self.storage[name] if name in self._fused else self.params[name]

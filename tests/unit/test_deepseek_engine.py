@@ -5,6 +5,7 @@ to `generate` for a batch of mixed lengths under both decode modes, prefix reuse
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -180,3 +181,47 @@ def test_fp8_latent_attention_equals_a_decoder_holding_the_fake_quant_values(v3,
     assert torch.equal(fp8.params[scale_name(name)], s) and torch.equal(
         fp8.params[name].view(torch.uint8), q.view(torch.uint8)
     )
+
+
+def test_an_fp8_checkpoint_with_fp8_experts_loads_them_dequantised(v3, tmp_path):
+    """DeepSeek's FP8 checkpoints quantise the experts too: an FP8 engine serves the contract's
+    projections as FP8 pairs and the experts dequantised from their own scales; an expert without its
+    scale is refused by name."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from miles.engine.fp8_weights import build_decoder
+    from miles.quant.fp8 import dequantize_weight, is_quantized_name, quantize_weight, scale_name
+
+    spec, weights = ModelSpec.from_dir(v3), load_weights(v3)
+    fp8_names = [n for n in weights if is_quantized_name(n) or (".experts." in n and n.endswith(".weight"))]
+    stored, reference = dict(weights), dict(weights)
+    for n in fp8_names:
+        q, s = quantize_weight(weights[n], "fp8_block")
+        stored[n], stored[scale_name(n)] = q, s
+        reference[n] = dequantize_weight(q, s, "fp8_block", torch.float32)
+    ckpt = tmp_path / "fp8"
+    shutil.copytree(v3, ckpt)
+    (ckpt / "model.safetensors").unlink()
+    save_file(stored, str(ckpt / "model.safetensors"))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    dec = build_decoder(spec, ckpt, "cpu", torch.float32, "fp8_block", 1)
+    expert = "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert dec.get(expert).dtype == torch.float32 and torch.equal(dec.get(expert), reference[expert])
+    tokens = [random.Random(4).randrange(4, 380) for _ in range(21)]
+    ar = torch.arange(len(tokens))
+
+    def logits(d):
+        return d.forward(
+            Batch(ar.new_tensor(tokens), ar, ar + 1, ar[None], ar[None], (ar + 1)[None], ar),
+            d.new_kv_pool(32),
+        )
+
+    plain = Decoder(spec, reference, "cpu", torch.float32)
+    assert torch.allclose(logits(dec), logits(plain), atol=1e-5, rtol=0)
+    del stored[scale_name(expert)]
+    with pytest.raises(ValueError, match=f"{expert} is float8_e4m3fn but {expert}_scale_inv was not sent"):
+        dec.load(stored)
