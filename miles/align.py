@@ -198,7 +198,15 @@ class MegatronSide:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             ps.initialize_model_parallel(1, 1)
         cfg = AutoConfig.from_pretrained(path)
-        self.model = M.build_gpt(cfg, M.transformer_config(cfg, dtype, 1, 1, use_cpu=True))
+        # without CUDA, MoE layers take megatron-core's all-gather dispatcher (its all-to-all one
+        # opens a CUDA stream); one sequence at a time needs no variable lengths
+        cpu = (
+            {}
+            if torch.cuda.is_available()
+            else {"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False}
+        )
+        with _cpu_device():
+            self.model = M.build_gpt(cfg, M.transformer_config(cfg, dtype, 1, 1, use_cpu=True, extra=cpu))
         M.load_hf_into(self.model, M.read_hf_state(path), cfg)
         self.model.eval()
         self.rr = None

@@ -293,7 +293,7 @@ def _deepseek_scores(router: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor,
     if not hasattr(router, "num_group"):
         logits = F.linear(hidden, router.weight)
         scores = router.score_fn(logits)
-        return logits, scores, torch.topk(scores + bias, router.top_k, dim=-1).indices
+        return logits, scores, torch.topk(scores + bias, router.top_k, dim=-1, sorted=False).indices
     logits = F.linear(hidden.float(), router.weight.float())
     scores = logits.sigmoid()
     choice = scores + bias
@@ -302,7 +302,8 @@ def _deepseek_scores(router: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor,
         best = by_group.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices
         keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
         choice = by_group.masked_fill(~keep[..., None], float("-inf")).view(choice.shape[0], -1)
-    return logits, scores, torch.topk(choice, router.top_k, dim=-1).indices
+    # unsorted, as transformers' routers: the same order of experts, so the same sums bit for bit
+    return logits, scores, torch.topk(choice, router.top_k, dim=-1, sorted=False).indices
 
 
 def _bound_deepseek(router: nn.Module, rr: RoutingReplay, slot: int):

@@ -71,7 +71,7 @@ def test_a_permuted_correction_bias_shows_only_without_replay(v3):
     assert align(v3, PROMPTS, max_new=8, patch=patch, replay=False).first_divergent == "model.layers.1.mlp"
 
 
-def test_the_command_prints_the_figures_and_refuses_a_backend_that_cannot_load_the_model(v3, tmp_path):
+def test_the_command_prints_the_figures_and_refuses_a_model_a_side_cannot_load(v3, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "what is 2 plus 2?"}\nreverse the word cat\n')
     cmd = [sys.executable, "-m", "miles.cli", "align", v3, "--prompts", str(prompts), "--max-new-tokens", "6"]
@@ -81,12 +81,12 @@ def test_the_command_prints_the_figures_and_refuses_a_backend_that_cannot_load_t
     assert done.returncode == 0, done.stderr[-2000:]
     assert "over 12 generated tokens" in done.stdout and "no module beyond tolerance" in done.stdout
     assert (tmp_path / "s.json").read_text().count('"max"') == 1
-    bad = subprocess.run(cmd + ["--backend", "megatron"], capture_output=True, text=True, timeout=300)
+    from miles.models.tiny import init_tiny
+
+    v4 = str(init_tiny(tmp_path / "v4", arch="deepseek_v4", seed=0))
+    bad = subprocess.run([*cmd[:4], v4, *cmd[5:]], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert (
-        "megatron cannot load DeepseekV3ForCausalLM" in bad.stderr
-        and "what loads it: engine, fsdp" in bad.stderr
-    )
+    assert "engine cannot load DeepseekV4ForCausalLM" in bad.stderr and "what loads it: fsdp" in bad.stderr
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     none = subprocess.run(cmd[:5] + ["--prompts", str(empty)], capture_output=True, text=True, timeout=300)

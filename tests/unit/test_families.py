@@ -58,8 +58,9 @@ def test_a_plan_whose_rooms_cannot_load_the_family_is_refused_at_resolve(tmp_pat
         plan("deepseek_v4")
     with pytest.raises(
         ConfigError,
-        match=r"train.backend=megatron cannot load DeepseekV3ForCausalLM .*set train.backend to fsdp",
+        match=r"train.backend=megatron cannot load DeepseekV4ForCausalLM .*set train.backend to fsdp",
     ):
-        plan("deepseek_v3", train={"backend": "megatron"})
-    assert plan("deepseek_v3").model.tiny.arch == "deepseek_v3"  # the engine and FSDP load it
+        plan("deepseek_v4", train={"backend": "megatron"}, engine={"kind": "sglang"})
+    assert plan("deepseek_v3").model.tiny.arch == "deepseek_v3"  # the engine and both trainers load it
+    assert plan("deepseek_v3", train={"backend": "megatron"}).train.backend == "megatron"
     assert plan("deepseek_v4", engine={"kind": "sglang"}).engine.kind == "sglang"

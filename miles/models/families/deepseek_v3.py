@@ -33,7 +33,7 @@ FAMILY = Family(
     config_class="DeepseekV3Config",
     moe=True,
     attention="mla",
-    backends=("engine", "fsdp"),
+    backends=("engine", "fsdp", "megatron"),
     tiny=dict(
         num_hidden_layers=3,
         num_key_value_heads=4,
@@ -41,7 +41,7 @@ FAMILY = Family(
         n_routed_experts=8,
         n_group=4,
         topk_group=2,
-        num_experts_per_tok=2,
+        num_experts_per_tok=4,  # topk / topk_group = 2 experts a group, DeepSeek-V3's own ratio (8 / 4)
         n_shared_experts=1,
         moe_intermediate_size=32,
         routed_scaling_factor=2.5,

@@ -60,6 +60,18 @@ _LAYER_PLAIN = {
     "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
+# Multi-head latent attention (DeepSeek-V3) and DeepSeek's MoE extras, also one to one.
+_MLA_PLAIN = {
+    "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",
+    "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+    "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
+    "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+    "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
+    "mlp.shared_experts.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
+}
 # Transformer Engine's spec fuses the pre-norms into the next linear.
 _TE_NORMS = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -94,6 +106,12 @@ class Shapes:
     """Indices of the sparse (mixture-of-experts) decoder layers; empty for a dense model."""
     num_experts: int = 0
     """Routed experts per sparse layer (0: dense)."""
+    mla: bool = False
+    """Multi-head latent attention (DeepSeek-V3): its projections map one to one (`_MLA_PLAIN`), but for
+    the order of the RoPE rows (`mla_rope`)."""
+    mla_rope: tuple[int, int, int] | None = None
+    """(qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank) of an MLA checkpoint whose RoPE rotates
+    halves (`rope_interleave: false`); None for DeepSeek's interleaved pairs, megatron-core's own."""
 
     @classmethod
     def from_hf(cls, cfg, te_names: bool = False) -> Shapes:
@@ -112,13 +130,17 @@ class Shapes:
             te_names,
             tuple(sparse_layers(cfg)) if experts else (),
             experts,
+            getattr(cfg, "kv_lora_rank", None) is not None,
+            (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank)
+            if getattr(cfg, "kv_lora_rank", None) is not None and not getattr(cfg, "rope_interleave", True)
+            else None,
         )
 
 
 def num_experts(cfg) -> int:
     """Routed experts of an HF config: `num_experts` (published Qwen3-MoE checkpoints) or
     `num_local_experts` (what transformers 5 writes); 0 for a dense model."""
-    for key in ("num_experts", "num_local_experts"):
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         n = getattr(cfg, key, None)
         if isinstance(n, int) and n > 0:
             return n
@@ -127,9 +149,13 @@ def num_experts(cfg) -> int:
 
 def sparse_layers(cfg) -> list[int]:
     """Qwen3-MoE's rule: layer i is sparse unless it is in `mlp_only_layers` or
-    (i + 1) % decoder_sparse_step != 0."""
+    (i + 1) % decoder_sparse_step != 0; DeepSeek's: from `first_k_dense_replace` on, every
+    `moe_layer_freq`-th."""
     if not num_experts(cfg):
         return []
+    if getattr(cfg, "first_k_dense_replace", None) is not None:
+        freq = int(getattr(cfg, "moe_layer_freq", 1) or 1)
+        return [i for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers) if i % freq == 0]
     dense = set(getattr(cfg, "mlp_only_layers", None) or [])
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     return [i for i in range(cfg.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
@@ -158,6 +184,25 @@ def unpack_qkv(qkv: torch.Tensor, s: Shapes) -> tuple[torch.Tensor, torch.Tensor
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def _rope_rows(name: str, t: torch.Tensor, s: Shapes, inverse: bool = False) -> torch.Tensor:
+    """An MLA projection of a checkpoint that rotates halves, its RoPE output rows interleaved for
+    megatron-core (`inverse`: back). megatron-core's MLA takes interleaved pairs (x0, x1), (x2, x3), ...
+    as DeepSeek's checkpoints hold them and de-interleaves them itself before rotating halves; rows
+    [x0..x(d/2-1); x(d/2)..x(d-1)] must therefore arrive as x0, x(d/2), x1, ... Other tensors pass."""
+    if s.mla_rope is None:
+        return t
+    nope, rope, rank = s.mla_rope
+    order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))  # what megatron-core takes
+    if not inverse:
+        order = torch.argsort(order)
+    if name.endswith(("linear_q_up_proj.weight", "linear_q_proj.weight")):
+        heads = t.view(-1, nope + rope, t.shape[-1])
+        return torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).reshape(t.shape)
+    if name.endswith("linear_kv_down_proj.weight"):
+        return torch.cat((t[:rank], t[rank:][order]), dim=0)
+    return t
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
     """Full HF state dict -> full Megatron state dict (global layer numbers, no TP split)."""
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
@@ -166,12 +211,15 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Te
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(s.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_suffix, mg_suffix in _LAYER_PLAIN.items():
+        for hf_suffix, mg_suffix in (_LAYER_PLAIN | (_MLA_PLAIN if s.mla else {})).items():
             if src + hf_suffix in hf:
-                out[dst + _norm_name(mg_suffix, s, i)] = hf[src + hf_suffix]
+                out[dst + _norm_name(mg_suffix, s, i)] = _rope_rows(mg_suffix, hf[src + hf_suffix], s)
+        if src + "mlp.shared_experts.gate_proj.weight" in hf:
+            gate, up = (hf[f"{src}mlp.shared_experts.{p}_proj.weight"] for p in ("gate", "up"))
+            out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
         attn = src + "self_attn."
         for kind in ("weight", "bias"):
-            if f"{attn}q_proj.{kind}" in hf:
+            if f"{attn}q_proj.{kind}" in hf and not s.mla:
                 q, k, v = (hf[f"{attn}{p}_proj.{kind}"] for p in "qkv")
                 out[f"{dst}self_attention.linear_qkv.{kind}"] = pack_qkv(q, k, v, s)
         if i in s.moe_layers:
@@ -207,7 +255,7 @@ def iter_megatron_to_hf(
     items: Iterable[tuple[str, torch.Tensor]], s: Shapes
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (megatron name, full tensor) -> (HF name, tensor); fused tensors expand to several."""
-    inverse = {_norm_name(v, s): k for k, v in _LAYER_PLAIN.items()}
+    inverse = {_norm_name(v, s): k for k, v in (_LAYER_PLAIN | (_MLA_PLAIN if s.mla else {})).items()}
     inverse["pre_mlp_layernorm.weight"] = "post_attention_layernorm.weight"  # sparse layers under TE
     for name, t in items:
         if name.endswith("_extra_state"):
@@ -228,7 +276,7 @@ def iter_megatron_to_hf(
 
 def _layer_to_hf(prefix: str, suffix: str, t: torch.Tensor, s: Shapes, inverse: dict[str, str]):
     if suffix in inverse:
-        yield prefix + inverse[suffix], t
+        yield prefix + inverse[suffix], _rope_rows(suffix, t, s, inverse=True)
     elif suffix.startswith("self_attention.linear_qkv."):
         kind = suffix.rsplit(".", 1)[1]
         for p, part in zip("qkv", unpack_qkv(t, s), strict=True):
@@ -239,6 +287,10 @@ def _layer_to_hf(prefix: str, suffix: str, t: torch.Tensor, s: Shapes, inverse: 
         yield prefix + "mlp.up_proj.weight", up
     elif suffix == "mlp.router.weight":
         yield prefix + "mlp.gate.weight", t
+    elif suffix == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = t.chunk(2, dim=0)
+        yield prefix + "mlp.shared_experts.gate_proj.weight", gate
+        yield prefix + "mlp.shared_experts.up_proj.weight", up
     elif (m := _EXPERT.match(suffix)) is not None:
         expert = f"{prefix}mlp.experts.{m.group(1)}."
         if m.group(2) == "linear_fc1.weight":

@@ -111,8 +111,14 @@ def transformer_config(
 
     s = convert.Shapes.from_hf(hf_cfg)
     family = family_of_model_type(hf_cfg.model_type)  # ValueError naming the known ones
+    family.refuse_unless("megatron")
     moe.check(hf_cfg)
-    return TransformerConfig(
+    cls, latent = TransformerConfig, {}
+    if family.attention == "mla":
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        cls, latent = MLATransformerConfig, _mla_kwargs(hf_cfg)
+    fields = dict(
         num_layers=s.num_layers,
         hidden_size=s.hidden,
         ffn_hidden_size=hf_cfg.intermediate_size,
@@ -125,7 +131,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=family.qkv_bias or bool(getattr(hf_cfg, "attention_bias", False)),
-        qk_layernorm=family.qk_norm,
+        qk_layernorm=family.qk_norm or family.attention == "mla",
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # SwiGLU as one compiled kernel each way (megatron's torch.compile fuser; needs no TE)
@@ -146,8 +152,44 @@ def transformer_config(
         num_layers_in_first_pipeline_stage=stage_layers[0],
         num_layers_in_last_pipeline_stage=stage_layers[1],
         **moe.config_kwargs(hf_cfg, ep),
-        **(extra or {}),
     )
+    if fields.get("moe_router_score_function") == "sigmoid" and has_transformer_engine():
+        fields["moe_router_dtype"] = "fp32"  # DeepSeek's router scores in fp32 (without TE: no such GEMM)
+    return cls(**(fields | latent | (extra or {})))  # `extra` wins (e.g. a CPU test's token dispatcher)
+
+
+def _mla_kwargs(hf_cfg: Any) -> dict[str, Any]:
+    """MLATransformerConfig's latent attention fields of a DeepSeek-V3 config (plain RoPE; the q and kv
+    latents RMS-normed)."""
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=hf_cfg.q_lora_rank,
+        kv_lora_rank=hf_cfg.kv_lora_rank,
+        qk_head_dim=hf_cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf_cfg.qk_rope_head_dim,
+        v_head_dim=hf_cfg.v_head_dim,
+        rope_type="rope",
+        rotary_base=rope_theta(hf_cfg),
+    )  # interleaved RoPE pairs: the conversion reorders the RoPE rows (convert._rope_rows)
+
+
+def _moe_utils_without_te() -> None:
+    """megatron-core's router GEMM reads `te_general_gemm`, which its module defines only when
+    Transformer Engine imports; without TE, define it as absent so the plain GEMM runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _mla_module_without_te() -> None:
+    """megatron-core's MLA module takes Transformer Engine as present when its extension module imports
+    with placeholders instead of TE's classes (a host without TE), and then fails at
+    `isinstance(x, TELinear)`; tell it the truth."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
 
 
 def layer_spec(tf_cfg: Any):
@@ -155,7 +197,10 @@ def layer_spec(tf_cfg: Any):
     model gets this stage's list of per-layer specs (dense or MoE)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if getattr(tf_cfg, "multi_latent_attention", False):
+        _mla_module_without_te()
     if tf_cfg.num_moe_experts:
+        _moe_utils_without_te()
         return moe.block_spec(tf_cfg, has_transformer_engine(), SDPAttention)
     if has_transformer_engine():
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tf_cfg.qk_layernorm)

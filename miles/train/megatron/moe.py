@@ -48,10 +48,21 @@ def check(hf_cfg: Any) -> None:
     no tensor parallelism for MoE, are miles/config/layout.py's)."""
     if not convert.num_experts(hf_cfg):
         return
-    if hf_cfg.model_type != "qwen3_moe":
+    if hf_cfg.model_type not in ("qwen3_moe", "deepseek_v3"):
         raise ConfigError(
-            f"model type {hf_cfg.model_type!r} has no Megatron MoE mapping (Qwen3-MoE only; shared experts "
-            "are not built): use train.backend=fsdp"
+            f"model type {hf_cfg.model_type!r} has no Megatron MoE mapping (Qwen3-MoE and DeepSeek-V3): "
+            "use train.backend=fsdp"
+        )
+    groups = int(getattr(hf_cfg, "n_group", 1) or 1)
+    if (
+        hf_cfg.model_type == "deepseek_v3"
+        and groups > 1
+        and hf_cfg.num_experts_per_tok != 2 * hf_cfg.topk_group
+    ):
+        raise ConfigError(
+            f"num_experts_per_tok={hf_cfg.num_experts_per_tok} with topk_group={hf_cfg.topk_group}: megatron-core "
+            "scores a group by its top num_experts_per_tok / topk_group experts, DeepSeek-V3 by its top 2; "
+            "they agree only when num_experts_per_tok = 2 x topk_group: use train.backend=fsdp"
         )
     if hf_cfg.num_experts_per_tok == 1 and getattr(hf_cfg, "norm_topk_prob", False):
         raise ConfigError(
@@ -71,13 +82,34 @@ def config_kwargs(hf_cfg: Any, expert_parallel: int) -> dict[str, Any]:
         moe_router_topk=hf_cfg.num_experts_per_tok,
         moe_ffn_hidden_size=hf_cfg.moe_intermediate_size,
         moe_layer_freq=[int(i in sparse) for i in range(hf_cfg.num_hidden_layers)],
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not getattr(hf_cfg, "norm_topk_prob", False),
+        **_router_kwargs(hf_cfg),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=False,
         moe_enable_routing_replay=True,
         expert_model_parallel_size=expert_parallel,
+    )
+
+
+def _router_kwargs(hf_cfg: Any) -> dict[str, Any]:
+    """The router: Qwen3-MoE's softmax top-k, or DeepSeek's sigmoid scores with a frozen correction
+    bias, the best `topk_group` of `n_group` expert groups, normalised weights times
+    `routed_scaling_factor`, and a shared expert beside the routed ones."""
+    if getattr(hf_cfg, "n_routed_experts", None) is None:
+        return dict(
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not getattr(hf_cfg, "norm_topk_prob", False),
+        )
+    groups = int(getattr(hf_cfg, "n_group", 1) or 1)
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,  # transformers' bias is a buffer: it never moves in training
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=int(hf_cfg.topk_group) if groups > 1 else None,
+        moe_router_topk_scaling_factor=float(hf_cfg.routed_scaling_factor),
+        moe_shared_expert_intermediate_size=hf_cfg.moe_intermediate_size * int(hf_cfg.n_shared_experts or 0)
+        or None,
     )
 
 
