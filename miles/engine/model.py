@@ -566,7 +566,12 @@ class Decoder:
         layers' rows are 0 (as SGLang's zero-initialised capture buffer). Waits for the device."""
         m = self.spec.moe
         out = torch.zeros(len(slots), self.spec.num_layers, m.top_k, dtype=torch.int32)
-        if slots and self.routing_table is not None:
+        if slots and self.routing_table is None:
+            raise RuntimeError(
+                "routes were asked for but none were recorded: set Decoder.record_routing before the KV "
+                "pool is made (the server's --enable-return-routed-experts does)"
+            )
+        if slots:
             index = torch.tensor(slots, device=self.routing_table.device)
             out[:, list(m.sparse_layers)] = self.routing_table[index].cpu().to(torch.int32)
         return out

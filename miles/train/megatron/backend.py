@@ -150,6 +150,8 @@ class MegatronBackend:
             )
         model_parallel_cuda_manual_seed(plan.run.seed)
         self.plan, self.hf_cfg = plan, AutoConfig.from_pretrained(plan.model.path)
+        if getattr(self.hf_cfg, "kv_lora_rank", None) is not None:
+            self.packed = False  # megatron-core's latent attention takes no sequences packed into a row
         self.model, self.optimizer = self._build()
 
     def _build(self):

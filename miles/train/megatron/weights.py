@@ -37,13 +37,18 @@ def _tp_full(name: str, p: torch.Tensor, s: convert.Shapes) -> torch.Tensor:
 def iter_megatron_full(
     gpt: torch.nn.Module, s: convert.Shapes, keep: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global Megatron name, full tensor) for every parameter of every stage (those whose name `keep`
+    """(global Megatron name, full tensor) for every parameter (and router expert bias) of every stage (those whose name `keep`
     accepts, given), stage by stage; experts by their global index, gathered from the expert-parallel
     ranks."""
     from megatron.core import parallel_state as ps
 
     offset = M.layer_offset(gpt)
-    mine = [(convert.to_global(n, offset), p) for n, p in gpt.named_parameters()]
+    # parameters, and the one buffer a checkpoint holds: DeepSeek's router correction bias
+    held = [
+        *gpt.named_parameters(),
+        *((n, b) for n, b in gpt.named_buffers() if n.endswith("router.expert_bias")),
+    ]
+    mine = [(convert.to_global(n, offset), p) for n, p in held]
     if s.tied:  # the last stage's copy of the tied embedding is not a weight of its own
         mine = [(n, p) for n, p in mine if n != "output_layer.weight"]
     if keep is not None:
