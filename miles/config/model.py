@@ -36,7 +36,7 @@ class TinyModelConfig(Section):
     pretrain_steps: int = Field(0, ge=0)
     """Causal-LM steps on the corpus's base text before the model is written: a base model instead of
     a random one (coding: shell sessions and comments, never a task's instruction or a tool call;
-    about a minute for 1800 steps on 2 idle cores, 2.2-2.4 min at load 4-5). 0: random weights."""
+    under a minute for 1800 steps on 2 idle cores, 2.2-2.4 min at load 4-5). 0: random weights."""
     sizes: dict[str, int | list[int]] = {}
     """Config sizes over the family's tiny defaults (hidden 64, 2 layers, 4 heads, ...), e.g.
     {hidden_size: 128}; `mlp_only_layers` is a list of layer indices."""
