@@ -170,7 +170,7 @@ def _mla_kwargs(hf_cfg: Any) -> dict[str, Any]:
         v_head_dim=hf_cfg.v_head_dim,
         rope_type="rope",
         rotary_base=rope_theta(hf_cfg),
-    )  # interleaved RoPE pairs: the conversion reorders the RoPE rows (convert._rope_rows)
+    )  # megatron-core de-interleaves DeepSeek's RoPE pairs itself (convert._rope_rows: the other layout)
 
 
 def _moe_utils_without_te() -> None:
