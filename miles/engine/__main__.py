@@ -42,6 +42,7 @@ from miles.engine.server import EngineState, model_path_of
 from miles.engine.tokenizer import load_codec
 from miles.engine.updates import DEFAULT_TIMEOUT_S as DEFAULT_WEIGHT_UPDATE_TIMEOUT_S
 from miles.engine.validation import DEFAULT_MAX_REQUEST_BYTES
+from miles.models.families.base import Unsupported
 from miles.quant.formats import FORMATS, Format, Scheme
 from miles.serving import ApiKeys, CancelOnDisconnect, RequireApiKey, add_key_arguments, check_bind
 
@@ -240,8 +241,11 @@ def _eos_ids(model_dir: Path, spec: ModelSpec, tokenizer) -> frozenset[int]:
 def _build_decoder(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[ModelSpec, Any]:
     """The model's spec and decoder with the flags' quantisation and routing record."""
     model_dir = Path(args.model)
-    try:
+    try:  # a config.json that does not parse fails as it is, its error the log's last line
         spec = ModelSpec.from_dir(model_dir)
+    except Unsupported as e:
+        raise SystemExit(str(e)) from None
+    try:
         if spec.mla is not None and (
             args.quantization not in ("none", "fp8_block", "fp8_row") or args.enable_lora
         ):

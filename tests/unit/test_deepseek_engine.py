@@ -225,3 +225,20 @@ def test_an_fp8_checkpoint_with_fp8_experts_loads_them_dequantised(v3, tmp_path)
     del stored[scale_name(expert)]
     with pytest.raises(ValueError, match=f"{expert} is float8_e4m3fn but {expert}_scale_inv was not sent"):
         dec.load(stored)
+
+
+def test_the_server_refuses_a_family_it_cannot_serve_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    from miles.models.tiny import init_tiny
+
+    path = init_tiny(tmp_path / "v4", arch="deepseek_v4", seed=0)
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.engine", "--model", str(path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "engine cannot load DeepseekV4ForCausalLM" in done.stderr and "what loads it: fsdp" in done.stderr

@@ -10,6 +10,10 @@ BACKENDS = ("engine", "fsdp", "megatron")
 """The rooms that load a model: the embedded engine and the two trainers."""
 
 
+class Unsupported(ValueError):
+    """A room asked to load a family it does not load (`Family.refuse_unless`)."""
+
+
 @dataclass(frozen=True)
 class Family:
     """One family of causal LMs (a module of miles/models/families/)."""
@@ -50,9 +54,10 @@ class Family:
         return names
 
     def refuse_unless(self, backend: str) -> None:
-        """ValueError naming the family, `backend` and the rooms that do load it, unless `backend` does."""
+        """Unsupported (a ValueError) naming the family, `backend` and the rooms that do load it, unless
+        `backend` does."""
         if backend not in self.backends:
-            raise ValueError(
+            raise Unsupported(
                 f"{backend} cannot load {self.hf_arch} (model_type {self.model_type}); "
                 f"what loads it: {', '.join(self.backends)}"
             )
