@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles.models.families.deepseek_v3 import group_limited, sparse_layers
+
 CUDA_PATH = "fused"
 """The expert path on CUDA: "fused" (Triton), "grouped" (torch._grouped_mm where it takes the shapes)
 or "gathered"; the looped path takes what the chosen one cannot."""
@@ -89,13 +91,12 @@ class MoeSpec:
         groups, best = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
         if experts % groups or not 0 < best <= groups:
             raise ValueError(f"n_group={groups}, topk_group={best} do not split n_routed_experts={experts}")
-        first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
         return cls(
             experts,
             _top_k(cfg, experts),
             int(cfg["moe_intermediate_size"]),
             bool(cfg.get("norm_topk_prob", True)),
-            tuple(i for i in range(first, num_layers) if i % freq == 0),
+            tuple(sparse_layers(num_layers, cfg.get("first_k_dense_replace"), cfg.get("moe_layer_freq"))),
             scoring="sigmoid",
             n_group=groups,
             topk_group=best,
@@ -158,13 +159,7 @@ def route_grouped(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's router (module docstring): (weights [T, k] in x's dtype, expert ids [T, k])."""
     scores = F.linear(x.float(), gate.float()).sigmoid()
-    choice = scores + bias.float()
-    if spec.n_group > 1:
-        T = choice.shape[0]
-        by_group = choice.view(T, spec.n_group, -1)
-        best = by_group.topk(2, dim=-1).values.sum(dim=-1).topk(spec.topk_group, dim=-1).indices
-        keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
-        choice = by_group.masked_fill(~keep[..., None], float("-inf")).view(T, -1)
+    choice = group_limited(scores + bias.float(), spec.n_group, spec.topk_group)
     ids = choice.topk(spec.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if spec.norm_topk_prob:

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from miles.models.families.deepseek_v3 import group_limited
 from miles.sample import Sample
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -296,12 +297,7 @@ def _deepseek_scores(router: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor,
         return logits, scores, torch.topk(scores + bias, router.top_k, dim=-1, sorted=False).indices
     logits = F.linear(hidden.float(), router.weight.float())
     scores = logits.sigmoid()
-    choice = scores + bias
-    if router.num_group > 1:
-        by_group = choice.view(choice.shape[0], router.num_group, -1)
-        best = by_group.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices
-        keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
-        choice = by_group.masked_fill(~keep[..., None], float("-inf")).view(choice.shape[0], -1)
+    choice = group_limited(scores + bias, router.num_group, router.topk_group)
     # unsorted, as transformers' routers: the same order of experts, so the same sums bit for bit
     return logits, scores, torch.topk(choice, router.top_k, dim=-1, sorted=False).indices
 

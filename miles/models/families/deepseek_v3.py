@@ -16,6 +16,27 @@ from __future__ import annotations
 from miles.models.families.base import Family
 
 
+def sparse_layers(
+    num_layers: int, first_k_dense_replace: int | None, moe_layer_freq: int | None
+) -> list[int]:
+    """DeepSeek's MoE layers: from `first_k_dense_replace` on, every `moe_layer_freq`-th."""
+    first, freq = int(first_k_dense_replace or 0), int(moe_layer_freq or 1)
+    return [i for i in range(first, num_layers) if i % freq == 0]
+
+
+def group_limited(choice, n_group: int, topk_group: int):
+    """`choice` [T, E] (scores plus correction bias) with every expert outside the `topk_group` best of
+    `n_group` groups set to -inf; a group scores the sum of its two best. The engine's router and the
+    trainer's replayed one both choose through it."""
+    if n_group <= 1:
+        return choice
+    T = choice.shape[0]
+    by_group = choice.view(T, n_group, -1)
+    best = by_group.topk(2, dim=-1).values.sum(dim=-1).topk(topk_group, dim=-1, sorted=False).indices
+    keep = by_group.new_zeros(T, n_group, dtype=bool).scatter_(1, best, True)
+    return by_group.masked_fill(~keep[..., None], float("-inf")).view(T, -1)
+
+
 def _fill(model, seed: int) -> None:
     """Random correction biases (transformers initialises them to zero): the choice and the weights
     then see different scores, as in a trained checkpoint."""

@@ -154,8 +154,11 @@ def sparse_layers(cfg) -> list[int]:
     if not num_experts(cfg):
         return []
     if getattr(cfg, "first_k_dense_replace", None) is not None:
-        freq = int(getattr(cfg, "moe_layer_freq", 1) or 1)
-        return [i for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers) if i % freq == 0]
+        from miles.models.families import deepseek_v3
+
+        return deepseek_v3.sparse_layers(
+            cfg.num_hidden_layers, cfg.first_k_dense_replace, getattr(cfg, "moe_layer_freq", None)
+        )
     dense = set(getattr(cfg, "mlp_only_layers", None) or [])
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     return [i for i in range(cfg.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
