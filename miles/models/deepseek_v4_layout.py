@@ -25,6 +25,8 @@ from pathlib import Path
 
 ARCH = "DeepseekV4ForCausalLM"
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+MAX_HEADER = 100 * 2**20
+"""The largest safetensors header read (the format's own limit)."""
 TOP_ALIASES = {
     "embed.weight": "embed_tokens.weight",
     "hc_head_fn": "hc_head.hc_fn",
@@ -64,9 +66,17 @@ def read_headers(src: Path) -> dict[str, Tensor]:
         raise LayoutError(f"{src} holds no *.safetensors files")
     out: dict[str, Tensor] = {}
     for f in files:
+        if f.is_symlink() or not f.is_file():
+            raise LayoutError(f"{f} is not a regular file: stage the checkpoint's own files, not links")
         with f.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
+            head = fh.read(8)
+            (size,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+            if not 0 < size <= min(MAX_HEADER, f.stat().st_size - 8):
+                raise LayoutError(f"{f} is not a safetensors file (header length {size})")
+            try:
+                header = json.loads(fh.read(size))
+            except ValueError as e:
+                raise LayoutError(f"{f}: its safetensors header is not JSON ({e})") from None
         for name, meta in header.items():
             if name != "__metadata__":
                 out[name] = Tensor(name, meta["dtype"], tuple(meta["shape"]))

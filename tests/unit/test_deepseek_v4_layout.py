@@ -102,3 +102,11 @@ def test_prepare_checkpoint_stages_a_checked_checkpoint_and_refuses_another(v4, 
     bad = subprocess.run([*cmd, str(tmp_path), "--dst", str(tmp_path / "x")], capture_output=True, text=True)
     assert bad.returncode != 0 and "holds no config.json" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_file_that_is_not_safetensors_is_refused(v4, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(v4, bad)
+    (bad / "model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(LayoutError, match="is not a safetensors file"):
+        check(bad)
