@@ -263,7 +263,7 @@ def _hooked(modules: dict, names: dict[str, str], run, batch_first: bool) -> dic
     for ours, theirs in names.items():
 
         def keep(_m, _a, out, ours=ours):
-            out = (out[0] if isinstance(out, tuple) else out).detach().clone()  # later adds may be in place
+            out = _primary(ours, out).detach().clone()  # later adds may be in place
             seen[ours] = out[0] if batch_first else out[:, 0]
 
         hooks.append(modules[theirs].register_forward_hook(keep))
@@ -273,6 +273,16 @@ def _hooked(modules: dict, names: dict[str, str], run, batch_first: bool) -> dic
         for h in hooks:
             h.remove()
     return seen
+
+
+def _primary(name: str, out) -> torch.Tensor:
+    """The output a module is compared by: the first of a tuple, but a DeepSeek-V4 hyper-connection's
+    (post, comb, collapsed) by its mixing weights [post; comb] (miles/engine/deepseek_v4.hyper_mixes)."""
+    if name.endswith(("attn_hc", "ffn_hc")):
+        from miles.engine.deepseek_v4 import hyper_mixes
+
+        return hyper_mixes(out[0], out[1])
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _replayed(rr, seq: Scored):
@@ -360,14 +370,15 @@ def align(
     model)` may change either side before scoring (tests plant a bug there)."""
     from transformers import AutoTokenizer
 
-    from miles.engine.model import Decoder, ModelSpec, load_weights
+    from miles.engine.fp8_weights import plain_decoder
+    from miles.engine.model import ModelSpec, load_weights
 
     if prompts is None:
         prompts = read_prompts(None, AutoTokenizer.from_pretrained(model_dir))
     spec = ModelSpec.from_dir(model_dir)
     side = trainer_side(model_dir, backend, dtype, replay and spec.moe is not None)
     try:
-        decoder = Decoder(spec, load_weights(model_dir), "cpu", dtype)
+        decoder = plain_decoder(spec, load_weights(model_dir), "cpu", dtype)
         if patch is not None:
             patch(decoder, side.model)
         seqs = engine_generate(decoder, prompts, max_new, temperature, seed)

@@ -246,6 +246,11 @@ def _build_decoder(args: argparse.Namespace, device: str, dtype: torch.dtype) ->
     except Unsupported as e:
         raise SystemExit(str(e)) from None
     try:
+        if spec.v4 is not None and (args.quantization != "none" or args.enable_lora):
+            raise ValueError(
+                f"{spec.arch} is served in the model dtype, without --enable-lora: drop --quantization "
+                "and --enable-lora"
+            )
         if spec.mla is not None and (
             args.quantization not in ("none", "fp8_block", "fp8_row") or args.enable_lora
         ):

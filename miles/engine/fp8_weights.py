@@ -142,8 +142,19 @@ def build_decoder(
         return PackedDecoder(spec, weights, device, dtype, scheme, rows)
     weights = load_checkpoint(model_dir, quantization)
     if quantization == "none":
-        return Decoder(spec, weights, device, dtype)
+        return plain_decoder(spec, weights, device, dtype)
     return Fp8Decoder(spec, weights, device, dtype, quantization, min_tokens)
+
+
+def plain_decoder(
+    spec: ModelSpec, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype
+) -> Decoder:
+    """The unquantised decoder of the model's family: DeepSeek-V4's own, else the common one."""
+    if spec.v4 is not None:
+        from miles.engine.deepseek_v4 import V4Decoder
+
+        return V4Decoder(spec, weights, device, dtype)
+    return Decoder(spec, weights, device, dtype)
 
 
 def quantization_of(decoder: Decoder) -> str:

@@ -94,6 +94,8 @@ class Decoder:
         self.paged_decode = self.device.type == "cuda" and self.latent is None
         """CUDA decode attention reads K/V in place from the pool (Triton kernel) instead of gathering."""
         self.fused = self.device.type == "cuda" and self.latent is None
+        self.row_decode = self.device.type == "cpu" and self.latent is None
+        """CPU decode may read the scheduler's RowKV rows (`forward_rows`): grouped-query K/V only."""
         """The CUDA forward runs the fused GEMMs and the Triton kernels of triton_fused.py; False runs
         the per-op path (the CPU forward's), one GEMM per HF weight."""
         self.fused_forward = FusedForward(self)

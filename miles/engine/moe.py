@@ -69,6 +69,10 @@ class MoeSpec:
     routed_scaling_factor: float = 1.0
     shared_intermediate: int = 0
     """Width of the shared expert every token goes through (DeepSeek), 0 for none."""
+    hash_layers: tuple[int, ...] = ()
+    """DeepSeek-V4: the layers whose experts a frozen token -> experts table (`gate.tid2eid`) chooses."""
+    swiglu_limit: float | None = None
+    """DeepSeek-V4: every expert clamps gate to <= limit and up to [-limit, limit] before silu(gate) * up."""
 
     @classmethod
     def from_config(cls, cfg: dict, num_layers: int) -> MoeSpec:
@@ -91,17 +95,27 @@ class MoeSpec:
         groups, best = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
         if experts % groups or not 0 < best <= groups:
             raise ValueError(f"n_group={groups}, topk_group={best} do not split n_routed_experts={experts}")
+        scoring = cfg.get("scoring_func", "sigmoid")
+        if scoring not in ("sigmoid", "sqrtsoftplus"):
+            raise ValueError(f"scoring_func {scoring!r} is not supported; known: sigmoid, sqrtsoftplus")
+        v4 = cfg.get("model_type") == "deepseek_v4"
+        kinds = cfg.get("mlp_layer_types") or []
+        limit = cfg.get("swiglu_limit") if v4 else None
         return cls(
             experts,
             _top_k(cfg, experts),
             int(cfg["moe_intermediate_size"]),
             bool(cfg.get("norm_topk_prob", True)),
             tuple(sparse_layers(num_layers, cfg.get("first_k_dense_replace"), cfg.get("moe_layer_freq"))),
-            scoring="sigmoid",
+            scoring=scoring,
             n_group=groups,
             topk_group=best,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            shared_intermediate=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+            # V4's shared expert is one MLP of moe_intermediate_size (transformers' DeepseekV4MLP)
+            shared_intermediate=int(cfg["moe_intermediate_size"])
+            * (1 if v4 else int(cfg.get("n_shared_experts") or 0)),
+            hash_layers=tuple(i for i, k in enumerate(kinds) if k == "hash_moe"),
+            swiglu_limit=None if limit is None else float(limit),
         )
 
     def expert_names(self, layer: int) -> list[str]:
@@ -109,7 +123,9 @@ class MoeSpec:
         gate_up stacks gate_0, up_0, gate_1, up_1, ...; down stacks down_0, down_1, ..."""
         p = f"model.layers.{layer}.mlp."
         names = [p + "gate.weight"]
-        if self.scoring == "sigmoid":
+        if layer in self.hash_layers:
+            names.append(p + "gate.tid2eid")
+        elif self.scoring != "softmax":
             names.append(p + "gate.e_score_correction_bias")
         if self.shared_intermediate:
             names += [f"{p}shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
@@ -167,6 +183,23 @@ def route_grouped(
     return (weights * spec.routed_scaling_factor).to(x.dtype), ids
 
 
+def route_v4(
+    x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, spec: MoeSpec, table: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's routers (DeepseekV4TopKRouter / DeepseekV4HashRouter): scores sqrt(softplus(W_gate x))
+    in x's dtype; the experts of the token's table row (hash layers) or the top-k of scores + bias; the
+    weights the scores there, normalised, times routed_scaling_factor."""
+    scores = F.softplus(F.linear(x, gate)).sqrt()
+    ids = (
+        table.long()
+        if table is not None
+        else torch.topk(scores + bias, spec.top_k, dim=-1, sorted=False).indices
+    )
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * spec.routed_scaling_factor).to(x.dtype), ids
+
+
 def _sorted(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, token of each sorted row, rows per expert) of the T*k (token, slot) pairs by expert
     (a stable sort: within an expert, rows keep token order)."""
@@ -190,42 +223,50 @@ def _combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: tor
     return y.sum(dim=1, dtype=torch.float32).to(x.dtype) if k > 1 else y[:, 0].to(x.dtype)
 
 
-def experts_looped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up, gate clamped to <= limit and up to [-limit, limit] when a limit is given."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def experts_looped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, limit=None) -> torch.Tensor:
     """The exact per-expert path: one [gate; up] GEMM and one down GEMM per expert hit."""
     order, tokens, counts = _sorted(ids, gate_up.shape[0])
     xs, outs, start = x[tokens], [], 0
     for e, n in enumerate(counts.tolist()):
         if n:
             gate, up = F.linear(xs[start : start + n], gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, down[e]))
+            outs.append(F.linear(swiglu(gate, up, limit), down[e]))
         start += n
     return _combine(x, torch.cat(outs), weights, order)
 
 
-def experts_grouped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def experts_grouped(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, limit=None) -> torch.Tensor:
     """The sorted layout through grouped GEMMs with device offsets (no host sync, fixed shapes)."""
     order, tokens, counts = _sorted(ids, gate_up.shape[0])
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     gate, up = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(swiglu(gate, up, limit), down.transpose(1, 2), offs=offs)
     return _combine(x, y, weights, order)
 
 
-def experts_gathered(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def experts_gathered(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, limit=None) -> torch.Tensor:
     """Each (token, slot) row multiplies its own expert's gathered weights (no host sync)."""
     T, k = ids.shape
     flat = ids.reshape(-1)
     xs = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, 1, -1)  # (token, slot) order
     gate, up = torch.bmm(xs, gate_up[flat].transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(F.silu(gate) * up, down[flat].transpose(1, 2))[:, 0]  # [T*k, H]
+    y = torch.bmm(swiglu(gate, up, limit), down[flat].transpose(1, 2))[:, 0]  # [T*k, H]
     return _combine(x, y, weights)
 
 
-def experts_fused(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def experts_fused(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, limit=None) -> torch.Tensor:
     """The sorted rows through one Triton GEMM per projection (miles/engine/triton_moe.py)."""
     from miles.engine import triton_fused, triton_moe
 
-    y = triton_moe.experts_fused(x, ids, gate_up, down, triton_fused.silu_mul)
+    act = triton_fused.silu_mul if limit is None else lambda gu: swiglu(*gu.chunk(2, dim=-1), limit)
+    y = triton_moe.experts_fused(x, ids, gate_up, down, act)
     return _combine(x, y, weights)
 
 
@@ -244,15 +285,16 @@ def grouped_available(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     return H % 8 == 0 and (two_i // 2) % 8 == 0
 
 
-def experts(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The sparse MLP's expert sum by the best exact path for the device (module docstring)."""
+def experts(x, ids, weights, gate_up: torch.Tensor, down: torch.Tensor, limit=None) -> torch.Tensor:
+    """The sparse MLP's expert sum by the best exact path for the device (module docstring); `limit`:
+    DeepSeek-V4's swiglu_limit."""
     if x.is_cuda and CUDA_PATH == "fused":
-        return experts_fused(x, ids, weights, gate_up, down)
+        return experts_fused(x, ids, weights, gate_up, down, limit)
     if x.is_cuda and CUDA_PATH == "grouped" and grouped_available(x, gate_up):
-        return experts_grouped(x, ids, weights, gate_up, down)
+        return experts_grouped(x, ids, weights, gate_up, down, limit)
     if x.is_cuda and ids.numel() <= GATHER_MAX_ROWS:
-        return experts_gathered(x, ids, weights, gate_up, down)
-    return experts_looped(x, ids, weights, gate_up, down)
+        return experts_gathered(x, ids, weights, gate_up, down, limit)
+    return experts_looped(x, ids, weights, gate_up, down, limit)
 
 
 def sparse_mlp(
@@ -262,15 +304,19 @@ def sparse_mlp(
     down: torch.Tensor,
     spec: MoeSpec,
     bias: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(routed experts' output [T, H], expert ids [T, k]) of a sparse layer for the normalised input
-    x: router W_gate [E, H] (and DeepSeek's correction bias), experts gate_up [E, 2I, H] and down
-    [E, H, I]. A shared expert is the caller's (a dense MLP)."""
-    if spec.scoring == "sigmoid":
+    x: router W_gate [E, H] (and DeepSeek's correction bias, or DeepSeek-V4's hash-table rows `table`
+    [T, k] of the tokens), experts gate_up [E, 2I, H] and down [E, H, I]. A shared expert is the
+    caller's (a dense MLP)."""
+    if spec.scoring == "sqrtsoftplus":
+        weights, ids = route_v4(x, gate, bias, spec, table)
+    elif spec.scoring == "sigmoid":
         weights, ids = route_grouped(x, gate, bias, spec)
     else:
         weights, ids = route(x, gate, spec.top_k, spec.norm_topk_prob)
-    return experts(x, ids, weights, gate_up, down), ids
+    return experts(x, ids, weights, gate_up, down, spec.swiglu_limit), ids
 
 
 def per_expert(weights: dict[str, torch.Tensor], spec: MoeSpec) -> dict[str, torch.Tensor]:

@@ -138,7 +138,7 @@ class Scheduler(EngineThread):
         self.table = torch.zeros(self.max_running + 1, self.max_context, dtype=torch.int64, device=dev)
         self.table[self.max_running] = scratch
         self._free_rows = list(range(self.max_running))  # a heap: the lowest free row first
-        if self.decoder.device.type == "cpu" and not self.overlap and self.decoder.latent is None:
+        if self.decoder.row_decode and not self.overlap:
             s = self.decoder.spec
             # rows never hold more than the pool's own size, unless that is under 256 positions a row
             cap = min(self.max_context, max(self.max_total_tokens // self.max_running, 256))

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from miles.engine import moe
 from miles.engine.mla import MlaSpec
+from miles.engine.v4_spec import V4Spec
 from miles.models.families import Family, get_family
 
 
@@ -36,6 +37,8 @@ class ModelSpec:
     mla: MlaSpec | None = None
     """The latent attention's shape (DeepSeek-V3: miles/engine/mla.py), None for grouped-query attention.
     With it, `num_kv_heads` is 1 (one latent per token) and `head_dim` the RoPE part's."""
+    v4: V4Spec | None = None
+    """DeepSeek-V4's hybrid attention and hyper-connections (miles/engine/deepseek_v4.py), else None."""
 
     @property
     def family(self) -> Family:
@@ -49,7 +52,8 @@ class ModelSpec:
         family = get_family(arch)
         family.refuse_unless("engine")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        v4 = V4Spec.from_config(cfg) if family.attention == "deepseek_v4" else None  # its ropes: its own
+        if v4 is None and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
         eos = cfg.get("eos_token_id")
         heads = cfg["num_attention_heads"]
@@ -60,7 +64,7 @@ class ModelSpec:
             hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or heads,
+            num_kv_heads=1 if mla or v4 else cfg.get("num_key_value_heads") or heads,
             head_dim=mla.qk_rope_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -69,6 +73,7 @@ class ModelSpec:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if family.moe else None,
             mla=mla,
+            v4=v4,
         )
 
 

@@ -14,9 +14,84 @@ first layers) or by top-k of `sqrtsoftplus` scores (`moe`), a shared expert besi
 
 from __future__ import annotations
 
+import re
+
 from miles.models.families.base import Family
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+    "hc_head.hc_fn": "model.hc_head.hc_fn",
+    "hc_head.hc_base": "model.hc_head.hc_base",
+    "hc_head.hc_scale": "model.hc_head.hc_scale",
+}
+_COMPRESSOR = {
+    "wkv.weight": "kv_proj.weight",
+    "wgate.weight": "gate_proj.weight",
+    "ape": "position_bias",
+    "norm.weight": "kv_norm.weight",
+}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{f"hc_{s}_{leaf}": f"{s}_hc.{leaf}" for s in ("attn", "ffn") for leaf in ("fn", "base", "scale")},
+    "attn.attn_sink": "self_attn.sinks",
+    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attn.wkv.weight": "self_attn.kv_proj.weight",
+    "attn.norm.weight": "self_attn.kv_norm.weight",
+    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
+    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
+    **{f"attn.compressor.{a}": f"self_attn.compressor.{b}" for a, b in _COMPRESSOR.items()},
+    **{f"attn.indexer.compressor.{a}": f"self_attn.compressor.indexer.{b}" for a, b in _COMPRESSOR.items()},
+    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "ffn.gate.weight": "mlp.gate.weight",
+    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
+    **{
+        f"ffn.shared_experts.{w}.weight": f"mlp.shared_experts.{n}.weight"
+        for w, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    },
+}
+_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def hf_name(name: str) -> str | None:
+    """transformers' in-memory name of a checkpoint tensor in DeepSeek's spelling (the spelling
+    transformers writes; miles/models/deepseek_v4_layout.py lists it); in-memory names pass through;
+    None for MTP layers (`mtp.*`), which the model does not hold."""
+    bare = name.removeprefix("model.")
+    if bare.startswith("mtp."):
+        return None
+    if bare in _TOP:
+        return _TOP[bare]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", bare)
+    if m is None:
+        return name
+    rest = m.group(2)
+    if (e := _EXPERT.fullmatch(rest)) is not None:
+        rest = f"mlp.experts.{e.group(1)}.{_PROJ[e.group(2)]}.weight"
+    return f"model.layers.{m.group(1)}.{_LAYER.get(rest, rest)}"
+
+
+def hf_names(weights: dict) -> dict:
+    """`weights` under transformers' in-memory names (`hf_name`), MTP layers dropped."""
+    out = {}
+    for name, t in weights.items():
+        if (new := hf_name(name)) is not None:
+            out[new] = t
+    return out
 
 
 def _fill(model, seed: int) -> None:
@@ -43,7 +118,7 @@ FAMILY = Family(
     config_class="DeepseekV4Config",
     moe=True,
     attention="deepseek_v4",
-    backends=("fsdp",),
+    backends=("engine", "fsdp"),
     packs=False,
     tiny=dict(
         num_hidden_layers=5,
@@ -64,7 +139,7 @@ FAMILY = Family(
         sliding_window=8,
         o_groups=2,
         o_lora_rank=16,
-        index_n_heads=2,
+        index_n_heads=16,  # real V4: 64; few heads tie at relu 0 and make top-k depend on the batch
         index_head_dim=16,
         index_topk=4,
         num_nextn_predict_layers=0,

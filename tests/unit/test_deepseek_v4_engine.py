@@ -1,0 +1,194 @@
+"""The engine's DeepSeek-V4 (hybrid sliding / compressed-sparse / heavily-compressed attention over
+per-token caches, hyper-connections, hash and sqrtsoftplus routing, swiglu_limit) against transformers'
+DeepseekV4ForCausalLM on the same tiny weights (fp32): prompt log-probs within 1e-5, chunked prefill
+equal to one forward, greedy continuations of 64 tokens equal to `generate` for a batch of mixed
+lengths under both decode modes, prefix reuse across compression-block boundaries, routed experts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from miles.engine.deepseek_v4 import V4Decoder
+from miles.engine.model import Batch, ModelSpec, load_weights
+from miles.engine.sampling import SamplingParams
+from miles.engine.scheduler import Request, Scheduler
+
+TOL = 1e-5
+"""|engine - transformers| log-prob bound in fp32 (measured: ~1e-6)."""
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory) -> str:
+    from miles.models.tiny import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("models") / "tiny-v4", arch="deepseek_v4", seed=1))
+
+
+@pytest.fixture(scope="module")
+def hf_v4(v4):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(v4, dtype=torch.float32).eval()
+
+
+def _decoder(path: str) -> V4Decoder:
+    return V4Decoder(ModelSpec.from_dir(path), load_weights(path), "cpu", torch.float32)
+
+
+def _prompt_batch(tokens: list[int], start: int = 0, slots=None) -> Batch:
+    """A one-request prefill of tokens[start:] whose context is tokens[:] in slots 1..len."""
+    n = len(tokens)
+    ctx = torch.arange(1, n + 1) if slots is None else slots
+    pos = torch.arange(start, n)
+    return Batch(
+        torch.tensor(tokens[start:]),
+        pos,
+        ctx[start:],
+        torch.arange(n - start)[None],
+        pos[None],
+        ctx[None],
+        torch.arange(n - start),
+    )
+
+
+def _req(rid, prompt, max_new) -> Request:
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    return Request(rid=str(rid), prompt=list(prompt), params=sp, seed=0, stop_ids=frozenset())
+
+
+def test_spec_reads_every_layer_kind_and_router(v4):
+    spec = ModelSpec.from_dir(v4)
+    m, e = spec.v4, spec.moe
+    assert set(m.layer_types) == {
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    }
+    assert m.hc_mult >= 2 and m.sliding_window == 8 and m.rope_dim == 8 and m.hash_layers == (0,)
+    assert (e.scoring, e.hash_layers, e.swiglu_limit) == ("sqrtsoftplus", (0,), 10.0)
+    assert e.sparse_layers == tuple(range(spec.num_layers))
+
+
+def test_checkpoint_names_map_onto_transformers_own(v4, hf_v4):
+    """The engine holds transformers' in-memory names: every tensor of the checkpoint (DeepSeek's
+    spelling, as save_pretrained writes it) lands on one of them, and all of them are filled."""
+    from miles.models.families.deepseek_v4 import hf_name
+
+    on_disk = load_weights(v4)
+    assert any(".attn.wq_a." in n for n in on_disk)  # DeepSeek's spelling on disk
+    mapped = {hf_name(n) for n in on_disk}
+    stacked = {n for n in hf_v4.state_dict() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert {n for n in mapped if ".experts." not in n} == {n for n in hf_v4.state_dict() if n not in stacked}
+    assert (
+        hf_name("mtp.0.attn.wq_a.weight") is None and hf_name("embed.weight") == "model.embed_tokens.weight"
+    )
+
+
+def test_prompt_logprobs_and_routes_match_transformers(v4, hf_v4):
+    dec = _decoder(v4)
+    dec.record_routing = True
+    rng = random.Random(2)
+    tokens = [rng.randrange(4, 380) for _ in range(45)]  # 5 windows, 11 CSA / 5 HCA blocks
+    logits = dec.forward(_prompt_batch(tokens), dec.new_kv_pool(64))
+    picked = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: picked.append(out[2]))
+        for layer in hf_v4.model.layers
+    ]
+    with torch.no_grad():
+        ref = hf_v4(torch.tensor([tokens])).logits[0].float()
+    for h in hooks:
+        h.remove()
+    assert (torch.log_softmax(logits, -1) - torch.log_softmax(ref, -1)).abs().max().item() <= TOL
+    ours = dec.routing.long().sort(dim=-1).values
+    assert torch.equal(ours, torch.stack(picked, dim=1).sort(dim=-1).values)
+    table = hf_v4.model.layers[0].mlp.gate.tid2eid[
+        torch.tensor(tokens)
+    ]  # the hash layer: the table's experts
+    assert torch.equal(ours[:, 0], table.sort(dim=-1).values)
+
+
+def test_chunked_prefill_equals_one_forward(v4):
+    """A prompt prefilled in three chunks (boundaries inside compression blocks and windows) leaves
+    the caches and logits one forward does."""
+    rng = random.Random(5)
+    tokens = [rng.randrange(4, 380) for _ in range(41)]
+    whole, chunked = _decoder(v4), _decoder(v4)
+    ref = whole.forward(_prompt_batch(tokens), whole.new_kv_pool(64))
+    pool, got = chunked.new_kv_pool(64), []
+    for lo, hi in ((0, 6), (6, 19), (19, 41)):
+        got.append(chunked.forward(_prompt_batch(tokens[:hi], start=lo), pool)[-1])
+    assert torch.allclose(got[-1], ref[-1], atol=1e-5, rtol=0)
+    assert torch.allclose(got[0], ref[5], atol=1e-5, rtol=0) and torch.allclose(
+        got[1], ref[18], atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_step", "step_ahead"])
+def test_greedy_continuations_and_logprobs_match_transformers(v4, hf_v4, overlap):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 380) for _ in range(rng.randint(1, 60))] for _ in range(6)]
+    sched = Scheduler(_decoder(v4), 8, 4096, overlap=overlap)
+    reqs = [_req(i, p, 64) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_idle()
+    for r in reqs:
+        n = len(r.prompt)
+        with torch.no_grad():
+            g = hf_v4.generate(
+                torch.tensor([r.prompt]),
+                attention_mask=torch.ones(1, n, dtype=torch.long),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            lp = torch.log_softmax(hf_v4(torch.tensor([r.prompt + r.output])).logits[0].float(), dim=-1)
+        assert g[0, n:].tolist() == r.output
+        ref = [lp[n - 1 + j, t].item() for j, t in enumerate(r.output)]
+        assert max(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True)) <= TOL
+    # a prompt extending a finished one mid-block is served from its cached slots and continues alike
+    first = max(reqs, key=lambda r: len(r.prompt))
+    again = _req("again", first.prompt + first.output[:21], 10)
+    sched.submit(again)
+    sched.run_until_idle()
+    assert again.cached_tokens >= len(first.prompt) and (len(first.prompt) + 21) % 4
+    assert again.output == first.output[21:31]
+
+
+def test_the_engine_takes_the_per_op_path_without_row_decode(v4):
+    dec = _decoder(v4)
+    sched = Scheduler(dec, 4, 256, overlap=False)
+    sched._alloc_memory()
+    assert sched.row_kv is None and not dec.fused and not dec.paged_decode
+
+
+@pytest.mark.parametrize("flag", [["--quantization", "fp8_block"], ["--enable-lora"]])
+def test_the_server_refuses_what_it_does_not_serve_for_v4(v4, flag):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "miles.engine", "--model", v4, "--port", "0", *flag]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "DeepseekV4ForCausalLM is served in the model dtype" in done.stderr
+
+
+def test_yarn_rope_is_refused_naming_what_serves_it(v4, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(v4, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["rope_parameters"]["compress"] |= {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 64,
+    }
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"compress.rope_type 'yarn'.*engine.kind: sglang"):
+        ModelSpec.from_dir(tmp_path / "m")
