@@ -19,15 +19,18 @@ at the step whose weights produced it (miles/eval/modes.py). `train --dry-run` r
 job under ./runs (unless `--set run.runs_root=...` says where) and creates nothing elsewhere. A snapshot can also be evaluated by hand or as a Slurm job of its own:
 `miles eval RUN_DIR --step 20 --submit`.
 
-Miniature (`--scale tiny`): the same job shape on one host with a tiny random model written by
-miles.models.tiny. The embedded engine does not serve DeepSeek-V4 yet (docs/deepseek.md: the FSDP
-trainer trains it, the engine serves DeepSeek-V3's latent attention), so the miniature is a Qwen3-MoE model (grouped-query attention; top-k softmax router, renormalised; 8
-experts, top-2; layer 0 dense) of 5 layers. `--backend fsdp` (the default) runs on this host's CPU
-with the embedded engine, R3 and TIS, in a few minutes; `--backend megatron` is the full recipe's
-trainer in small for a CUDA host of 5 GPUs (one engine, 4 trainer ranks): PP2 with the layers split
-3 / 2 (the last stage one short, as at full scale), EP2, R3, TIS, CPU optimizer offload. Files live
-under `--tiny-dir` (default runs/deepseek-v4-flash-tiny): model/, train.jsonl, aime.jsonl, the
-recipe it writes (recipe-<backend>.yaml) and runs/.
+Miniature (`--scale tiny`): the same job shape on one host with tiny random models written by
+miles.models.tiny. `--backend fsdp` (the default) trains a tiny DeepSeek-V4 (every layer kind: sliding,
+compressed-sparse and heavily compressed attention, hyper-connections, a hash-routed layer then
+sqrtsoftplus top-k layers) on this host's CPU with the embedded engine, R3 and TIS, logging
+|delta log p| between engine and trainer (`train/logprob_mismatch`) every step. Its task is the
+default digits task (a random tiny model cannot learn the full recipe's math), evaluated on it and on
+generated AIME-style problems. `--backend megatron` is the full recipe's trainer in small for a CUDA
+host of 5 GPUs (one engine, 4 trainer ranks): PP2 with the layers split 3 / 2 (the last stage one
+short, as at full scale), EP2, R3, TIS, CPU optimizer offload; Megatron does not load DeepSeek-V4 yet
+(docs/deepseek.md), so that miniature is a Qwen3-MoE model (8 experts, top-2, layer 0 dense) of 5
+layers. Files live under `--tiny-dir` (default runs/deepseek-v4-flash-tiny): model/ (or
+model-qwen3-moe/), train.jsonl, aime.jsonl, the recipe it writes (recipe-<backend>.yaml) and runs/.
 
     python launchers/deepseek_v4_flash.py prepare-checkpoint --src HF_DIR --dst /shared/models/dsv4-flash
     python launchers/deepseek_v4_flash.py prepare-data [--src DAPO.parquet --answer-key reward_model.ground_truth]
@@ -110,7 +113,9 @@ TINY_SHAPE: dict[str, Any] = dict(
     moe_intermediate_size=32,
     mlp_only_layers=[0],
 )
-"""The miniature's Qwen3-MoE shape (miles.models.tiny sizes the rest: hidden 64, 4 heads)."""
+"""The Megatron miniature's Qwen3-MoE shape (miles.models.tiny sizes the rest: hidden 64, 4 heads)."""
+TINY_ARCH = {"fsdp": "deepseek_v4", "megatron": "qwen3_moe"}
+"""The miniature's model by trainer: Megatron does not load DeepSeek-V4 yet."""
 TINY_ROWS = 64
 """Training rows the miniature generates."""
 
@@ -132,6 +137,7 @@ def tiny_paths(tiny_dir: str) -> dict[str, Path]:
     return {
         "root": root,
         "model": root / "model",
+        "model-qwen3-moe": root / "model-qwen3-moe",
         "data": root / "train.jsonl",
         "aime": root / "aime.jsonl",
         "runs": root / "runs",
@@ -139,38 +145,49 @@ def tiny_paths(tiny_dir: str) -> dict[str, Path]:
 
 
 def tiny_recipe(tiny_dir: str, backend: str) -> dict[str, Any]:
-    """The miniature: the full recipe's task, R3, TIS and AIME-style evaluation with tiny sizes."""
+    """The miniature: R3, TIS, |delta log p| per step and the AIME-style evaluation with tiny sizes;
+    the default digits task, which a tiny model learns (module docstring)."""
     p = tiny_paths(tiny_dir)
     train: dict[str, Any] = {
         "backend": "fsdp",
         "device": "cpu",
-        "steps": 3,
+        "steps": 400,
         "lr": 1.0e-3,
-        "max_tokens_per_microbatch": 2048,
+        "grad_clip": 1.0,
+        "weight_decay": 0.0,
+        "max_tokens_per_microbatch": 512,
         "routing_replay": "rollout",
         "loss": {"tis": "truncate", "old_logprobs": "recompute", "entropy_coef": 0.01},
-        "checkpoint": {"every_steps": 3},
+        "checkpoint": {"every_steps": 100},
     }
     if backend == "megatron":
-        train.update(TINY_MEGATRON, device="auto")
+        train.update(TINY_MEGATRON, device="auto", steps=3, checkpoint={"every_steps": 3})
+    model = p["model"] if TINY_ARCH[backend] == "deepseek_v4" else p["model-qwen3-moe"]
     return {
         "run": {"name": f"deepseek-v4-flash-tiny-{backend}", "runs_root": str(p["runs"]), "seed": 0},
         "model": {
-            "path": str(p["model"]),
+            "path": str(model),
             "dtype": "bfloat16" if backend == "megatron" else "float32",
             "init_tiny_if_missing": False,
         },
-        "engine": {"num_engines": 1, "max_running_requests": 64},
+        "engine": {"num_engines": 1, "max_running_requests": 128},
         "rollout": {
-            "task": {"name": "jsonl", "path": str(p["data"]), "eval_size": 4},
-            "prompts_per_step": 4,
-            "n_samples_per_prompt": 4,
-            "max_new_tokens": 8,
+            "task": {"name": "digits", "options": {"op": "last", "num_digits": 2}, "eval_size": 32},
+            "reward": "miles.rollout.rewards:first_number",
+            "prompts_per_step": 16,
+            "n_samples_per_prompt": 8,
+            "max_new_tokens": 1,
             "temperature": 1.0,
+            "schedule": "sync",
         },
         "eval": {
-            "every_steps": 3,
-            "datasets": {"aime": {"source": "aime", "path": str(p["aime"]), "size": 4, "samples": 2}},
+            "every_steps": 25,
+            "samples_per_prompt": 4,
+            "temperature": 0.6,
+            "datasets": {
+                "held_out": {"source": "held_out"},
+                "aime": {"source": "aime", "path": str(p["aime"]), "size": 4, "samples": 2},
+            },
         },
         "train": train,
     }
@@ -259,14 +276,16 @@ def prepare_data(
     return path
 
 
-def prepare_checkpoint(src: str | None, dst: str, scale: str) -> None:
+def prepare_checkpoint(src: str | None, dst: str, scale: str, arch: str = "deepseek_v4") -> None:
     """Full scale: check that `src` is a DeepSeek-V4 checkpoint (miles/models/deepseek_v4_layout.py:
     every tensor of its config, FP8 weights with their block scales) and stage it on the shared
-    filesystem (engines and trainer read it there). Tiny: write the random Qwen3-MoE miniature."""
+    filesystem (engines and trainer read it there). Tiny: write the random miniature of `arch`
+    (DeepSeek-V4, or the Megatron miniature's Qwen3-MoE)."""
     if scale == "tiny":
         from miles.models.tiny import init_tiny
 
-        print(f"wrote tiny qwen3_moe model to {init_tiny(dst, arch='qwen3_moe', **TINY_SHAPE)}")
+        shape = TINY_SHAPE if arch == "qwen3_moe" else {}
+        print(f"wrote tiny {arch} model to {init_tiny(dst, arch=arch, **shape)}")
         return
     from miles.models.deepseek_v4_layout import LayoutError, check
 
@@ -311,10 +330,10 @@ def train_tiny(
     import yaml
 
     p = tiny_paths(tiny_dir)
-    if not (p["model"] / "config.json").is_file():
-        prepare_checkpoint(None, str(p["model"]), "tiny")
-    if not p["data"].is_file():
-        prepare_data(str(p["data"]), None, TINY_ROWS)
+    arch = TINY_ARCH[backend]
+    model = p["model"] if arch == "deepseek_v4" else p["model-qwen3-moe"]
+    if not (model / "config.json").is_file():
+        prepare_checkpoint(None, str(model), "tiny", arch)
     if not p["aime"].is_file():
         prepare_eval(None, str(p["aime"]), "tiny")
     recipe = p["root"] / f"recipe-{backend}.yaml"

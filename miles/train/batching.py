@@ -71,6 +71,20 @@ def pack_by_budget(lengths: Sequence[int], indices: Sequence[int], budget: int) 
     return bins
 
 
+def bins_of_equal_length(lengths, indices: Sequence[int], budget: int) -> list[list[int]]:
+    """Bins of sample indices of one length each, at most `budget` tokens a bin (one sequence at
+    least): the micro-batches of a family whose forward mixes a packed row (`Family.packs` False),
+    stacked as rows of one [B, S] batch instead (`Packed.rows`)."""
+    by_length: dict[int, list[int]] = {}
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        by_length.setdefault(lengths[i], []).append(i)
+    bins = []
+    for n, group in by_length.items():
+        per_bin = max(1, budget // max(n, 1))
+        bins += [group[k : k + per_bin] for k in range(0, len(group), per_bin)]
+    return bins
+
+
 @dataclass
 class Packed:
     """One packed micro-batch: model inputs plus where each response token's prediction sits."""
@@ -81,6 +95,13 @@ class Packed:
     """[1, T] token ids of all packed sequences."""
     position_ids: Tensor
     """[1, T] positions, restarting at 0 for each sequence."""
+
+    def rows(self) -> tuple[Tensor, Tensor]:
+        """(input_ids, position_ids) as [B, S] rows, one sequence each (the micro-batch of
+        `bins_of_equal_length`); flattened row-major they are the packed order."""
+        B = len(self.samples)
+        return self.input_ids.view(B, -1), self.position_ids.view(B, -1)
+
     logit_index: Tensor
     """[N] position in the row whose logits predict each response token."""
     targets: Tensor
@@ -189,13 +210,20 @@ class RankPlan:
 
 
 def plan_rank(
-    samples: Sequence[Sample], indices: Sequence[int], rank: int, world_size: int, budget: int
+    samples: Sequence[Sample],
+    indices: Sequence[int],
+    rank: int,
+    world_size: int,
+    budget: int,
+    equal_lengths: bool = False,
 ) -> RankPlan:
-    """Shard the mini-batch `indices` over ranks and pack this rank's part into micro-batches."""
+    """Shard the mini-batch `indices` over ranks and pack this rank's part into micro-batches (with
+    `equal_lengths`, of sequences of one length each: `bins_of_equal_length`)."""
     lengths = {i: len(samples[i].tokens) for i in indices}
     ordered = list(indices)
     shards = shard_by_tokens([lengths[i] for i in ordered], world_size)
-    per_rank = [pack_by_budget(lengths, [ordered[j] for j in shard], budget) for shard in shards]
+    binner = bins_of_equal_length if equal_lengths else pack_by_budget
+    per_rank = [binner(lengths, [ordered[j] for j in shard], budget) for shard in shards]
     masks = [samples[i].loss_mask for i in indices]
     total_tokens, total_seqs = normalizers(masks)
     loss_tokens, loss_seqs = normalizers(masks, [float(samples[i].weight) for i in indices])

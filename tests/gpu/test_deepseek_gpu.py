@@ -1,7 +1,9 @@
-"""The engine's DeepSeek-V3 (latent attention, grouped routing, shared expert) on a CUDA GPU: fp32
-log-probs of a mixed batch against transformers' forward on the GPU, bf16 CUDA-graph decode equal to
-eager decode, and the FSDP trainer's log-probs of the engine's bf16 rollout with routing replay
-against those without (R3 lowers the mismatch). Skipped without CUDA."""
+"""The engine's DeepSeek-V3 (latent attention, grouped routing, shared expert) and DeepSeek-V4 (hybrid
+compressed attention, hyper-connections, hash and sqrtsoftplus routing) on a CUDA GPU: fp32 log-probs
+of a mixed batch against transformers' forward on the GPU, bf16 CUDA-graph decode equal to eager
+decode, recorded routes equal to transformers' routers' choice, and the FSDP trainer's log-probs of the
+engine's bf16 rollout with routing replay against those without (R3 lowers the mismatch). Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.engine.fp8_weights import plain_decoder as Decoder
+from miles.engine.model import ModelSpec, load_weights
 from miles.engine.sampling import SamplingParams
 from miles.engine.scheduler import Request, Scheduler
 
@@ -25,11 +28,19 @@ SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_
              n_group=4, topk_group=2, num_experts_per_tok=4, moe_intermediate_size=64, num_hidden_layers=4)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def v3(tmp_path_factory) -> str:
+V4_SIZES = dict(hidden_size=256, num_attention_heads=8, head_dim=64, q_lora_rank=96, n_routed_experts=16,
+                num_experts_per_tok=4, moe_intermediate_size=64, o_groups=2, o_lora_rank=32, index_head_dim=32,
+                index_topk=8, sliding_window=16, hc_mult=4,
+                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4"])
+def v3(request, tmp_path_factory) -> str:
+    """A DeepSeek model of each family (the fixture keeps the name of the first)."""
     from miles.models.tiny import init_tiny
 
-    return str(init_tiny(tmp_path_factory.mktemp("gpu") / "v3", arch="deepseek_v3", seed=4, **SIZES))
+    sizes = SIZES if request.param == "deepseek_v3" else V4_SIZES
+    return str(init_tiny(tmp_path_factory.mktemp("gpu") / request.param, arch=request.param, seed=4, **sizes))
 
 
 def _run(sched: Scheduler, work, temperature=0.0, routes=False) -> list[Request]:
@@ -62,7 +73,7 @@ def test_fp32_logprobs_match_transformers_on_the_gpu(v3):
         n = len(r.prompt)
         ref = [lp[n - 1 + j, t].item() for j, t in enumerate(r.output)]
         worst = max(worst, max(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True)))
-    print(f"DeepSeek-V3 engine vs transformers, fp32 on CUDA: max |logprob diff| {worst:.2e}")
+    print(f"{v3.rsplit('/', 1)[-1]} engine vs transformers, fp32 on CUDA: max |logprob diff| {worst:.2e}")
     assert worst <= 1e-3  # TF32-free fp32 on both sides; kernels differ in summation order
 
 
@@ -78,7 +89,7 @@ def test_graph_decode_equals_eager(v3):
     diff = max(
         abs(x - y) for p, q in zip(a, b, strict=True) for x, y in zip(p.logprobs, q.logprobs, strict=True)
     )
-    print(f"DeepSeek-V3 graph vs eager bf16: max |logprob diff| {diff:.2e}")
+    print(f"{v3.rsplit('/', 1)[-1]} graph vs eager bf16: max |logprob diff| {diff:.2e}")
     assert diff < 1e-3
 
 
@@ -100,7 +111,8 @@ def test_replay_lowers_the_bf16_mismatch(v3):
         d = np.concatenate([s.delta for s in seqs])
         figures[replay] = (float(d.mean()), float(np.percentile(d, 99)), float(d.max()))
     print(
-        f"DeepSeek-V3 bf16 CUDA |delta log p| mean/p99/max without R3 {figures[False]}, with R3 {figures[True]}"
+        f"{v3.rsplit('/', 1)[-1]} bf16 CUDA |delta log p| mean/p99/max without R3 {figures[False]}, "
+        f"with R3 {figures[True]}"
     )
     assert figures[True][0] < figures[False][0]
 
@@ -115,6 +127,7 @@ def test_recorded_routes_are_transformers_routers_choice(v3, graphs, overlap):
 
     hf = AutoModelForCausalLM.from_pretrained(v3, dtype=torch.float32).cuda().eval()
     picked = []
+    layers = [i for i, _ in find_routers(hf)]  # top-k routers (V4's hash layers have none)
     for _, router in find_routers(hf):
         router.register_forward_hook(lambda _m, _a, out: picked.append(out[2]))
     decoder = Decoder(ModelSpec.from_dir(v3), load_weights(v3), "cuda", torch.float32)
@@ -125,4 +138,4 @@ def test_recorded_routes_are_transformers_routers_choice(v3, graphs, overlap):
         with torch.no_grad():
             hf(torch.tensor([r.prompt + r.output]).cuda())
         theirs = torch.stack(picked, 1).cpu().sort(-1).values[:-1]
-        assert torch.equal(r.routed_experts[:, 1:].long().sort(-1).values, theirs)
+        assert torch.equal(r.routed_experts[:, layers].long().sort(-1).values, theirs)

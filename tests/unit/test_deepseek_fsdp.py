@@ -82,7 +82,9 @@ def test_v3_trains_on_the_engines_rollout_with_its_routes_replayed(tmp_path, pro
     assert any(not torch.equal(before[n], after[n]) for n in before if ".experts." in n)
 
 
-def test_v4_trains_a_sequence_per_micro_batch(tmp_path, process_group):
+def test_v4_trains_equal_length_sequences_as_rows(tmp_path, process_group):
+    """DeepSeek-V4's compressors pool across a packed row, so its micro-batches stack sequences of one
+    length as rows of a batch: the trainer's log-probs equal transformers' per sequence."""
     from transformers import AutoModelForCausalLM
 
     from miles.models.tiny import init_tiny
@@ -91,14 +93,19 @@ def test_v4_trains_a_sequence_per_micro_batch(tmp_path, process_group):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = np.random.default_rng(7)
     samples = []
-    for i in range(4):
-        prompt, response = rng.integers(4, 300, 20).tolist(), rng.integers(4, 300, 10).tolist()
+    for i in range(6):  # two lengths: two micro-batches of three rows
+        n = 20 if i % 2 else 27
+        prompt, response = rng.integers(4, 300, n).tolist(), rng.integers(4, 300, 10).tolist()
         with torch.no_grad():
             lp = torch.log_softmax(hf(torch.tensor([prompt + response])).logits[0], -1)
         own = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(response)]
         samples.append(Sample(0, i, prompt, response, [1] * 10, own, reward=float(i % 2)))
-    backend = _backend(path, tmp_path, engine="sglang", max_tokens_per_microbatch=4096)  # no embedded V4
-    assert backend._budget == 1
+    backend = _backend(path, tmp_path, max_tokens_per_microbatch=4096)
+    assert backend._rows
+    from miles.train.batching import plan_rank
+
+    bins = plan_rank(samples, list(range(6)), 0, 1, 4096, equal_lengths=True).micro_batches
+    assert sorted(len(b) for b in bins) == [3, 3]
     metrics = backend.train(samples)
-    assert metrics["logprob_mismatch"] <= TOL  # packed, the sequences would see each other
+    assert metrics["logprob_mismatch"] <= TOL  # packed into one row, the sequences would see each other
     assert "router_agreement" not in metrics

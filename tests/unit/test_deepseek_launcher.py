@@ -143,8 +143,8 @@ def test_tiny_megatron_renders_ep_and_uneven_stages(tmp_path: Path, capsys) -> N
     plan = read_plan(tmp_path / "tiny" / "plan-megatron.yaml")
     t = plan.train
     assert (t.backend, t.num_ranks, t.pipeline_parallel, t.expert_parallel) == ("megatron", 4, 2, 2)
-    config = json.loads((tmp_path / "tiny" / "model" / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe" and config["num_hidden_layers"] == 5
+    config = json.loads((tmp_path / "tiny" / "model-qwen3-moe" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_hidden_layers"] == 5  # Megatron: no V4 yet
     split = stage_layers(5, 2, t.pipeline_first_stage_layers, t.pipeline_last_stage_layers)
     assert split == [3, 2], f"the last stage one layer short, as at full scale; got {split}"
     assert t.routing_replay == "rollout" and t.loss.tis == "truncate"
@@ -163,16 +163,22 @@ def test_tiny_megatron_renders_ep_and_uneven_stages(tmp_path: Path, capsys) -> N
 def test_tiny_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, SCRIPT, "train", "--scale", "tiny", "--tiny-dir", str(tmp_path)],
+        [sys.executable, SCRIPT, "train", "--scale", "tiny", "--tiny-dir", str(tmp_path),
+         *("--set", "train.steps=3", "--set", "eval.every_steps=3", "--set", "train.checkpoint.every_steps=3")],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["model_type"] == "deepseek_v4"
     run = tmp_path / "runs" / "deepseek-v4-flash-tiny-fsdp"
     steps = {m["step"]: m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     for step in (1, 2, 3):
         m = steps[step]
         assert m["train/router_agreement"] == 1.0, f"step {step}: R3 must train on the rollout's experts"
         assert {"train/tis_weight_mean", "train/tis_clip_frac", "train/logprob_mismatch"} <= set(m), sorted(m)
+        assert m["train/logprob_mismatch"] < 1e-4, (
+            "fp32, synchronous: the engine's log-probs are the trainer's"
+        )
+    assert "eval/held_out/pass@1" in steps[3], "the task's held-out prompts are evaluated"
     assert "eval/aime/pass@1" in steps[3], "the AIME-style evaluation runs at the last step"
     assert (run / "checkpoints" / "step_3").is_dir()
     print(f"tiny run: {time.monotonic() - start:.1f} s")

@@ -135,8 +135,11 @@ class FSDPBackend:
             self.ref_model = load_sharded(
                 plan.model.path, self.device, dtype, trainable=False, prepare=prepare
             )
-        self._budget = t.max_tokens_per_microbatch if packs_sequences(self.model.config.model_type) else 1
-        """Tokens per packed micro-batch (1: a sequence each, for a family whose forward mixes a row)."""
+        self._budget = t.max_tokens_per_microbatch
+        """Tokens per micro-batch."""
+        self._rows = not packs_sequences(self.model.config.model_type)
+        """A family whose forward mixes a packed row (Family.packs False): micro-batches of sequences of
+        one length, stacked as rows (batching.bins_of_equal_length)."""
         replay = t.routing_replay == "rollout"
         self.routing = RoutingReplay.install(self.model, replay)
         if self.ref_model is not None:
@@ -215,7 +218,7 @@ class FSDPBackend:
         t = self.plan.train
         adv: dict[int, Any] = dict(enumerate(step.advantages(samples, self.plan)))
         plans = [
-            plan_rank(samples, ids, self.rank, self.world_size, self._budget)
+            plan_rank(samples, ids, self.rank, self.world_size, self._budget, self._rows)
             for ids in step.mini_batches(len(samples), self.plan)
         ]
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -343,20 +346,18 @@ class FSDPBackend:
         if rr is not None:
             routing = packed_routing(self._samples, packed.samples, rr.shape, required=rr.replay)
             ctx = rr.batch(routing, measure)
+        ids, pos = packed.rows() if self._rows else (packed.input_ids, packed.position_ids)
         with ctx:
-            out = model(
-                input_ids=packed.input_ids.to(self.device),
-                position_ids=packed.position_ids.to(self.device),
-                use_cache=False,
-            )
+            out = model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), use_cache=False)
+        logits = out.logits.reshape(-1, out.logits.shape[-1])  # rows flattened: the packed order
         dev = Packed(
             **{k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in vars(packed).items()}
         )
         temperature = self.plan.rollout.temperature
-        logp, entropy = response_logprobs(out.logits[0], dev, temperature, with_entropy)
+        logp, entropy = response_logprobs(logits, dev, temperature, with_entropy)
         topk = None
         if with_entropy and dev.teacher_topk_ids is not None:
-            topk = topk_logprobs(out.logits[0], dev.logit_index, dev.teacher_topk_ids, temperature)
+            topk = topk_logprobs(logits, dev.logit_index, dev.teacher_topk_ids, temperature)
         return logp, entropy, topk
 
     def _micro_batches(self, samples: list[Sample], rank_plan: RankPlan) -> Iterator[tuple[bool, Packed]]:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from miles.config import Plan
+from miles.models.families import packs_sequences
 from miles.train.batching import Packed
 from miles.train.fsdp.sharding import load_sharded
 from miles.train.optim import build_optimizer, build_scheduler
@@ -47,6 +48,13 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).clone()  # FSDP hooks want a tensor, not a view
 
 
+def _model_type(path: str) -> str:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(path) / "config.json").read_text()).get("model_type", "")
+
+
 class Critic:
     """The sharded value model with its optimiser and schedule (on every trainer rank)."""
 
@@ -54,6 +62,8 @@ class Critic:
         c = plan.train.critic
         self.cfg = c
         self.device = device
+        self.rows = not packs_sequences(_model_type(c.path or plan.model.path))
+        """Micro-batches come as rows of equal-length sequences (the policy's `_rows`)."""
         self.model = load_sharded(
             c.path or plan.model.path, device, dtype, trainable=True, build=ValueModel.from_pretrained
         )
@@ -63,8 +73,9 @@ class Critic:
 
     def values(self, packed: Packed) -> Tensor:
         """Values [N] (fp32) of the packed micro-batch's response tokens."""
-        out = self.model(packed.input_ids.to(self.device), packed.position_ids.to(self.device))
-        return out[0].float()[packed.logit_index.to(self.device)]
+        ids, pos = packed.rows() if self.rows else (packed.input_ids, packed.position_ids)
+        out = self.model(ids.to(self.device), pos.to(self.device))
+        return out.reshape(-1).float()[packed.logit_index.to(self.device)]
 
     def parts(self) -> tuple[nn.Module, Any, Any]:
         return self.model, self.optimizer, self.scheduler
