@@ -24,7 +24,6 @@ the same active size, and the engine-trainer |delta log p| over GRPO steps with 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -153,6 +152,10 @@ def workloads(smoke: bool) -> list[Workload]:
     return [Workload("decode-heavy", 256, 128, 256, False), Workload("small batch", 32, 128, 256, False)]
 
 
+def _prompts(rng: random.Random, w: Workload) -> list[list[int]]:
+    return [[rng.randrange(VOCAB) for _ in range(w.prompt)] for _ in range(w.requests)]
+
+
 def decode_part(args, device: str) -> list[dict]:
     """tok/s of each model on each workload over `args.rounds` rounds, one model resident at a time."""
     from miles.engine.scheduler import Scheduler
@@ -166,11 +169,10 @@ def decode_part(args, device: str) -> list[dict]:
         sched = Scheduler(decoder, width, slots)
         rng = random.Random(args.seed)
         for w in loads:
-            prompts = lambda: [[rng.randrange(VOCAB) for _ in range(w.prompt)] for _ in range(w.requests)]  # noqa: E731
-            engine_run(sched, m, prompts(), w, device)  # untimed: graph captures, allocator growth
+            engine_run(sched, m, _prompts(rng, w), w, device)  # untimed: graph captures, allocator growth
             vals = []
             for r in range(args.rounds):
-                vals.append(engine_run(sched, m, prompts(), w, device))
+                vals.append(engine_run(sched, m, _prompts(rng, w), w, device))
                 print(f"decode {w.name} round {r + 1} {m.label}: {vals[-1]:.0f} tok/s", flush=True)
             rows.append(dict(model=m.label, arch=m.arch, shape=m.sizes, params=params(cfg), workload=w.name,
                              workload_shape=vars(w), tok_s=vals))  # fmt: skip
