@@ -151,7 +151,7 @@ def tiny_recipe(tiny_dir: str, backend: str) -> dict[str, Any]:
     train: dict[str, Any] = {
         "backend": "fsdp",
         "device": "cpu",
-        "steps": 400,
+        "steps": 300,
         "lr": 1.0e-3,
         "grad_clip": 1.0,
         "weight_decay": 0.0,

@@ -246,16 +246,12 @@ def _build_decoder(args: argparse.Namespace, device: str, dtype: torch.dtype) ->
     except Unsupported as e:
         raise SystemExit(str(e)) from None
     try:
-        if spec.v4 is not None and (args.quantization != "none" or args.enable_lora):
-            raise ValueError(
-                f"{spec.arch} is served in the model dtype, without --enable-lora: drop --quantization "
-                "and --enable-lora"
-            )
-        if spec.mla is not None and (
+        if (spec.mla is not None or spec.v4 is not None) and (
             args.quantization not in ("none", "fp8_block", "fp8_row") or args.enable_lora
         ):
             raise ValueError(
-                f"{spec.arch} (multi-head latent attention) is served in the model dtype or FP8 "
+                f"{spec.arch} ({'hybrid compressed' if spec.v4 else 'multi-head latent'} attention) is served "
+                "in the model dtype or FP8 "
                 "(--quantization fp8_block / fp8_row), without --enable-lora: drop the other flags"
             )
         scheme = None

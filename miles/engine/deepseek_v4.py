@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine import moe
+from miles.engine.fp8_weights import Fp8Decoder
 from miles.engine.hybrid_attention import HybridAttention, inv_freq, unweighted_rms
 from miles.engine.model import Decoder
 from miles.engine.spec import Batch
@@ -73,8 +74,9 @@ class V4Decoder(Decoder):
 
     def _allocate(self, weights: dict[str, torch.Tensor]) -> None:
         names = self.expected_names()
-        self._dtypes = {n: torch.float32 for n in names if n.endswith(_FP32_LEAVES)}
-        self._dtypes |= {n: torch.int64 for n in names if n.endswith(".tid2eid")}
+        ours = {n: torch.float32 for n in names if n.endswith(_FP32_LEAVES)}
+        ours |= {n: torch.int64 for n in names if n.endswith(".tid2eid")}
+        self._dtypes = ours | self._dtypes  # an FP8 engine's storage dtypes (set before) win
         super()._allocate(weights)
 
     def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
@@ -191,3 +193,13 @@ class V4Decoder(Decoder):
         if self.trace is not None:
             self.trace["model.norm"] = final
         return self._logits(final[b.last_index], b.last_index)
+
+
+class Fp8V4Decoder(Fp8Decoder, V4Decoder):
+    """DeepSeek-V4 with the FP8 contract's projections stored as FP8 pairs (miles/engine/fp8_weights.py):
+    checkpoint names are renamed before the contract reads them."""
+
+    def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
+        from miles.models.families.deepseek_v4 import hf_names
+
+        super().load(hf_names(weights), strict)

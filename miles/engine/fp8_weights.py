@@ -143,6 +143,10 @@ def build_decoder(
     weights = load_checkpoint(model_dir, quantization)
     if quantization == "none":
         return plain_decoder(spec, weights, device, dtype)
+    if spec.v4 is not None:
+        from miles.engine.deepseek_v4 import Fp8V4Decoder
+
+        return Fp8V4Decoder(spec, weights, device, dtype, quantization, min_tokens)
     return Fp8Decoder(spec, weights, device, dtype, quantization, min_tokens)
 
 

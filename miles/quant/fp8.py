@@ -44,7 +44,7 @@ Layout = Literal["fp8_block", "fp8_row"]
 LAYOUTS = FP8_LAYOUTS
 
 _QUANTIZED_NAME = re.compile(
-    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o|q_a|q_b|kv_b)_proj"
+    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o|q_a|q_b|kv_b|kv|o_a|o_b)_proj"
     r"|self_attn\.kv_a_proj_with_mqa|mlp\.(?:gate|up|down)_proj)\.weight$"
 )
 
@@ -271,8 +271,9 @@ def is_quantized_name(name: str) -> bool:
     """Whether an HF parameter name is covered by the contract (dense attention and MLP projections).
 
     Covered: model.layers.N.self_attn.{q,k,v,o}_proj.weight, the latent attention's projections
-    (self_attn.{q_a,q_b,kv_b}_proj and kv_a_proj_with_mqa, DeepSeek-V3) and
-    model.layers.N.mlp.{gate,up,down}_proj.weight.
+    (self_attn.{q_a,q_b,kv_b}_proj and kv_a_proj_with_mqa, DeepSeek-V3), DeepSeek-V4's attention
+    projections (self_attn.{q_a,q_b,kv,o_a,o_b}_proj; its compressors and indexer stay in the model
+    dtype, as its checkpoints ship them) and model.layers.N.mlp.{gate,up,down}_proj.weight.
     Never embeddings, lm_head, norms, biases, the MoE router (mlp.gate.weight) or MoE experts
     (mlp.experts.*, mlp.shared_expert.*): they stay in the model dtype.
     """

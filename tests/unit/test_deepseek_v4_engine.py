@@ -167,7 +167,7 @@ def test_the_engine_takes_the_per_op_path_without_row_decode(v4):
     assert sched.row_kv is None and not dec.fused and not dec.paged_decode
 
 
-@pytest.mark.parametrize("flag", [["--quantization", "fp8_block"], ["--enable-lora"]])
+@pytest.mark.parametrize("flag", [["--quantization", "int4"], ["--enable-lora"]])
 def test_the_server_refuses_what_it_does_not_serve_for_v4(v4, flag):
     import subprocess
     import sys
@@ -175,7 +175,7 @@ def test_the_server_refuses_what_it_does_not_serve_for_v4(v4, flag):
     cmd = [sys.executable, "-m", "miles.engine", "--model", v4, "--port", "0", *flag]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "DeepseekV4ForCausalLM is served in the model dtype" in done.stderr
+    assert "DeepseekV4ForCausalLM (hybrid compressed attention) is served" in done.stderr
 
 
 def test_yarn_rope_is_refused_naming_what_serves_it(v4, tmp_path):
@@ -192,3 +192,54 @@ def test_yarn_rope_is_refused_naming_what_serves_it(v4, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"compress.rope_type 'yarn'.*engine.kind: sglang"):
         ModelSpec.from_dir(tmp_path / "m")
+
+
+@pytest.mark.parametrize("layout", ["fp8_block", "fp8_row"])
+def test_fp8_projections_equal_a_decoder_holding_the_fake_quant_values(v4, layout):
+    """The FP8 contract on DeepSeek-V4's attention projections (q_a, q_b, kv, o_a, o_b; the compressors
+    and indexer stay in the model dtype, as the checkpoints ship them): stored as FP8 pairs, the forward
+    equals a plain decoder of the fake-quant values; an update keeps the scales it came with."""
+    from miles.engine.deepseek_v4 import Fp8V4Decoder
+    from miles.models.families.deepseek_v4 import hf_names
+    from miles.quant.fp8 import FP8_DTYPE, fake_quant, is_quantized_name, quantize_weight, scale_name
+
+    spec, weights = ModelSpec.from_dir(v4), hf_names(load_weights(v4))
+    covered = [n for n in weights if is_quantized_name(n)]
+    assert {n.split(".")[-2] for n in covered} == {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"}
+    fp8 = Fp8V4Decoder(spec, weights, "cpu", torch.float32, layout, min_tokens=1)
+    assert all(fp8.params[n].dtype == FP8_DTYPE for n in covered)
+    fake = V4Decoder(spec, {n: fake_quant(w, layout) if n in covered else w for n, w in weights.items()},
+                     "cpu", torch.float32)  # fmt: skip
+    rng = random.Random(3)
+    tokens = [rng.randrange(4, 380) for _ in range(29)]
+    got = fp8.forward(_prompt_batch(tokens), fp8.new_kv_pool(64))
+    assert torch.allclose(got, fake.forward(_prompt_batch(tokens), fake.new_kv_pool(64)), atol=1e-5, rtol=0)
+    name = "model.layers.1.self_attn.o_a_proj.weight"
+    q, s = quantize_weight(weights[name] * 0.5, layout)
+    fp8.load({name: q, scale_name(name): s})
+    assert torch.equal(fp8.params[scale_name(name)], s)
+    assert torch.equal(fp8.params[name].view(torch.uint8), q.view(torch.uint8))
+
+
+def test_a_checkpoint_in_deepseeks_fp8_spelling_loads(v4, tmp_path):
+    """DeepSeek's own FP8 files name a weight's scale `NAME.scale` beside `NAME.weight`: the engine takes
+    the pair under transformers' names."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from miles.engine.fp8_weights import build_decoder
+    from miles.quant.fp8 import quantize_weight
+
+    stored = load_weights(v4)
+    name = "model.layers.2.attn.wq_b.weight"
+    stored[name], stored[name.removesuffix(".weight") + ".scale"] = quantize_weight(stored[name], "fp8_block")
+    shutil.copytree(v4, tmp_path / "m")
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        f.unlink()
+    save_file(stored, str(tmp_path / "m" / "model.safetensors"))
+    dec = build_decoder(
+        ModelSpec.from_dir(tmp_path / "m"), tmp_path / "m", "cpu", torch.float32, "fp8_block", 1
+    )
+    assert torch.equal(dec.params["model.layers.2.self_attn.q_b_proj.weight_scale_inv"],
+                       stored["model.layers.2.attn.wq_b.scale"])  # fmt: skip

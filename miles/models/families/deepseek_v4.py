@@ -74,6 +74,10 @@ def hf_name(name: str) -> str | None:
     bare = name.removeprefix("model.")
     if bare.startswith("mtp."):
         return None
+    for suffix in (".weight_scale_inv", ".scale"):  # an FP8 weight's scale follows its weight's name
+        if bare.endswith(suffix) and not bare.removesuffix(suffix).endswith(("_hc", "hc_head.hc", "hc_head")):
+            weight = hf_name(name.removesuffix(suffix) + ".weight")
+            return None if weight is None else weight + "_scale_inv"
     if bare in _TOP:
         return _TOP[bare]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", bare)
