@@ -12,6 +12,9 @@ DeepSeek-V3's router (`scoring` "sigmoid", as DeepseekV3TopkRouter) in fp32:
     S = top-k of c within them,  w_e = p_e / sum_S p  (norm_topk_prob)  * routed_scaling_factor
 and a shared expert (an MLP of width `shared_intermediate`) adds to every token's output. Its sparse
 layers are those from `first_k_dense_replace` on (every `moe_layer_freq`-th).
+DeepSeek-V4's routers (`scoring` "sqrtsoftplus", `route_v4`): p = sqrt(softplus(W_gate x)) in x's dtype,
+S = the token's row of a frozen table on `hash_layers`, else the top-k of p + b; w as V3's; every
+expert clamps gate <= `swiglu_limit` and up to [-limit, limit] before silu(gate) * up.
 
 Storage: a sparse layer's experts live in two stacked tensors, `mlp.experts.gate_up_proj` [E, 2I, H]
 (expert e's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I] — transformers' own
