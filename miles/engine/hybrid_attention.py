@@ -210,20 +210,19 @@ class HybridAttention:
 
     def _attend(self, q, keys, bias, ckeys, cbias, b: Batch, sinks) -> torch.Tensor:
         """[T, H, D]: each query over its window's keys, its request's visible entries and the sink
-        (the values are the keys)."""
+        (the values are the keys). transformers' roundings: logits in the model dtype, the softmax
+        with the fp32 sink in fp32, probabilities rounded back, one rounding of the weighted sum."""
         T, scale = q.shape[0], self.m.head_dim**-0.5
         parts = [torch.einsum("thd,twd->thw", q, keys) * scale + bias[:, None].to(q.dtype)]
         if ckeys is not None:
-            cl = torch.einsum("bqhd,bcd->bqhc", q[b.query_index], ckeys) * scale + cbias[:, :, None].to(
-                q.dtype
-            )
+            cl = torch.einsum("bqhd,bcd->bqhc", q[b.query_index], ckeys) * scale + cbias[:, :, None].to(q.dtype)
             parts.append(to_tokens(cl, b, T))
-        parts.append(sinks.to(q.dtype)[None, :, None].expand(T, -1, 1))
-        full = torch.cat(parts, dim=-1)
-        probs = torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1)
+        parts.append(sinks.float()[None, :, None].expand(T, -1, 1))
+        full = torch.cat([x.float() for x in parts], dim=-1)
+        probs = torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1).to(q.dtype).float()
         W = keys.shape[1]
-        out = torch.einsum("thw,twd->thd", probs[..., :W], keys)
+        out = torch.einsum("thw,twd->thd", probs[..., :W], keys.float())
         if ckeys is not None:
-            per_request = torch.einsum("bqhc,bcd->bqhd", probs[..., W:-1][b.query_index], ckeys)
+            per_request = torch.einsum("bqhc,bcd->bqhd", probs[..., W:-1][b.query_index], ckeys.float())
             out = out + to_tokens(per_request, b, T)
-        return out
+        return out.to(q.dtype)
