@@ -215,7 +215,9 @@ class HybridAttention:
         T, scale = q.shape[0], self.m.head_dim**-0.5
         parts = [torch.einsum("thd,twd->thw", q, keys) * scale + bias[:, None].to(q.dtype)]
         if ckeys is not None:
-            cl = torch.einsum("bqhd,bcd->bqhc", q[b.query_index], ckeys) * scale + cbias[:, :, None].to(q.dtype)
+            cl = torch.einsum("bqhd,bcd->bqhc", q[b.query_index], ckeys) * scale + cbias[:, :, None].to(
+                q.dtype
+            )
             parts.append(to_tokens(cl, b, T))
         parts.append(sinks.float()[None, :, None].expand(T, -1, 1))
         full = torch.cat([x.float() for x in parts], dim=-1)

@@ -211,14 +211,23 @@ def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_o
     free = _task(
         tmp_path / "bad" / "free-reward", "mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt\n"
     )
+    loud = _task(
+        tmp_path / "bad" / "loud-fail",
+        "echo 'AssertionError: expected 42 in /app/out'\nmkdir -p /logs/verifier; echo 0 > /logs/verifier/reward.txt\n",
+        solve="#!/bin/bash\ntrue\n",
+    )
     out = subprocess.run(
         [*check, str(tmp_path / "bad")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert out.returncode == 1 and "0/2 tasks passed" in out.stdout, out.stdout
-    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
-    assert rows[wrong.name].split()[1:4] == ["0", "0", "FAILED"]
-    assert rows[free.name].split()[1:4] == ["-", "1", "FAILED"]
+    assert out.returncode == 1 and "0/3 tasks passed" in out.stdout, out.stdout
+    assert "| AssertionError: expected 42 in /app/out" in out.stdout  # the verifier's tail under its row
+    assert loud.name in out.stdout
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1] if not line.startswith(" ")}
+    assert rows[wrong.name].split()[1:4] == ["0", "0", "FAILED:"]
+    assert "the oracle (solution/solve.sh) scored 0" in rows[wrong.name]
+    assert rows[free.name].split()[1:4] == ["-", "1", "FAILED:"]
+    assert "the do-nothing agent scored 1" in rows[free.name]
 
 
 def test_episodes_are_isolated_and_runaway_commands_are_stopped_and_reported(tmp_path, backend) -> None:
@@ -251,3 +260,20 @@ def test_episodes_are_isolated_and_runaway_commands_are_stopped_and_reported(tmp
     assert "[hit the process limit" in fork
     assert "MemoryError" in hog and hog.endswith("[stopped: memory]")
     assert alive.startswith("still here") and alive.endswith("[exit code 0]")
+
+
+def test_buildkit_run_flags_are_read_as_flags_not_as_the_command(tmp_path) -> None:
+    """Terminal-Bench 2's Dockerfiles write `RUN --network=host pip install ...`: the flags are taken
+    as BuildKit's (noted), the command is what follows; a bind or secret mount is refused by name."""
+    from miles.agentic.harbor.task import TaskError, parse_dockerfile
+
+    f = tmp_path / "Dockerfile"
+    f.write_text(
+        "FROM python:3.12\nRUN --network=host --mount=type=cache,target=/root/.cache pip install rich\n"
+    )
+    image, steps, notes = parse_dockerfile(f)
+    assert image == "python:3.12" and steps[0].args == ("pip install rich",)
+    assert any("--network=host" in n for n in notes) and any("--mount=type=cache" in n for n in notes)
+    f.write_text("FROM python:3.12\nRUN --mount=type=secret,id=tok cat /run/secrets/tok\n")
+    with pytest.raises(TaskError, match=r"Dockerfile:2: RUN --mount=type=secret,id=tok: a build flag"):
+        parse_dockerfile(f)

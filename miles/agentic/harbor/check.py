@@ -79,12 +79,32 @@ def _cell(r: VerifierResult | None) -> str:
     return f"{r.reward:g}" if r.reward is not None else f"masked ({r.status})"
 
 
+TAIL_LINES = 6
+"""Lines of the verifier's output shown under a FAILED task."""
+
+
+def _why(r: TaskCheck) -> str:
+    """Why a task that ran failed, with the tail of the failing verifier's output (indented lines)."""
+    if r.oracle is not None and r.oracle.reward != 1.0:
+        which, res = "the oracle (solution/solve.sh) scored", r.oracle
+    else:
+        which, res = "the do-nothing agent scored", r.nothing
+    cell = _cell(res)
+    tail = [line for line in (res.output or "").strip().splitlines() if line.strip()][-TAIL_LINES:]
+    shown = "".join(f"\n      | {line[:200]}" for line in tail)
+    return (
+        f"{which} {cell}; verifier output ends:{shown}"
+        if tail
+        else f"{which} {cell}; the verifier printed nothing"
+    )
+
+
 def report(results: list[TaskCheck]) -> tuple[str, bool]:
     """The table printed by `miles tasks check` and whether every task passed."""
     width = max([len(r.task) for r in results] + [4])
     lines = [f"{'task':{width}s}  {'oracle':>18s}  {'do-nothing':>18s}  verdict"]
     for r in results:
-        verdict = "ok" if r.passed else ("ERROR: " + r.error if r.error else "FAILED")
+        verdict = "ok" if r.passed else ("ERROR: " + r.error if r.error else "FAILED: " + _why(r))
         if r.passed and r.oracle is None:
             verdict = "ok (no solution/solve.sh: oracle not run)"
         lines.append(f"{r.task:{width}s}  {_cell(r.oracle):>18s}  {_cell(r.nothing):>18s}  {verdict}")

@@ -182,9 +182,11 @@ def parse_dockerfile(path: Path) -> tuple[str | None, list[DockerStep], list[str
                 raise TaskError(f"{where}: {word} needs a source and a destination")
             steps.append(DockerStep("copy", tuple(parts), n))
         elif word == "RUN":
-            if rest.startswith("["):
+            command, flags = _run_flags(rest, where)
+            notes += [f"{where}: RUN {flag} taken as a plain RUN" for flag in flags]
+            if command.startswith("["):
                 raise TaskError(f"{where}: RUN in exec form (JSON); write it as a shell command")
-            steps.append(DockerStep("run", (rest,), n))
+            steps.append(DockerStep("run", (command,), n))
         elif word == "ENV":
             steps += [DockerStep("env", pair, n) for pair in _env_pairs(rest, where)]
         elif word in _IGNORED:
@@ -192,6 +194,27 @@ def parse_dockerfile(path: Path) -> tuple[str | None, list[DockerStep], list[str
         else:
             raise TaskError(f"{where}: unknown Dockerfile instruction {word}")
     return image, steps, notes
+
+
+_RUN_FLAGS = ("--network=", "--security=", "--mount=type=cache", "--mount=type=tmpfs")
+"""BuildKit's RUN flags a build without them still honours in effect: a network mode, a security mode,
+a cache or tmpfs mount (a build that starts empty). Bind, secret and ssh mounts bring files the task's
+context does not: refused."""
+
+
+def _run_flags(rest: str, where: str) -> tuple[str, list[str]]:
+    """(the shell command, its leading BuildKit flags) of a RUN instruction's text."""
+    flags = []
+    while rest.startswith("--"):
+        flag, _, rest = rest.partition(" ")
+        if not flag.startswith(_RUN_FLAGS):
+            raise TaskError(
+                f"{where}: RUN {flag}: a build flag this reader cannot honour (known: --network, --security, "
+                "--mount=type=cache, --mount=type=tmpfs)"
+            )
+        flags.append(flag)
+        rest = rest.lstrip()
+    return rest, flags
 
 
 def _instructions(text: str) -> list[tuple[int, str]]:
