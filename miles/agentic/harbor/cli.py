@@ -41,6 +41,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from miles.agentic.harbor.convert import convert_paths
+
+    rows = convert_paths(args.paths, args.out)
+    for src, result in rows:
+        print(f"{src} -> {result}" if not result.startswith("error:") else f"{src}: {result}")
+    return 0 if rows and not any(r.startswith("error:") for _, r in rows) else 1
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from miles.agentic.harbor.generate import generate
 
@@ -71,6 +80,12 @@ def add_tasks_command(sub: argparse._SubParsersAction) -> None:
         "apptainer, NAME+TAG.sqsh for enroot) instead of the registry",
     )
     q.set_defaults(func=_cmd_check)
+    q = tsub.add_parser(
+        "convert", help="rewrite Terminal-Bench 1 tasks (task.yaml, run-tests.sh) in Harbor's format"
+    )
+    q.add_argument("paths", nargs="+", help="Terminal-Bench 1 task directories or folders of them")
+    q.add_argument("--out", required=True, help="folder the converted tasks are written to")
+    q.set_defaults(func=_cmd_convert)
     q = tsub.add_parser("generate", help="write procedural tasks small enough for a tiny model")
     q.add_argument("out", help="dataset folder to write")
     q.add_argument("--n", type=int, default=16)

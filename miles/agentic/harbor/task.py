@@ -313,7 +313,12 @@ def task_dirs(paths: list[str | Path]) -> list[Path]:
             continue
         if not p.is_dir():
             raise TaskError(f"{p}: not a directory")
+        convert = f"convert it to Harbor's format with `miles tasks convert {p} --out DIR`"
+        if (p / "task.yaml").is_file():
+            raise TaskError(f"{p}: a Terminal-Bench 1 task (task.yaml, run-tests.sh): {convert}")
         inside = sorted(d for d in p.iterdir() if (d / "task.toml").is_file())
+        if not inside and any((d / "task.yaml").is_file() for d in p.iterdir() if d.is_dir()):
+            raise TaskError(f"{p}: a folder of Terminal-Bench 1 tasks (task.yaml): {convert}")
         if not inside:
             raise TaskError(f"{p}: neither a task (task.toml) nor a folder of tasks")
         found.extend(inside)
