@@ -164,6 +164,8 @@ def read_key_file(path: str | Path | None) -> str | None:
 def write_key_file(path: Path) -> str:
     """A new random key in `path` (mode 600, created so no other user ever sees it); the key."""
     key = secrets.token_urlsafe(32)
+    while key.startswith("-"):  # a command line would read such a key as a flag
+        key = secrets.token_urlsafe(32)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -219,8 +221,8 @@ def sglang_key_arguments(run_dir: str | Path) -> list[str]:
     node may read them in `ps`: docs/security.md)."""
     keys = run_keys(run_dir)
     return [
-        *(["--api-key", keys.api] if keys.api else []),
-        *(["--admin-api-key", keys.admin] if keys.admin else []),
+        *([f"--api-key={keys.api}"] if keys.api else []),  # `=`: a key may start with "-"
+        *([f"--admin-api-key={keys.admin}"] if keys.admin else []),
     ]
 
 

@@ -219,7 +219,7 @@ def _start_router(plan: Plan, run_dir: Path, env: JobEnvironment, facts: dict[st
             "(submit the run with `miles submit`, which writes it)"
         ) from None
     argv = router_command(plan, host=bind, port=port, worker_urls=urls)
-    argv += ["--api-key", keys.api] if keys.api else []
+    argv += [f"--api-key={keys.api}"] if keys.api else []  # `=`: a key may start with "-"
     proc = _spawn(argv, run_dir / "logs" / "router.log")
     from miles.cluster.rendezvous import publish_router
 

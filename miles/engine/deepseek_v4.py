@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine import moe
-from miles.engine.fp8_weights import Fp8Decoder
 from miles.engine.hybrid_attention import HybridAttention, inv_freq, unweighted_rms
 from miles.engine.model import Decoder
 from miles.engine.spec import Batch
@@ -193,13 +192,3 @@ class V4Decoder(Decoder):
         if self.trace is not None:
             self.trace["model.norm"] = final
         return self._logits(final[b.last_index], b.last_index)
-
-
-class Fp8V4Decoder(Fp8Decoder, V4Decoder):
-    """DeepSeek-V4 with the FP8 contract's projections stored as FP8 pairs (miles/engine/fp8_weights.py):
-    checkpoint names are renamed before the contract reads them."""
-
-    def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
-        from miles.models.families.deepseek_v4 import hf_names
-
-        super().load(hf_names(weights), strict)

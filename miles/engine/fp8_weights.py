@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from miles.engine.deepseek_v4 import V4Decoder
 from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.models.families.deepseek_v4 import hf_names
 from miles.quant.formats import FORMATS, Format, Scheme, scheme_from_config
 from miles.quant.fp8 import (
     BLOCK,
@@ -144,8 +146,6 @@ def build_decoder(
     if quantization == "none":
         return plain_decoder(spec, weights, device, dtype)
     if spec.v4 is not None:
-        from miles.engine.deepseek_v4 import Fp8V4Decoder
-
         return Fp8V4Decoder(spec, weights, device, dtype, quantization, min_tokens)
     return Fp8Decoder(spec, weights, device, dtype, quantization, min_tokens)
 
@@ -155,8 +155,6 @@ def plain_decoder(
 ) -> Decoder:
     """The unquantised decoder of the model's family: DeepSeek-V4's own, else the common one."""
     if spec.v4 is not None:
-        from miles.engine.deepseek_v4 import V4Decoder
-
         return V4Decoder(spec, weights, device, dtype)
     return Decoder(spec, weights, device, dtype)
 
@@ -354,3 +352,11 @@ class Fp8Decoder(Decoder):
         if t.dtype == FP8_DTYPE:
             return dequantize_weight(t, self.params[scale_name(name)], self.layout, self.dtype)
         return t
+
+
+class Fp8V4Decoder(Fp8Decoder, V4Decoder):
+    """DeepSeek-V4 (miles/engine/deepseek_v4.py) with the contract's projections stored as FP8 pairs:
+    checkpoint names are renamed before the contract reads them."""
+
+    def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
+        super().load(hf_names(weights), strict)

@@ -149,7 +149,7 @@ def start_router(
         cmd += ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
         cmd += ["--worker-urls", *worker_urls] if worker_urls else []
         cmd += extra_args or []
-        cmd += ["--api-key", api_key] if api_key else []
+        cmd += [f"--api-key={api_key}"] if api_key else []  # `=`: a key may start with "-"
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **child_options()

@@ -78,19 +78,24 @@ def test_fp32_logprobs_match_transformers_on_the_gpu(v3):
 
 
 def test_graph_decode_equals_eager(v3):
+    """DeepSeek-V3 in bf16; DeepSeek-V4 in fp32, where graphs equal eager decode token for token (in bf16
+    a graph's padded batch and context reduce in another order: on an H100, 11 of 12 requests equal
+    and one parting at its 60th token after |delta log p| <= 0.005)."""
+    v4 = "deepseek_v4" in v3
+    dtype = torch.float32 if v4 else torch.bfloat16
     spec, weights = ModelSpec.from_dir(v3), load_weights(v3)
     work = _work(12, 0)
-    graphed = Scheduler(Decoder(spec, weights, "cuda", torch.bfloat16), 16, 8192)
+    graphed = Scheduler(Decoder(spec, weights, "cuda", dtype), 16, 8192)
     a = _run(graphed, work)
     assert graphed.graphs is not None and graphed.graphs.graphs, "decode must replay graphs"
-    eager = Scheduler(Decoder(spec, weights, "cuda", torch.bfloat16), 16, 8192, cuda_graph=False)
+    eager = Scheduler(Decoder(spec, weights, "cuda", dtype), 16, 8192, cuda_graph=False)
     b = _run(eager, work)
     assert [r.output for r in a] == [r.output for r in b]
     diff = max(
         abs(x - y) for p, q in zip(a, b, strict=True) for x, y in zip(p.logprobs, q.logprobs, strict=True)
     )
-    print(f"{v3.rsplit('/', 1)[-1]} graph vs eager bf16: max |logprob diff| {diff:.2e}")
-    assert diff < 1e-3
+    print(f"{v3.rsplit('/', 1)[-1]} graph vs eager {dtype}: max |logprob diff| {diff:.2e}")
+    assert diff < (1e-5 if v4 else 1e-3)
 
 
 def test_replay_lowers_the_bf16_mismatch(v3):

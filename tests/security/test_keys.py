@@ -114,3 +114,18 @@ def test_the_dashboard_refuses_an_open_bind_beyond_loopback(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "miles.cli", "dashboard", str(tmp_path), "--host", "0.0.0.0"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode != 0 and "--allow-unauthenticated" in out.stdout + out.stderr
+
+
+def test_a_key_never_reads_as_a_flag(tmp_path, monkeypatch) -> None:
+    """One random key in 64 would start with "-", which a command line takes for a flag (sglang-router
+    once exited "--api-key: expected one argument"): new keys never do, and the keys Miles passes on a
+    command line go as --flag=value."""
+    import secrets
+
+    from miles.serving import sglang_key_arguments, write_key_file
+
+    drawn = iter(["-starts-with-a-dash", "fine-key"])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(drawn))
+    assert write_key_file(tmp_path / "keys" / "api_key") == "fine-key"
+    (tmp_path / "keys" / "api_key").write_text("-a-users-key\n")
+    assert "--api-key=-a-users-key" in sglang_key_arguments(tmp_path)

@@ -199,7 +199,7 @@ def test_fp8_projections_equal_a_decoder_holding_the_fake_quant_values(v4, layou
     """The FP8 contract on DeepSeek-V4's attention projections (q_a, q_b, kv, o_a, o_b; the compressors
     and indexer stay in the model dtype, as the checkpoints ship them): stored as FP8 pairs, the forward
     equals a plain decoder of the fake-quant values; an update keeps the scales it came with."""
-    from miles.engine.deepseek_v4 import Fp8V4Decoder
+    from miles.engine.fp8_weights import Fp8V4Decoder
     from miles.models.families.deepseek_v4 import hf_names
     from miles.quant.fp8 import FP8_DTYPE, fake_quant, is_quantized_name, quantize_weight, scale_name
 
