@@ -277,3 +277,26 @@ def test_buildkit_run_flags_are_read_as_flags_not_as_the_command(tmp_path) -> No
     f.write_text("FROM python:3.12\nRUN --mount=type=secret,id=tok cat /run/secrets/tok\n")
     with pytest.raises(TaskError, match=r"Dockerfile:2: RUN --mount=type=secret,id=tok: a build flag"):
         parse_dockerfile(f)
+
+
+def test_multi_step_and_compose_tasks_are_rows_naming_what_they_use(tmp_path) -> None:
+    """Harbor's multi-step tasks (schema 1.1, [[steps]]) and tasks with sidecar containers (a compose
+    file beside the Dockerfile) are refused by name, each a row of the check, the others still checked."""
+    ok = _task(tmp_path / "set" / "fine", REWARD_IF_DONE, solve="#!/bin/bash\ntouch /app/done\n")
+    steps = _task(tmp_path / "set" / "steps", REWARD_IF_DONE)
+    (steps / "task.toml").write_text(
+        'schema_version = "1.1"\n[[steps]]\nname = "scaffold"\n[[steps]]\nname = "implement"\n'
+    )
+    (steps / "instruction.md").unlink()
+    sidecar = _task(tmp_path / "set" / "sidecar", REWARD_IF_DONE)
+    (sidecar / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    depends_on: [api]\n  api:\n    build: {context: ./api}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "miles", "tasks", "check", str(tmp_path / "set")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1 and "1/3 tasks passed" in out.stdout, out.stdout + out.stderr
+    assert "a multi-step task ([[steps]]: scaffold, implement)" in out.stdout
+    assert "sidecar containers (api) started by docker compose" in out.stdout
+    assert ok.name in out.stdout

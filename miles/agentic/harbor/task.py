@@ -283,6 +283,7 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(_field_errors(toml_file, e)) from None
     except ValueError as e:  # a size string without a unit
         raise TaskError(f"{toml_file}: [environment]: {e}") from None
+    _refuse_unsupported(root, raw)
     instruction_file = root / "instruction.md"
     if not instruction_file.is_file() or not instruction_file.read_text().strip():
         raise TaskError(f"{instruction_file}: missing or empty (the task's instruction to the agent)")
@@ -301,6 +302,34 @@ def load_task(path: str | Path) -> Task:
             f"{root}: neither environment/Dockerfile nor [environment] docker_image in {toml_file.name}"
         )
     return Task(root, config, instruction_file.read_text(), tuple(steps), image, tuple(notes))
+
+
+def _refuse_unsupported(root: Path, raw: dict) -> None:
+    """TaskError naming the Harbor feature a task uses that Miles does not run: several steps
+    (`[[steps]]`, schema 1.1) or sidecar containers (environment/docker-compose.yaml services beyond
+    `main`)."""
+    if raw.get("steps"):
+        names = ", ".join(str(s.get("name", "?")) for s in raw["steps"] if isinstance(s, dict))
+        raise TaskError(
+            f"{root / 'task.toml'}: a multi-step task ([[steps]]: {names}); Miles runs single-step tasks "
+            "(one instruction.md, one tests/test.sh)"
+        )
+    for name in ("docker-compose.yaml", "docker-compose.yml"):
+        compose = root / "environment" / name
+        if not compose.is_file():
+            continue
+        import yaml
+
+        try:
+            services = (yaml.safe_load(compose.read_text()) or {}).get("services") or {}
+        except (yaml.YAMLError, AttributeError):
+            raise TaskError(f"{compose}: not a compose file (YAML with `services`)") from None
+        sidecars = [str(n) for n in services if n != "main"]
+        if sidecars:
+            raise TaskError(
+                f"{compose}: sidecar containers ({', '.join(sidecars)}) started by docker compose; Miles runs "
+                "one container per episode"
+            )
 
 
 def task_dirs(paths: list[str | Path]) -> list[Path]:
