@@ -204,6 +204,9 @@ class Decoder:
 
     def load(self, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
         """Copy tensors in by HF name; unknown names or wrong shapes raise ValueError naming them."""
+        if self.spec.mtp_layers:  # DeepSeek-V3's MTP layers follow the decoder's: not served
+            mtp = tuple(f"model.layers.{self.spec.num_layers + k}." for k in range(self.spec.mtp_layers))
+            weights = {n: t for n, t in weights.items() if not n.startswith(mtp)}
         if self.spec.moe is not None:  # stacked [E, ...] expert tensors arrive as their per-expert views
             weights = moe.per_expert(weights, self.spec.moe)
         known = set(self.expected_names())

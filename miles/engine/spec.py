@@ -37,6 +37,10 @@ class ModelSpec:
     mla: MlaSpec | None = None
     """The latent attention's shape (DeepSeek-V3: miles/engine/mla.py), None for grouped-query attention.
     With it, `num_kv_heads` is 1 (one latent per token) and `head_dim` the RoPE part's."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers a DeepSeek-V3 checkpoint holds after its decoder layers
+    (`num_nextn_predict_layers`, named model.layers.N.* from N = num_layers): dropped at load, as
+    transformers drops them (the engine does not speculate with them)."""
     v4: V4Spec | None = None
     """DeepSeek-V4's hybrid attention and hyper-connections (miles/engine/deepseek_v4.py), else None."""
 
@@ -73,6 +77,7 @@ class ModelSpec:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if family.moe else None,
             mla=mla,
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
             v4=v4,
         )
 

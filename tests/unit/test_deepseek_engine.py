@@ -217,3 +217,43 @@ def test_an_fp8_checkpoint_with_fp8_experts_loads_them_dequantised(v3, tmp_path)
     del stored[scale_name(expert)]
     with pytest.raises(ValueError, match=f"{expert} is float8_e4m3fn but {expert}_scale_inv was not sent"):
         dec.load(stored)
+
+
+def test_a_checkpoint_with_mtp_layers_loads_and_serves_the_same(v3, tmp_path):
+    """Published DeepSeek-V3 checkpoints hold their multi-token-prediction layer after the decoder's
+    (model.layers.61.* for 61 layers, `num_nextn_predict_layers: 1`): the engine drops it, as
+    transformers does, and serves the same logits."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    weights = load_weights(v3)
+    n = ModelSpec.from_dir(v3).num_layers
+    mtp = {
+        k.replace("model.layers.1.", f"model.layers.{n}."): t.clone()
+        for k, t in weights.items()
+        if k.startswith("model.layers.1.")
+    }
+    mtp |= {
+        f"model.layers.{n}.eh_proj.weight": torch.zeros(64, 128),
+        f"model.layers.{n}.enorm.weight": torch.ones(64),
+    }
+    shutil.copytree(v3, tmp_path / "m")
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        f.unlink()
+    save_file(weights | mtp, str(tmp_path / "m" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
+    spec = ModelSpec.from_dir(tmp_path / "m")
+    assert spec.mtp_layers == 1
+    rng = random.Random(4)
+    tokens = [rng.randrange(4, 380) for _ in range(21)]
+    ar = torch.arange(len(tokens))
+
+    def logits(dec):
+        batch = Batch(ar.new_tensor(tokens), ar, ar + 1, ar[None], ar[None], (ar + 1)[None], ar)
+        return dec.forward(batch, dec.new_kv_pool(32))
+
+    ours = Decoder(spec, load_weights(tmp_path / "m"), "cpu", torch.float32)
+    plain = Decoder(ModelSpec.from_dir(v3), weights, "cpu", torch.float32)
+    assert torch.equal(logits(ours), logits(plain))
