@@ -11,6 +11,9 @@ in the output), is compared with its baseline entry (value, commit, date, machin
 printed in one table. A figure worse than its baseline by more than its tolerance (10% unless the
 entry says otherwise) fails the guard: the exit status is 1 and the figure is named. A figure with
 no baseline entry for this mode is reported, not judged. A benchmark that fails is a failed figure.
+GPU baselines are kept per card (`gpu.H200`, `gpu.H100`, ..., each figure with its commit and date):
+a figure is judged only against the same card's entry, and `--write-baseline` replaces only this
+card's (a card's model is read from the device name: H100, H200, MI355X, ...).
 
 GPU figures: the end-to-end synchronous GRPO step (bench/e2e_gpu.py: colocated, Megatron and FSDP; the
 Megatron run's training MFU as well), the engine's decode throughput in process and over HTTP
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -235,6 +239,25 @@ def machine() -> str:
     return f"{platform.machine()} CPU x{__import__('os').cpu_count()}, {platform.python_version()}"
 
 
+def card(name: str) -> str:
+    """The card's model in a device name ("NVIDIA H100 80GB HBM3" -> "H100", "AMD Instinct MI355X" ->
+    "MI355X"); the whole name where none is recognised."""
+    found = re.search(r"\b(?:GB|MI|[ABHLV])\d+\w*\b", name)
+    return found.group(0) if found else name
+
+
+def card_baseline(baseline: dict, mode: str, this_card: str) -> dict:
+    """The figures a run is judged against: the CPU's, or the GPU figures of this card alone (a figure
+    of another card is neither a regression nor a pass here). A baseline of the earlier layout (GPU
+    figures not keyed by card) counts each figure for the card its `machine` names."""
+    if mode == "cpu":
+        return baseline.get("cpu", {})
+    gpu = baseline.get("gpu", {})
+    if isinstance(gpu.get(this_card), dict) and "value" not in gpu[this_card]:
+        return gpu[this_card]
+    return {k: v for k, v in gpu.items() if "value" in v and card(v.get("machine", "")) == this_card}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="the CPU figures (tiny shapes, ratios)")
@@ -254,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only and (unknown := set(args.only) - set(RUNS[mode])):
         p.error(f"unknown --only {sorted(unknown)}; known in {mode} mode: {sorted(RUNS[mode])}")
     baseline = json.loads(Path(args.baseline).read_text()) if Path(args.baseline).exists() else {}
-    base = baseline.get(mode, {})
+    this_card = card(machine())
+    base = card_baseline(baseline, mode, this_card)
+    if mode == "gpu" and not base:
+        print(f"no baseline of this card ({this_card}) in {args.baseline}: its figures are new here")
     work = Path(tempfile.mkdtemp(prefix="guard-"))
     outputs, errors, seconds = {}, {}, {}
     for key, argv_ in runs.items():
@@ -293,7 +319,14 @@ def main(argv: list[str] | None = None) -> int:
                 base[r["name"]] = dict(
                     value=r["value"], **stamp, tolerance=old.get("tolerance", DEFAULT_TOLERANCE)
                 )
-        baseline[mode] = base
+        if mode == "cpu":
+            baseline["cpu"] = base
+        else:  # per card; figures of the earlier layout move under their own card
+            gpu = baseline.get("gpu", {})
+            for name, fig in [(k, v) for k, v in gpu.items() if "value" in v]:
+                gpu.setdefault(card(fig.get("machine", "")), {})[name] = gpu.pop(name)
+            gpu[this_card] = base
+            baseline["gpu"] = gpu
         Path(args.baseline).write_text(json.dumps(baseline, indent=1) + "\n")
         print(f"baseline written to {args.baseline}")
     if failed:

@@ -57,3 +57,20 @@ def test_cpu_moe_probe_compares_the_engine_layer_with_transformers(tmp_path, cap
     (row,) = json.loads((tmp_path / "g.json").read_text())["figures"]
     raw = json.loads((tmp_path / "g.json").read_text())["outputs"]["moe_cpu"]
     assert row["verdict"] == "WORSE" and row["value"] == raw["eager_s"] / raw["engine_s"] > 0
+
+
+def test_gpu_baselines_are_per_card_and_a_figure_of_another_card_is_not_judged() -> None:
+    """An H100 run is judged against H100 figures only: the H200's (a faster card) neither fail nor
+    pass it, in the per-card layout and in the earlier one (figures with their machine)."""
+    assert guard.card("NVIDIA H100 80GB HBM3") == "H100" and guard.card("NVIDIA H200") == "H200"
+    assert guard.card("AMD Instinct MI355X") == "MI355X" and guard.card("x86_64 CPU x2") == "x86_64 CPU x2"
+    h200 = {"value": 36700.0, "machine": "NVIDIA H200, torch 2.11.0+cu130", "commit": "b92d2f3"}
+    h100 = {"value": 29300.0, "machine": "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130", "commit": "ab47e81"}
+    per_card = {"gpu": {"H200": {"moe_decode_256_tok_s": h200}, "H100": {"moe_decode_256_tok_s": h100}}}
+    assert guard.card_baseline(per_card, "gpu", "H100") == {"moe_decode_256_tok_s": h100}
+    assert guard.card_baseline(per_card, "gpu", "B200") == {}
+    earlier = {"gpu": {"moe_decode_256_tok_s": h200}}
+    assert guard.card_baseline(earlier, "gpu", "H100") == {}
+    assert guard.card_baseline(earlier, "gpu", "H200") == {"moe_decode_256_tok_s": h200}
+    stored = json.loads(guard.BASELINE.read_text())
+    assert all("value" not in v for v in stored["gpu"].values()), "the shipped baseline is keyed by card"
