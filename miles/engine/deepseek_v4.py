@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine import moe
-from miles.engine.hybrid_attention import HybridAttention, inv_freq, unweighted_rms
+from miles.engine.hybrid_attention import HybridAttention, unweighted_rms
 from miles.engine.model import Decoder
+from miles.engine.rope import frequencies
 from miles.engine.spec import Batch
 from miles.engine.v4_spec import V4Spec
 
@@ -69,7 +70,11 @@ class V4Decoder(Decoder):
         self.hybrid = HybridAttention(self, spec.v4)
         super().__init__(spec, hf_names(weights), device, dtype)
         self.paged_decode = self.fused = self.row_decode = False
-        self.freqs = {k: inv_freq(self.v4.rope_dim, t, self.device) for k, t in self.v4.rope_theta.items()}
+        m = self.v4
+        self.freqs, self.rope_scales = {}, {}
+        for kind, theta in m.rope_theta.items():
+            inv, scale = frequencies(m.rope[kind], m.rope_dim, theta, m.max_positions, m.rope_truncate)
+            self.freqs[kind], self.rope_scales[kind] = inv.to(self.device), scale
 
     def _allocate(self, weights: dict[str, torch.Tensor]) -> None:
         names = self.expected_names()
@@ -113,7 +118,8 @@ class V4Decoder(Decoder):
     def rope_at(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, rope_dim / 2] of the `kind` ("main" / "compress") rope, in the model dtype."""
         freqs = positions.float()[:, None] * self.freqs[kind][None, :]
-        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        s = self.rope_scales[kind]
+        return (freqs.cos() * s).to(self.dtype), (freqs.sin() * s).to(self.dtype)
 
     def _hyper(self, x: torch.Tensor, p: str, module: str):
         """mHC weights of the streams x [T, N, hidden]: (post [T, N], comb [T, N, N], collapsed [T, hidden]);

@@ -54,11 +54,6 @@ class LayerCache:
     """"compressor" (and CSA's "indexer") -> (C [slots, W*D], Z [slots, W*D] fp32, entry [slots, D])."""
 
 
-def inv_freq(rope_dim: int, theta: float, device) -> torch.Tensor:
-    """transformers' V4 inverse frequencies (fp32, one per interleaved pair)."""
-    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float, device=device) / rope_dim))
-
-
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved RoPE of x [T, heads, d]'s trailing 2 * cos.shape[-1] channels, in place of layout;
     cos, sin [T, pairs] in x's dtype, the rotation in fp32 (transformers' V4 order of rounding)."""

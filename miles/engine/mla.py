@@ -15,8 +15,9 @@ values (a view, not a copy), and W_uv applies to the attended latent. RoPE pairs
 Each layer's query heads fold into the query length of one shared-KV head, as the decoder's
 grouped-query attention does, so the decoder's mask and packing serve unchanged.
 FP8 engines store the projections as the FP8 contract's pairs (miles/quant/fp8.py); W_kvb, used as
-a matrix here, is read dequantised. Left out: YaRN rope scaling (DeepSeek-V3's long-context
-checkpoints), the CUDA fused forward and the CPU row decode (this attention takes the decoder's
+a matrix here, is read dequantised. YaRN rope scaling (DeepSeek-V3's long-context checkpoints):
+the decoder's frequencies and cos/sin factor, and the softmax scale times mscale(mscale_all_dim)^2
+(miles/engine/rope.py). Left out: the CUDA fused forward and the CPU row decode (this attention takes the decoder's
 per-op path on every device), LoRA on these projections.
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.kv_cache import gather_slots
+from miles.engine.rope import yarn_softmax_scale
 
 if TYPE_CHECKING:
     from miles.engine.model import Decoder
@@ -136,6 +138,8 @@ class LatentAttention:
         keys = gather_slots(latent, b.context_slots).view(B, 1, L, D)
         qb = query[b.query_index].permute(0, 2, 1, 3).reshape(B, 1, H * Q, D)
         scale = (self.m.qk_nope_head_dim + self.m.qk_rope_head_dim) ** -0.5
+        if self.d.spec.rope_scaling is not None:
+            scale = yarn_softmax_scale(self.d.spec.rope_scaling, scale)
         out = F.scaled_dot_product_attention(
             qb, keys, keys[..., : self.m.kv_lora_rank], attn_mask=mask, scale=scale
         )

@@ -48,6 +48,7 @@ from miles.engine import moe
 from miles.engine.fused_forward import FusedForward
 from miles.engine.kv_cache import gather_slots as _gather_slots
 from miles.engine.mla import LatentAttention
+from miles.engine.rope import decoder_frequencies
 from miles.engine.spec import Batch, ModelSpec, load_weights
 
 __all__ = ["Batch", "Decoder", "ModelSpec", "load_weights"]
@@ -118,8 +119,8 @@ class Decoder:
         bank's A under a weight (and zeros under its bias)."""
         self._narrow: dict[str, int] = {}  # rows of each widened stored tensor
         self.load(weights, strict=True)
-        half = torch.arange(0, spec.head_dim, 2, dtype=torch.float64, device=self.device) / spec.head_dim
-        self.inv_freq = (1.0 / spec.rope_theta**half).float()
+        self.inv_freq, self.rope_scale = decoder_frequencies(spec, self.device)
+        """RoPE's inverse frequencies, and YaRN's factor on cos and sin (1.0 for default RoPE)."""
 
     def expected_names(self) -> list[str]:
         s = self.spec
@@ -525,6 +526,8 @@ class Decoder:
         freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
         mask = self._decode_mask(b)
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."

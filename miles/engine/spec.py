@@ -37,6 +37,8 @@ class ModelSpec:
     mla: MlaSpec | None = None
     """The latent attention's shape (DeepSeek-V3: miles/engine/mla.py), None for grouped-query attention.
     With it, `num_kv_heads` is 1 (one latent per token) and `head_dim` the RoPE part's."""
+    rope_scaling: dict | None = None
+    """The rope's YaRN parameters (DeepSeek-V3: `rope_type: yarn`, miles/engine/rope.py), None for default."""
     mtp_layers: int = 0
     """Multi-token-prediction layers a DeepSeek-V3 checkpoint holds after its decoder layers
     (`num_nextn_predict_layers`, named model.layers.N.* from N = num_layers): dropped at load, as
@@ -57,7 +59,10 @@ class ModelSpec:
         family.refuse_unless("engine")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         v4 = V4Spec.from_config(cfg) if family.attention == "deepseek_v4" else None  # its ropes: its own
-        if v4 is None and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if family.attention == "mla" and kind == "yarn":  # DeepSeek-V3's long-context checkpoints
+            pass
+        elif v4 is None and kind not in ("default", None):
             raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
         eos = cfg.get("eos_token_id")
         heads = cfg["num_attention_heads"]
@@ -77,6 +82,7 @@ class ModelSpec:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if family.moe else None,
             mla=mla,
+            rope_scaling=dict(rope) if kind == "yarn" and v4 is None else None,
             mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
             v4=v4,
         )

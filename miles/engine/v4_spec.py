@@ -18,6 +18,10 @@ class V4Spec:
     head_dim: int
     rope_dim: int
     rope_theta: dict[str, float] = field(hash=False)
+    rope: dict[str, dict] = field(hash=False)
+    """Each rope kind's parameters ("main", "compress": default or yarn, miles/engine/rope.py)."""
+    rope_truncate: bool
+    max_positions: int
     sliding_window: int
     q_lora_rank: int
     o_groups: int
@@ -47,11 +51,10 @@ class V4Spec:
             ("compress", cfg.get("compress_rope_theta", 160000.0)),
         ):
             sub = ropes.get(kind) or {}
-            if sub.get("rope_type", "default") != "default":
+            if sub.get("rope_type", "default") not in ("default", "yarn"):
                 raise ValueError(
-                    f"rope_parameters.{kind}.rope_type {sub['rope_type']!r} (DeepSeek-V4's long-context "
-                    "setting) is not supported by the embedded engine: only default RoPE; serve this "
-                    "checkpoint with engine.kind: sglang"
+                    f"rope_parameters.{kind}.rope_type {sub['rope_type']!r} is not supported by the embedded "
+                    "engine (default and yarn are); serve this checkpoint with engine.kind: sglang"
                 )
             theta[kind] = float(sub.get("rope_theta", default))
         factor = float(
@@ -65,6 +68,10 @@ class V4Spec:
             head_dim=head_dim,
             rope_dim=int(head_dim * factor),
             rope_theta=theta,
+            rope={k: dict(ropes.get(k) or {}) for k in theta},
+            # transformers reads `truncate` at the top of V4's rope_parameters (not per kind)
+            rope_truncate=bool(ropes.get("truncate", True)),
+            max_positions=int(cfg.get("max_position_embeddings", 4096)),
             sliding_window=int(cfg["sliding_window"]),
             q_lora_rank=int(cfg["q_lora_rank"]),
             o_groups=int(cfg["o_groups"]),

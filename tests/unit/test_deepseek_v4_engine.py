@@ -178,20 +178,53 @@ def test_the_server_refuses_what_it_does_not_serve_for_v4(v4, flag):
     assert "DeepseekV4ForCausalLM (hybrid compressed attention) is served" in done.stderr
 
 
-def test_yarn_rope_is_refused_naming_what_serves_it(v4, tmp_path):
+def _with_rope(src: str, dst, change) -> str:
     import json
     import shutil
 
-    shutil.copytree(v4, tmp_path / "m")
-    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["rope_parameters"]["compress"] |= {
-        "rope_type": "yarn",
-        "factor": 16.0,
-        "original_max_position_embeddings": 64,
-    }
-    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"compress.rope_type 'yarn'.*engine.kind: sglang"):
-        ModelSpec.from_dir(tmp_path / "m")
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    change(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+        "beta_slow": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v3"])
+def test_yarn_rope_equals_transformers(arch, v4, tmp_path):
+    """The real checkpoints' long-context rope: YaRN on DeepSeek-V4's compressed layers and on
+    DeepSeek-V3's latent attention (with its mscale on the softmax scale): prompt log-probs of a prompt
+    four times the original context equal transformers'; another rope type is refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.engine.fp8_weights import plain_decoder
+    from miles.models.tiny import init_tiny
+
+    if arch == "deepseek_v4":
+        path = _with_rope(v4, tmp_path / "m", lambda c: c["rope_parameters"]["compress"].update(YARN))
+    else:
+        src = str(init_tiny(tmp_path / "v3", arch="deepseek_v3", seed=2))
+        yarn = YARN | {"mscale": 1.0, "mscale_all_dim": 1.0}
+        path = _with_rope(src, tmp_path / "m", lambda c: c["rope_parameters"].update(yarn))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dec = plain_decoder(ModelSpec.from_dir(path), load_weights(path), "cpu", torch.float32)
+    if arch == "deepseek_v4":  # cos and sin scaled; V3's mscale == mscale_all_dim scales its softmax instead
+        assert dec.rope_scales["compress"] > 1.0 and dec.rope_scales["main"] == 1.0
+    else:
+        assert dec.spec.rope_scaling["rope_type"] == "yarn"
+    rng = random.Random(6)
+    tokens = [rng.randrange(4, 380) for _ in range(64)]
+    logits = dec.forward(_prompt_batch(tokens), dec.new_kv_pool(80))
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0].float()
+    assert (torch.log_softmax(logits, -1) - torch.log_softmax(ref, -1)).abs().max().item() <= TOL
+    other = _with_rope(path, tmp_path / "o", lambda c: c["rope_parameters"].update(rope_type="longrope")
+                       if arch == "deepseek_v3" else c["rope_parameters"]["compress"].update(rope_type="longrope"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"'longrope'"):
+        ModelSpec.from_dir(other)
 
 
 @pytest.mark.parametrize("layout", ["fp8_block", "fp8_row"])
