@@ -222,6 +222,7 @@ def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_o
     )  # fmt: skip
     assert out.returncode == 1 and "0/3 tasks passed" in out.stdout, out.stdout
     assert "| AssertionError: expected 42 in /app/out" in out.stdout  # the verifier's tail under its row
+    assert "allow_internet (Harbor's default) and its episodes ran without network" in out.stdout
     assert loud.name in out.stdout
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1] if not line.startswith(" ")}
     assert rows[wrong.name].split()[1:4] == ["0", "0", "FAILED:"]

@@ -30,6 +30,8 @@ class TaskCheck:
     nothing: VerifierResult | None
     error: str = ""
     """Why the task could not run here (unsupported on this backend, malformed), or ""."""
+    allow_internet: bool = False
+    """The task's [environment] allow_internet (Harbor's default: true); episodes here have no network."""
 
     @property
     def passed(self) -> bool:
@@ -51,7 +53,7 @@ async def check_task(
                 oracle = await ep.verify()
         async with Episode(task, settings, backend=backend) as ep:
             nothing = await ep.verify()
-        return TaskCheck(task.name, oracle, nothing)
+        return TaskCheck(task.name, oracle, nothing, allow_internet=task.config.environment.allow_internet)
     except TaskError as e:
         return TaskCheck(task.name, None, None, str(e))
     except SandboxStartError as e:
@@ -92,11 +94,14 @@ def _why(r: TaskCheck) -> str:
     cell = _cell(res)
     tail = [line for line in (res.output or "").strip().splitlines() if line.strip()][-TAIL_LINES:]
     shown = "".join(f"\n      | {line[:200]}" for line in tail)
-    return (
-        f"{which} {cell}; verifier output ends:{shown}"
-        if tail
-        else f"{which} {cell}; the verifier printed nothing"
-    )
+    why = f"{which} {cell}; " + (f"verifier output ends:{shown}" if tail else "the verifier printed nothing")
+    if r.allow_internet:
+        why += (
+            "\n      (the task sets [environment] allow_internet (Harbor's default) and its episodes ran "
+            "without network: a verifier or solution that downloads (apt-get, pip, curl) needs what it "
+            "fetches baked into the task's image)"
+        )
+    return why
 
 
 def report(results: list[TaskCheck]) -> tuple[str, bool]:
