@@ -46,6 +46,11 @@ async def check_task(
 ) -> TaskCheck:
     try:
         await prepare_image(task, backend)
+        if task.task_steps:
+            oracle, nothing = await _check_steps(task, settings, backend)
+            return TaskCheck(
+                task.name, oracle, nothing, allow_internet=task.config.environment.allow_internet
+            )
         oracle = None
         if task.solution_dir is not None:
             async with Episode(task, settings, backend=backend) as ep:
@@ -58,6 +63,43 @@ async def check_task(
         return TaskCheck(task.name, None, None, str(e))
     except SandboxStartError as e:
         return TaskCheck(task.name, None, None, f"no sandbox: {e}")
+
+
+async def run_steps(task: Task, ep: Episode, oracle: bool) -> VerifierResult:
+    """A multi-step task in one episode, step by step (its workdir, then the step's solution when
+    `oracle`, then its verifier), stopping after a step below its min_reward; one result whose reward
+    is the task's roll-up (multi_step_reward_strategy) and whose output lists each step's."""
+    rewards, lines, status, seconds = [], [], "ok", 0.0
+    for step in task.task_steps:
+        await ep.begin_step(step)
+        if oracle and step.part("solution") is not None:
+            await ep.run_solution(step)
+        res = await ep.verify(step)
+        seconds += res.seconds
+        rewards.append(res.reward if res.reward is not None else 0.0)
+        lines.append(
+            f"step {step.name}: {_cell(res)}" + (f"\n{res.output.strip()}" if res.reward != 1.0 else "")
+        )
+        if res.reward is None:
+            status = res.status
+        if step.config.min_reward is not None and rewards[-1] < step.config.min_reward:
+            lines.append(
+                f"stopped after step {step.name}: reward below its min_reward {step.config.min_reward:g}"
+            )
+            break
+    return VerifierResult(task.reward(rewards), status, seconds, "\n".join(lines))
+
+
+async def _check_steps(task: Task, settings, backend) -> tuple[VerifierResult | None, VerifierResult]:
+    """(oracle, do-nothing) of a multi-step task: the oracle runs every step's solution (None when no
+    step has one)."""
+    oracle = None
+    if any(s.part("solution") is not None for s in task.task_steps):
+        async with Episode(task, settings, backend=backend) as ep:
+            oracle = await run_steps(task, ep, oracle=True)
+    async with Episode(task, settings, backend=backend) as ep:
+        nothing = await run_steps(task, ep, oracle=False)
+    return oracle, nothing
 
 
 async def check_tasks(

@@ -141,9 +141,11 @@ class HarborEnv(ToolEnv):
         return {"path": paths[k % len(paths)], "id": index}
 
     def opening(self, task: dict[str, Any]) -> list[Message]:
+        t = _cached(task["path"])
+        first = t.task_steps[0].instruction if t.task_steps else t.instruction  # a multi-step task's first
         return [
             {"role": "system", "content": self.system_prompt},
-            {"role": "user", "content": _cached(task["path"]).instruction.strip()},
+            {"role": "user", "content": first.strip()},
         ]
 
     def demonstration(self) -> list[str] | None:
@@ -151,11 +153,15 @@ class HarborEnv(ToolEnv):
         solution/solve.sh as one compact bash call (it runs in /app, as the verifier's oracle does),
         then submit; None when the task has no solution."""
         task = _cached(self.task["path"])
-        if task.solution_dir is None:
+        dirs = [s.part("solution") for s in task.task_steps] if task.task_steps else [task.solution_dir]
+        if any(d is None for d in dirs):
             return None
-        lines = (task.solution_dir / "solve.sh").read_text().splitlines()
-        body = "\n".join(x for x in lines if x.strip() and not x.startswith("#!")).strip()
-        return [f"<tool_call>bash {body}</tool_call>", "<tool_call>submit</tool_call>"]
+        turns = []
+        for d in dirs:  # a multi-step task: each step's solution, then submit, step by step
+            lines = (d / "solve.sh").read_text().splitlines()
+            body = "\n".join(x for x in lines if x.strip() and not x.startswith("#!")).strip()
+            turns += [f"<tool_call>bash {body}</tool_call>", "<tool_call>submit</tool_call>"]
+        return turns
 
     # ---- episode -----------------------------------------------------------------------------------
 
@@ -168,6 +174,9 @@ class HarborEnv(ToolEnv):
         sandbox = await self._held.enter_async_context(pool.acquire())  # closed and wiped by close()
         self.episode = Episode(task, output_limit=self.output_limit, sandbox=sandbox)
         await self.episode.start()
+        self._step, self._step_rewards, self._masked = 0, [], ""
+        if task.task_steps:
+            await self.episode.begin_step(task.task_steps[0])
         self.outcome["sandbox_start_s"] = time.monotonic() - t0
 
     async def close(self) -> None:
@@ -190,12 +199,21 @@ class HarborEnv(ToolEnv):
         if not result.done:
             return result
         assert self.episode is not None
-        verdict = await self.episode.verify()
+        task = _cached(self.task["path"])
+        step = task.task_steps[self._step] if task.task_steps else None
+        verdict = await self.episode.verify(step)
         info = dict(result.info)
         info["verifier_s"] = verdict.seconds
         reward = verdict.reward if verdict.reward is not None else 0.0
         if verdict.reward is None:
-            info["masked"] = f"verifier {verdict.status}"
+            self._masked = f"verifier {verdict.status}" + (f" (step {step.name})" if step else "")
+        if step is not None:
+            if (following := await self._next_step(task, step, reward, result)) is not None:
+                return following
+            info["step_rewards"] = list(self._step_rewards)
+            reward = task.reward(self._step_rewards)
+        if self._masked:
+            info["masked"] = self._masked
         info["success"] = reward >= 1.0
         info["episode"] = {
             **info.get("episode", {}),
@@ -203,6 +221,24 @@ class HarborEnv(ToolEnv):
             "verifier_s": verdict.seconds,
         }
         return StepResult(result.messages, reward, True, info)
+
+    async def _next_step(self, task, step, reward: float, result: StepResult) -> StepResult | None:
+        """A multi-step task after `step` was verified: the next step's instruction as a user turn
+        (the episode goes on), or None when it ends (the last step, a reward below the step's
+        min_reward, or the turn budget spent)."""
+        self._step_rewards.append(reward)
+        last = self._step + 1 >= len(task.task_steps)
+        below = step.config.min_reward is not None and reward < step.config.min_reward
+        if last or below or self.turns >= self.max_turns:
+            return None
+        self._step += 1
+        nxt = task.task_steps[self._step]
+        await self._live().begin_step(nxt)
+        self.done, self._submitted = False, False
+        info = {**result.info, "step": step.name, "step_reward": reward}
+        return StepResult(
+            [*result.messages, {"role": "user", "content": nxt.instruction.strip()}], 0.0, False, info
+        )
 
     # ---- tools -------------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from miles.agentic.harbor.files import read_sandbox_file, task_files
 from miles.agentic.harbor.sandboxes import APP, episode_settings, make_sandbox
-from miles.agentic.harbor.task import Task, TaskError
+from miles.agentic.harbor.task import Task, TaskError, TaskStep
 from miles.agentic.sandbox.base import ExecResult, Sandbox
 from miles.agentic.sandbox.bwrap import BwrapSettings
 from miles.agentic.sandbox.container import ContainerSandbox, ContainerSandboxConfig
@@ -201,13 +201,29 @@ class Episode:
 
     # ---- oracle and verification -------------------------------------------------------------------
 
-    async def run_solution(self) -> ExecResult:
-        """The task's solution/ at /solution, then `bash /solution/solve.sh` (its [solution] env)."""
-        solution = self.task.solution_dir
+    async def begin_step(self, step: TaskStep) -> None:
+        """A multi-step task's step begins: its workdir/ copied into the working directory, then its
+        setup.sh (if any) run there. TaskUnsupported when the setup fails."""
+        workdir = step.part("workdir")
+        if workdir is None:
+            return
+        for f in task_files(self.task.path, workdir):
+            await self.sandbox.write_file(f"{self.cwd}/{f.relative_to(workdir)}", f.read_bytes())
+        if (workdir / "setup.sh").is_file():
+            res = await self._exec("bash setup.sh", self.task.config.environment.build_timeout_sec)
+            if not res.ok:
+                raise TaskUnsupported(
+                    f"{workdir / 'setup.sh'}: exit {res.returncode}: {(res.stderr or res.stdout).strip()[-300:]!r}"
+                )
+
+    async def run_solution(self, step: TaskStep | None = None) -> ExecResult:
+        """The task's (or the step's) solution/ at /solution, then `bash /solution/solve.sh` (its
+        [solution] env)."""
+        solution = self.task.solution_dir if step is None else step.part("solution")
         if solution is None:
-            raise TaskError(f"{self.task.path}: no solution/solve.sh")
+            raise TaskError(f"{self.task.path if step is None else step.root}: no solution/solve.sh")
         await self._copy_tree(solution, "solution")
-        timeout = self.task.config.agent.timeout_sec or 600.0
+        timeout = (step and step.config.agent.timeout_sec) or self.task.config.agent.timeout_sec or 600.0
         return await self._exec("bash /solution/solve.sh", timeout, self.task.config.solution.env)
 
     async def _copy_tree(self, source: Path, sub: str) -> None:
@@ -217,13 +233,27 @@ class Episode:
         for f in task_files(self.task.path, source):  # links and special files out of the task refused
             await self.sandbox.write_file(f"{sub}/{f.relative_to(source)}", f.read_bytes())
 
-    async def verify(self) -> VerifierResult:
+    async def _copy_tests(self, step: TaskStep | None) -> None:
+        """/tests: the task's tests/, then a step's own laid over it (its files win)."""
+        if self.task.tests_dir.is_dir():
+            await self._copy_tree(self.task.tests_dir, "tests")
+        else:
+            shutil.rmtree(self.sandbox.path / "tests", ignore_errors=True)  # type: ignore[operator]
+            await self.sandbox.make_dir("tests")
+        if step is not None and (own := step.part("tests")) is not None:
+            for f in task_files(self.task.path, own):
+                await self.sandbox.write_file(f"tests/{f.relative_to(own)}", f.read_bytes())
+
+    async def verify(self, step: TaskStep | None = None) -> VerifierResult:
+        """Run the verifier (a multi-step task's: `step`'s tests over the task's, its env and timeout)."""
         t0 = time.monotonic()
-        await self._copy_tree(self.task.tests_dir, "tests")
+        await self._copy_tests(step)
         shutil.rmtree(self.sandbox.path / "logs", ignore_errors=True)  # type: ignore[operator]
         await self.sandbox.make_dir("logs/verifier")
         cfg = self.task.config.verifier
-        res = await self._exec("bash /tests/test.sh", cfg.timeout_sec, cfg.env)
+        timeout = (step and step.config.verifier.timeout_sec) or cfg.timeout_sec
+        env = {**cfg.env, **(step.config.verifier.env if step else {})}
+        res = await self._exec("bash /tests/test.sh", timeout, env)
         output = truncate(res.stdout + res.stderr, 4000)
         seconds = time.monotonic() - t0
         if res.timed_out:

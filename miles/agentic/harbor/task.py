@@ -22,7 +22,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -84,6 +84,22 @@ class EnvironmentSection(_Section):
         return data
 
 
+class StepVerifier(_Section):
+    timeout_sec: float | None = Field(None, gt=0)
+    env: dict[str, str] = {}
+
+
+class StepSection(_Section):
+    """One [[steps]] entry (Harbor's schema 1.1): its files live in steps/<name>/."""
+
+    name: str = Field(min_length=1)
+    min_reward: float | None = None
+    """The episode stops after this step when its reward is below this."""
+    contributes_to_mean: bool = True
+    agent: AgentSection = AgentSection()
+    verifier: StepVerifier = StepVerifier()
+
+
 class TaskConfig(_Section):
     """task.toml."""
 
@@ -93,6 +109,9 @@ class TaskConfig(_Section):
     agent: AgentSection = AgentSection()
     environment: EnvironmentSection = EnvironmentSection()
     solution: SolutionSection = SolutionSection()
+    steps: list[StepSection] = []
+    multi_step_reward_strategy: Literal["mean", "final"] = "mean"
+    """A multi-step task's reward: the mean over its steps (those not run count 0) or the last run's."""
 
     @model_validator(mode="before")
     @classmethod
@@ -113,6 +132,25 @@ class DockerStep:
 
 
 @dataclass(frozen=True)
+class TaskStep:
+    """One step of a multi-step task: steps/<name>/ holds instruction.md, and optionally tests/ (laid
+    over the task's tests/), solution/solve.sh and workdir/ (copied into the working directory before
+    the agent's turn, its setup.sh run there)."""
+
+    config: StepSection
+    root: Path
+    instruction: str
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def part(self, name: str) -> Path | None:
+        d = self.root / name
+        return d if d.is_dir() else None
+
+
+@dataclass(frozen=True)
 class Task:
     """One Harbor task directory, read and checked."""
 
@@ -125,6 +163,16 @@ class Task:
     """The Dockerfile's FROM, or [environment] docker_image."""
     notes: tuple[str, ...] = field(default=())
     """Dockerfile instructions the local backend ignores (CMD, EXPOSE, ...), for `miles tasks check`."""
+    task_steps: tuple[TaskStep, ...] = ()
+    """A multi-step task's steps, in order (empty for a single-step task)."""
+
+    def reward(self, rewards: list[float]) -> float:
+        """A multi-step episode's reward from the rewards of the steps it ran (task.toml's strategy)."""
+        if self.config.multi_step_reward_strategy == "final":
+            return rewards[-1] if rewards else 0.0
+        counted = [s.config.contributes_to_mean for s in self.task_steps]
+        total = sum(r for r, c in zip(rewards, counted, strict=False) if c)
+        return total / max(sum(counted), 1)
 
     @property
     def name(self) -> str:
@@ -283,11 +331,12 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(_field_errors(toml_file, e)) from None
     except ValueError as e:  # a size string without a unit
         raise TaskError(f"{toml_file}: [environment]: {e}") from None
-    _refuse_unsupported(root, raw)
+    _refuse_unsupported(root)
+    task_steps = _task_steps(root, config)
     instruction_file = root / "instruction.md"
-    if not instruction_file.is_file() or not instruction_file.read_text().strip():
+    if not task_steps and (not instruction_file.is_file() or not instruction_file.read_text().strip()):
         raise TaskError(f"{instruction_file}: missing or empty (the task's instruction to the agent)")
-    if not (root / "tests" / "test.sh").is_file():
+    if not task_steps and not (root / "tests" / "test.sh").is_file():
         raise TaskError(f"{root / 'tests' / 'test.sh'}: missing (the verifier entry point)")
     solution = root / "solution"
     if solution.is_dir() and not (solution / "solve.sh").is_file():
@@ -301,19 +350,36 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(
             f"{root}: neither environment/Dockerfile nor [environment] docker_image in {toml_file.name}"
         )
-    return Task(root, config, instruction_file.read_text(), tuple(steps), image, tuple(notes))
+    instruction = instruction_file.read_text() if instruction_file.is_file() else ""
+    return Task(root, config, instruction, tuple(steps), image, tuple(notes), task_steps)
 
 
-def _refuse_unsupported(root: Path, raw: dict) -> None:
-    """TaskError naming the Harbor feature a task uses that Miles does not run: several steps
-    (`[[steps]]`, schema 1.1) or sidecar containers (environment/docker-compose.yaml services beyond
-    `main`)."""
-    if raw.get("steps"):
-        names = ", ".join(str(s.get("name", "?")) for s in raw["steps"] if isinstance(s, dict))
-        raise TaskError(
-            f"{root / 'task.toml'}: a multi-step task ([[steps]]: {names}); Miles runs single-step tasks "
-            "(one instruction.md, one tests/test.sh)"
-        )
+def _task_steps(root: Path, config: TaskConfig) -> tuple[TaskStep, ...]:
+    """The steps of a multi-step task, each checked: steps/<name>/instruction.md, and a test.sh of its
+    own or the task's (TaskError naming the file)."""
+    out = []
+    for step in config.steps:
+        d = root / "steps" / step.name
+        text = (d / "instruction.md").read_text() if (d / "instruction.md").is_file() else ""
+        if not text.strip():
+            raise TaskError(f"{d / 'instruction.md'}: missing or empty (step {step.name!r}'s instruction)")
+        if not (d / "tests" / "test.sh").is_file() and not (root / "tests" / "test.sh").is_file():
+            raise TaskError(
+                f"{d / 'tests' / 'test.sh'}: missing, and no tests/test.sh of the task to fall back on"
+            )
+        if (d / "solution").is_dir() and not (d / "solution" / "solve.sh").is_file():
+            raise TaskError(
+                f"{d / 'solution' / 'solve.sh'}: missing (solution/ exists without its entry point)"
+            )
+        out.append(TaskStep(step, d, text))
+    if len({s.name for s in out}) != len(out):
+        raise TaskError(f"{root / 'task.toml'}: [[steps]] names repeat")
+    return tuple(out)
+
+
+def _refuse_unsupported(root: Path) -> None:
+    """TaskError naming the Harbor feature a task uses that Miles does not run: sidecar containers
+    (environment/docker-compose.yaml services beyond `main`)."""
     for name in ("docker-compose.yaml", "docker-compose.yml"):
         compose = root / "environment" / name
         if not compose.is_file():
