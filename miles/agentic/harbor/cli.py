@@ -41,6 +41,26 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_build(args: argparse.Namespace) -> int:
+    from miles.agentic.harbor.build import build_task
+    from miles.agentic.harbor.task import TaskError, load_task, task_dirs
+
+    try:
+        dirs = task_dirs(args.paths)
+    except TaskError as e:
+        print(f"miles: error: {e}", file=sys.stderr)
+        return 2
+    failed = 0
+    for d in dirs:  # every task a row: one that cannot be read or built does not stop the others
+        try:
+            path, how = build_task(load_task(d), args.image_dir)
+            print(f"{d.name}: {how} {path}")
+        except TaskError as e:
+            failed += 1
+            print(f"{d.name}: error: {e}")
+    return 1 if failed else 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from miles.agentic.harbor.convert import convert_paths
 
@@ -80,6 +100,16 @@ def add_tasks_command(sub: argparse._SubParsersAction) -> None:
         "apptainer, NAME+TAG.sqsh for enroot) instead of the registry",
     )
     q.set_defaults(func=_cmd_check)
+    q = tsub.add_parser(
+        "build",
+        help="build each task's image from its Dockerfile (network at build time) into Apptainer images "
+        "in --image-dir, which `--runtime apptainer --image-dir` episodes then start from",
+    )
+    q.add_argument("paths", nargs="+", help="task directories or folders of tasks")
+    q.add_argument(
+        "--image-dir", required=True, help="where the images go (and the base images are, pulled ahead)"
+    )
+    q.set_defaults(func=_cmd_build)
     q = tsub.add_parser(
         "convert", help="rewrite Terminal-Bench 1 tasks (task.yaml, run-tests.sh) in Harbor's format"
     )

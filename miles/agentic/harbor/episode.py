@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.agentic.harbor.build import SEED
 from miles.agentic.harbor.files import read_sandbox_file, task_files
 from miles.agentic.harbor.sandboxes import APP, episode_settings, make_sandbox
 from miles.agentic.harbor.task import Task, TaskError, TaskStep
@@ -81,6 +82,8 @@ class Episode:
         self.sandbox = sandbox if sandbox is not None else make_sandbox(task, self.settings, backend)
         self.in_image = isinstance(self.sandbox, ContainerSandbox)
         """Commands run in the task's own image (a container backend)."""
+        self.built = self.in_image and Path(self.sandbox.cfg.image).name.startswith("miles-task_")  # type: ignore[attr-defined]
+        """The image `miles tasks build` made: its RUN and COPY steps are in it, not replayed."""
         self.env: dict[str, str] = dict(task.config.environment.env)
         self.cwd = APP
         self.output_limit = output_limit
@@ -108,7 +111,11 @@ class Episode:
 
     async def _replay(self) -> None:
         dockerfile = self.task.environment_dir / "Dockerfile"
+        if self.built:  # the build's /app into the episode's own
+            await self._exec(f"if [ -d {SEED} ]; then cp -a {SEED}/. {APP}/; fi", 600.0)
         for step in self.task.steps:
+            if self.built and step.kind in ("run", "copy"):
+                continue
             where = f"{dockerfile}:{step.line}"
             if step.kind == "workdir":
                 self.cwd = self._under_app(step.args[0], where)

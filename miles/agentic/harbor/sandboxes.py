@@ -7,7 +7,8 @@ Backends (`backend` option of the `harbor` environment and `miles tasks check --
   command runs in the task's own image, `docker://` + [environment] docker_image or the Dockerfile's
   FROM, with the episode's /app, /tests, /logs and /solution bound in and no network; the Dockerfile's
   remaining steps are replayed inside it. With `image_dir` set, images come from files pulled there
-  ahead (compute nodes without registry access). enroot needs each image unpacked once per node
+  ahead (compute nodes without registry access); an image `miles tasks build` made for the task
+  there (miles/agentic/harbor/build.py) is used instead, its Dockerfile then not replayed. enroot needs each image unpacked once per node
   (`enroot create`), which `prepare_image` does the first time an image is met in the process.
 
 Pools: episodes draw their sandboxes from a SandboxPool (miles/agentic/sandbox/pool.py) per event
@@ -23,6 +24,7 @@ import subprocess
 import weakref
 from dataclasses import replace
 
+from miles.agentic.harbor.build import built_image
 from miles.agentic.harbor.task import Task
 from miles.agentic.sandbox.base import Sandbox, SandboxStartError
 from miles.agentic.sandbox.bwrap import BwrapSandbox, BwrapSettings
@@ -64,8 +66,11 @@ def task_image(task: Task) -> str:
 
 
 def task_backend(task: Task, backend: ContainerSandboxConfig) -> ContainerSandboxConfig:
-    """`backend` with the image `task`'s episodes run in (pulled ahead into `image_dir` if set)."""
-    return backend.model_copy(update={"image": resolve_image(task_image(task), backend)})
+    """`backend` with the image `task`'s episodes run in: the one `miles tasks build` made for it in
+    `image_dir` (miles/agentic/harbor/build.py), else its registry image (pulled ahead there if set)."""
+    built = built_image(task, backend)
+    image = str(built) if built is not None else resolve_image(task_image(task), backend)
+    return backend.model_copy(update={"image": image})
 
 
 def make_sandbox(task: Task, settings: BwrapSettings, backend: ContainerSandboxConfig | None) -> Sandbox:

@@ -1,0 +1,174 @@
+"""`miles tasks build DIR... --image-dir D`: each task's image built once from its Dockerfile, with network
+at build time, into an Apptainer image in D that its episodes then start from.
+
+The build: the Dockerfile's FROM image, a file in D (pulled there ahead, or a stand-in built by
+containers/stand-in-images.sh where no registry is reachable), unpacked into a directory (`apptainer
+sif dump` of its root filesystem, `unsquashfs`); the build context staged at /.miles-context; the
+Dockerfile's steps in order (WORKDIR, ENV, COPY/ADD from the context, RUN with the host's network) as
+one script run in it by `apptainer exec --writable --no-privs` (apt's privilege drop switched off
+for the build: without capabilities it cannot setgroups); ENV kept for the image's environment; then
+`apptainer build` packs the directory into D. (Apptainer's own %post needs capabilities a container
+host often withholds.) Needs root, apptainer and squashfs-tools (containers/apptainer.sh installs
+both). Episodes bind their own /app, which would hide
+what the build left there: the build keeps a copy of /app at /.miles-app, copied into the episode's
+/app when it starts (miles/agentic/harbor/episode.py), where the RUN and COPY steps are then not
+replayed. An image is named by its task and a hash of the Dockerfile, the context's files and the
+base image's name (`built_name`), so an edit builds anew and an unchanged task is not rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from miles.agentic.harbor.files import TaskError, task_files
+from miles.agentic.harbor.task import Task
+from miles.agentic.sandbox.container import ContainerSandboxConfig, resolve_image
+
+SEED = "/.miles-app"
+"""Where a built image keeps its /app (module docstring)."""
+
+
+def image_key(task: Task) -> str:
+    """12 hex digits of the Dockerfile, every file of the build context and the base image's name."""
+    h = hashlib.sha256(str(task.base_image).encode())
+    context = task.environment_dir
+    for f in sorted(task_files(task.path, context)):
+        h.update(str(f.relative_to(context)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def built_name(task: Task) -> str:
+    return f"miles-task_{re.sub(r'[^A-Za-z0-9_.-]', '-', task.name)}-{image_key(task)}.sif"
+
+
+def built_image(task: Task, backend: ContainerSandboxConfig | None) -> Path | None:
+    """The image `miles tasks build` made for `task` in the backend's image_dir, if there is one."""
+    if backend is None or backend.runtime != "apptainer" or backend.image_dir is None:
+        return None
+    path = Path(backend.image_dir) / built_name(task)
+    return path if path.is_file() else None
+
+
+def _post(task: Task) -> tuple[list[str], list[str]]:
+    """(%post lines, %environment lines) replaying the Dockerfile's steps."""
+    cwd, post, env = PurePosixPath("/"), ["set -e", "cd /"], []
+    for step in task.steps:
+        if step.kind == "workdir":
+            cwd = cwd / step.args[0]
+            post.append(f"mkdir -p {shlex.quote(str(cwd))} && cd {shlex.quote(str(cwd))}")
+        elif step.kind == "env":
+            line = f"export {step.args[0]}={shlex.quote(step.args[1])}"
+            post.append(line)
+            env.append(line)
+        elif step.kind == "copy":
+            *sources, dest = step.args
+            target = str(cwd / dest)
+            for src in sources:
+                source = f"/.miles-context/{src}"
+                if (task.environment_dir / src).is_dir():
+                    post.append(
+                        f"mkdir -p {shlex.quote(target)} && cp -a {shlex.quote(source)}/. {shlex.quote(target)}/"
+                    )
+                elif dest.endswith("/") or len(sources) > 1:
+                    post.append(
+                        f"mkdir -p {shlex.quote(target)} && cp -a {shlex.quote(source)} {shlex.quote(target)}/"
+                    )
+                else:
+                    post.append(
+                        f"mkdir -p {shlex.quote(str(PurePosixPath(target).parent))} && cp -a {shlex.quote(source)} {shlex.quote(target)}"
+                    )
+        elif step.kind == "run":
+            post.append(f"bash -c {shlex.quote(step.args[0])}")
+    post += [f"rm -rf {SEED}", f"if [ -d /app ]; then cp -a /app {SEED}; fi", "rm -rf /.miles-context"]
+    return post, env
+
+
+def definition(task: Task, base: str) -> str:
+    """The build of `task`'s image over the local base image file `base`, as the script run in its
+    unpacked root (module docstring), after a header naming the base."""
+    post, env = _post(task)
+    return (
+        "\n".join([f"# miles tasks build: {task.name} from {base}", *post, *(f"# env: {x}" for x in env)])
+        + "\n"
+    )
+
+
+def _run(cmd: list[str], what: str, task: Task, timeout_s: float) -> None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise TaskError(
+            f"{task.path}: {what} ran past {timeout_s:g} s ([environment] build_timeout_sec)"
+        ) from None
+    except FileNotFoundError:
+        raise TaskError(f"{task.path}: {cmd[0]} is not installed (bash containers/apptainer.sh)") from None
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip()[-600:]
+        raise TaskError(f"{task.path}: {what} exited {done.returncode}: {tail}")
+
+
+def _unpack(task: Task, base: str, root: Path, limit: float) -> None:
+    """The base image's root filesystem into `root` (a directory base is copied)."""
+    if Path(base).is_dir():
+        shutil.copytree(base, root, symlinks=True)
+        return
+    listing = subprocess.run(["apptainer", "sif", "list", base], capture_output=True, text=True)
+    fs = next((ln.split("|")[0].strip() for ln in listing.stdout.splitlines() if "FS (Squashfs" in ln), None)
+    if fs is None:
+        raise TaskError(f"{task.path}: {base} holds no squashfs root filesystem (apptainer sif list)")
+    squash = root.with_suffix(".sqfs")
+    with squash.open("wb") as f:
+        done = subprocess.run(["apptainer", "sif", "dump", fs, base], stdout=f, timeout=limit)
+    if done.returncode != 0:
+        raise TaskError(f"{task.path}: apptainer sif dump {fs} {base} exited {done.returncode}")
+    _run(["unsquashfs", "-q", "-n", "-d", str(root), str(squash)], "unsquashfs", task, limit)
+    squash.unlink()
+
+
+def build_task(task: Task, image_dir: str, timeout_s: float | None = None) -> tuple[Path, str]:
+    """(the image, "built" or "cached"); TaskError naming the task and why otherwise."""
+    out = Path(image_dir) / built_name(task)
+    if out.is_file():
+        return out, "cached"
+    if not (task.environment_dir / "Dockerfile").is_file():
+        raise TaskError(
+            f"{task.path}: no environment/Dockerfile to build (a docker_image task is pulled instead)"
+        )
+    cfg = ContainerSandboxConfig(runtime="apptainer", image_dir=image_dir)
+    try:
+        base = resolve_image(f"docker://{task.base_image}", cfg)
+    except Exception as e:  # SandboxStartError: the base image is not in image_dir
+        raise TaskError(f"{task.path}: base image {task.base_image}: {e}") from None
+    limit = timeout_s or task.config.environment.build_timeout_sec
+    post, env = _post(task)
+    with tempfile.TemporaryDirectory(dir=image_dir, prefix=".build-") as tmp:
+        root = Path(tmp) / "root"
+        _unpack(task, base, root, limit)
+        shutil.copytree(task.environment_dir, root / ".miles-context", symlinks=False)
+        apt = root / "etc" / "apt" / "apt.conf.d"
+        if apt.is_dir():
+            (apt / "00miles-build").write_text('APT::Sandbox::User "root";\n')
+        script = ["apptainer", "--silent", "exec", "--writable", "--no-privs", "--cleanenv", "--containall",
+                  "--pwd", "/", str(root), "bash", "-c", "\n".join(post)]  # fmt: skip
+        _run(script, "the Dockerfile's steps", task, limit)
+        (apt / "00miles-build").unlink(missing_ok=True)
+        if env:
+            envdir = root / ".singularity.d" / "env"
+            envdir.mkdir(parents=True, exist_ok=True)
+            (envdir / "91-miles-task.sh").write_text("\n".join(env) + "\n")
+        part = out.with_suffix(".part")
+        _run(
+            ["apptainer", "--silent", "build", "--force", str(part), str(root)],
+            "apptainer build",
+            task,
+            limit,
+        )
+    part.chmod(0o644)  # episodes may run the image as another user
+    part.rename(out)
+    return out, "built"

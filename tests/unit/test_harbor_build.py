@@ -1,0 +1,91 @@
+"""`miles tasks build`: a task's image built from its Dockerfile with Apptainer, network at build time
+(its RUN installs a Debian package, which an episode's replay without network cannot), cached by the
+content hash, then used by `miles tasks check --runtime apptainer --image-dir`: the oracle scores 1
+and the do-nothing agent 0, where without the built image the same task is refused (its RUN cannot
+run offline)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from miles.agentic.harbor.build import built_name, definition
+from miles.agentic.harbor.task import load_task
+
+DOCKERFILE = """FROM debian:bookworm-slim
+WORKDIR /app
+COPY data.txt ./data.txt
+ENV GREETING=built
+RUN --network=host apt-get update -q && apt-get install -y -q --no-install-recommends jq && rm -rf /var/lib/apt/lists/*
+RUN echo "$GREETING" > /app/marker
+"""
+TEST_SH = """mkdir -p /logs/verifier
+if [ "$(jq -r .answer /app/answer.json 2>/dev/null)" = "$(cat /app/data.txt)" ] && [ "$(cat /app/marker)" = built ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+def build_task_dir(root: Path) -> Path:
+    files = {
+        "task.toml": 'version = "1.0"\n[verifier]\ntimeout_sec = 60\n[environment]\nbuild_timeout_sec = 600\n',
+        "instruction.md": 'Write the number in /app/data.txt as {"answer": "N"} to /app/answer.json.\n',
+        "environment/Dockerfile": DOCKERFILE,
+        "environment/data.txt": "42\n",
+        "tests/test.sh": TEST_SH,
+        "solution/solve.sh": 'printf \'{"answer": "%s"}\' "$(cat /app/data.txt)" > /app/answer.json\n',
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_definition_replays_the_dockerfile_in_order(tmp_path) -> None:
+    task = load_task(build_task_dir(tmp_path / "jq-task"))
+    post = definition(task, "/images/debian_bookworm-slim.sif")
+    assert "from /images/debian_bookworm-slim.sif" in post and "/.miles-context" in post
+    order = ["mkdir -p /app && cd /app", "cp -a /.miles-context/data.txt /app/data.txt", "export GREETING=built",
+             "apt-get install", "/app/marker", "cp -a /app /.miles-app"]  # fmt: skip
+    assert [post.index(x) for x in order] == sorted(post.index(x) for x in order)
+    assert "--network=host" not in post  # a BuildKit flag, not part of the command
+    before = built_name(task)
+    (tmp_path / "jq-task" / "environment" / "data.txt").write_text("43\n")
+    assert built_name(load_task(tmp_path / "jq-task")) != before  # the context's content names the image
+
+
+@pytest.mark.slow
+def test_a_built_image_serves_the_episodes(tmp_path, apptainer_images) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("apptainer build needs root here")
+    # an image directory the sandbox's user can read (pytest's tmp_path is root's alone)
+    images = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="miles-build-test-"))
+    try:
+        images.chmod(0o755)
+        (images / "debian_bookworm-slim.sif").symlink_to(Path(apptainer_images) / "debian_bookworm-slim.sif")
+        _build_and_check(tmp_path / "tasks", images)
+    finally:
+        shutil.rmtree(images, ignore_errors=True)
+
+
+def _build_and_check(tasks: Path, images: Path) -> None:
+    build_task_dir(tasks / "jq-task")
+    check = [sys.executable, "-m", "miles", "tasks", "check", str(tasks), "--runtime", "apptainer",
+             "--image-dir", str(images)]  # fmt: skip
+    before = subprocess.run(check, capture_output=True, text=True, timeout=300)
+    assert before.returncode == 1 and "RUN" in before.stdout and "failed here" in before.stdout, before.stdout
+    build = [sys.executable, "-m", "miles", "tasks", "build", str(tasks), "--image-dir", str(images)]
+    done = subprocess.run(build, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and "jq-task: built" in done.stdout, done.stdout + done.stderr
+    again = subprocess.run(build, capture_output=True, text=True, timeout=120)
+    assert "jq-task: cached" in again.stdout
+    after = subprocess.run(check, capture_output=True, text=True, timeout=300)
+    assert after.returncode == 0 and "1/1 tasks passed" in after.stdout, after.stdout + after.stderr
