@@ -229,14 +229,19 @@ def _summary(records: list[dict[str, Any]], run_name: str, path: Path) -> bool:
 
 
 def eval_progress(records: list[dict]) -> str:
-    """`held-out eval/pass@1 A (step a) -> B (step b)` of a run's records ("" without evaluations)."""
-    evals = [r for r in records if isinstance(r.get("eval/pass@1"), (int, float))]
+    """`held-out eval/pass@1 A (step a) -> B (step b)` of a run's records ("" without evaluations): the
+    task's held-out prompts (`eval/held_out/pass@1`) where the run evaluates several datasets, whose
+    `eval/pass@1` is their mean."""
+    key = "eval/held_out/pass@1"
+    if not any(isinstance(r.get(key), (int, float)) for r in records):
+        key = "eval/pass@1"
+    evals = [r for r in records if isinstance(r.get(key), (int, float))]
     if not evals:
         return ""
     first, last = evals[0], evals[-1]
     return (
-        f"held-out eval/pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> "
-        f"{last['eval/pass@1']:.3f} (step {last['step']})"
+        f"held-out eval/pass@1 {first[key]:.3f} (step {first['step']}) -> "
+        f"{last[key]:.3f} (step {last['step']})"
     )
 
 

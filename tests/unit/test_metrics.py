@@ -79,3 +79,17 @@ def test_miles_plot_ends_with_one_summary_line(tmp_path) -> None:
         f"miles: {tmp_path}: held-out eval/pass@1 0.125 (step 0) -> 0.750 (step 2); 2 steps in "
     )
     assert last.endswith(f"min; plots in {tmp_path / 'plots'}")
+
+
+def test_the_summary_names_the_tasks_held_out_figure_beside_other_datasets() -> None:
+    """With further evaluation datasets, `eval/pass@1` is their mean: the summary line reports the
+    task's held-out prompts (`eval/held_out/pass@1`)."""
+    from miles.metrics import eval_progress
+
+    both = [
+        {"step": 0, "eval/pass@1": 0.0, "eval/held_out/pass@1": 0.0, "eval/aime/pass@1": 0.0},
+        {"step": 300, "eval/pass@1": 0.422, "eval/held_out/pass@1": 0.844, "eval/aime/pass@1": 0.0},
+    ]
+    assert eval_progress(both) == "held-out eval/pass@1 0.000 (step 0) -> 0.844 (step 300)"
+    alone = [{"step": 0, "eval/pass@1": 0.125}, {"step": 2, "eval/pass@1": 0.75}]
+    assert eval_progress(alone) == "held-out eval/pass@1 0.125 (step 0) -> 0.750 (step 2)"
