@@ -144,6 +144,8 @@ class BwrapSandbox:
         self._pgids: set[int] = set()
         """Process groups that may be signalled (from start until just before their leader is reaped)."""
         self._groups: set[int] = set()
+        self._spawning: set[object] = set()
+        """One token per exec whose process is being started and not yet registered (`_started`)."""
         """Every process group this sandbox started; close() waits until they are empty."""
         self._runtime = ""
         self._finalizer: weakref.finalize | None = None
@@ -199,18 +201,27 @@ class BwrapSandbox:
         argv = self._command(str(workdir), ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         lim = self.settings.limits
+        token = object()
+
+        def started(pid: int) -> None:
+            self._started(pid)
+            self._spawning.discard(token)  # after registering: close() then sees the group
+
+        self._spawning.add(token)
         try:
             done = await process.run_in_thread(
                 argv,
                 data,
                 lim.wall_s if timeout_s is None else timeout_s,
                 lim.output_bytes,
-                self._started,
+                started,
                 self._pgids.discard,
                 self._exec_user(),
             )
         except OSError as e:
             raise SandboxStartError("bwrap_exec", str(e)) from e
+        finally:
+            self._spawning.discard(token)
         stdout, stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
         reason = "wall_time" if done.timed_out else _reason(done.returncode, stderr)
         return ExecResult(done.returncode, stdout, stderr, done.timed_out, reason)
@@ -253,11 +264,14 @@ class BwrapSandbox:
             return f.read(max_bytes)
 
     async def close(self) -> None:
-        """Kill every command, wait (up to CLOSE_WAIT_S) until their processes are gone, wipe."""
+        """Kill every command (one being started is waited for until its process group is known), wait
+        (up to CLOSE_WAIT_S) until their processes are gone, wipe."""
         self.closed = True
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self._spawning and time.monotonic() < deadline:  # a command being started registers first
+            await asyncio.sleep(0.005)
         for pgid in list(self._pgids):
             process.kill_group(pgid)
-        deadline = time.monotonic() + CLOSE_WAIT_S
         while any(process.group_alive(g) for g in self._groups) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._finalizer is not None:
