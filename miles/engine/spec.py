@@ -60,10 +60,9 @@ class ModelSpec:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         v4 = V4Spec.from_config(cfg) if family.attention == "deepseek_v4" else None  # its ropes: its own
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if family.attention == "mla" and kind == "yarn":  # DeepSeek-V3's long-context checkpoints
-            pass
-        elif v4 is None and kind not in ("default", None):
-            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        served = ("default", None, "yarn") if family.attention == "mla" else ("default", None)  # V3: YaRN too
+        if v4 is None and kind not in served:
+            raise ValueError(f"rope type {kind!r} is not supported (default RoPE, and YaRN for DeepSeek-V3)")
         eos = cfg.get("eos_token_id")
         heads = cfg["num_attention_heads"]
         mla = MlaSpec.from_config(cfg) if family.attention == "mla" else None

@@ -7,14 +7,22 @@ import asyncio
 import sys
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
-    from miles.agentic.harbor.check import TaskCheck, check_tasks, report
-    from miles.agentic.harbor.task import TaskError, load_task, task_dirs
+def _dirs(paths: list[str]):
+    """The task directories of `paths`, or None after printing why there are none."""
+    from miles.agentic.harbor.task import TaskError, task_dirs
 
     try:
-        dirs = task_dirs(args.paths)
+        return task_dirs(paths)
     except TaskError as e:
         print(f"miles: error: {e}", file=sys.stderr)
+        return None
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from miles.agentic.harbor.check import TaskCheck, check_tasks, report
+    from miles.agentic.harbor.task import TaskError, load_task
+
+    if (dirs := _dirs(args.paths)) is None:
         return 2
     tasks, refused = [], []  # a task that cannot be read is a row of its own, not the end of the check
     for d in dirs:
@@ -43,12 +51,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from miles.agentic.harbor.build import build_task
-    from miles.agentic.harbor.task import TaskError, load_task, task_dirs
+    from miles.agentic.harbor.task import TaskError, load_task
 
-    try:
-        dirs = task_dirs(args.paths)
-    except TaskError as e:
-        print(f"miles: error: {e}", file=sys.stderr)
+    if (dirs := _dirs(args.paths)) is None:
         return 2
     failed = 0
     for d in dirs:  # every task a row: one that cannot be read or built does not stop the others
