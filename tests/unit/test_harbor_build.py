@@ -89,3 +89,85 @@ def _build_and_check(tasks: Path, images: Path) -> None:
     assert "jq-task: cached" in again.stdout
     after = subprocess.run(check, capture_output=True, text=True, timeout=300)
     assert after.returncode == 0 and "1/1 tasks passed" in after.stdout, after.stdout + after.stderr
+
+
+@pytest.mark.slow
+def test_an_enroot_build_is_a_squashfs_with_the_steps_and_env(tmp_path, apptainer_images) -> None:
+    """`--runtime enroot`: the same build packed as the squashfs image `enroot create` unpacks, the
+    Dockerfile's ENV in its /etc/environment (where enroot reads an image's environment)."""
+    if os.geteuid() != 0 or shutil.which("mksquashfs") is None:
+        pytest.skip("the build needs root and squashfs-tools here")
+    images = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="miles-build-test-"))
+    try:
+        root = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="miles-unpack-"))
+        shutil.rmtree(root)
+        # the base as enroot names a pulled image (NAME+TAG.sqsh): the stand-in's squashfs itself
+        (images / "debian+bookworm-slim.sqsh").write_bytes(
+            _squashfs_of(Path(apptainer_images) / "debian_bookworm-slim.sif")
+        )
+        build_task_dir(tmp_path / "tasks" / "jq-task")
+        cmd = [sys.executable, "-m", "miles", "tasks", "build", str(tmp_path / "tasks"), "--image-dir", str(images),
+               "--runtime", "enroot"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0 and "jq-task: built" in done.stdout, done.stdout + done.stderr
+        sqsh = images / built_name(load_task(tmp_path / "tasks" / "jq-task"), "enroot")
+        assert sqsh.suffix == ".sqsh" and sqsh.is_file()
+        subprocess.run(
+            ["unsquashfs", "-q", "-n", "-d", str(root), str(sqsh)], check=True, capture_output=True
+        )
+        assert (root / "usr" / "bin" / "jq").is_file() and (root / "app" / "marker").read_text() == "built\n"
+        assert "GREETING=built\n" in (root / "etc" / "environment").read_text()
+        assert (root / ".miles-app" / "data.txt").read_text() == "42\n"
+    finally:
+        shutil.rmtree(images, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _squashfs_of(sif: Path) -> bytes:
+    listing = subprocess.run(
+        ["apptainer", "sif", "list", str(sif)], capture_output=True, text=True, check=True
+    )
+    fs = next(line.split("|")[0].strip() for line in listing.stdout.splitlines() if "FS (Squashfs" in line)
+    return subprocess.run(["apptainer", "sif", "dump", fs, str(sif)], capture_output=True, check=True).stdout
+
+
+def test_a_task_naming_a_prebuilt_image_is_pulled_not_built(tmp_path, apptainer_images) -> None:
+    """[environment] docker_image: `miles tasks build` pulls it into the image directory under the name
+    the container backend looks for (already there: cached), and a failed pull is the task's row, exit 1.
+    The pull goes through a proxy on this host's loopback that refuses, so nothing leaves the machine."""
+    from miles.agentic.harbor.build import pull_argv
+
+    task = tmp_path / "tasks" / "prebuilt"
+    files = {
+        "task.toml": 'version = "1.0"\n[verifier]\ntimeout_sec = 30\n[environment]\ndocker_image = "example.org/team/runner:1.2"\n',
+        "instruction.md": "Create /app/done.\n",
+        "tests/test.sh": "mkdir -p /logs/verifier; [ -f /app/done ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
+        "solution/solve.sh": "touch /app/done\n",
+    }
+    for rel, text in files.items():
+        (task / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task / rel).write_text(text)
+    images = tmp_path / "images"
+    images.mkdir()
+    assert pull_argv("docker://x/y:1", images / "y_1.sif", "apptainer")[-2:] == [
+        str(images / "y_1.sif"),
+        "docker://x/y:1",
+    ]
+    assert pull_argv("docker://x/y:1", images / "x+y+1.sqsh", "enroot")[:3] == [
+        "enroot",
+        "import",
+        "--output",
+    ]
+    build = [sys.executable, "-m", "miles", "tasks", "build", str(task.parent), "--image-dir", str(images)]
+    env = {
+        **os.environ,
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+        "NO_PROXY": "",
+    }
+    failed = subprocess.run(build, capture_output=True, text=True, timeout=300, env=env)
+    assert failed.returncode == 1 and "prebuilt: error:" in failed.stdout, failed.stdout + failed.stderr
+    assert "pulling docker://example.org/team/runner:1.2" in failed.stdout
+    (images / "runner_1.2.sif").symlink_to(Path(apptainer_images) / "debian_bookworm-slim.sif")
+    cached = subprocess.run(build, capture_output=True, text=True, timeout=60, env=env)
+    assert cached.returncode == 0 and f"prebuilt: cached {images / 'runner_1.2.sif'}" in cached.stdout

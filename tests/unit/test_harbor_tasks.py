@@ -217,12 +217,14 @@ def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_o
         solve="#!/bin/bash\ntrue\n",
     )
     out = subprocess.run(
-        [*check, str(tmp_path / "bad")],
+        [*check, "--internet", "off", str(tmp_path / "bad")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 1 and "0/3 tasks passed" in out.stdout, out.stdout
     assert "| AssertionError: expected 42 in /app/out" in out.stdout  # the verifier's tail under its row
-    assert "allow_internet (Harbor's default) and its episodes ran without network" in out.stdout
+    assert (
+        "allow_internet (Harbor's default) and its episodes ran without network: internet: off" in out.stdout
+    )
     assert loud.name in out.stdout
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1] if not line.startswith(" ")}
     assert rows[wrong.name].split()[1:4] == ["0", "0", "FAILED:"]
@@ -234,7 +236,7 @@ def test_miles_tasks_check_passes_shipped_and_generated_tasks_and_fails_broken_o
 def test_episodes_are_isolated_and_runaway_commands_are_stopped_and_reported(tmp_path, backend) -> None:
     """Two episodes at once: neither sees the other's files or the host's run directory; no network; a
     disk filler, a fork bomb and a memory hog are stopped and the tool output says so."""
-    toml = TOML.format(verifier=20) + "storage_mb = 64\n"
+    toml = TOML.format(verifier=20) + "storage_mb = 64\nallow_internet = false\n"
     image = "FROM python:3.11-slim\nWORKDIR /app\n"
     task = load_task(_task(tmp_path / "iso", REWARD_IF_DONE, toml=toml, dockerfile=image))
     run_dir = tmp_path / "run"

@@ -1,15 +1,19 @@
-"""`miles tasks build DIR... --image-dir D`: each task's image built once from its Dockerfile, with network
-at build time, into an Apptainer image in D that its episodes then start from.
+"""`miles tasks build DIR... --image-dir D [--runtime apptainer|enroot]`: each task's image built once
+from its Dockerfile, with network at build time, into the runtime's own format in D (an Apptainer SIF,
+or an enroot squashfs image), which its episodes then start from; a task that names a prebuilt image
+([environment] docker_image) has it pulled into D instead (`apptainer pull`, `enroot import`), under
+the name the container backend looks for (miles/agentic/sandbox/container.py's `pulled_name`).
 
 The build: the Dockerfile's FROM image, a file in D (pulled there ahead, or a stand-in built by
 containers/stand-in-images.sh where no registry is reachable), unpacked into a directory (`apptainer
 sif dump` of its root filesystem, `unsquashfs`); the build context staged at /.miles-context; the
 Dockerfile's steps in order (WORKDIR, ENV, COPY/ADD from the context, RUN with the host's network) as
 one script run in it by `apptainer exec --writable --no-privs` (apt's privilege drop switched off
-for the build: without capabilities it cannot setgroups); ENV kept for the image's environment; then
-`apptainer build` packs the directory into D. (Apptainer's own %post needs capabilities a container
-host often withholds.) Needs root, apptainer and squashfs-tools (containers/apptainer.sh installs
-both). Episodes bind their own /app, which would hide
+for the build: without capabilities it cannot setgroups); ENV kept for the image's environment
+(Apptainer's /.singularity.d/env, enroot's /etc/environment); then `apptainer build` packs the
+directory into a SIF, or `mksquashfs` into the squashfs image `enroot create` unpacks. (Apptainer's
+own %post needs capabilities a container host often withholds.) Needs root, apptainer and
+squashfs-tools (containers/apptainer.sh installs both), for either runtime. Episodes bind their own /app, which would hide
 what the build left there: the build keeps a copy of /app at /.miles-app, copied into the episode's
 /app when it starts (miles/agentic/harbor/episode.py), where the RUN and COPY steps are then not
 replayed. An image is named by its task and a hash of the Dockerfile, the context's files and the
@@ -28,7 +32,7 @@ from pathlib import Path, PurePosixPath
 
 from miles.agentic.harbor.files import TaskError, task_files
 from miles.agentic.harbor.task import Task
-from miles.agentic.sandbox.container import ContainerSandboxConfig, resolve_image
+from miles.agentic.sandbox.container import ContainerSandboxConfig, pulled_name, resolve_image
 
 SEED = "/.miles-app"
 """Where a built image keeps its /app (module docstring)."""
@@ -43,16 +47,41 @@ def image_key(task: Task) -> str:
     return h.hexdigest()[:12]
 
 
-def built_name(task: Task) -> str:
-    return f"miles-task_{re.sub(r'[^A-Za-z0-9_.-]', '-', task.name)}-{image_key(task)}.sif"
+SUFFIX = {"apptainer": ".sif", "enroot": ".sqsh"}
+
+
+def built_name(task: Task, runtime: str = "apptainer") -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", task.name)
+    return f"miles-task_{name}-{image_key(task)}{SUFFIX[runtime]}"
 
 
 def built_image(task: Task, backend: ContainerSandboxConfig | None) -> Path | None:
     """The image `miles tasks build` made for `task` in the backend's image_dir, if there is one."""
-    if backend is None or backend.runtime != "apptainer" or backend.image_dir is None:
+    if backend is None or backend.image_dir is None or task.config.environment.docker_image:
         return None
-    path = Path(backend.image_dir) / built_name(task)
+    path = Path(backend.image_dir) / built_name(task, backend.runtime)
     return path if path.is_file() else None
+
+
+def pull_argv(image: str, out: Path, runtime: str) -> list[str]:
+    """The runtime's own pull of registry image `image` into the file `out`."""
+    if runtime == "apptainer":
+        return ["apptainer", "--silent", "pull", "--force", str(out), image]
+    return ["enroot", "import", "--output", str(out), image]
+
+
+def pull_task(task: Task, image_dir: str, runtime: str, timeout_s: float) -> tuple[Path, str]:
+    """(the file, "pulled" or "cached") of the prebuilt image a task names ([environment] docker_image)."""
+    image = task.config.environment.docker_image or ""
+    image = image if "://" in image else f"docker://{image}"
+    out = Path(image_dir) / pulled_name(image, runtime)
+    if out.is_file():
+        return out, "cached"
+    part = out.with_name(out.name + ".part")
+    _run(pull_argv(image, part, runtime), f"pulling {image}", task, timeout_s)
+    part.chmod(0o644)
+    part.rename(out)
+    return out, "pulled"
 
 
 def _post(task: Task) -> tuple[list[str], list[str]]:
@@ -118,6 +147,9 @@ def _unpack(task: Task, base: str, root: Path, limit: float) -> None:
     if Path(base).is_dir():
         shutil.copytree(base, root, symlinks=True)
         return
+    if base.endswith(".sqsh"):  # an enroot image: squashfs as it is
+        _run(["unsquashfs", "-q", "-n", "-d", str(root), base], "unsquashfs", task, limit)
+        return
     listing = subprocess.run(["apptainer", "sif", "list", base], capture_output=True, text=True)
     fs = next((ln.split("|")[0].strip() for ln in listing.stdout.splitlines() if "FS (Squashfs" in ln), None)
     if fs is None:
@@ -131,21 +163,21 @@ def _unpack(task: Task, base: str, root: Path, limit: float) -> None:
     squash.unlink()
 
 
-def build_task(task: Task, image_dir: str, timeout_s: float | None = None) -> tuple[Path, str]:
-    """(the image, "built" or "cached"); TaskError naming the task and why otherwise."""
-    out = Path(image_dir) / built_name(task)
+def build_task(
+    task: Task, image_dir: str, timeout_s: float | None = None, runtime: str = "apptainer"
+) -> tuple[Path, str]:
+    """(the image, "built", "pulled" or "cached"); TaskError naming the task and why otherwise."""
+    limit = timeout_s or task.config.environment.build_timeout_sec
+    if task.config.environment.docker_image:
+        return pull_task(task, image_dir, runtime, limit)
+    out = Path(image_dir) / built_name(task, runtime)
     if out.is_file():
         return out, "cached"
-    if not (task.environment_dir / "Dockerfile").is_file():
-        raise TaskError(
-            f"{task.path}: no environment/Dockerfile to build (a docker_image task is pulled instead)"
-        )
-    cfg = ContainerSandboxConfig(runtime="apptainer", image_dir=image_dir)
+    cfg = ContainerSandboxConfig(runtime=runtime, image_dir=image_dir)
     try:
         base = resolve_image(f"docker://{task.base_image}", cfg)
     except Exception as e:  # SandboxStartError: the base image is not in image_dir
         raise TaskError(f"{task.path}: base image {task.base_image}: {e}") from None
-    limit = timeout_s or task.config.environment.build_timeout_sec
     post, env = _post(task)
     with tempfile.TemporaryDirectory(dir=image_dir, prefix=".build-") as tmp:
         root = Path(tmp) / "root"
@@ -158,17 +190,24 @@ def build_task(task: Task, image_dir: str, timeout_s: float | None = None) -> tu
                   "--pwd", "/", str(root), "bash", "-c", "\n".join(post)]  # fmt: skip
         _run(script, "the Dockerfile's steps", task, limit)
         (apt / "00miles-build").unlink(missing_ok=True)
-        if env:
-            envdir = root / ".singularity.d" / "env"
-            envdir.mkdir(parents=True, exist_ok=True)
-            (envdir / "91-miles-task.sh").write_text("\n".join(env) + "\n")
         part = out.with_suffix(".part")
-        _run(
-            ["apptainer", "--silent", "build", "--force", str(part), str(root)],
-            "apptainer build",
-            task,
-            limit,
-        )
+        _pack(task, root, env, part, runtime, limit)
     part.chmod(0o644)  # episodes may run the image as another user
     part.rename(out)
     return out, "built"
+
+
+def _pack(task: Task, root: Path, env: list[str], out: Path, runtime: str, limit: float) -> None:
+    """The built root filesystem, with the Dockerfile's ENV, into the runtime's image file `out`."""
+    if runtime == "enroot":
+        if env:  # enroot start reads the image's /etc/environment (what `enroot import` writes ENV to)
+            with (root / "etc" / "environment").open("a") as f:
+                f.write("".join(line.removeprefix("export ") + "\n" for line in env))
+        squash = ["mksquashfs", str(root), str(out), "-noappend", "-all-root", "-quiet", "-no-progress"]
+        _run(squash, "mksquashfs", task, limit)
+        return
+    if env:
+        envdir = root / ".singularity.d" / "env"
+        envdir.mkdir(parents=True, exist_ok=True)
+        (envdir / "91-miles-task.sh").write_text("\n".join(env) + "\n")
+    _run(["apptainer", "--silent", "build", "--force", str(out), str(root)], "apptainer build", task, limit)

@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass
 
 from miles.agentic.harbor.episode import Episode, VerifierResult
-from miles.agentic.harbor.sandboxes import prepare_image
+from miles.agentic.harbor.sandboxes import offline_reason, prepare_image
 from miles.agentic.harbor.task import Task, TaskError
 from miles.agentic.sandbox.base import SandboxStartError
 from miles.agentic.sandbox.bwrap import BwrapSettings
@@ -30,8 +30,9 @@ class TaskCheck:
     nothing: VerifierResult | None
     error: str = ""
     """Why the task could not run here (unsupported on this backend, malformed), or ""."""
-    allow_internet: bool = False
-    """The task's [environment] allow_internet (Harbor's default: true); episodes here have no network."""
+    offline: str = ""
+    """Why its episodes ran without the network its [environment] allow_internet (Harbor's default)
+    asks for (miles/agentic/harbor/sandboxes.py's offline_reason), or ""."""
 
     @property
     def passed(self) -> bool:
@@ -42,23 +43,25 @@ class TaskCheck:
 
 
 async def check_task(
-    task: Task, settings: BwrapSettings | None = None, backend: ContainerSandboxConfig | None = None
+    task: Task,
+    settings: BwrapSettings | None = None,
+    backend: ContainerSandboxConfig | None = None,
+    internet: str = "auto",
 ) -> TaskCheck:
+    offline = offline_reason(task, internet, backend)
     try:
         await prepare_image(task, backend)
         if task.task_steps:
-            oracle, nothing = await _check_steps(task, settings, backend)
-            return TaskCheck(
-                task.name, oracle, nothing, allow_internet=task.config.environment.allow_internet
-            )
+            oracle, nothing = await _check_steps(task, settings, backend, internet)
+            return TaskCheck(task.name, oracle, nothing, offline=offline)
         oracle = None
         if task.solution_dir is not None:
-            async with Episode(task, settings, backend=backend) as ep:
+            async with Episode(task, settings, backend=backend, internet=internet) as ep:
                 await ep.run_solution()
                 oracle = await ep.verify()
-        async with Episode(task, settings, backend=backend) as ep:
+        async with Episode(task, settings, backend=backend, internet=internet) as ep:
             nothing = await ep.verify()
-        return TaskCheck(task.name, oracle, nothing, allow_internet=task.config.environment.allow_internet)
+        return TaskCheck(task.name, oracle, nothing, offline=offline)
     except TaskError as e:
         return TaskCheck(task.name, None, None, str(e))
     except SandboxStartError as e:
@@ -90,14 +93,16 @@ async def run_steps(task: Task, ep: Episode, oracle: bool) -> VerifierResult:
     return VerifierResult(task.reward(rewards), status, seconds, "\n".join(lines))
 
 
-async def _check_steps(task: Task, settings, backend) -> tuple[VerifierResult | None, VerifierResult]:
+async def _check_steps(
+    task: Task, settings, backend, internet: str
+) -> tuple[VerifierResult | None, VerifierResult]:
     """(oracle, do-nothing) of a multi-step task: the oracle runs every step's solution (None when no
     step has one)."""
     oracle = None
     if any(s.part("solution") is not None for s in task.task_steps):
-        async with Episode(task, settings, backend=backend) as ep:
+        async with Episode(task, settings, backend=backend, internet=internet) as ep:
             oracle = await run_steps(task, ep, oracle=True)
-    async with Episode(task, settings, backend=backend) as ep:
+    async with Episode(task, settings, backend=backend, internet=internet) as ep:
         nothing = await run_steps(task, ep, oracle=False)
     return oracle, nothing
 
@@ -107,12 +112,13 @@ async def check_tasks(
     jobs: int = 2,
     settings: BwrapSettings | None = None,
     backend: ContainerSandboxConfig | None = None,
+    internet: str = "auto",
 ) -> list[TaskCheck]:
     gate = asyncio.Semaphore(jobs)
 
     async def one(t: Task) -> TaskCheck:
         async with gate:
-            return await check_task(t, settings, backend)
+            return await check_task(t, settings, backend, internet)
 
     return list(await asyncio.gather(*(one(t) for t in tasks)))
 
@@ -137,11 +143,11 @@ def _why(r: TaskCheck) -> str:
     tail = [line for line in (res.output or "").strip().splitlines() if line.strip()][-TAIL_LINES:]
     shown = "".join(f"\n      | {line[:200]}" for line in tail)
     why = f"{which} {cell}; " + (f"verifier output ends:{shown}" if tail else "the verifier printed nothing")
-    if r.allow_internet:
+    if r.offline:
         why += (
             "\n      (the task sets [environment] allow_internet (Harbor's default) and its episodes ran "
-            "without network: a verifier or solution that downloads (apt-get, pip, curl) needs what it "
-            "fetches baked into the task's image)"
+            f"without network: {r.offline}; a verifier or solution that downloads (apt-get, pip, curl) "
+            "needs the network, or what it fetches baked into the task's image)"
         )
     return why
 

@@ -43,7 +43,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if args.runtime == "local"
         else ContainerSandboxConfig(runtime=args.runtime, image_dir=args.image_dir)
     )
-    checked = asyncio.run(check_tasks(tasks, jobs=args.jobs, backend=backend)) if tasks else []
+    run = check_tasks(tasks, jobs=args.jobs, backend=backend, internet=args.internet)
+    checked = asyncio.run(run) if tasks else []
     table, ok = report(sorted([*checked, *refused], key=lambda r: r.task))
     print(table)
     return 0 if ok else 1
@@ -58,7 +59,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     failed = 0
     for d in dirs:  # every task a row: one that cannot be read or built does not stop the others
         try:
-            path, how = build_task(load_task(d), args.image_dir)
+            path, how = build_task(load_task(d), args.image_dir, runtime=args.runtime)
             print(f"{d.name}: {how} {path}")
         except TaskError as e:
             failed += 1
@@ -104,13 +105,26 @@ def add_tasks_command(sub: argparse._SubParsersAction) -> None:
         help="run the tasks' images from files pulled ahead into this directory (NAME_TAG.sif for "
         "apptainer, NAME+TAG.sqsh for enroot) instead of the registry",
     )
+    q.add_argument(
+        "--internet",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: tasks that set allow_internet (Harbor's default) get egress where this node has it "
+        "(local runtime: a network namespace of pasta's); off: no episode gets network",
+    )
     q.set_defaults(func=_cmd_check)
     q = tsub.add_parser(
         "build",
-        help="build each task's image from its Dockerfile (network at build time) into Apptainer images "
-        "in --image-dir, which `--runtime apptainer --image-dir` episodes then start from",
+        help="build each task's image from its Dockerfile (network at build time) into --image-dir, "
+        "which `--runtime R --image-dir` episodes then start from; a task naming docker_image is pulled",
     )
     q.add_argument("paths", nargs="+", help="task directories or folders of tasks")
+    q.add_argument(
+        "--runtime",
+        choices=("apptainer", "enroot"),
+        default="apptainer",
+        help="the images' format: apptainer (SIF) or enroot (squashfs)",
+    )
     q.add_argument(
         "--image-dir", required=True, help="where the images go (and the base images are, pulled ahead)"
     )

@@ -24,7 +24,8 @@ None runs episodes in bubblewrap on this host; {runtime: apptainer} or enroot (t
 miles/config/profile.py's ContainerSandboxConfig) runs them in each task's own image. Episodes take
 their sandboxes from per-process pools that keep `start_ahead` of them started
 (miles/agentic/harbor/sandboxes.py); `agent/sandbox_start_s` is what an episode waited for its
-sandbox and the Dockerfile's replay.
+sandbox and the Dockerfile's replay. `internet` (auto | off): whether tasks that set allow_internet
+get egress where the node has it (miles/agentic/harbor/sandboxes.py).
 
 Task choice: with `tasks` (task directories or dataset folders) training episode `index` plays task
 `index mod n` and held-out episodes (indices from EVAL_OFFSET) play `eval_tasks` (default: the same
@@ -45,7 +46,7 @@ from miles.agentic.envs.base import Action, Message, StepResult
 from miles.agentic.envs.toolenv import ToolEnv
 from miles.agentic.envs.tools import Tool, ToolError, ToolOutcome
 from miles.agentic.harbor.episode import OUTPUT_LIMIT, Episode
-from miles.agentic.harbor.sandboxes import episode_settings, pool_for, prepare_image
+from miles.agentic.harbor.sandboxes import INTERNET, episode_settings, pool_for, prepare_image
 from miles.agentic.harbor.task import Task, load_dataset, load_task
 from miles.agentic.sandbox.container import ContainerSandboxConfig
 from miles.rollout.tasks import EVAL_OFFSET
@@ -83,8 +84,12 @@ class HarborEnv(ToolEnv):
         backend: dict[str, Any] | ContainerSandboxConfig | None = None,
         start_ahead: int = 2,
         max_live: int = 256,
+        internet: str = "auto",
     ) -> None:
         super().__init__(max_turns)
+        if internet not in INTERNET:
+            raise ValueError(f"harbor: options.internet={internet!r}: use one of {', '.join(INTERNET)}")
+        self.internet = internet
         if not 0 <= start_ahead <= max_live:
             raise ValueError(f"harbor: options.start_ahead={start_ahead} must be in 0..max_live={max_live}")
         self.backend = ContainerSandboxConfig.model_validate(backend) if backend is not None else None
@@ -170,9 +175,10 @@ class HarborEnv(ToolEnv):
         t0 = time.monotonic()
         task = _cached(self.task["path"])
         await prepare_image(task, self.backend)
-        pool = pool_for(task, episode_settings(task), self.backend, self.start_ahead, self.max_live)
+        settings = episode_settings(task, internet=self.internet)
+        pool = pool_for(task, settings, self.backend, self.start_ahead, self.max_live)
         sandbox = await self._held.enter_async_context(pool.acquire())  # closed and wiped by close()
-        self.episode = Episode(task, output_limit=self.output_limit, sandbox=sandbox)
+        self.episode = Episode(task, output_limit=self.output_limit, sandbox=sandbox, internet=self.internet)
         await self.episode.start()
         self._step, self._step_rewards, self._masked = 0, [], ""
         if task.task_steps:

@@ -76,9 +76,10 @@ class Episode:
         output_limit: int = OUTPUT_LIMIT,
         backend: ContainerSandboxConfig | None = None,
         sandbox: Sandbox | None = None,
+        internet: str = "auto",
     ) -> None:
         self.task = task
-        self.settings = episode_settings(task, settings)
+        self.settings = episode_settings(task, settings, internet)
         self.sandbox = sandbox if sandbox is not None else make_sandbox(task, self.settings, backend)
         self.in_image = isinstance(self.sandbox, ContainerSandbox)
         """Commands run in the task's own image (a container backend)."""

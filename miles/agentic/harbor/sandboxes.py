@@ -11,6 +11,11 @@ Backends (`backend` option of the `harbor` environment and `miles tasks check --
   there (miles/agentic/harbor/build.py) is used instead, its Dockerfile then not replayed. enroot needs each image unpacked once per node
   (`enroot create`), which `prepare_image` does the first time an image is met in the process.
 
+Network: a task that sets [environment] allow_internet (Harbor's default) runs, on the local backend,
+in a network namespace with egress where the node has it (miles/agentic/sandbox/egress.py); a
+container backend gives its episodes what its `network` says (none, or host: the node's network);
+`offline_reason` says why an episode that asked for network has none.
+
 Pools: episodes draw their sandboxes from a SandboxPool (miles/agentic/sandbox/pool.py) per event
 loop, backend, image and limits, which keeps `start_ahead` sandboxes created in the background, so an
 episode does not wait for a start (a container's start takes far longer than bubblewrap's few
@@ -34,15 +39,41 @@ from miles.agentic.sandbox.container import (
     enroot_create_argv,
     resolve_image,
 )
+from miles.agentic.sandbox.egress import egress_missing
 from miles.agentic.sandbox.pool import SandboxPool
 
 BINDS = (("app", "/app"), ("tests", "/tests"), ("logs", "/logs"), ("solution", "/solution"))
 APP = "/app"
 
 
-def episode_settings(task: Task, base: BwrapSettings | None = None) -> BwrapSettings:
+INTERNET = ("auto", "off")
+"""auto: a task that sets allow_internet (Harbor's default) gets egress where the node has it; off:
+no episode gets network."""
+
+
+def offline_reason(task: Task, internet: str = "auto", backend: ContainerSandboxConfig | None = None) -> str:
+    """Why `task`'s episodes run without the network its [environment] allow_internet asks for, or ""
+    (they have it, or it asks for none)."""
+    if not task.config.environment.allow_internet:
+        return ""
+    if internet == "off":
+        return "internet: off"
+    if backend is not None:
+        if backend.network == "host":
+            return ""
+        return (
+            f"the {backend.runtime} backend runs episodes with network: {backend.network} "
+            "(network: host gives them the node's)"
+        )
+    return egress_missing()
+
+
+def episode_settings(task: Task, base: BwrapSettings | None = None, internet: str = "auto") -> BwrapSettings:
     """The sandbox settings of one of `task`'s episodes: Harbor's directories, /app as working
-    directory, limits raised to what [environment] asks for."""
+    directory, limits raised to what [environment] asks for, egress when the task allows the internet
+    and the node has it (`internet`: INTERNET)."""
+    if internet not in INTERNET:
+        raise ValueError(f"internet={internet!r}: use one of {', '.join(INTERNET)}")
     env = task.config.environment
     base = base or BwrapSettings()
     limits = replace(
@@ -52,7 +83,8 @@ def episode_settings(task: Task, base: BwrapSettings | None = None) -> BwrapSett
         cpu_s=max(base.limits.cpu_s, 60),
         nproc=max(base.limits.nproc, 64 * env.cpus),
     )
-    return replace(base, binds=BINDS, chdir=APP, limits=limits)
+    network = "egress" if env.allow_internet and not offline_reason(task, internet) else base.network
+    return replace(base, binds=BINDS, chdir=APP, limits=limits, network=network)
 
 
 def task_image(task: Task) -> str:

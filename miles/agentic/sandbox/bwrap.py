@@ -5,7 +5,9 @@ Isolation (all from `bwrap`, version 0.8 or later, no daemon, no root needed):
   the `/bin`, `/lib*`, `/sbin` links or binds), a fresh `/proc`, `/dev` and `/tmp`, and the
   sandbox's own directory (created under `settings.root`, never under the run directory) read-write
   at `/sandbox`. Nothing else of the host, the run directory included, is visible.
-- network: `--unshare-net`, so only a down loopback exists inside (no host loopback services).
+- network: `--unshare-net`, so only a down loopback exists inside (no host loopback services);
+  `network: egress` runs bwrap in a network namespace of pasta's instead, with a route out and its
+  own loopback (miles/agentic/sandbox/egress.py).
 - processes: new PID, IPC, UTS and user namespaces, `--die-with-parent`, and bwrap itself started
   with a parent-death signal (`setpriv --pdeathsig KILL`); when Miles runs as root
   the command runs as the unprivileged `settings.uid` (65534) so that process limits hold.
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from miles.agentic.sandbox import process
 from miles.agentic.sandbox.base import ExecResult, Limits, SandboxError, SandboxStartError
+from miles.agentic.sandbox.egress import egress_missing, pasta_argv
 from miles.processes import pid_alive
 
 CLOSE_WAIT_S = 5.0
@@ -66,6 +69,10 @@ class BwrapSettings:
     (("app", "/app"), ("logs", "/logs")) for Harbor tasks; created empty with the sandbox."""
     chdir: str = INSIDE
     """Working directory of every command."""
+    network: str = "none"
+    """none: a loopback only; egress: a route out through pasta (miles/agentic/sandbox/egress.py)."""
+    egress_to_host: bool = False
+    """With egress, the gateway's address reaches the host's loopback (tests only: egress.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.limits, dict):
@@ -86,7 +93,8 @@ def run_as(settings: BwrapSettings) -> int | None:
 def bwrap_argv(settings: BwrapSettings, workdir: str, cmd: list[str]) -> list[str]:
     """The full command line running `cmd` in the sandbox whose directory is `workdir` (reads only
     which of the host's /bin, /lib* are links)."""
-    argv = [settings.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
+    net = ["--unshare-net"] if settings.network != "egress" else []  # egress: pasta's namespace
+    argv = [settings.bwrap, "--unshare-user", "--unshare-pid", *net, "--unshare-ipc"]
     # no --new-session: the runner already starts bwrap in a session of its own (no controlling
     # terminal), and keeping the sandbox in bwrap's process group lets one killpg stop all of it
     argv += ["--unshare-uts", "--unshare-cgroup-try", "--die-with-parent"]
@@ -242,10 +250,14 @@ class BwrapSandbox:
         self._runtime = shutil.which(self.settings.bwrap) or ""
         if not self._runtime:
             raise SandboxStartError("no_bwrap", f"{self.settings.bwrap} not found: install bubblewrap")
+        if self.settings.network == "egress" and (why := egress_missing()):
+            raise SandboxStartError("no_egress", f"network: egress: {why}")
 
     def _command(self, workdir: str, cmd: list[str]) -> list[str]:
         """The argv running `cmd` isolated in `workdir` (other backends override this and the check)."""
         argv = [self._runtime, *bwrap_argv(self.settings, workdir, cmd)[1:]]
+        if self.settings.network == "egress":
+            argv = [*pasta_argv(self.settings.egress_to_host), *argv]
         if os.path.exists(self.settings.setpriv):
             argv = [self.settings.setpriv, "--pdeathsig", "KILL", "--", *argv]
         return argv
