@@ -120,3 +120,55 @@ def test_an_episode_plays_the_steps_in_turn(tmp_path) -> None:
     # a first step below its min_reward ends the episode there: the mean counts the second as 0
     _, stopped = _play(task, ["<tool_call>bash echo nothing</tool_call>", "<tool_call>submit</tool_call>"])
     assert stopped[-1].done and stopped[-1].reward == 0.0 and stopped[-1].info["step_rewards"] == [0.0]
+
+
+def test_a_step_whose_healthcheck_never_passes_scores_0_and_ends_the_episode(tmp_path) -> None:
+    """[steps.healthcheck] is polled after the step's workdir and setup.sh: the oracle's greet.sh
+    passes it; a check that cannot pass scores the step 0, named in the check's row, and the later
+    steps do not run (under the mean, they count 0)."""
+    from miles.agentic.harbor.check import check_task, report
+
+    root = multi_step_task(tmp_path / "hc")
+    toml = (root / "task.toml").read_text()
+    healthy = (
+        toml + '[steps.healthcheck]\ncommand = "test -x /app/greet.sh"\ninterval_sec = 0.1\nretries = 2\n'
+    )
+    (root / "task.toml").write_text(healthy)
+    ok = asyncio.run(check_task(load_task(root)))
+    assert ok.passed and ok.oracle.reward == 1.0, report([ok])[0]
+    (root / "task.toml").write_text(healthy.replace("test -x /app/greet.sh", "test -f /app/never"))
+    sick = asyncio.run(check_task(load_task(root)))
+    table, passed = report([sick])
+    assert not passed and sick.oracle.reward == 0.5  # scaffold 1, implement 0: its check failed
+    assert "step implement: healthcheck `test -f /app/never` failed 2 times" in table
+
+
+def test_named_rewards_in_reward_json_give_their_mean_and_are_kept(tmp_path) -> None:
+    """Harbor's reward.json may hold several named rewards (no "reward" key): the episode's reward is
+    their mean and each is kept; a "reward" key wins; a reward that is not a number masks the sample."""
+    from miles.agentic.harbor.episode import Episode
+
+    root = tmp_path / "dims"
+    files = {
+        "task.toml": 'version = "1.0"\n[verifier]\ntimeout_sec = 20\n',
+        "instruction.md": "Do it.\n",
+        "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\n",
+        "tests/test.sh": "mkdir -p /logs/verifier; cat /app/reward.json > /logs/verifier/reward.json\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    task = load_task(root)
+
+    async def verdict(payload: str):
+        async with Episode(task) as ep:
+            await ep.write_file("reward.json", payload)
+            return await ep.verify()
+
+    two = asyncio.run(verdict('{"correctness": 1, "speed": 0}'))
+    assert (two.reward, two.status, two.rewards) == (0.5, "ok", {"correctness": 1.0, "speed": 0.0})
+    keyed = asyncio.run(verdict('{"reward": 0.75, "style": 1}'))
+    assert keyed.reward == 0.75 and keyed.rewards == {"reward": 0.75, "style": 1.0}
+    assert asyncio.run(verdict('{"correctness": 1}')).rewards is None
+    bad = asyncio.run(verdict('{"correctness": "yes"}'))
+    assert (bad.reward, bad.status) == (None, "bad_reward")

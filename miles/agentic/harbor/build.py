@@ -23,6 +23,7 @@ base image's name (`built_name`), so an edit builds anew and an unchanged task i
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shlex
 import shutil
@@ -187,14 +188,34 @@ def build_task(
         if apt.is_dir():
             (apt / "00miles-build").write_text('APT::Sandbox::User "root";\n')
         script = ["apptainer", "--silent", "exec", "--writable", "--no-privs", "--cleanenv", "--containall",
-                  "--pwd", "/", str(root), "bash", "-c", "\n".join(post)]  # fmt: skip
+                  *_host_network_settings(root), "--pwd", "/", str(root), "bash", "-c", "\n".join(post)]  # fmt: skip
         _run(script, "the Dockerfile's steps", task, limit)
         (apt / "00miles-build").unlink(missing_ok=True)
+        (root / BUILD_CA.lstrip("/")).unlink(missing_ok=True)
         part = out.with_suffix(".part")
         _pack(task, root, env, part, runtime, limit)
     part.chmod(0o644)  # episodes may run the image as another user
     part.rename(out)
     return out, "built"
+
+
+BUILD_CA = "/.miles-build-ca.crt"
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
+CA_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+
+def _host_network_settings(root: Path) -> list[str]:
+    """`apptainer exec` flags giving the build's RUN steps the node's way out: its proxy variables,
+    and its CA bundle (copied into the build at BUILD_CA, removed before packing) named by the
+    variables pip, requests, curl and OpenSSL read, so that a site's TLS-intercepting proxy that the
+    node trusts is trusted by the build too. Neither is kept in the image."""
+    flags = [f"--env={k}={os.environ[k]}" for k in PROXY_VARS if os.environ.get(k)]
+    bundle = next((Path(os.environ[k]) for k in CA_VARS if os.environ.get(k)), None)
+    bundle = bundle or Path("/etc/ssl/certs/ca-certificates.crt")
+    if bundle.is_file():
+        shutil.copyfile(bundle, root / BUILD_CA.lstrip("/"))
+        flags += [f"--env={k}={BUILD_CA}" for k in CA_VARS]
+    return flags
 
 
 def _pack(task: Task, root: Path, env: list[str], out: Path, runtime: str, limit: float) -> None:

@@ -10,9 +10,10 @@ that passes here runs in training on this host.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 
-from miles.agentic.harbor.episode import Episode, VerifierResult
+from miles.agentic.harbor.episode import Episode, StepUnhealthy, VerifierResult
 from miles.agentic.harbor.sandboxes import offline_reason, prepare_image
 from miles.agentic.harbor.task import Task, TaskError
 from miles.agentic.sandbox.base import SandboxStartError
@@ -33,6 +34,8 @@ class TaskCheck:
     offline: str = ""
     """Why its episodes ran without the network its [environment] allow_internet (Harbor's default)
     asks for (miles/agentic/harbor/sandboxes.py's offline_reason), or ""."""
+    entrypoint: str = ""
+    """Where the Dockerfile's ENTRYPOINT is, which episodes do not run (each command runs on its own), or ""."""
 
     @property
     def passed(self) -> bool:
@@ -49,11 +52,12 @@ async def check_task(
     internet: str = "auto",
 ) -> TaskCheck:
     offline = offline_reason(task, internet, backend)
+    entry = next((n.split(": ")[0] for n in task.notes if ": ENTRYPOINT " in n), "")
     try:
         await prepare_image(task, backend)
         if task.task_steps:
             oracle, nothing = await _check_steps(task, settings, backend, internet)
-            return TaskCheck(task.name, oracle, nothing, offline=offline)
+            return TaskCheck(task.name, oracle, nothing, offline=offline, entrypoint=entry)
         oracle = None
         if task.solution_dir is not None:
             async with Episode(task, settings, backend=backend, internet=internet) as ep:
@@ -61,7 +65,7 @@ async def check_task(
                 oracle = await ep.verify()
         async with Episode(task, settings, backend=backend, internet=internet) as ep:
             nothing = await ep.verify()
-        return TaskCheck(task.name, oracle, nothing, offline=offline)
+        return TaskCheck(task.name, oracle, nothing, offline=offline, entrypoint=entry)
     except TaskError as e:
         return TaskCheck(task.name, None, None, str(e))
     except SandboxStartError as e:
@@ -74,7 +78,12 @@ async def run_steps(task: Task, ep: Episode, oracle: bool) -> VerifierResult:
     is the task's roll-up (multi_step_reward_strategy) and whose output lists each step's."""
     rewards, lines, status, seconds = [], [], "ok", 0.0
     for step in task.task_steps:
-        await ep.begin_step(step)
+        try:
+            await ep.begin_step(step)
+        except StepUnhealthy as e:
+            rewards.append(0.0)
+            lines.append(f"{e}; the episode ends here")
+            break
         if oracle and step.part("solution") is not None:
             await ep.run_solution(step)
         res = await ep.verify(step)
@@ -129,6 +138,8 @@ def _cell(r: VerifierResult | None) -> str:
     return f"{r.reward:g}" if r.reward is not None else f"masked ({r.status})"
 
 
+_AS_ROOT = re.compile(r"are you root\?|dpkg.*Permission denied|apt.*\(13: Permission denied\)")
+"""Verifier output of a package install that needed root."""
 TAIL_LINES = 6
 """Lines of the verifier's output shown under a FAILED task."""
 
@@ -143,6 +154,16 @@ def _why(r: TaskCheck) -> str:
     tail = [line for line in (res.output or "").strip().splitlines() if line.strip()][-TAIL_LINES:]
     shown = "".join(f"\n      | {line[:200]}" for line in tail)
     why = f"{which} {cell}; " + (f"verifier output ends:{shown}" if tail else "the verifier printed nothing")
+    if _AS_ROOT.search(res.output or ""):
+        why += (
+            "\n      (the verifier or solution installs packages as root (apt-get, dpkg); episodes run "
+            "as an unprivileged user: what it installs belongs in the task's image)"
+        )
+    if r.entrypoint:
+        why += (
+            f"\n      ({r.entrypoint}: the image's ENTRYPOINT is not run; what it starts in the background "
+            "(a server, a daemon) is missing from episodes, whose commands each run on their own)"
+        )
     if r.offline:
         why += (
             "\n      (the task sets [environment] allow_internet (Harbor's default) and its episodes ran "
@@ -160,6 +181,10 @@ def report(results: list[TaskCheck]) -> tuple[str, bool]:
         verdict = "ok" if r.passed else ("ERROR: " + r.error if r.error else "FAILED: " + _why(r))
         if r.passed and r.oracle is None:
             verdict = "ok (no solution/solve.sh: oracle not run)"
+        if r.oracle is not None and r.oracle.rewards:
+            verdict += (
+                " (oracle's rewards: " + ", ".join(f"{k}={v:g}" for k, v in r.oracle.rewards.items()) + ")"
+            )
         lines.append(f"{r.task:{width}s}  {_cell(r.oracle):>18s}  {_cell(r.nothing):>18s}  {verdict}")
     ok = all(r.passed for r in results)
     lines.append(f"{sum(r.passed for r in results)}/{len(results)} tasks passed")

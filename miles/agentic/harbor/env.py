@@ -45,7 +45,7 @@ from typing import Any
 from miles.agentic.envs.base import Action, Message, StepResult
 from miles.agentic.envs.toolenv import ToolEnv
 from miles.agentic.envs.tools import Tool, ToolError, ToolOutcome
-from miles.agentic.harbor.episode import OUTPUT_LIMIT, Episode
+from miles.agentic.harbor.episode import OUTPUT_LIMIT, Episode, StepUnhealthy
 from miles.agentic.harbor.sandboxes import INTERNET, episode_settings, pool_for, prepare_image
 from miles.agentic.harbor.task import Task, load_dataset, load_task
 from miles.agentic.sandbox.container import ContainerSandboxConfig
@@ -225,6 +225,7 @@ class HarborEnv(ToolEnv):
             **info.get("episode", {}),
             "success": float(reward >= 1.0),
             "verifier_s": verdict.seconds,
+            **{f"reward_{k}": v for k, v in (verdict.rewards or {}).items()},  # reward.json's dimensions
         }
         return StepResult(result.messages, reward, True, info)
 
@@ -239,7 +240,11 @@ class HarborEnv(ToolEnv):
             return None
         self._step += 1
         nxt = task.task_steps[self._step]
-        await self._live().begin_step(nxt)
+        try:
+            await self._live().begin_step(nxt)
+        except StepUnhealthy:
+            self._step_rewards.append(0.0)  # the step cannot start: it scores 0 and the episode ends
+            return None
         self.done, self._submitted = False, False
         info = {**result.info, "step": step.name, "step_reward": reward}
         return StepResult(

@@ -12,13 +12,15 @@ steps after FROM inside it (miles/agentic/harbor/sandboxes.py).
 
 Verification, as Harbor defines it: /tests and /logs are emptied (nothing the agent planted there
 counts), tests/ is copied to /tests, `bash /tests/test.sh` runs under [verifier] timeout_sec with
-[verifier] env, and the reward is read from /logs/verifier/reward.txt (a number) or reward.json
-({"reward": x}). A verifier that times out, crashes without a reward or writes no parsable reward gives
+[verifier] env, and the reward is read from /logs/verifier/reward.txt (a number) or reward.json: its
+"reward" when it has one, else the mean of its named rewards (Harbor's several reward dimensions, e.g.
+{"correctness": 1, "performance": 0}), each kept in the result's `rewards`. A verifier that times out, crashes without a reward or writes no parsable reward gives
 `reward None`: the sample is masked, not scored 0, and the status says why.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import shlex
@@ -53,6 +55,12 @@ class VerifierResult:
     """`ok`, `timeout`, `crashed` (exited non-zero without a reward), `no_reward` or `bad_reward`."""
     seconds: float
     output: str
+    rewards: dict[str, float] | None = None
+    """reward.json's named rewards, when it gave several."""
+
+
+class StepUnhealthy(TaskError):
+    """A step's [steps.healthcheck] never passed: the step scores 0 and the episode ends there."""
 
 
 def truncate(text: str, limit: int = OUTPUT_LIMIT) -> str:
@@ -132,11 +140,12 @@ class Episode:
                 res = await self._exec(step.args[0], timeout)
                 if not res.ok:
                     fix = (
-                        "the sandbox has no network: bake these steps into an image and name it in "
-                        "[environment] docker_image"
+                        "episodes replay the Dockerfile without network: build the task's image first "
+                        "(miles tasks build TASK --image-dir DIR), which episodes in DIR then start from"
                         if self.in_image
                         else f"the task's image ({self.task.base_image}) provides what this host's toolchain "
-                        "lacks: run it with a container backend"
+                        "lacks: build it (miles tasks build TASK --image-dir DIR) and run the task in it "
+                        "(--runtime apptainer --image-dir DIR)"
                     )
                     raise TaskUnsupported(
                         f"{where}: RUN {step.args[0]!r} failed here (exit {res.returncode}"
@@ -211,18 +220,30 @@ class Episode:
 
     async def begin_step(self, step: TaskStep) -> None:
         """A multi-step task's step begins: its workdir/ copied into the working directory, then its
-        setup.sh (if any) run there. TaskUnsupported when the setup fails."""
+        setup.sh (if any) run there, then its healthcheck polled. TaskUnsupported when the setup
+        fails, StepUnhealthy when the healthcheck never passes."""
         workdir = step.part("workdir")
-        if workdir is None:
-            return
-        for f in task_files(self.task.path, workdir):
-            await self.sandbox.write_file(f"{self.cwd}/{f.relative_to(workdir)}", f.read_bytes())
-        if (workdir / "setup.sh").is_file():
-            res = await self._exec("bash setup.sh", self.task.config.environment.build_timeout_sec)
-            if not res.ok:
-                raise TaskUnsupported(
-                    f"{workdir / 'setup.sh'}: exit {res.returncode}: {(res.stderr or res.stdout).strip()[-300:]!r}"
-                )
+        if workdir is not None:
+            for f in task_files(self.task.path, workdir):
+                await self.sandbox.write_file(f"{self.cwd}/{f.relative_to(workdir)}", f.read_bytes())
+            if (workdir / "setup.sh").is_file():
+                res = await self._exec("bash setup.sh", self.task.config.environment.build_timeout_sec)
+                if not res.ok:
+                    raise TaskUnsupported(
+                        f"{workdir / 'setup.sh'}: exit {res.returncode}: {(res.stderr or res.stdout).strip()[-300:]!r}"
+                    )
+        if (check := step.config.healthcheck) is not None:
+            await asyncio.sleep(check.start_period_sec)
+            for attempt in range(check.retries):
+                res = await self._exec(check.command, check.timeout_sec)
+                if res.ok:
+                    return
+                if attempt + 1 < check.retries:
+                    await asyncio.sleep(check.interval_sec)
+            raise StepUnhealthy(
+                f"step {step.name}: healthcheck `{check.command}` failed {check.retries} times: "
+                f"{(res.stderr or res.stdout).strip()[-200:]!r}"
+            )
 
     async def run_solution(self, step: TaskStep | None = None) -> ExecResult:
         """The task's (or the step's) solution/ at /solution, then `bash /solution/solve.sh` (its
@@ -266,26 +287,39 @@ class Episode:
         seconds = time.monotonic() - t0
         if res.timed_out:
             return VerifierResult(None, "timeout", seconds, output)
-        reward, status = await self._read_reward()
+        reward, status, named = await self._read_reward()
         if reward is not None and not _admissible(reward, cfg.reward_range):
             output = f"reward {reward!r} is not finite or outside reward_range {cfg.reward_range}\n" + output
             reward, status = None, "bad_reward"
         if reward is None and status == "no_reward" and not res.ok:
             status = "crashed"
-        return VerifierResult(reward, status, seconds, output)
+        return VerifierResult(reward, status, seconds, output, named)
 
-    async def _read_reward(self) -> tuple[float | None, str]:
+    async def _read_reward(self) -> tuple[float | None, str, dict[str, float] | None]:
         logs = self.sandbox.path / "logs" / "verifier"  # type: ignore[operator]
         try:  # the sandbox wrote these: read without following a link out of it
             if (text := read_sandbox_file(logs / "reward.txt")) is not None:
-                return float(text.strip()), "ok"
+                return float(text.strip()), "ok", None
             if (text := read_sandbox_file(logs / "reward.json")) is not None:
-                return float(json.loads(text)["reward"]), "ok"
+                reward, named = _json_reward(json.loads(text))
+                return reward, "ok", named
         except (ValueError, KeyError, TypeError):
-            return None, "bad_reward"
+            return None, "bad_reward", None
         if any((logs / n).is_symlink() for n in ("reward.txt", "reward.json")):
-            return None, "bad_reward"
-        return None, "no_reward"
+            return None, "bad_reward", None
+        return None, "no_reward", None
+
+
+def _json_reward(data: object) -> tuple[float, dict[str, float] | None]:
+    """reward.json's reward (its "reward", else the mean of its named rewards) and the named ones."""
+    if not isinstance(data, dict) or not data:
+        raise ValueError("reward.json: not an object of named rewards")
+    named = {str(k): float(v) for k, v in data.items() if not isinstance(v, bool)}
+    if len(named) != len(data):
+        raise ValueError("reward.json: a reward that is not a number")
+    if "reward" in named:
+        return named["reward"], (named if len(named) > 1 else None)
+    return sum(named.values()) / len(named), (named if len(named) > 1 else None)
 
 
 def _admissible(reward: float, bounds: tuple[float, float] | None) -> bool:

@@ -89,6 +89,17 @@ class StepVerifier(_Section):
     env: dict[str, str] = {}
 
 
+class Healthcheck(_Section):
+    """[steps.healthcheck]: a command that must pass before the step's agent turn, polled as Docker's
+    HEALTHCHECK is (up to `retries` tries, `interval_sec` apart, each within `timeout_sec`)."""
+
+    command: str = Field(min_length=1)
+    interval_sec: float = Field(1.0, ge=0)
+    timeout_sec: float = Field(30.0, gt=0)
+    retries: int = Field(3, ge=1)
+    start_period_sec: float = Field(0.0, ge=0)
+
+
 class StepSection(_Section):
     """One [[steps]] entry (Harbor's schema 1.1): its files live in steps/<name>/."""
 
@@ -98,6 +109,7 @@ class StepSection(_Section):
     contributes_to_mean: bool = True
     agent: AgentSection = AgentSection()
     verifier: StepVerifier = StepVerifier()
+    healthcheck: Healthcheck | None = None
 
 
 class TaskConfig(_Section):

@@ -1,0 +1,3 @@
+#!/bin/bash
+python3 /usr/local/bin/filter.py &
+exec "$@"

@@ -1,0 +1,3 @@
+#!/bin/bash
+printf '#!/bin/bash\necho "Hello, $(cat /app/config.txt)!"\n' > /app/greet.sh
+chmod +x /app/greet.sh

@@ -1,0 +1,3 @@
+#!/bin/bash
+
+echo 'Good morning!' > greeting.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+mkdir -p /logs/verifier
+[ -s /app/name.txt ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
