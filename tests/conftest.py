@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("MILES_TASKS_INTERNET", "off")
+"""Tests send nothing off this machine: Harbor episodes get no network unless a test asks for egress
+(tests/unit/test_sandbox_egress.py, whose traffic stays on this host)."""
+
 IMAGES = Path(os.environ.get("MILES_TEST_IMAGES", "/var/cache/miles-images"))
 """Images the shipped Harbor tasks name, as `apptainer pull` names them (containers/stand-in-images.sh)."""
 

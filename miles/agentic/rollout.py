@@ -162,7 +162,8 @@ class Episode:
         s.weight_versions.extend([version] * len(ids))
 
     def add_info(self, info: dict[str, Any]) -> None:
-        for key in ("tool_calls", "tool_errors", "tool_timeouts", "success", "sandbox_start_s", "verifier_s"):
+        for key in ("tool_calls", "tool_errors", "tool_timeouts", "success", "sandbox_start_s", "verifier_s",
+                    "generated"):  # fmt: skip
             if isinstance(info.get(key), (int, float)):
                 self.facts[key] = self.facts.get(key, 0.0) + float(info[key])
 

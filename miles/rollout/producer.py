@@ -53,6 +53,7 @@ AGENT_KEYS = (
     "sandbox_failed",
     "verifier_s",
     "success",
+    "generated",
     "demonstrations",
 )
 """Per-episode facts of `sample.metadata["agent"]` reported as means (agent/<key>, times as *_time_s);

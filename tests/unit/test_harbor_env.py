@@ -110,14 +110,30 @@ def test_a_verifier_that_times_out_masks_the_episode(tmp_path) -> None:
 
 
 def test_options_are_checked() -> None:
-    with pytest.raises(ValueError, match="exactly one of options.tasks"):
+    with pytest.raises(ValueError, match="give options.tasks"):
         make_env("harbor")
-    with pytest.raises(ValueError, match="exactly one of options.tasks"):
-        make_env("harbor", tasks=str(SHIPPED), generate=True)
+    with pytest.raises(ValueError, match=r"generate_share=1.5 must lie in \(0, 1\)"):
+        make_env("harbor", tasks=str(SHIPPED), generate=True, generate_share=1.5)
+    with pytest.raises(ValueError, match="internet='on'"):
+        make_env("harbor", generate=True, internet="on")
     with pytest.raises(ValueError, match="start_ahead"):
         make_env("harbor", generate=True, start_ahead=5, max_live=2)
     with pytest.raises(ValueError, match="runtime"):
         make_env("harbor", generate=True, backend={"runtime": "docker"})
+
+
+def test_a_dataset_mixed_with_generated_tasks_in_the_share_asked() -> None:
+    """tasks + generate: generate_share of the training indices, spread evenly, play generated tasks,
+    the rest the dataset's in turn; held-out episodes play the dataset's alone."""
+    env = make_env("harbor", tasks=str(SHIPPED), generate=True, generate_share=0.25)
+    picks = [env.make_task(0, i) for i in range(40)]
+    assert sum(p["generated"] for p in picks) == 10
+    assert [p["generated"] for p in picks[:8]] == [False, False, False, True] * 2
+    shipped = {str(p.resolve()) for p in SHIPPED.iterdir() if p.is_dir()}
+    assert {str(Path(p["path"]).resolve()) for p in picks if not p["generated"]} == shipped
+    assert all(str(Path(p["path"]).resolve()) not in shipped for p in picks if p["generated"])
+    held_out = [env.make_task(0, EVAL_OFFSET + i) for i in range(8)]
+    assert not any(p["generated"] for p in held_out)
 
 
 def test_episodes_take_sandboxes_started_ahead_and_leave_nothing() -> None:

@@ -112,8 +112,8 @@ def test_a_task_that_allows_the_internet_gets_it_and_one_that_does_not_is_offlin
     (www / "expected.txt").write_text("42\n")
     task = load_task(_downloading_task(tmp_path / "fetches", port, allow_internet=True))
     to_host = BwrapSettings(egress_to_host=True)
-    assert episode_settings(task, to_host).network == "egress" and offline_reason(task) == ""
-    ok = asyncio.run(check_task(task, to_host))
+    assert episode_settings(task, to_host, "auto").network == "egress" and offline_reason(task, "auto") == ""
+    ok = asyncio.run(check_task(task, to_host, internet="auto"))
     assert ok.passed and ok.oracle.reward == 1.0 and ok.nothing.reward == 0.0, report([ok])[0]
 
     off = asyncio.run(check_task(task, to_host, internet="off"))
@@ -124,6 +124,9 @@ def test_a_task_that_allows_the_internet_gets_it_and_one_that_does_not_is_offlin
     assert "network: none (network: host gives them the node's)" in offline_reason(task, "auto", apptainer)
 
     closed = load_task(_downloading_task(tmp_path / "closed", port, allow_internet=False))
-    assert episode_settings(closed, to_host).network == "none" and offline_reason(closed) == ""
-    shut = asyncio.run(check_task(closed, to_host))
+    assert (
+        episode_settings(closed, to_host, "auto").network == "none" and offline_reason(closed, "auto") == ""
+    )
+    assert episode_settings(task, to_host).network == "none"  # the tests' default: MILES_TASKS_INTERNET=off
+    shut = asyncio.run(check_task(closed, to_host, internet="auto"))
     assert not shut.passed and shut.oracle.reward == 0.0 and "without network" not in report([shut])[0]

@@ -49,7 +49,7 @@ async def check_task(
     task: Task,
     settings: BwrapSettings | None = None,
     backend: ContainerSandboxConfig | None = None,
-    internet: str = "auto",
+    internet: str | None = None,
 ) -> TaskCheck:
     offline = offline_reason(task, internet, backend)
     entry = next((n.split(": ")[0] for n in task.notes if ": ENTRYPOINT " in n), "")
@@ -103,7 +103,7 @@ async def run_steps(task: Task, ep: Episode, oracle: bool) -> VerifierResult:
 
 
 async def _check_steps(
-    task: Task, settings, backend, internet: str
+    task: Task, settings, backend, internet: str | None
 ) -> tuple[VerifierResult | None, VerifierResult]:
     """(oracle, do-nothing) of a multi-step task: the oracle runs every step's solution (None when no
     step has one)."""
@@ -121,7 +121,7 @@ async def check_tasks(
     jobs: int = 2,
     settings: BwrapSettings | None = None,
     backend: ContainerSandboxConfig | None = None,
-    internet: str = "auto",
+    internet: str | None = None,
 ) -> list[TaskCheck]:
     gate = asyncio.Semaphore(jobs)
 

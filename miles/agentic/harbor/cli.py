@@ -108,9 +108,10 @@ def add_tasks_command(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--internet",
         choices=("auto", "off"),
-        default="auto",
+        default=None,
         help="auto: tasks that set allow_internet (Harbor's default) get egress where this node has it "
-        "(local runtime: a network namespace of pasta's); off: no episode gets network",
+        "(local runtime: a network namespace of pasta's); off: no episode gets network (default: "
+        "$MILES_TASKS_INTERNET, else auto)",
     )
     q.set_defaults(func=_cmd_check)
     q = tsub.add_parser(

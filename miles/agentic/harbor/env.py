@@ -30,7 +30,9 @@ get egress where the node has it (miles/agentic/harbor/sandboxes.py).
 Task choice: with `tasks` (task directories or dataset folders) training episode `index` plays task
 `index mod n` and held-out episodes (indices from EVAL_OFFSET) play `eval_tasks` (default: the same
 tasks); with `generate` every index is its own task from miles/agentic/harbor/generate.py, written
-once into a cache directory outside the run directory.
+once into a cache directory outside the run directory. With both, `generate_share` (default 0.5) of
+the training episodes, spread evenly, play generated tasks and the others the dataset's, and
+held-out episodes play the dataset's; `agent/generated` is the share a step's episodes had.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class HarborEnv(ToolEnv):
         eval_tasks: list[str] | str | None = None,
         generate: bool = False,
         generate_seed: int = 0,
+        generate_share: float = 0.5,
         max_turns: int = 8,
         bash_timeout_s: float = 10.0,
         output_limit: int = OUTPUT_LIMIT,
@@ -84,10 +87,10 @@ class HarborEnv(ToolEnv):
         backend: dict[str, Any] | ContainerSandboxConfig | None = None,
         start_ahead: int = 2,
         max_live: int = 256,
-        internet: str = "auto",
+        internet: str | None = None,
     ) -> None:
         super().__init__(max_turns)
-        if internet not in INTERNET:
+        if internet is not None and internet not in INTERNET:
             raise ValueError(f"harbor: options.internet={internet!r}: use one of {', '.join(INTERNET)}")
         self.internet = internet
         if not 0 <= start_ahead <= max_live:
@@ -95,10 +98,11 @@ class HarborEnv(ToolEnv):
         self.backend = ContainerSandboxConfig.model_validate(backend) if backend is not None else None
         self.start_ahead, self.max_live = int(start_ahead), int(max_live)
         self._held = contextlib.AsyncExitStack()
-        if (tasks is None) == (not generate):
-            raise ValueError(
-                "harbor: give exactly one of options.tasks (task folders) and options.generate: true"
-            )
+        if tasks is None and not generate:
+            raise ValueError("harbor: give options.tasks (task folders), options.generate: true, or both")
+        if not 0.0 < generate_share < 1.0:
+            raise ValueError(f"harbor: options.generate_share={generate_share} must lie in (0, 1)")
+        self.generate, self.generate_share = bool(generate), float(generate_share)
         as_list = (lambda x: [x] if isinstance(x, str) else list(x)) if tasks is not None else None
         self.train_paths = [str(t.path) for t in load_dataset(as_list(tasks))] if as_list else []
         self.eval_paths = (
@@ -134,16 +138,27 @@ class HarborEnv(ToolEnv):
 
     # ---- tasks -------------------------------------------------------------------------------------
 
-    def make_task(self, seed: int, index: int) -> dict[str, Any]:
+    def generated(self, index: int) -> bool:
+        """Whether training episode `index` plays a generated task: all of them without options.tasks;
+        with both, `generate_share` of them, spread evenly (index i when floor((i+1)s) > floor(i s))."""
         if not self.train_paths:
+            return True
+        share = self.generate_share
+        return self.generate and int((index + 1) * share) > int(index * share)
+
+    def make_task(self, seed: int, index: int) -> dict[str, Any]:
+        held_out = index >= EVAL_OFFSET
+        if not self.train_paths or (not held_out and self.generated(index)):
             from miles.agentic.harbor.generate import make_task
 
             out = Path(tempfile.gettempdir()) / f"miles-harbor-tasks-{self.generate_seed}-{seed}"
-            return {"path": str(make_task(out, self.generate_seed * 7919 + seed, index)), "id": index}
-        held_out = index >= EVAL_OFFSET
+            path = make_task(out, self.generate_seed * 7919 + seed, index)
+            return {"path": str(path), "id": index, "generated": True}
         paths = self.eval_paths if held_out and self.eval_paths else self.train_paths
         k = (index - EVAL_OFFSET) if held_out else index
-        return {"path": paths[k % len(paths)], "id": index}
+        if self.generate and not held_out:  # the dataset's tasks in turn over the indices they get
+            k = index - int(index * self.generate_share)
+        return {"path": paths[k % len(paths)], "id": index, "generated": False}
 
     def opening(self, task: dict[str, Any]) -> list[Message]:
         t = _cached(task["path"])
@@ -175,7 +190,7 @@ class HarborEnv(ToolEnv):
         t0 = time.monotonic()
         task = _cached(self.task["path"])
         await prepare_image(task, self.backend)
-        settings = episode_settings(task, internet=self.internet)
+        settings = episode_settings(task, None, self.internet)
         pool = pool_for(task, settings, self.backend, self.start_ahead, self.max_live)
         sandbox = await self._held.enter_async_context(pool.acquire())  # closed and wiped by close()
         self.episode = Episode(task, output_limit=self.output_limit, sandbox=sandbox, internet=self.internet)
@@ -192,6 +207,7 @@ class HarborEnv(ToolEnv):
     async def reset(self, task: dict[str, Any]):  # type: ignore[override]
         obs = await super().reset(task)
         obs.info["sandbox_start_s"] = self.outcome["sandbox_start_s"]
+        obs.info["generated"] = float(bool(task.get("generated")))  # agent/generated: their share
         return obs
 
     def grade(self, answer: str) -> float:

@@ -84,7 +84,7 @@ class Episode:
         output_limit: int = OUTPUT_LIMIT,
         backend: ContainerSandboxConfig | None = None,
         sandbox: Sandbox | None = None,
-        internet: str = "auto",
+        internet: str | None = None,
     ) -> None:
         self.task = task
         self.settings = episode_settings(task, settings, internet)

@@ -25,6 +25,7 @@ milliseconds). A sandbox still serves one episode only, and is wiped when it end
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import weakref
 from dataclasses import replace
@@ -48,15 +49,25 @@ APP = "/app"
 
 INTERNET = ("auto", "off")
 """auto: a task that sets allow_internet (Harbor's default) gets egress where the node has it; off:
-no episode gets network."""
+no episode gets network. The default is MILES_TASKS_INTERNET's value, else auto (`internet`)."""
 
 
-def offline_reason(task: Task, internet: str = "auto", backend: ContainerSandboxConfig | None = None) -> str:
+def internet(choice: str | None = None) -> str:
+    """`choice`, or the node's default (MILES_TASKS_INTERNET, else auto), checked against INTERNET."""
+    value = choice if choice is not None else os.environ.get("MILES_TASKS_INTERNET", "auto")
+    if value not in INTERNET:
+        raise ValueError(f"internet={value!r}: use one of {', '.join(INTERNET)}")
+    return value
+
+
+def offline_reason(
+    task: Task, choice: str | None = None, backend: ContainerSandboxConfig | None = None
+) -> str:
     """Why `task`'s episodes run without the network its [environment] allow_internet asks for, or ""
     (they have it, or it asks for none)."""
     if not task.config.environment.allow_internet:
         return ""
-    if internet == "off":
+    if internet(choice) == "off":
         return "internet: off"
     if backend is not None:
         if backend.network == "host":
@@ -68,12 +79,12 @@ def offline_reason(task: Task, internet: str = "auto", backend: ContainerSandbox
     return egress_missing()
 
 
-def episode_settings(task: Task, base: BwrapSettings | None = None, internet: str = "auto") -> BwrapSettings:
+def episode_settings(
+    task: Task, base: BwrapSettings | None = None, choice: str | None = None
+) -> BwrapSettings:
     """The sandbox settings of one of `task`'s episodes: Harbor's directories, /app as working
     directory, limits raised to what [environment] asks for, egress when the task allows the internet
-    and the node has it (`internet`: INTERNET)."""
-    if internet not in INTERNET:
-        raise ValueError(f"internet={internet!r}: use one of {', '.join(INTERNET)}")
+    and the node has it (`choice`: one of INTERNET, default `internet()`)."""
     env = task.config.environment
     base = base or BwrapSettings()
     limits = replace(
@@ -83,7 +94,7 @@ def episode_settings(task: Task, base: BwrapSettings | None = None, internet: st
         cpu_s=max(base.limits.cpu_s, 60),
         nproc=max(base.limits.nproc, 64 * env.cpus),
     )
-    network = "egress" if env.allow_internet and not offline_reason(task, internet) else base.network
+    network = "egress" if env.allow_internet and not offline_reason(task, choice) else base.network
     return replace(base, binds=BINDS, chdir=APP, limits=limits, network=network)
 
 
