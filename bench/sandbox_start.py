@@ -78,9 +78,13 @@ def main() -> None:
     p.add_argument("--root", default="", help="sandbox root (default: the system temp directory)")
     p.add_argument("--runtime", choices=("bwrap", "apptainer"), default="bwrap")
     p.add_argument("--image", help="apptainer: the image (a .sif file or docker:// reference)")
+    p.add_argument(
+        "--network", choices=("none", "egress"), default="none",
+        help="bwrap: egress runs each sandbox in a network namespace of pasta's (miles/agentic/sandbox/egress.py)",
+    )  # fmt: skip
     args = p.parse_args()
     if args.runtime == "bwrap":
-        settings = BwrapSettings(root=args.root)
+        settings = BwrapSettings(root=args.root, network=args.network)
         make: Factory = lambda: BwrapSandbox(settings)  # noqa: E731
     else:
         if not args.image:
@@ -95,7 +99,7 @@ def main() -> None:
     cpu_ms = 1000 * (_cpu_s() - cpu0) / args.starts
     print(f"host: {platform.node()} {os.cpu_count()} CPUs, load average {os.getloadavg()}")
     ms = lambda v: f"{1000 * v:.1f} ms"  # noqa: E731
-    print(f"{args.runtime}: cold start (create + first exec), {args.starts} starts:")
+    print(f"{args.runtime} (network {args.network}): cold start (create + first exec), {args.starts} starts:")
     print(
         f"  p50 {ms(pct(starts, 50))}  p90 {ms(pct(starts, 90))}  p99 {ms(pct(starts, 99))}  max {ms(max(starts))}"
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.agentic.harbor.build import built_name, definition
+from miles.agentic.harbor.build import built_name, definition, sif_squashfs
 from miles.agentic.harbor.task import load_task
 
 DOCKERFILE = """FROM debian:bookworm-slim
@@ -65,7 +65,7 @@ def test_the_definition_replays_the_dockerfile_in_order(tmp_path) -> None:
 @pytest.mark.slow
 def test_a_built_image_serves_the_episodes(tmp_path, apptainer_images) -> None:
     if os.geteuid() != 0:
-        pytest.skip("apptainer build needs root here")
+        pytest.skip("this build test runs as root (as CI does); the rootless build has its own test")
     # an image directory the sandbox's user can read (pytest's tmp_path is root's alone)
     images = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="miles-build-test-"))
     try:
@@ -96,14 +96,14 @@ def test_an_enroot_build_is_a_squashfs_with_the_steps_and_env(tmp_path, apptaine
     """`--runtime enroot`: the same build packed as the squashfs image `enroot create` unpacks, the
     Dockerfile's ENV in its /etc/environment (where enroot reads an image's environment)."""
     if os.geteuid() != 0 or shutil.which("mksquashfs") is None:
-        pytest.skip("the build needs root and squashfs-tools here")
+        pytest.skip("runs as root with squashfs-tools (as CI does); the rootless build has its own test")
     images = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="miles-build-test-"))
     try:
         root = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="miles-unpack-"))
         shutil.rmtree(root)
         # the base as enroot names a pulled image (NAME+TAG.sqsh): the stand-in's squashfs itself
-        (images / "debian+bookworm-slim.sqsh").write_bytes(
-            _squashfs_of(Path(apptainer_images) / "debian_bookworm-slim.sif")
+        sif_squashfs(
+            Path(apptainer_images) / "debian_bookworm-slim.sif", images / "debian+bookworm-slim.sqsh"
         )
         build_task_dir(tmp_path / "tasks" / "jq-task")
         cmd = [sys.executable, "-m", "miles", "tasks", "build", str(tmp_path / "tasks"), "--image-dir", str(images),
@@ -121,14 +121,6 @@ def test_an_enroot_build_is_a_squashfs_with_the_steps_and_env(tmp_path, apptaine
     finally:
         shutil.rmtree(images, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _squashfs_of(sif: Path) -> bytes:
-    listing = subprocess.run(
-        ["apptainer", "sif", "list", str(sif)], capture_output=True, text=True, check=True
-    )
-    fs = next(line.split("|")[0].strip() for line in listing.stdout.splitlines() if "FS (Squashfs" in line)
-    return subprocess.run(["apptainer", "sif", "dump", fs, str(sif)], capture_output=True, check=True).stdout
 
 
 def test_a_task_naming_a_prebuilt_image_is_pulled_not_built(tmp_path, apptainer_images) -> None:
@@ -171,3 +163,40 @@ def test_a_task_naming_a_prebuilt_image_is_pulled_not_built(tmp_path, apptainer_
     (images / "runner_1.2.sif").symlink_to(Path(apptainer_images) / "debian_bookworm-slim.sif")
     cached = subprocess.run(build, capture_output=True, text=True, timeout=60, env=env)
     assert cached.returncode == 0 and f"prebuilt: cached {images / 'runner_1.2.sif'}" in cached.stdout
+
+
+@pytest.mark.slow
+def test_the_build_runs_rootless_under_fakeroot(tmp_path, apptainer_images) -> None:
+    """Without root, a build's steps run under Apptainer's fakeroot: an unprivileged user (65534 here)
+    unpacks the base, installs a Debian package with apt-get as the Dockerfile's RUN does, and packs
+    the image; the package is in it."""
+    from miles.agentic.harbor.build import _post, sif_squashfs, steps_argv
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("runs the rootless build as another user: needs root to switch to it")
+    work = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="miles-rootless-"))
+    try:
+        os.chown(work, 65534, 65534)
+        as_user = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+        env = {"PATH": os.environ["PATH"], "HOME": str(work)}
+        sif_squashfs(Path(apptainer_images) / "debian_bookworm-slim.sif", work / "base.sqfs")
+        os.chown(work / "base.sqfs", 65534, 65534)
+        unpack = subprocess.run([*as_user, "unsquashfs", "-q", "-n", "-d", str(work / "root"), str(work / "base.sqfs")],
+                                capture_output=True, text=True, env=env)  # fmt: skip
+        assert unpack.returncode in (0, 2) and (work / "root" / "usr").is_dir(), unpack.stderr[-500:]
+        (work / "root" / "etc" / "apt" / "apt.conf.d" / "00miles-build").write_text(
+            'APT::Sandbox::User "root";\n'
+        )
+        task = load_task(build_task_dir(tmp_path / "jq-task"))
+        post = [line for line in _post(task)[0] if "miles-context" not in line]  # no context staged here
+        run = subprocess.run([*as_user, *steps_argv(work / "root", post, rootless=True)],
+                             capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+        assert run.returncode == 0, (run.stdout + run.stderr)[-800:]
+        assert (work / "root" / "usr" / "bin" / "jq").is_file() and (
+            work / "root" / "app" / "marker"
+        ).is_file()
+        pack = subprocess.run([*as_user, "apptainer", "--silent", "build", str(work / "out.sif"), str(work / "root")],
+                              capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+        assert pack.returncode == 0 and (work / "out.sif").stat().st_uid == 65534, pack.stderr[-500:]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

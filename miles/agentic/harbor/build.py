@@ -12,7 +12,9 @@ one script run in it by `apptainer exec --writable --no-privs` (apt's privilege 
 for the build: without capabilities it cannot setgroups); ENV kept for the image's environment
 (Apptainer's /.singularity.d/env, enroot's /etc/environment); then `apptainer build` packs the
 directory into a SIF, or `mksquashfs` into the squashfs image `enroot create` unpacks. (Apptainer's
-own %post needs capabilities a container host often withholds.) Needs root, apptainer and
+own %post needs capabilities a container host often withholds.) Root is not needed: without it the
+steps run under Apptainer's `--fakeroot` (a user namespace that maps the caller to root, so apt and
+pip install as root would), and the base's device nodes are left to the runtime. Needs apptainer and
 squashfs-tools (containers/apptainer.sh installs both), for either runtime. Episodes bind their own /app, which would hide
 what the build left there: the build keeps a copy of /app at /.miles-app, copied into the episode's
 /app when it starts (miles/agentic/harbor/episode.py), where the RUN and COPY steps are then not
@@ -143,25 +145,48 @@ def _run(cmd: list[str], what: str, task: Task, timeout_s: float) -> None:
         raise TaskError(f"{task.path}: {what} exited {done.returncode}: {tail}")
 
 
+def sif_squashfs(sif: Path, out: Path, timeout_s: float = 600) -> None:
+    """The root filesystem of Apptainer image `sif` (its squashfs partition) written to `out`: the
+    squashfs image enroot unpacks, or what `unsquashfs` turns into a directory."""
+    listing = subprocess.run(["apptainer", "sif", "list", str(sif)], capture_output=True, text=True)
+    fs = next((ln.split("|")[0].strip() for ln in listing.stdout.splitlines() if "FS (Squashfs" in ln), None)
+    if fs is None:
+        raise ValueError("holds no squashfs root filesystem (apptainer sif list)")
+    with out.open("wb") as f:
+        done = subprocess.run(["apptainer", "sif", "dump", fs, str(sif)], stdout=f, timeout=timeout_s)
+    if done.returncode != 0:
+        raise ValueError(f"apptainer sif dump {fs} exited {done.returncode}")
+
+
 def _unpack(task: Task, base: str, root: Path, limit: float) -> None:
     """The base image's root filesystem into `root` (a directory base is copied)."""
     if Path(base).is_dir():
         shutil.copytree(base, root, symlinks=True)
         return
     if base.endswith(".sqsh"):  # an enroot image: squashfs as it is
-        _run(["unsquashfs", "-q", "-n", "-d", str(root), base], "unsquashfs", task, limit)
+        _unsquash(task, Path(base), root, limit)
         return
-    listing = subprocess.run(["apptainer", "sif", "list", base], capture_output=True, text=True)
-    fs = next((ln.split("|")[0].strip() for ln in listing.stdout.splitlines() if "FS (Squashfs" in ln), None)
-    if fs is None:
-        raise TaskError(f"{task.path}: {base} holds no squashfs root filesystem (apptainer sif list)")
     squash = root.with_suffix(".sqfs")
-    with squash.open("wb") as f:
-        done = subprocess.run(["apptainer", "sif", "dump", fs, base], stdout=f, timeout=limit)
-    if done.returncode != 0:
-        raise TaskError(f"{task.path}: apptainer sif dump {fs} {base} exited {done.returncode}")
-    _run(["unsquashfs", "-q", "-n", "-d", str(root), str(squash)], "unsquashfs", task, limit)
+    try:
+        sif_squashfs(Path(base), squash, limit)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        raise TaskError(f"{task.path}: {base}: {e}") from None
+    _unsquash(task, squash, root, limit)
     squash.unlink()
+
+
+def _unsquash(task: Task, squash: Path, root: Path, limit: float) -> None:
+    """A squashfs image into the directory `root`. Without root, the image's device nodes cannot be
+    made (unsquashfs exits 2 for them); the runtime provides /dev, so that alone is not a failure."""
+    cmd = ["unsquashfs", "-q", "-n", "-d", str(root), str(squash)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise TaskError(f"{task.path}: unsquashfs {squash}: {e}") from None
+    rootless_ok = done.returncode == 2 and os.geteuid() != 0 and (root / "usr").is_dir()
+    if done.returncode != 0 and not rootless_ok:
+        tail = (done.stderr or done.stdout).strip()[-600:]
+        raise TaskError(f"{task.path}: unsquashfs exited {done.returncode}: {tail}")
 
 
 def build_task(
@@ -187,8 +212,7 @@ def build_task(
         apt = root / "etc" / "apt" / "apt.conf.d"
         if apt.is_dir():
             (apt / "00miles-build").write_text('APT::Sandbox::User "root";\n')
-        script = ["apptainer", "--silent", "exec", "--writable", "--no-privs", "--cleanenv", "--containall",
-                  *_host_network_settings(root), "--pwd", "/", str(root), "bash", "-c", "\n".join(post)]  # fmt: skip
+        script = steps_argv(root, post, rootless=os.geteuid() != 0, extra=_host_network_settings(root))
         _run(script, "the Dockerfile's steps", task, limit)
         (apt / "00miles-build").unlink(missing_ok=True)
         (root / BUILD_CA.lstrip("/")).unlink(missing_ok=True)
@@ -197,6 +221,14 @@ def build_task(
     part.chmod(0o644)  # episodes may run the image as another user
     part.rename(out)
     return out, "built"
+
+
+def steps_argv(root: Path, post: list[str], rootless: bool, extra: list[str] = ()) -> list[str]:
+    """The command running the build's script `post` in the unpacked root filesystem `root`: as root
+    with root's rights in it, rootless under Apptainer's fakeroot (the caller mapped to root)."""
+    privs = ["--fakeroot", "--no-home"] if rootless else ["--no-privs"]
+    return ["apptainer", "--silent", "exec", "--writable", *privs, "--cleanenv", "--containall",
+            *extra, "--pwd", "/", str(root), "bash", "-c", "\n".join(post)]  # fmt: skip
 
 
 BUILD_CA = "/.miles-build-ca.crt"
