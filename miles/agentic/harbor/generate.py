@@ -34,6 +34,7 @@ timeout_sec = 60.0
 [environment]
 cpus = 1
 memory_mb = 512
+allow_internet = false
 """
 
 TEST_HEAD = """#!/bin/bash
