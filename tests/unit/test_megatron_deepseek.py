@@ -7,6 +7,7 @@ router bug. Configs megatron-core's router cannot mirror are refused."""
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,3 +91,45 @@ def test_a_group_rule_megatron_core_cannot_mirror_is_refused(v3):
     cfg.num_experts_per_tok = 3
     with pytest.raises(ConfigError, match="num_experts_per_tok = 2 x topk_group: use train.backend=fsdp"):
         moe.check(cfg)
+
+
+def test_routing_replay_through_megatrons_router_equals_transformers(v3, one_rank):
+    """R3 on Megatron's DeepSeek router (sigmoid scores, correction bias, expert groups): replaying the
+    rollout's experts gives the logits transformers gives replaying the same experts (the FSDP path's
+    patched routers), away from the router's own choice; the metrics say the rows were used and that
+    the router alone would have chosen otherwise."""
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.sample import Sample
+    from miles.train.megatron import model as M
+    from miles.train.megatron.moe import MoERouting
+    from miles.train.routing_replay import RoutingReplay, find_routers, packed_routing
+
+    cfg = AutoConfig.from_pretrained(v3)
+    gpt = M.build_gpt(cfg, M.transformer_config(cfg, torch.float32, 1, 1, use_cpu=True, extra=CPU))
+    M.load_hf_into(gpt, M.read_hf_state(v3), cfg)
+    gpt.eval()
+    tokens = np.random.default_rng(0).integers(3, 380, 30).tolist()
+    ids = torch.tensor([tokens])
+    hf = AutoModelForCausalLM.from_pretrained(v3, dtype=torch.float32).eval()
+    rr = RoutingReplay.install(hf, replay=True)
+    n_routers, k, experts = len(find_routers(hf)), cfg.num_experts_per_tok, cfg.n_routed_experts
+    rng = np.random.default_rng(1)
+    other = np.stack([rng.permutation(experts)[:k] for _ in range((len(tokens) - 1) * n_routers)])
+    sample = Sample(0, 0, tokens[:20], tokens[20:])
+    sample.routed_experts = other.reshape(len(tokens) - 1, n_routers * k).astype(np.uint8)
+    with torch.no_grad():
+        own = gpt(ids, torch.arange(len(tokens))[None], None)[0]
+        with rr.batch(packed_routing([sample], [0], rr.shape, required=True), measure=False):
+            want = hf(ids, use_cache=False).logits[0]
+        routing = MoERouting(gpt, cfg, 0, replay=True)
+        routing.measure = True
+        mb = SimpleNamespace(tokens=ids, sample_ids=[0])
+        with routing.micro_batch([sample], mb):
+            got = gpt(ids, torch.arange(len(tokens))[None], None)[0]
+    assert (got - own).abs().max().item() > 1e-2  # the replayed experts are not the router's own
+    assert (got - want).abs().max().item() <= 1e-4
+    stats = routing.stats.metrics(routing.stats.stats())
+    assert stats["router_agreement"] == 1.0  # the experts used are the rows'
+    assert stats["router_natural_agreement"] < 0.5  # the router alone would have chosen others

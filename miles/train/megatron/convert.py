@@ -86,7 +86,19 @@ _TP_DIM = {
     "self_attention.linear_proj.weight": 1,
     "mlp.linear_fc1.weight": 0,
     "mlp.linear_fc2.weight": 1,
+    # latent attention (DeepSeek-V3): the up projections split by heads (their rows are head-major),
+    # the down projections by rows too on the local spec, where megatron-core gathers their output
+    # (Transformer Engine's spec duplicates them instead: `_MLA_DUPLICATED_UNDER_TE`)
+    "self_attention.linear_q_proj.weight": 0,
+    "self_attention.linear_q_up_proj.weight": 0,
+    "self_attention.linear_kv_up_proj.weight": 0,
+    "self_attention.linear_q_down_proj.weight": 0,
+    "self_attention.linear_kv_down_proj.weight": 0,
 }
+_MLA_DUPLICATED_UNDER_TE = (
+    "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+)
 
 
 @dataclass(frozen=True)
@@ -338,7 +350,7 @@ def tp_shard(name: str, full: torch.Tensor, rank: int, size: int, s: Shapes) -> 
     """The slice of a full Megatron tensor that tensor-parallel rank `rank` of `size` holds."""
     suffix = _suffix(name)
     dim = _TP_DIM.get(suffix)
-    if dim is None or size == 1:
+    if dim is None or size == 1 or (s.te_names and suffix in _MLA_DUPLICATED_UNDER_TE):
         return full
     if suffix == "mlp.linear_fc1.weight":
         gate, up = full.chunk(2, dim=0)
@@ -353,7 +365,7 @@ def tp_unshard(name: str, shards: list[torch.Tensor], s: Shapes) -> torch.Tensor
     """Inverse of tp_shard: the full tensor from every rank's slice, in rank order."""
     suffix = _suffix(name)
     dim = _TP_DIM.get(suffix)
-    if dim is None or len(shards) == 1:
+    if dim is None or len(shards) == 1 or (s.te_names and suffix in _MLA_DUPLICATED_UNDER_TE):
         return shards[0]
     if suffix == "mlp.linear_fc1.weight":
         halves = [sh.chunk(2, dim=0) for sh in shards]

@@ -46,6 +46,12 @@ class SDPAttention(torch.nn.Module):
         super().__init__()
         self.scale = kwargs.get("softmax_scale")
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        latent = getattr(config, "multi_latent_attention", False)
+        self.shared_rope = (
+            config.qk_pos_emb_head_dim if latent and config.tensor_model_parallel_size > 1 else 0
+        )
+        """Latent attention over tensor-parallel ranks: the width of the RoPE key part every head shares
+        (`SharedRopeKeyGrad`), else 0."""
 
     def forward(
         self,
@@ -58,6 +64,8 @@ class SDPAttention(torch.nn.Module):
         packed_seq_params=None,
     ) -> torch.Tensor:
         assert attention_mask is None and attention_bias is None, "SDPAttention: no mask, no bias"
+        if self.shared_rope and key.requires_grad:
+            key = SharedRopeKeyGrad.apply(key, self.shared_rope)
         s, b = query.shape[0], query.shape[1]
         if packed_seq_params is not None:
             assert b == 1 and packed_seq_params.qkv_format == "sbhd", "packed: one [T, 1] row"
@@ -73,6 +81,37 @@ class SDPAttention(torch.nn.Module):
             v = v.repeat_interleave(self.heads_per_group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class SharedRopeKeyGrad(torch.autograd.Function):
+    """Identity forward; backward, the gradient of the keys' shared RoPE part made whole.
+
+    DeepSeek's latent attention gives every head the same RoPE key k_pe (one projection, broadcast to
+    the heads). Over tensor-parallel ranks each rank holds some heads, so the gradient of k_pe its heads
+    give is only that rank's share; megatron-core's local spec then gathers the down projection's
+    output, whose backward keeps each rank's own slice of that partial gradient, and the k_pe rows of
+    the down projection (and the hidden states' gradient through them) miss the other ranks' heads.
+    Here the heads' summed k_pe gradient is all-reduced over the tensor-parallel group and the difference
+    spread over this rank's heads, so the broadcast's backward (a sum over the heads) yields the whole
+    gradient on every rank. tests/integration/test_megatron_mla_ranks.py checks TP=2 against one rank."""
+
+    @staticmethod
+    def forward(ctx, key: torch.Tensor, rope: int) -> torch.Tensor:
+        ctx.rope = rope
+        return key.view_as(key)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        grad = grad.clone()
+        part = grad[..., -ctx.rope :]  # [s, b, heads, rope]
+        mine = part.sum(dim=-2, keepdim=True)
+        whole = mine.clone()
+        dist.all_reduce(whole, group=ps.get_tensor_model_parallel_group())
+        part += (whole - mine) / part.shape[-2]
+        return grad, None
 
 
 def packed_seq_params(mb: Any):
