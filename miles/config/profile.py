@@ -82,8 +82,13 @@ class ContainerSandboxConfig(Section):
     `docker://NAME:TAG` is run from the file the runtime's own pull writes here, `NAME_TAG.sif`
     (`apptainer pull`) or `NAME+TAG.sqsh` (`enroot import`), and a missing file is an error naming
     the command that pulls it. None: straight from the registry."""
-    network: Literal["none", "host"] = "none"
-    """`none`: only a loopback inside; `host`: the node's network (tools that must download)."""
+    network: Literal["none", "egress", "host"] = "none"
+    """`none`: only a loopback inside; `egress` (apptainer): a network namespace with a route out
+    through pasta and a loopback of its own (miles/agentic/sandbox/egress.py); `host`: the node's
+    network (tools that must download). A Harbor task that allows the internet gets `egress` on
+    apptainer where the node has it."""
+    egress_to_host: bool = False
+    """With egress, the gateway's address reaches the node's loopback (tests only: egress.py)."""
     root: str = "/tmp/miles-sandbox"
     """Node-local directory holding the per-episode directories (never the run directory)."""
     prlimit: str = "/usr/bin/prlimit"

@@ -95,7 +95,7 @@ def _downloading_task(root: Path, port: int, allow_internet: bool) -> Path:
     files = {
         "task.toml": f'version = "1.0"\n[verifier]\ntimeout_sec = 30\n[environment]\nallow_internet = {str(allow_internet).lower()}\n',
         "instruction.md": "Write 42 to /app/answer.txt.\n",
-        "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\n",
+        "environment/Dockerfile": "FROM python:3.11-slim\nWORKDIR /app\n",
         "tests/test.sh": VERIFIER.format(gateway=GATEWAY, fetch=FETCH, port=port),
         "solution/solve.sh": "#!/bin/bash\necho 42 > /app/answer.txt\n",
     }
@@ -105,28 +105,47 @@ def _downloading_task(root: Path, port: int, allow_internet: bool) -> Path:
     return root
 
 
-def test_a_task_that_allows_the_internet_gets_it_and_one_that_does_not_is_offline(
-    tmp_path, host_server
-) -> None:
+@pytest.fixture(params=["local", "apptainer"])
+def backend(request) -> ContainerSandboxConfig | None:
+    """None (bubblewrap), or apptainer with the test images, egress reaching the host's loopback."""
+    if request.param == "local":
+        return None
+    images = request.getfixturevalue("apptainer_images")
+    return ContainerSandboxConfig(runtime="apptainer", image_dir=images, egress_to_host=True)
+
+
+def test_a_task_that_allows_the_internet_gets_it_on_either_backend(tmp_path, host_server, backend) -> None:
+    """The verifier downloads the expected answer: with egress the oracle scores 1 (apptainer: pasta
+    connected to the container's own network namespace), with --internet off it fails and says why."""
     port, www = host_server
     (www / "expected.txt").write_text("42\n")
     task = load_task(_downloading_task(tmp_path / "fetches", port, allow_internet=True))
     to_host = BwrapSettings(egress_to_host=True)
-    assert episode_settings(task, to_host, "auto").network == "egress" and offline_reason(task, "auto") == ""
-    ok = asyncio.run(check_task(task, to_host, internet="auto"))
+    ok = asyncio.run(check_task(task, to_host, backend, internet="auto"))
     assert ok.passed and ok.oracle.reward == 1.0 and ok.nothing.reward == 0.0, report([ok])[0]
+    off = asyncio.run(check_task(task, to_host, backend, internet="off"))
+    assert not off.passed and "ran without network: internet: off" in report([off])[0]
 
-    off = asyncio.run(check_task(task, to_host, internet="off"))
-    table, passed = report([off])
-    assert not passed and "ran without network: internet: off" in table
+
+def test_the_network_an_episode_gets(tmp_path, host_server) -> None:
+    port, _ = host_server
+    task = load_task(_downloading_task(tmp_path / "fetches", port, allow_internet=True))
+    to_host = BwrapSettings(egress_to_host=True)
+    assert episode_settings(task, to_host, "auto").network == "egress" and offline_reason(task, "auto") == ""
     assert episode_settings(task, to_host, "off").network == "none"
-    apptainer = ContainerSandboxConfig(runtime="apptainer")
-    assert "network: none (network: host gives them the node's)" in offline_reason(task, "auto", apptainer)
+    assert episode_settings(task, to_host).network == "none"  # the tests' default: MILES_TASKS_INTERNET=off
+    enroot = ContainerSandboxConfig(runtime="enroot")
+    assert "network: none (network: host gives them the node's)" in offline_reason(task, "auto", enroot)
+    assert offline_reason(task, "auto", ContainerSandboxConfig(runtime="apptainer")) == ""
 
+
+def test_a_task_that_does_not_allow_the_internet_is_offline(tmp_path, host_server) -> None:
+    port, www = host_server
+    (www / "expected.txt").write_text("42\n")
+    to_host = BwrapSettings(egress_to_host=True)
     closed = load_task(_downloading_task(tmp_path / "closed", port, allow_internet=False))
     assert (
         episode_settings(closed, to_host, "auto").network == "none" and offline_reason(closed, "auto") == ""
     )
-    assert episode_settings(task, to_host).network == "none"  # the tests' default: MILES_TASKS_INTERNET=off
     shut = asyncio.run(check_task(closed, to_host, internet="auto"))
     assert not shut.passed and shut.oracle.reward == 0.0 and "without network" not in report([shut])[0]

@@ -191,7 +191,7 @@ class HarborEnv(ToolEnv):
         task = _cached(self.task["path"])
         await prepare_image(task, self.backend)
         settings = episode_settings(task, None, self.internet)
-        pool = pool_for(task, settings, self.backend, self.start_ahead, self.max_live)
+        pool = pool_for(task, settings, self.backend, self.start_ahead, self.max_live, self.internet)
         sandbox = await self._held.enter_async_context(pool.acquire())  # closed and wiped by close()
         self.episode = Episode(task, output_limit=self.output_limit, sandbox=sandbox, internet=self.internet)
         await self.episode.start()

@@ -88,7 +88,9 @@ class Episode:
     ) -> None:
         self.task = task
         self.settings = episode_settings(task, settings, internet)
-        self.sandbox = sandbox if sandbox is not None else make_sandbox(task, self.settings, backend)
+        self.sandbox = (
+            sandbox if sandbox is not None else make_sandbox(task, self.settings, backend, internet)
+        )
         self.in_image = isinstance(self.sandbox, ContainerSandbox)
         """Commands run in the task's own image (a container backend)."""
         self.built = self.in_image and Path(self.sandbox.cfg.image).name.startswith("miles-task_")  # type: ignore[attr-defined]

@@ -13,7 +13,9 @@ Backends (`backend` option of the `harbor` environment and `miles tasks check --
 
 Network: a task that sets [environment] allow_internet (Harbor's default) runs, on the local backend,
 in a network namespace with egress where the node has it (miles/agentic/sandbox/egress.py); a
-container backend gives its episodes what its `network` says (none, or host: the node's network);
+apptainer backend gives them the same through pasta connected to the container's namespace
+(`network: egress`, miles/agentic/sandbox/reaper.py), another container backend what its `network`
+says (none, or host: the node's network);
 `offline_reason` says why an episode that asked for network has none.
 
 Pools: episodes draw their sandboxes from a SandboxPool (miles/agentic/sandbox/pool.py) per event
@@ -69,9 +71,9 @@ def offline_reason(
         return ""
     if internet(choice) == "off":
         return "internet: off"
-    if backend is not None:
-        if backend.network == "host":
-            return ""
+    if backend is not None and backend.network in ("host", "egress"):
+        return ""
+    if backend is not None and backend.runtime != "apptainer":
         return (
             f"the {backend.runtime} backend runs episodes with network: {backend.network} "
             "(network: host gives them the node's)"
@@ -108,20 +110,29 @@ def task_image(task: Task) -> str:
     return image if "://" in image else f"docker://{image}"
 
 
-def task_backend(task: Task, backend: ContainerSandboxConfig) -> ContainerSandboxConfig:
+def task_backend(
+    task: Task, backend: ContainerSandboxConfig, choice: str | None = None
+) -> ContainerSandboxConfig:
     """`backend` with the image `task`'s episodes run in: the one `miles tasks build` made for it in
-    `image_dir` (miles/agentic/harbor/build.py), else its registry image (pulled ahead there if set)."""
+    `image_dir` (miles/agentic/harbor/build.py), else its registry image (pulled ahead there if set);
+    and with egress when the task allows the internet and the node has it (apptainer)."""
     built = built_image(task, backend)
     image = str(built) if built is not None else resolve_image(task_image(task), backend)
-    return backend.model_copy(update={"image": image})
+    update: dict = {"image": image}
+    wants = task.config.environment.allow_internet and backend.network == "none"
+    if wants and backend.runtime == "apptainer" and not offline_reason(task, choice, backend):
+        update["network"] = "egress"
+    return backend.model_copy(update=update)
 
 
-def make_sandbox(task: Task, settings: BwrapSettings, backend: ContainerSandboxConfig | None) -> Sandbox:
+def make_sandbox(
+    task: Task, settings: BwrapSettings, backend: ContainerSandboxConfig | None, choice: str | None = None
+) -> Sandbox:
     """A new (not yet created) sandbox for one episode of `task`."""
     if backend is None:
         return BwrapSandbox(settings)
     return ContainerSandbox(
-        None, task_backend(task, backend), settings.limits, settings.binds, settings.chdir
+        None, task_backend(task, backend, choice), settings.limits, settings.binds, settings.chdir
     )
 
 
@@ -159,13 +170,14 @@ def pool_for(
     backend: ContainerSandboxConfig | None,
     start_ahead: int,
     max_live: int,
+    choice: str | None = None,
 ) -> SandboxPool:
     """This event loop's pool of sandboxes for episodes like `task`'s (same backend, image, limits)."""
-    image = task_backend(task, backend).image if backend is not None else None
-    key = (backend.model_dump_json() if backend is not None else None, image, settings, start_ahead, max_live)
+    cfg = task_backend(task, backend, choice) if backend is not None else None
+    key = (cfg.model_dump_json() if cfg is not None else None, settings, start_ahead, max_live)
     pools = _pools.setdefault(asyncio.get_running_loop(), {})
     if key not in pools:
         pools[key] = SandboxPool(
-            lambda: make_sandbox(task, settings, backend), max_live=max_live, start_ahead=start_ahead
+            lambda: make_sandbox(task, settings, backend, choice), max_live=max_live, start_ahead=start_ahead
         )
     return pools[key]

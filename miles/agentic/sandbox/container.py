@@ -35,8 +35,14 @@ from pathlib import Path
 
 from miles.agentic.sandbox.base import Limits, SandboxStartError
 from miles.agentic.sandbox.bwrap import INSIDE, BwrapSandbox, BwrapSettings, prlimit_argv, run_as
+from miles.agentic.sandbox.egress import egress_missing, pasta_argv
 from miles.config.profile import ContainerSandboxConfig, Profile
 
+WAIT_FOR_ROUTE = (
+    'i=0; while [ $i -lt 500 ]; do while read -r _ dst _; do [ "$dst" = 00000000 ] && break 2; '
+    'done < /proc/net/route; i=$((i+1)); sleep 0.01; done; exec "$@"'
+)
+"""A command in an egress container waits (up to 5 s) for the route pasta sets up, then runs."""
 REAPER = str(Path(__file__).with_name("reaper.py"))
 """Runs each container command so that what the runtime forks dies with its owner (reaper.py)."""
 
@@ -114,8 +120,10 @@ def container_argv(
         # --silent: only errors (its INFO lines would reach every tool output); the episode directory
         # is the home, which also sets HOME
         argv = [program, "--silent", "exec", "--containall", "--cleanenv", "--no-privs"]
-        if cfg.network == "none":
+        if cfg.network in ("none", "egress"):  # egress: the reaper connects pasta to this namespace
             argv += ["--net", "--network", "none"]
+        if cfg.network == "egress":
+            inner = ["/bin/sh", "-c", WAIT_FOR_ROUTE, "sh", *inner]
         argv += ["--writable-tmpfs", "--home", f"{workdir}:{INSIDE}"]
         argv += [*(x for m in bound for x in ("--bind", m)), "--pwd", chdir, *cfg.extra_args, image]
         return argv + inner
@@ -145,6 +153,12 @@ class ContainerSandbox(BwrapSandbox):
         self.profile, self.cfg = profile, cfg
 
     def _check_runtime(self) -> None:
+        if self.cfg.network == "egress" and self.cfg.runtime != "apptainer":
+            raise SandboxStartError(
+                "no_egress", f"network: egress is built for apptainer, not {self.cfg.runtime}"
+            )
+        if self.cfg.network == "egress" and (why := egress_missing()):
+            raise SandboxStartError("no_egress", f"network: egress: {why}")
         self._runtime = shutil.which(self.cfg.runtime) or ""
         if not self._runtime:
             raise SandboxStartError(f"no_{self.cfg.runtime}", f"{self.cfg.runtime} not found on this node")
@@ -154,7 +168,10 @@ class ContainerSandbox(BwrapSandbox):
         s = self.settings
         argv = container_argv(self.profile, self.cfg, workdir, cmd, s.limits, s.binds, s.chdir, self._runtime)
         uid = run_as(s)
-        return [sys.executable, "-I", REAPER, *(["--uid", str(uid)] if uid is not None else []), *argv]
+        flags = ["--uid", str(uid)] if uid is not None else []
+        if self.cfg.network == "egress":
+            flags += ["--egress", " ".join(pasta_argv(self.cfg.egress_to_host)[:-1])]
+        return [sys.executable, "-I", REAPER, *flags, *argv]
 
     def _exec_user(self) -> int | None:
         return None  # the reaper starts as us and runs the runtime as run_as(settings)

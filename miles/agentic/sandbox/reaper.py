@@ -14,7 +14,10 @@ all of a container. Two processes of this program do:
   (PR_SET_PDEATHSIG): then it kills every descendant and exits. When the command ends by itself it
   waits briefly for the rest, kills what is left and exits with the command's status.
 With `--uid N` (started as root) the command runs as uid and gid N, and the guardian, still root, can
-stop it. The command starts in `/`: apptainer fails in a working directory its user cannot open.
+stop it. With `--egress "PASTA ARGS"` the guardian waits for a descendant in a network namespace other
+than its own (the container's) and runs `PASTA ARGS PID` as the command's user, which connects that
+namespace to the node's network (miles/agentic/sandbox/egress.py); pasta stays a descendant, so it
+ends with the rest. The command starts in `/`: apptainer fails in a working directory its user cannot open.
 Standard library only, run in isolated mode (no site packages) so that it starts in milliseconds; no
 Miles import.
 """
@@ -72,10 +75,61 @@ def exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (by /proc's children lists)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = [int(p) for p in f.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            pass
+    return out
+
+
+def connect(command: int, pasta: list[str], uid: int | None, timeout_s: float = 10.0) -> None:
+    """Run `pasta PID` for the first descendant of `command` in another network namespace."""
+    own = os.readlink("/proc/self/ns/net")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in descendants(command):
+            try:
+                if os.readlink(f"/proc/{pid}/ns/net") != own:
+                    break
+            except OSError:
+                continue
+        else:
+            time.sleep(0.005)
+            continue
+        if os.fork() == 0:
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):  # Python's dispositions
+                signal.signal(sig, signal.SIG_DFL)
+            quiet = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1):
+                os.dup2(quiet, fd)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            try:  # in the foreground: it stays a descendant, and quits when the namespace goes
+                os.execvp(pasta[0], [pasta[0], "--foreground", *pasta[1:], str(pid)])
+            except OSError as e:
+                print(f"reaper: cannot run {pasta[0]}: {e}", file=sys.stderr)
+            os._exit(127)
+        return
+    print("reaper: no network namespace to connect appeared", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
-    uid = None
+    uid, pasta = None, None
     if argv[:1] == ["--uid"] and len(argv) > 1:
         uid, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["--egress"] and len(argv) > 1:
+        pasta, argv = argv[1].split(), argv[2:]
     if not argv:
         print("usage: reaper.py [--uid N] CMD...", file=sys.stderr)
         return 2
@@ -110,6 +164,8 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             print(f"reaper: cannot run {argv[0]}: {e}", file=sys.stderr)
         os._exit(127)
+    if pasta:
+        connect(command, pasta, uid)
     status = None
     while status is None:
         status = reap(block=True).get(command)
