@@ -1,0 +1,145 @@
+"""DeepSeek-V4's mixture of experts as Megatron modules (miles/train/megatron/deepseek_v4_moe.py):
+megatron-core's MoE layer with the sqrtsoftplus router or the hash router, experts and shared expert
+clamped by `swiglu_limit`, loaded from transformers' `DeepseekV4SparseMoeBlock` weights, gives that
+block's output on the same hidden states and token ids (fp32, CPU), with scores large enough that the
+clamp acts; replaying other experts through the learned router changes the output as transformers'
+replay does, and a hash layer follows its table whatever its scores."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from miles.models.tiny import init_tiny
+
+    path = init_tiny(tmp_path_factory.mktemp("v4") / "m", arch="deepseek_v4", seed=1)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    saved = torch.cuda.current_device
+    if not torch.cuda.is_available():  # megatron-core's layers ask torch.cuda for their device
+        torch.cuda.current_device = lambda: torch.device("cpu")
+    yield
+    torch.cuda.current_device = saved
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _moe_layer(cfg, hashed: bool, limit: float):
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from miles.train.megatron import deepseek_v4_moe as V4
+    from miles.train.megatron.model import _moe_utils_without_te
+
+    _moe_utils_without_te()
+    tf = TransformerConfig(
+        num_layers=1, hidden_size=cfg.hidden_size, num_attention_heads=4, ffn_hidden_size=cfg.intermediate_size,
+        num_moe_experts=cfg.n_routed_experts, moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts,
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0, moe_router_score_function="sigmoid",
+        moe_router_topk_scaling_factor=float(cfg.routed_scaling_factor), moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_enable_routing_replay=not hashed,
+        gated_linear_unit=True, activation_func=F.silu, activation_func_clamp_value=limit,
+        add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+        bias_activation_fusion=False,
+    )  # fmt: skip
+    router = V4.hash_router(cfg.vocab_size) if hashed else V4.SqrtSoftplusRouter
+    return build_module(V4.moe_spec(router), config=tf, layer_number=1)
+
+
+def _load(layer, block) -> None:
+    own = dict(layer.named_parameters()) | dict(layer.named_buffers())
+    want = {"router.weight": block.gate.weight}
+    if hasattr(block.gate, "tid2eid"):
+        want["router.tid2eid"] = block.gate.tid2eid
+    else:
+        want["router.expert_bias"] = block.gate.e_score_correction_bias
+    for e in range(block.experts.num_experts):
+        want[f"experts.local_experts.{e}.linear_fc1.weight"] = block.experts.gate_up_proj[e]
+        want[f"experts.local_experts.{e}.linear_fc2.weight"] = block.experts.down_proj[e]
+    s = block.shared_experts
+    want["shared_experts.linear_fc1.weight"] = torch.cat([s.gate_proj.weight, s.up_proj.weight])
+    want["shared_experts.linear_fc2.weight"] = s.down_proj.weight
+    with torch.no_grad():
+        for name, t in want.items():
+            own[name].copy_(t)
+
+
+@pytest.mark.parametrize("layer_index", [0, 1], ids=["hash", "learned"])
+def test_the_moe_layer_equals_transformers(v4, one_rank, layer_index):
+    from miles.train.megatron import deepseek_v4_moe as V4
+
+    cfg = v4.config
+    block = v4.model.layers[layer_index].mlp
+    hashed = cfg.mlp_layer_types[layer_index] == "hash_moe"
+    assert hashed == (layer_index == 0)
+    limit = 0.5  # the tiny model's weights are small: a low limit makes the clamp act (real V4: 10)
+    block.experts.limit = block.shared_experts.limit = limit
+    layer = _moe_layer(cfg, hashed, limit)
+    _load(layer, block)
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.normal_(0, 0.5) if not hashed else None
+        layer.router.expert_bias.copy_(block.gate.e_score_correction_bias) if not hashed else None
+    g = torch.Generator().manual_seed(0)
+    s, b = 9, 2
+    hidden = torch.randn(b, s, cfg.hidden_size, generator=g) * 4.0
+    ids = torch.randint(3, cfg.vocab_size, (b, s), generator=g)
+    with torch.no_grad():
+        want = block(hidden, input_ids=ids)
+        if hashed:
+            layer.router.tokens = V4.TokenIds()
+            layer.router.tokens.ids = ids.t().reshape(-1)
+        got, _ = layer(hidden.transpose(0, 1).contiguous())
+    assert (got.transpose(0, 1) - want).abs().max().item() <= 1e-5
+    gate = F.linear(hidden, block.experts.gate_up_proj[0]).chunk(2, -1)[0]
+    assert (gate > limit).any() and (gate < limit).any()  # the clamp was exercised
+
+
+def test_replaying_experts_through_the_learned_router(v4, one_rank):
+    """megatron-core's RouterReplay through SqrtSoftplusRouter: other experts than the router's own are
+    used, weighted by the router's own scores at them (normalised, scaled), as transformers' block
+    gives with those experts forced."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    cfg = v4.config
+    block = v4.model.layers[1].mlp
+    block.experts.limit = block.shared_experts.limit = 0.5  # as in the test above, whichever runs first
+    layer = _moe_layer(cfg, hashed=False, limit=0.5)
+    _load(layer, block)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 5, cfg.hidden_size, generator=g)
+    flat = hidden.reshape(-1, cfg.hidden_size)
+    k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
+    given = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(flat.shape[0])])
+    with torch.no_grad():
+        natural = block(hidden)
+        scores = torch.sqrt(F.softplus(F.linear(flat, block.gate.weight)))
+        w = scores.gather(1, given)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        want = block.experts(flat, given, w).view_as(hidden) + block.shared_experts(hidden)
+        rr = layer.router.router_replay
+        order = given.view(2, 5, k).transpose(0, 1).reshape(-1, k)  # the router's position-major order
+        rr.set_target_indices(order)
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        got, _ = layer(hidden.transpose(0, 1).contiguous())
+    assert (want - natural).abs().max().item() > 1e-3
+    assert (got.transpose(0, 1) - want).abs().max().item() <= 1e-5
