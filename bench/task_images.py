@@ -10,7 +10,8 @@ their mirrors, so the time includes the network), then again (cached: the conten
 Episode start-up: what an episode waits for before its first tool runs, `Episode.start()` (a fresh
 sandbox, /app seeded from the built image or the Dockerfile replayed) plus a first `bash true`,
 one episode after another, for the converted Terminal-Bench 1 task on the local backend (bubblewrap,
-Dockerfile replayed; network none, then egress through pasta) and on apptainer from its built SIF.
+Dockerfile replayed; network none, then egress through pasta) and on apptainer from its built SIF
+(network none, then egress: pasta attached to the container's namespace).
 Needs root, apptainer, squashfs-tools and the stand-in base images (containers/stand-in-images.sh).
 """
 
@@ -85,6 +86,8 @@ def starts(tasks: dict[str, Path], work: Path, n: int) -> None:
         "local, egress (pasta)": {"internet": "auto", "settings": BwrapSettings()},
         "apptainer, built SIF": {"internet": "off",
                                  "backend": ContainerSandboxConfig(runtime="apptainer", image_dir=str(work / "images-apptainer"))},
+        "apptainer, egress (pasta)": {"internet": "auto",
+                                      "backend": ContainerSandboxConfig(runtime="apptainer", image_dir=str(work / "images-apptainer"))},
     }  # fmt: skip
     for label, kwargs in cases.items():
         asyncio.run(_episode_starts(tb1, 2, **kwargs))  # warm the page cache

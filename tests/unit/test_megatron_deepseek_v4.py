@@ -143,3 +143,50 @@ def test_replaying_experts_through_the_learned_router(v4, one_rank):
         got, _ = layer(hidden.transpose(0, 1).contiguous())
     assert (want - natural).abs().max().item() > 1e-3
     assert (got.transpose(0, 1) - want).abs().max().item() <= 1e-5
+
+
+def test_hyper_connections_equal_transformers(v4, one_rank):
+    """mHC as Megatron modules (miles/train/megatron/deepseek_v4_hc.py), loaded from a transformers
+    decoder layer: the collapsed block inputs, the streams after each block (given the blocks' own
+    outputs) and the final head equal transformers' (fp32); the post-mix applied to the block's input
+    instead of its output (the bug AMD's alignment found) does not."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from miles.train.megatron.deepseek_v4_hc import HyperConnection, HyperHead, mix
+
+    cfg = v4.config
+    tf = TransformerConfig(num_layers=1, hidden_size=cfg.hidden_size, num_attention_heads=4,
+                           use_cpu_initialization=True)  # fmt: skip
+    layer = v4.model.layers[1]
+    hc = {n: HyperConnection(tf, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+          for n in ("attn_hc", "ffn_hc")}  # fmt: skip
+    head = HyperHead(tf, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+    with torch.no_grad():
+        for n, m in hc.items():
+            m.load_state_dict(getattr(layer, n).state_dict())
+        head.load_state_dict(v4.model.hc_head.state_dict())
+    seen = {}
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda _m, _a, out: seen.__setitem__("attn", out[0])),
+        layer.mlp.register_forward_hook(lambda _m, _a, out: seen.__setitem__("mlp", out)),
+        layer.register_forward_hook(lambda _m, args, kw, out: seen.update(streams=args[0] if args else kw["hidden_states"], out=out), with_kwargs=True),
+        v4.model.hc_head.register_forward_hook(lambda _m, args, out: seen.update(head_in=args[0], head_out=out)),
+    ]  # fmt: skip
+    ids = torch.randint(3, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v4(ids)
+        for h in hooks:
+            h.remove()
+        streams = seen["streams"].transpose(0, 1)  # [s, b, N, D], Megatron's layout
+        post, comb, collapsed = hc["attn_hc"](streams)
+        assert torch.allclose(collapsed, layer.attn_hc(seen["streams"])[2].transpose(0, 1), atol=1e-6)
+        mid = mix(post, comb, seen["attn"].transpose(0, 1), streams)
+        post2, comb2, _ = hc["ffn_hc"](mid)
+        out = mix(post2, comb2, seen["mlp"].transpose(0, 1), mid)
+        assert (out.transpose(0, 1) - seen["out"]).abs().max().item() <= 1e-5  # the layer's own output
+        wrong = mix(post, comb, collapsed, streams)  # the post-mix on the block's input, not its output
+        wrong = mix(post2, comb2, seen["mlp"].transpose(0, 1), wrong)
+        assert (wrong.transpose(0, 1) - seen["out"]).abs().max().item() > 1e-3
+        assert torch.allclose(
+            head(seen["head_in"].transpose(0, 1)).transpose(0, 1), seen["head_out"], atol=1e-6
+        )
