@@ -190,3 +190,37 @@ def test_hyper_connections_equal_transformers(v4, one_rank):
         assert torch.allclose(
             head(seen["head_in"].transpose(0, 1)).transpose(0, 1), seen["head_out"], atol=1e-6
         )
+
+
+@pytest.mark.parametrize("layer_index", [0, 1, 2], ids=["sliding", "csa", "hca"])
+def test_hybrid_attention_equals_transformers(v4, one_rank, layer_index):
+    """DeepSeek-V4's attention as a Megatron module (miles/train/megatron/deepseek_v4_attention.py),
+    loaded from a transformers layer's attention state: its output on the hidden states that attention
+    saw inside transformers' forward equals transformers' (fp32), over 30 tokens (sliding window 8,
+    CSA windows of 4 with the indexer's top 4, HCA windows of 8)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from miles.engine.v4_spec import V4Spec
+    from miles.train.megatron.deepseek_v4_attention import HybridAttention
+
+    cfg = v4.config
+    spec = V4Spec.from_config(cfg.to_dict())
+    tf = TransformerConfig(num_layers=1, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                           use_cpu_initialization=True)  # fmt: skip
+    hf_attn = v4.model.layers[layer_index].self_attn
+    ours = HybridAttention(tf, spec, layer_index)
+    missing, unexpected = ours.load_state_dict(hf_attn.state_dict(), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    seen = {}
+    hook = hf_attn.register_forward_hook(
+        lambda _m, args, kw, out: seen.update(
+            h=kw.get("hidden_states", args[0] if args else None), out=out[0]
+        ),
+        with_kwargs=True,
+    )
+    ids = torch.randint(3, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        v4(ids)
+        hook.remove()
+        got = ours(seen["h"].transpose(0, 1)).transpose(0, 1)
+    assert (got - seen["out"]).abs().max().item() <= 1e-5
