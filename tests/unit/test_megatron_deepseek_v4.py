@@ -224,3 +224,32 @@ def test_hybrid_attention_equals_transformers(v4, one_rank, layer_index):
         hook.remove()
         got = ours(seen["h"].transpose(0, 1)).transpose(0, 1)
     assert (got - seen["out"]).abs().max().item() <= 1e-5
+
+
+def test_the_whole_model_equals_transformers_and_exports_byte_identical(v4, one_rank, tmp_path):
+    """DeepSeek-V4 of Megatron modules (miles/train/megatron/deepseek_v4_model.py) loaded from the tiny
+    checkpoint (DeepSeek's spelling) gives transformers' logits (fp32) on 37 tokens, and its state
+    converted back is the checkpoint, tensor for tensor and name for name."""
+    from miles.train.megatron import deepseek_v4_model as V4
+    from miles.train.megatron.model import _moe_utils_without_te, read_hf_state
+
+    _moe_utils_without_te()
+    cfg = v4.config
+    for layer in v4.model.layers:  # the other tests lower the clamp of these modules: the model's own
+        layer.mlp.experts.limit = layer.mlp.shared_experts.limit = cfg.swiglu_limit
+    path = tmp_path / "m"
+    v4.save_pretrained(path)
+    ckpt = read_hf_state(str(path))
+    model = V4.DeepseekV4GPT(cfg, V4.transformer_config(cfg, torch.float32, use_cpu=True,
+                                                        extra={"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False}))  # fmt: skip
+    state = V4.to_megatron(ckpt)
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert sorted(state) == sorted(own)
+    model.load_state_dict(state, strict=False)
+    back = V4.to_checkpoint({k: v for k, v in model.state_dict().items() if k in own}, list(ckpt))
+    assert back.keys() == ckpt.keys() and all(torch.equal(back[k], ckpt[k]) for k in ckpt)
+    ids = torch.randint(3, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = v4(ids).logits
+        got = model.eval()(ids)
+    assert (got - want).abs().max().item() <= 1e-4

@@ -74,6 +74,9 @@ class _HashRouter(TopKRouter):
 
     def __init__(self, config: Any, pg_collection: Any = None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
+        if "expert_bias" in self._buffers:  # the table chooses: no correction bias (the config's is shared)
+            del self._buffers["expert_bias"]
+            self.expert_bias = None
         self.register_buffer("tid2eid", torch.zeros(self.vocab_size, self.topk, dtype=torch.long))
         self.tokens: TokenIds | None = None
 
