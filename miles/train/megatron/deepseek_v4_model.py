@@ -79,26 +79,42 @@ class DecoderLayer(MegatronModule):
 
 
 class DeepseekV4GPT(MegatronModule):
-    """The whole model (module docstring)."""
+    """The whole model (module docstring), or one pipeline stage of it: `layers` (global indices, in
+    order; default all), the embedding on the first stage, the head on the last. A later stage takes
+    the streams [s, b, N, D] from `set_input_tensor`; a stage before the last returns its streams.
+    Layers keep their global numbers in the state dict (`layers.<i>`), so every stage converts alike."""
 
-    def __init__(self, hf_cfg: Any, config: Any) -> None:
+    def __init__(self, hf_cfg: Any, config: Any, layers: range | None = None) -> None:
         super().__init__(config=config)
         spec = V4Spec.from_config(hf_cfg.to_dict())
-        self.hc_mult = spec.hc_mult
-        self.embed_tokens = torch.nn.Embedding(hf_cfg.vocab_size, hf_cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(
-            DecoderLayer(config, spec, i, hf_cfg.vocab_size) for i in range(hf_cfg.num_hidden_layers)
+        layers = range(hf_cfg.num_hidden_layers) if layers is None else layers
+        self.hc_mult, self.pre_process = spec.hc_mult, layers.start == 0
+        self.post_process = layers.stop == hf_cfg.num_hidden_layers
+        if self.pre_process:
+            self.embed_tokens = torch.nn.Embedding(hf_cfg.vocab_size, hf_cfg.hidden_size)
+        self.layers = torch.nn.ModuleDict(
+            {str(i): DecoderLayer(config, spec, i, hf_cfg.vocab_size) for i in layers}
         )
-        self.hc_head = HyperHead(config, spec.hc_mult, spec.hc_eps, spec.eps)
-        self.norm = RMSNorm(hf_cfg.hidden_size, spec.eps)
-        self.lm_head = torch.nn.Linear(hf_cfg.hidden_size, hf_cfg.vocab_size, bias=False)
+        if self.post_process:
+            self.hc_head = HyperHead(config, spec.hc_mult, spec.hc_eps, spec.eps)
+            self.norm = RMSNorm(hf_cfg.hidden_size, spec.eps)
+            self.lm_head = torch.nn.Linear(hf_cfg.hidden_size, hf_cfg.vocab_size, bias=False)
         self.tokens = moe.watch_token_ids(self)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.input_tensor = tensor
 
     def forward(self, input_ids: torch.Tensor, position_ids=None, attention_mask=None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids).transpose(0, 1)  # [s, b, D]
-        streams = x.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
-        for layer in self.layers:
+        if self.pre_process:
+            x = self.embed_tokens(input_ids).transpose(0, 1)  # [s, b, D]
+            streams = x.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
+        else:
+            streams = self.input_tensor
+        for layer in self.layers.values():
             streams = layer(streams)
+        if not self.post_process:
+            return streams
         return self.lm_head(self.norm(self.hc_head(streams))).transpose(0, 1)
 
 
