@@ -91,8 +91,9 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def connect(command: int, pasta: list[str], uid: int | None, timeout_s: float = 10.0) -> None:
-    """Run `pasta PID` for the first descendant of `command` in another network namespace."""
+def connect(command: int, pasta: list[str], uid: int | None, timeout_s: float = 10.0) -> int | None:
+    """Run `pasta PID` for the first descendant of `command` in another network namespace; pasta's
+    pid (None when no such namespace appeared)."""
     own = os.readlink("/proc/self/ns/net")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -105,7 +106,7 @@ def connect(command: int, pasta: list[str], uid: int | None, timeout_s: float = 
         else:
             time.sleep(0.005)
             continue
-        if os.fork() == 0:
+        if (helper := os.fork()) == 0:
             for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):  # Python's dispositions
                 signal.signal(sig, signal.SIG_DFL)
             quiet = os.open(os.devnull, os.O_RDWR)
@@ -120,8 +121,9 @@ def connect(command: int, pasta: list[str], uid: int | None, timeout_s: float = 
             except OSError as e:
                 print(f"reaper: cannot run {pasta[0]}: {e}", file=sys.stderr)
             os._exit(127)
-        return
+        return helper
     print("reaper: no network namespace to connect appeared", file=sys.stderr)
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -164,11 +166,15 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             print(f"reaper: cannot run {argv[0]}: {e}", file=sys.stderr)
         os._exit(127)
-    if pasta:
-        connect(command, pasta, uid)
+    helper = connect(command, pasta, uid) if pasta else None
     status = None
     while status is None:
         status = reap(block=True).get(command)
+    if helper is not None:  # pasta serves the command alone: no grace for it
+        try:
+            os.kill(helper, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + GRACE_S
     while children() and time.monotonic() < deadline:
         reap()
