@@ -2,6 +2,7 @@
 episode start-up per backend, p50 / p99.
 
     python -m bench.task_images --images /var/cache/miles-images --episodes 30
+    python -m bench.task_images --built DIR --episodes 20   # start-up only, from images built in DIR
 
 Build: `miles tasks build`'s build_task for each task the fixture can build (multi-step,
 tb2-log-summary, and tb1-count-errors after `miles tasks convert`), into a fresh image directory,
@@ -102,14 +103,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", default="/var/cache/miles-images", help="the stand-in base images")
     p.add_argument("--episodes", type=int, default=30)
+    p.add_argument(
+        "--built", help="skip the builds: Apptainer images `miles tasks build` made in this directory"
+    )
     args = p.parse_args()
     print(f"host: {platform.node()} {os.cpu_count()} CPUs, load average {os.getloadavg()}")
     work = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="miles-bench-images-"))
     try:
         work.chmod(0o755)
         tasks = _tasks(work)
-        print("build (fresh image directory; network at build time), then the same build again:")
-        builds(tasks, Path(args.images), work)
+        if args.built:
+            (work / "images-apptainer").symlink_to(Path(args.built).resolve())
+        else:
+            print("build (fresh image directory; network at build time), then the same build again:")
+            builds(tasks, Path(args.images), work)
         print("episode start-up of tb1-count-errors (Episode.start + first bash), one after another:")
         starts(tasks, work, args.episodes)
     finally:
