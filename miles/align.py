@@ -19,8 +19,10 @@ The trainer side of `--backend fsdp` is the FSDP trainer's own model builder (tr
 `train.routing_replay=rollout`. `--backend megatron` is the Megatron trainer's GPTModel on one rank,
 loaded from the HF weights as the backend loads them, its sublayers compared under Megatron's names
 (`decoder.layers.i.self_attention`, `.pre_mlp_layernorm`, `.mlp`, `decoder.final_layernorm`); its
-routers route on their own. The engine side is the embedded engine's decoder on the same weights (its
-per-op forward). A model a side cannot load is refused, naming the rooms that load it.
+routers route on their own; for DeepSeek-V4 it is the model of Miles' Megatron modules
+(miles/train/megatron/deepseek_v4_model.py, `MegatronV4Side`), whose sublayers carry transformers'
+names. The engine side is the embedded engine's decoder on the same weights (its per-op forward). A
+model a side cannot load is refused, naming the rooms that load it.
 """
 
 from __future__ import annotations
@@ -241,6 +243,45 @@ class MegatronSide:
         return _hooked(modules, theirs, lambda: self.logits(seq), batch_first=False)
 
 
+class MegatronV4Side(MegatronSide):
+    """DeepSeek-V4 of Miles' Megatron modules (miles/train/megatron/deepseek_v4_model.py) on one rank,
+    loaded from the checkpoint by its conversion; its sublayers carry transformers' names."""
+
+    def __init__(self, path: str, dtype: torch.dtype):  # noqa: D107 (MegatronSide's, another model)
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        from miles.train.megatron import deepseek_v4_model as V4
+        from miles.train.megatron.model import _moe_utils_without_te, read_hf_state
+
+        self._ours = not dist.is_initialized()
+        if self._ours:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            ps.initialize_model_parallel(1, 1)
+        _moe_utils_without_te()
+        cfg = AutoConfig.from_pretrained(path)
+        cpu = {} if torch.cuda.is_available() else {"moe_token_dispatcher_type": "allgather"}
+        with _cpu_device():
+            tf = V4.transformer_config(cfg, dtype, use_cpu=True, extra={**cpu, "variable_seq_lengths": False})
+            self.model = V4.DeepseekV4GPT(cfg, tf)
+        self.model.load_state_dict(V4.to_megatron(read_hf_state(path)), strict=False)
+        self.model.eval()
+        self.rr = None
+
+    @torch.no_grad()
+    def logits(self, seq: Scored) -> torch.Tensor:
+        with _cpu_device():
+            return self.model(torch.tensor([seq.prompt + seq.output]))[0].float()
+
+    @torch.no_grad()
+    def trace(self, seq: Scored, names: list[str]) -> dict[str, torch.Tensor]:
+        modules = dict(self.model.named_modules())
+        theirs = {n: "norm" if n == "model.norm" else n.removeprefix("model.") for n in names}
+        theirs = {k: v for k, v in theirs.items() if v in modules}
+        return _hooked(modules, theirs, lambda: self.logits(seq), batch_first=False)
+
+
 @contextlib.contextmanager
 def _cpu_device():
     """megatron-core's rotary table asks torch.cuda for its device; without CUDA it is told the CPU."""
@@ -341,6 +382,8 @@ def trainer_side(model_dir: str, backend: str, dtype: torch.dtype, replay: bool)
     from miles.models.families import FAMILIES
 
     arch = (_json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [""])[0]
+    if backend == "megatron" and arch == "DeepseekV4ForCausalLM":  # Megatron modules, not yet the backend
+        return MegatronV4Side(model_dir, dtype)
     family = FAMILIES.get(arch)
     if family is not None:
         family.refuse_unless(backend)

@@ -109,7 +109,7 @@ def test_a_permuted_correction_bias_shows_only_without_replay(v3):
     assert align(v3, PROMPTS, max_new=8, patch=patch, replay=False).first_divergent == "model.layers.1.mlp"
 
 
-def test_the_command_prints_the_figures_and_refuses_a_model_a_side_cannot_load(v3, tmp_path):
+def test_the_command_prints_the_figures_on_either_trainer_side(v3, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "what is 2 plus 2?"}\nreverse the word cat\n')
     cmd = [sys.executable, "-m", "miles.cli", "align", v3, "--prompts", str(prompts), "--max-new-tokens", "6"]
@@ -121,15 +121,11 @@ def test_the_command_prints_the_figures_and_refuses_a_model_a_side_cannot_load(v
     assert (tmp_path / "s.json").read_text().count('"max"') == 1
     from miles.models.tiny import init_tiny
 
-    v4 = str(init_tiny(tmp_path / "v4", arch="deepseek_v4", seed=0))
-    bad = subprocess.run(
+    v4 = str(init_tiny(tmp_path / "v4", arch="deepseek_v4", seed=0))  # Miles' Megatron modules of V4
+    mg = subprocess.run(
         [*cmd[:4], v4, *cmd[5:], "--backend", "megatron"], capture_output=True, text=True, timeout=300
     )
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert (
-        "megatron cannot load DeepseekV4ForCausalLM" in bad.stderr
-        and "what loads it: engine, fsdp" in bad.stderr
-    )
+    assert mg.returncode == 0 and "no module beyond tolerance" in mg.stdout, mg.stdout + mg.stderr[-2000:]
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     none = subprocess.run(cmd[:5] + ["--prompts", str(empty)], capture_output=True, text=True, timeout=300)

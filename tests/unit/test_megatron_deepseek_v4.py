@@ -253,3 +253,43 @@ def test_the_whole_model_equals_transformers_and_exports_byte_identical(v4, one_
         want = v4(ids).logits
         got = model.eval()(ids)
     assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_the_alignment_tool_names_amds_two_bugs(tmp_path):
+    """`miles align --backend megatron` on DeepSeek-V4 (Miles' Megatron modules): equal to the engine
+    module by module; a hash table that differs from the engine's is named at the hash layer's MoE,
+    and a post-mix applied to the attention's input instead of its output at the hyper-connection
+    that reads the streams it mixed."""
+    from miles.align import align
+    from miles.models.tiny import init_tiny
+    from miles.train.megatron.deepseek_v4_hc import mix
+
+    path = str(init_tiny(tmp_path / "v4", arch="deepseek_v4", seed=1))
+    prompts = [[5, 17, 40, 99, 12, 7, 8, 9, 10], [7, 8, 9, 10, 11, 12, 13, 30, 31, 32]]
+    clean = align(path, prompts, max_new=8, backend="megatron")
+    assert clean.summary()["max"] <= 1e-4 and clean.first_divergent is None, clean.modules
+
+    def table(_decoder, model):
+        router = model.layers["0"].mlp.router  # every token's experts shifted by one
+        router.tid2eid.copy_((router.tid2eid + 1) % router.config.num_moe_experts)
+
+    assert (
+        align(path, prompts, max_new=8, backend="megatron", patch=table).first_divergent
+        == "model.layers.0.mlp"
+    )
+
+    def post_mix_first(_decoder, model):
+        layer = model.layers["1"]
+
+        def forward(streams):
+            post, comb, x = layer.attn_hc(streams)
+            streams = mix(post, comb, x, streams)  # the bug: post-mix on the block's input
+            layer.self_attn(layer.input_layernorm(x))
+            post, comb, x = layer.ffn_hc(streams)
+            out, _ = layer.mlp(layer.post_attention_layernorm(x))
+            return mix(post, comb, out, streams)
+
+        layer.forward = forward
+
+    found = align(path, prompts, max_new=8, backend="megatron", patch=post_mix_first).first_divergent
+    assert found == "model.layers.1.ffn_hc"
