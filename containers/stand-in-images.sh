@@ -43,8 +43,8 @@ build() {  # build NAME PACKAGES
 build debian_bookworm-slim ""
 build python_3.11-slim python3,python3-pip
 build buildpack-deps_bookworm-scm git,curl,ca-certificates
-alias() { [ -e "$DIR/$1.sif" ] || ln -s "$2.sif" "$DIR/$1.sif"; }  # alias NAME TARGET
-alias ubuntu_24.04 debian_bookworm-slim
-alias python_3.13-slim-bookworm python_3.11-slim
-alias python-3-13_20250620 python_3.11-slim
+link_as() { [ -e "$DIR/$1.sif" ] || ln -s "$2.sif" "$DIR/$1.sif"; }  # link_as NAME TARGET
+link_as ubuntu_24.04 debian_bookworm-slim
+link_as python_3.13-slim-bookworm python_3.11-slim
+link_as python-3-13_20250620 python_3.11-slim
 rm -rf "$DIR/.debs"

@@ -189,16 +189,11 @@ class MegatronSide:
     weights as the backend loads them; routers route on their own (no replay)."""
 
     def __init__(self, path: str, dtype: torch.dtype):
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
         from miles.train.megatron import model as M
 
-        self._ours = not dist.is_initialized()
-        if self._ours:  # a private one-rank group (nothing leaves this process), gone at close()
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            ps.initialize_model_parallel(1, 1)
+        self._one_rank()
         cfg = AutoConfig.from_pretrained(path)
         # without CUDA, MoE layers take megatron-core's all-gather dispatcher (its all-to-all one
         # opens a CUDA stream); one sequence at a time needs no variable lengths
@@ -212,6 +207,16 @@ class MegatronSide:
         M.load_hf_into(self.model, M.read_hf_state(path), cfg)
         self.model.eval()
         self.rr = None
+
+    def _one_rank(self) -> None:
+        """A private one-rank group (nothing leaves this process) unless one exists; gone at close()."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        self._ours = not dist.is_initialized()
+        if self._ours:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            ps.initialize_model_parallel(1, 1)
 
     def close(self) -> None:
         """Tear down the process group this side made, if it made one."""
@@ -247,25 +252,20 @@ class MegatronV4Side(MegatronSide):
     """DeepSeek-V4 of Miles' Megatron modules (miles/train/megatron/deepseek_v4_model.py) on one rank,
     loaded from the checkpoint by its conversion; its sublayers carry transformers' names."""
 
-    def __init__(self, path: str, dtype: torch.dtype):  # noqa: D107 (MegatronSide's, another model)
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+    def __init__(self, path: str, dtype: torch.dtype):
         from transformers import AutoConfig
 
         from miles.train.megatron import deepseek_v4_model as V4
         from miles.train.megatron.model import _moe_utils_without_te, read_hf_state
 
-        self._ours = not dist.is_initialized()
-        if self._ours:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            ps.initialize_model_parallel(1, 1)
+        self._one_rank()
         _moe_utils_without_te()
         cfg = AutoConfig.from_pretrained(path)
         cpu = {} if torch.cuda.is_available() else {"moe_token_dispatcher_type": "allgather"}
         with _cpu_device():
             tf = V4.transformer_config(cfg, dtype, use_cpu=True, extra={**cpu, "variable_seq_lengths": False})
             self.model = V4.DeepseekV4GPT(cfg, tf)
-        self.model.load_state_dict(V4.to_megatron(read_hf_state(path)), strict=False)
+        V4.load(self.model, read_hf_state(path))
         self.model.eval()
         self.rr = None
 

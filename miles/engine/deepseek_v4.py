@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from miles.engine import hyper_connections as hc
 from miles.engine import moe
-from miles.engine.hybrid_attention import HybridAttention, unweighted_rms
+from miles.engine.hybrid_attention import HybridAttention
 from miles.engine.model import Decoder
 from miles.engine.rope import frequencies
 from miles.engine.spec import Batch
@@ -124,40 +125,17 @@ class V4Decoder(Decoder):
     def _hyper(self, x: torch.Tensor, p: str, module: str):
         """mHC weights of the streams x [T, N, hidden]: (post [T, N], comb [T, N, N], collapsed [T, hidden]);
         traced under `module` as [post; comb] (the alignment tool's hyper_mixes)."""
-        m, N = self.v4, self.v4.hc_mult
-        flat = unweighted_rms(x.reshape(x.shape[0], -1).float(), m.eps)
-        mixed = F.linear(flat, self.params[p + "fn"].float())
-        pre_w, post_w, comb_w = mixed.split([N, N, N * N], dim=-1)
-        pre_b, post_b, comb_b = self.params[p + "base"].float().split([N, N, N * N])
-        a_pre, a_post, a_comb = self.params[p + "scale"].float().unbind(0)
-        pre = torch.sigmoid(pre_w * a_pre + pre_b) + m.hc_eps
-        post = 2 * torch.sigmoid(post_w * a_post + post_b)
-        comb = torch.softmax(comb_w.view(-1, N, N) * a_comb + comb_b.view(N, N), dim=-1) + m.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + m.hc_eps)
-        for _ in range(m.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + m.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + m.hc_eps)
+        m = self.v4
+        w = (self.params[p + "fn"], self.params[p + "base"], self.params[p + "scale"])
+        pre, post, comb = hc.mixes(x, *w, m.hc_sinkhorn_iters, m.hc_eps, m.eps)
         if self.trace is not None:
             self.trace[module] = hyper_mixes(post, comb)
-        return post, comb, (pre[..., None] * x).sum(dim=1).to(x.dtype)
+        return post, comb, hc.collapse(pre, x)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The final collapse of the streams (`model.hc_head`)."""
-        flat = unweighted_rms(x.reshape(x.shape[0], -1).float(), self.v4.eps)
-        mixes = F.linear(flat, self.params["model.hc_head.hc_fn"].float())
-        scale, base = (
-            self.params["model.hc_head.hc_scale"].float(),
-            self.params["model.hc_head.hc_base"].float(),
-        )
-        pre = torch.sigmoid(mixes * scale + base) + self.v4.hc_eps
-        return (pre[..., None] * x).sum(dim=1).to(x.dtype)
-
-    @staticmethod
-    def _mix(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """post (x) out + comb^T x: the sublayer's output spread over the streams, plus the mixed streams."""
-        return post.to(x.dtype)[..., None] * out[:, None, :] + torch.matmul(
-            comb.to(x.dtype).transpose(-1, -2), x
-        )
+        w = (self.params[f"model.hc_head.hc_{k}"] for k in ("fn", "base", "scale"))
+        return hc.collapse(hc.head_weights(x, *w, self.v4.hc_eps, self.v4.eps), x)
 
     def _mlp(self, i: int, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         p, m = f"model.layers.{i}.mlp.", self.spec.moe
@@ -188,11 +166,11 @@ class V4Decoder(Decoder):
             post, comb, collapsed = self._hyper(x, p + "attn_hc.", p + "attn_hc")
             h = self._traced(p + "input_layernorm", self.v4_norm(collapsed, p + "input_layernorm.weight"))
             out = self._traced(p + "self_attn", self.hybrid.forward(i, h, b, pool[i]))
-            x = self._mix(x, out, post, comb)
+            x = hc.mix(post, comb, out, x)
             post, comb, collapsed = self._hyper(x, p + "ffn_hc.", p + "ffn_hc")
             h = self.v4_norm(collapsed, p + "post_attention_layernorm.weight")
             h = self._traced(p + "post_attention_layernorm", h)
-            x = self._mix(x, self._traced(p + "mlp", self._mlp(i, h, b.input_ids)), post, comb)
+            x = hc.mix(post, comb, self._traced(p + "mlp", self._mlp(i, h, b.input_ids)), x)
         self._take_routing(b.write_slots)
         final = self.v4_norm(self._head(x), "model.norm.weight")
         if self.trace is not None:

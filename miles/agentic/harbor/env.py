@@ -48,7 +48,8 @@ from miles.agentic.envs.base import Action, Message, StepResult
 from miles.agentic.envs.toolenv import ToolEnv
 from miles.agentic.envs.tools import Tool, ToolError, ToolOutcome
 from miles.agentic.harbor.episode import OUTPUT_LIMIT, Episode, StepUnhealthy
-from miles.agentic.harbor.sandboxes import INTERNET, episode_settings, pool_for, prepare_image
+from miles.agentic.harbor.sandboxes import episode_settings, pool_for, prepare_image
+from miles.agentic.harbor.sandboxes import internet as choose_internet
 from miles.agentic.harbor.task import Task, load_dataset, load_task
 from miles.agentic.sandbox.container import ContainerSandboxConfig
 from miles.rollout.tasks import EVAL_OFFSET
@@ -90,8 +91,8 @@ class HarborEnv(ToolEnv):
         internet: str | None = None,
     ) -> None:
         super().__init__(max_turns)
-        if internet is not None and internet not in INTERNET:
-            raise ValueError(f"harbor: options.internet={internet!r}: use one of {', '.join(INTERNET)}")
+        if internet is not None:  # None: each episode reads the node's default (MILES_TASKS_INTERNET)
+            choose_internet(internet)
         self.internet = internet
         if not 0 <= start_ahead <= max_live:
             raise ValueError(f"harbor: options.start_ahead={start_ahead} must be in 0..max_live={max_live}")

@@ -152,9 +152,9 @@ class BwrapSandbox:
         self._pgids: set[int] = set()
         """Process groups that may be signalled (from start until just before their leader is reaped)."""
         self._groups: set[int] = set()
+        """Every process group this sandbox started; close() waits until they are empty."""
         self._spawning: set[object] = set()
         """One token per exec whose process is being started and not yet registered (`_started`)."""
-        """Every process group this sandbox started; close() waits until they are empty."""
         self._runtime = ""
         self._finalizer: weakref.finalize | None = None
 

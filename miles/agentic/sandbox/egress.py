@@ -15,14 +15,26 @@ otherwise `egress_missing` says why, and episodes run without network.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
 PASTA = "pasta"
 
 
-def egress_missing(route_table: str = "/proc/net/route") -> str:
-    """Why this node cannot give sandboxes egress, or "" when it can."""
+def egress_missing(route_table: str | None = None) -> str:
+    """Why this node cannot give sandboxes egress, or "" when it can: asked of the node once per
+    process (every episode's settings ask it), or of the route table `route_table` (a file in
+    /proc/net/route's format)."""
+    return _node_egress() if route_table is None else _egress(route_table)
+
+
+@functools.cache
+def _node_egress() -> str:
+    return _egress("/proc/net/route")
+
+
+def _egress(route_table: str) -> str:
     try:
         rows = [line.split() for line in Path(route_table).read_text().splitlines()[1:]]
     except OSError:

@@ -2,7 +2,8 @@
 
 One shared key/value head K = V (kv_proj, RMS-normed), queries through a low-rank path (q_a_proj,
 q_a_norm, q_b_proj, an unweighted RMS norm per head), interleaved RoPE on each head's trailing
-`rope_dim` channels ("main" rope on sliding layers, the YaRN-scaled "compress" rope on the others),
+`rope_dim` channels ("main" rope on sliding layers, the YaRN-scaled "compress" rope on the others;
+the engine's `rope_tail` and `unweighted_rms`, miles/engine/hybrid_attention.py),
 a learned sink logit per head in the softmax, the conjugate rotation on the output's RoPE slice, and
 the grouped low-rank output projection (o_a_proj per group of heads, then o_b_proj). Per layer kind:
 - sliding: each query sees the last `sliding_window` tokens (itself included);
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
+from miles.engine.hybrid_attention import rope_tail, unweighted_rms
 from miles.engine.rope import frequencies
 from miles.engine.v4_spec import CSA, HCA, SLIDING, V4Spec
 
@@ -41,16 +43,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE on the trailing 2 * cos.shape[-1] channels of x [..., s, H, d] (cos: [s, rd/2])."""
-    rd = 2 * cos.shape[-1]
-    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(-2)
-    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(-2)
-    nope, rope = x[..., :-rd], x[..., -rd:]
-    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([nope, (rope.float() * cos + turned.float() * sin).to(x.dtype)], dim=-1)
 
 
 class Compressor(nn.Module):
@@ -79,7 +71,7 @@ class Compressor(nn.Module):
             kv, gate = kv2, gate2
         pooled = self.kv_norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
         at = torch.arange(n, device=h.device) * r
-        return _rope(pooled.unsqueeze(-2), cos[at], sin[at]).squeeze(-2)
+        return rope_tail(pooled.unsqueeze(-2), cos[at], sin[at]).squeeze(-2)
 
 
 class IndexerScorer(nn.Module):
@@ -104,7 +96,7 @@ class Indexer(Compressor):
         """[b, s, T] additive bias over the compressed entries: 0 at each query's chosen visible ones."""
         b, s, _ = h.shape
         keys = self.forward(h, cos, sin)  # [b, T, dim]
-        q = _rope(self.q_b_proj(q_res).view(b, s, self.heads, -1), cos[:s], sin[:s])
+        q = rope_tail(self.q_b_proj(q_res).view(b, s, self.heads, -1), cos[:s], sin[:s])
         scores = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys.float())) * self.scorer.softmax_scale
         weights = self.scorer.weights_proj(h).float() * self.scorer.weights_scaling
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, T]
@@ -157,9 +149,8 @@ class HybridAttention(MegatronModule):
         cos, sin = self._cos_sin(s, h.device)
         q_res = self.q_a_norm(self.q_a_proj(h))
         q = self.q_b_proj(q_res).view(b, s, self.heads, self.head_dim)
-        q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + self.spec.eps).to(q.dtype)
-        q = _rope(q, cos, sin)
-        kv = _rope(self.kv_norm(self.kv_proj(h)).unsqueeze(-2), cos, sin).squeeze(-2)  # [b, s, d]
+        q = rope_tail(unweighted_rms(q, self.spec.eps), cos, sin)
+        kv = rope_tail(self.kv_norm(self.kv_proj(h)).unsqueeze(-2), cos, sin).squeeze(-2)  # [b, s, d]
         pos = torch.arange(s, device=h.device)
         window = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < self.spec.sliding_window)
         bias = torch.zeros(s, s, device=h.device).masked_fill(~window, float("-inf")).expand(b, s, s)
@@ -177,7 +168,7 @@ class HybridAttention(MegatronModule):
         full = torch.cat([logits, sinks], dim=-1)
         probs = torch.softmax(full - full.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
         out = torch.einsum("bhst,btd->bshd", probs.to(kv.dtype), kv)
-        out = _rope(out, cos, -sin)
+        out = rope_tail(out, cos, -sin)
         g = self.spec.o_groups
         grouped = out.reshape(b, s, g, -1)
         w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])

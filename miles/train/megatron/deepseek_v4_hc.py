@@ -1,6 +1,7 @@
 """DeepSeek-V4's manifold-constrained hyper-connections (mHC) as Megatron modules.
 
-The residual stream of a DeepSeek-V4 decoder is N = `hc_mult` streams per token, [s, b, N, D] in
+The maths is the engine's (miles/engine/hyper_connections.py); these modules hold its weights as
+parameters. The residual stream of a DeepSeek-V4 decoder is N = `hc_mult` streams per token, [s, b, N, D] in
 Megatron's sequence-first layout. Around each block (attention, then the MoE), a `HyperConnection`
 reads the streams and gives three mixes, each from one linear map of the RMS-normed, flattened
 streams (fp32):
@@ -22,12 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-
-def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+from miles.engine import hyper_connections as hc
 
 
 class HyperConnection(MegatronModule):
@@ -37,7 +35,7 @@ class HyperConnection(MegatronModule):
         self, config: Any, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float
     ) -> None:
         super().__init__(config=config)
-        self.hc, self.iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
+        self.iters, self.hc_eps, self.norm_eps = sinkhorn_iters, hc_eps, norm_eps
         width = (2 + hc_mult) * hc_mult
         self.fn = torch.nn.Parameter(torch.empty(width, hc_mult * config.hidden_size, dtype=torch.float32))
         self.base = torch.nn.Parameter(torch.zeros(width, dtype=torch.float32))
@@ -45,32 +43,13 @@ class HyperConnection(MegatronModule):
         torch.nn.init.normal_(self.fn, std=config.init_method_std)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hc = self.hc
-        flat = _unweighted_rms(streams.flatten(-2).float(), self.norm_eps)
-        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = (
-            torch.softmax(comb_w.unflatten(-1, (hc, hc)) * comb_s + comb_b.view(hc, hc), dim=-1) + self.hc_eps
-        )
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-        return post, comb, collapsed
+        w = (self.fn, self.base, self.scale)
+        pre, post, comb = hc.mixes(streams, *w, self.iters, self.hc_eps, self.norm_eps)
+        return post, comb, hc.collapse(pre, streams)
 
 
-def mix(
-    post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor
-) -> torch.Tensor:
-    """The streams after a block: post (x) its output, plus comb^T times the streams it read."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
+mix = hc.mix
+"""The streams after a block (miles/engine/hyper_connections.py)."""
 
 
 class HyperHead(MegatronModule):
@@ -87,6 +66,5 @@ class HyperHead(MegatronModule):
         torch.nn.init.normal_(self.hc_fn, std=config.init_method_std)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = _unweighted_rms(streams.flatten(-2).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale + self.hc_base) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        w = (self.hc_fn, self.hc_base, self.hc_scale)
+        return hc.collapse(hc.head_weights(streams, *w, self.hc_eps, self.norm_eps), streams)

@@ -122,6 +122,10 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down
 _SHARED = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$")
 _GATE = {"gate.weight": "router.weight", "gate.e_score_correction_bias": "router.expert_bias",
          "gate.tid2eid": "router.tid2eid"}  # fmt: skip
+_ROUTER = {v: k for k, v in _GATE.items()}
+_MG_EXPERT = re.compile(
+    r"^layers\.(\d+)\.mlp\.(?:experts\.local_experts\.(\d+)|shared_experts)\.linear_fc([12])\.weight$"
+)
 
 
 def to_megatron(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -141,25 +145,32 @@ def to_megatron(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def load(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's tensors (`to_megatron`) into `model` (the whole model, one rank); a name
+    either side lacks is an error naming it."""
+    missing, unexpected = model.load_state_dict(to_megatron(checkpoint), strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]  # megatron-core's own, not weights
+    if missing or unexpected:
+        raise KeyError(
+            f"DeepSeek-V4 checkpoint: no tensor for {missing[:5]}; no parameter for {unexpected[:5]}"
+        )
+
+
 def to_checkpoint(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
     """The checkpoint, under its own `names` (DeepSeek's spelling, or in-memory names), of this model's
     state dict (the inverse of to_megatron)."""
     spelled = {family.hf_name(k): k for k in names}
     hf = {}
     for name, t in state.items():
-        if m := re.match(r"^layers\.(\d+)\.mlp\.(experts\.local_experts\.(\d+)|shared_experts)\.linear_fc([12])\.weight$", name):  # fmt: skip
-            base = f"model.layers.{m.group(1)}.mlp." + (
-                f"experts.{m.group(3)}" if m.group(3) else "shared_experts"
-            )
-            if m.group(4) == "1":
-                gate, up = t.chunk(2)
-                hf[f"{base}.gate_proj.weight"], hf[f"{base}.up_proj.weight"] = gate, up
+        if m := _MG_EXPERT.match(name):
+            layer, expert, fc = m.groups()
+            base = f"model.layers.{layer}.mlp." + (f"experts.{expert}" if expert else "shared_experts")
+            if fc == "1":
+                hf[f"{base}.gate_proj.weight"], hf[f"{base}.up_proj.weight"] = t.chunk(2)
             else:
                 hf[f"{base}.down_proj.weight"] = t
-        elif m := re.match(r"^layers\.(\d+)\.mlp\.router\.(\w+)$", name):
-            hf[
-                f"model.layers.{m.group(1)}.mlp.{ {v: k for k, v in _GATE.items()}[f'router.{m.group(2)}'] }"
-            ] = t
+        elif m := re.match(r"^layers\.(\d+)\.mlp\.(router\.\w+)$", name):
+            hf[f"model.layers.{m.group(1)}.mlp.{_ROUTER[m.group(2)]}"] = t
         else:
             hf[name if name == "lm_head.weight" else f"model.{name}"] = t
     return {spelled.get(k, k): t for k, t in hf.items()}
