@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+collect_ignore = ["foreign_tasks"]
+"""Task folders written by others, whose tests/ are their verifiers' (run in sandboxes), not Miles' tests."""
+
 os.environ.setdefault("MILES_TASKS_INTERNET", "off")
 """Tests send nothing off this machine: Harbor episodes get no network unless a test asks for egress
 (tests/unit/test_sandbox_egress.py, whose traffic stays on this host)."""
