@@ -14,10 +14,10 @@ the same active size, and the engine-trainer |delta log p| over GRPO steps with 
    experts of 2048, top-k chosen so its active parameters per token come closest to V4's). The two do
    not fit one 80 GB card together: each is built, warmed (graph captures) and timed in turn.
    Workloads: decode-heavy (256 requests) and small batch (32), prompt 128 random tokens, 256 new.
-2. mismatch: `miles train` on the FSDP backend, bench/parts.py's synchronous GRPO recipe (bf16), R3 off
-   and on, on a V4 of reduced width (hidden 1024, 16 heads of 128, 64 experts top-6 of 384, the same
-   layer kinds): a full-width V4 layer holds 6.4B parameters, beyond one card's training memory. From
-   each run: train/logprob_mismatch per step and the router agreements. (Its vocabulary is Qwen2.5's
+2. mismatch: `miles train` on the FSDP backend (or `--backend megatron`, both with two `--backend`s),
+   bench/parts.py's synchronous GRPO recipe (bf16), R3 off and on, the train step's seconds and MFU,
+   on a V4 of reduced width (hidden 1024, 16 heads of 128, 64 experts top-6 of 384, the same layer
+   kinds): a full-width V4 layer holds 6.4B parameters, beyond one card's training memory. From each run: train/logprob_mismatch per step and the router agreements. (Its vocabulary is Qwen2.5's
    151,936 ids, the recipe's random prompts being drawn from them.)
 """
 
@@ -182,7 +182,8 @@ def decode_part(args, device: str) -> list[dict]:
 
 
 def mismatch_part(args, device: str) -> list[dict]:
-    """Two `miles train` runs on FSDP, routing replay off / rollout; per-step metrics."""
+    """`miles train` runs per trainer (--backend, FSDP by default), routing replay off / rollout;
+    per-step metrics and train-step seconds."""
     from miles.models.tiny import QWEN25_VOCAB, init_random
 
     shape = (V4_TINY if args.smoke else V4_NARROW) | v4_layers(args.layers)
@@ -191,16 +192,19 @@ def mismatch_part(args, device: str) -> list[dict]:
         init_random(out, shape=shape, vocab_size=QWEN25_VOCAB, tie_word_embeddings=False,
                     dtype="float32" if args.smoke else "bfloat16", seed=args.seed, arch="deepseek_v4")  # fmt: skip
         free_memory()
-    recipe = mismatch_recipe(args, out, "v4-mismatch", "fsdp", args.steps, {"old_logprobs": "recompute"})
     keys = {k: f"train/{k}" for k in ("logprob_mismatch", "router_agreement", "router_natural_agreement")}
-    info = dict(params=params(_config(Model("v4", "deepseek_v4", tuple(shape.items())))), shape=shape)
-    return [
-        dict(routing_replay=r, **info)
-        | mismatch_run(
-            recipe, args.workdir, f"v4-mismatch-{r}", [f"train.routing_replay={r}"], args.steps, keys
-        )
-        for r in ("off", "rollout")
-    ]
+    keys["train_s"] = "time/train_s"
+    info = dict(params=params(_config(Model("v4", "deepseek_v4", tuple(shape.items())))), shape=shape,
+                tokens_per_step=args.mm_prompts * args.mm_samples * (args.mm_prompt + args.mm_completion))  # fmt: skip
+    rows = []
+    for backend in args.backend or ["fsdp"]:
+        name = f"v4-mismatch-{backend}"
+        recipe = mismatch_recipe(args, out, name, backend, args.steps, {"old_logprobs": "recompute"})
+        for r in ("off", "rollout"):
+            sets = [f"train.routing_replay={r}"]
+            rows.append(dict(backend=backend, routing_replay=r, **info)
+                        | mismatch_run(recipe, args.workdir, f"{name}-{r}", sets, args.steps, keys))  # fmt: skip
+    return rows
 
 
 def _b(n: int) -> str:
@@ -223,20 +227,28 @@ def decode_table(rows: list[dict]) -> list[str]:
     return out
 
 
+PEAK_BF16 = 989.4e12
+"""Dense bf16 peak of an H100 / H200 SXM (FLOP/s), MFU's denominator."""
+
+
 def mismatch_table(rows: list[dict]) -> list[str]:
-    out = ["| train.routing_replay | mismatch mean | per step (min-max) | router agreement | natural (min-max) |",
-           "|---|---:|---:|---:|---:|"]  # fmt: skip
+    out = ["| trainer | train.routing_replay | mismatch mean | per step (min-max) | router agreement | natural (min-max) "
+           "| train step s (median, min-max; step 1 left out) | MFU |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         vals = r.get("logprob_mismatch") or []
+        who = f"| {r.get('backend', 'fsdp')} | {r['routing_replay']} |"
         if "failed" in r or not vals:
-            out.append(f"| {r['routing_replay']} | failed: {r.get('failed', 'no steps')} | | | |")
+            out.append(f"{who} failed: {r.get('failed', 'no steps')} | | | | | |")
             continue
         agree, nat = r.get("router_agreement") or [], r.get("router_natural_agreement") or []
         a = f"{statistics.mean(agree):.4f}" if agree else "-"
         n = f"{statistics.mean(nat):.4f} ({span(nat, '{:.4f}'.format)})" if nat else "-"
-        out.append(
-            f"| {r['routing_replay']} | {SCI(statistics.mean(vals))} | {span(vals, SCI)} | {a} | {n} |"
-        )
+        times = (r.get("train_s") or [])[1:]
+        t = statistics.median(times) if times else None
+        step = f"{t:.3f} ({span(times, '{:.3f}'.format)})" if t else "-"
+        mfu = f"{6 * r['params']['active'] * r['tokens_per_step'] / t / PEAK_BF16:.3f}" if t else "-"
+        out.append(f"{who} {SCI(statistics.mean(vals))} | {span(vals, SCI)} | {a} | {n} | {step} | {mfu} |")
     return out
 
 
@@ -255,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mm-prompt", type=int, default=128)
     p.add_argument("--mm-completion", type=int, default=128)
     p.add_argument("--micro-tokens", type=int, default=8192)
+    p.add_argument("--backend", action="append", choices=["fsdp", "megatron"], help="mismatch: trainer(s)")
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.steps, args.mm_prompts, args.mm_samples = 2, 2, 2, 2
@@ -276,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "- decode tok/s = generated tokens / wall seconds from submitting the batch to its last token (prefill "
         "included, graphs captured before); range = min-max over the rounds; V4 / Qwen3-MoE = same round.",
         "- mismatch = train/logprob_mismatch: mean |logp_train - logp_rollout| over the step's response tokens.",
+        "- train step = time/train_s (the trainer's step: old log-probs recomputed, then the update); MFU = 6 x "
+        "active params x tokens per step / step seconds / 989.4 TFLOP/s (dense bf16 peak of an H100/H200 SXM; "
+        "attention FLOPs and the recompute forward left out).",
         "",
     ]
     sections = [("decode", "Decode", decode_table), ("mismatch", "Mismatch, R3 off and on", mismatch_table)]

@@ -25,18 +25,20 @@ compressed-sparse and heavily compressed attention, hyper-connections, a hash-ro
 sqrtsoftplus top-k layers) on this host's CPU with the embedded engine, R3 and TIS, logging
 |delta log p| between engine and trainer (`train/logprob_mismatch`) every step. Its task is the
 default digits task (a random tiny model cannot learn the full recipe's math), evaluated on it and on
-generated AIME-style problems. `--backend megatron` is the full recipe's trainer in small for a CUDA
-host of 5 GPUs (one engine, 4 trainer ranks): PP2 with the layers split 3 / 2 (the last stage one
-short, as at full scale), EP2, R3, TIS, CPU optimizer offload; Megatron does not load DeepSeek-V4 yet
-(docs/deepseek.md), so that miniature is a Qwen3-MoE model (8 experts, top-2, layer 0 dense) of 5
-layers. Files live under `--tiny-dir` (default runs/deepseek-v4-flash-tiny): model/ (or
-model-qwen3-moe/), train.jsonl, aime.jsonl, the recipe it writes (recipe-<backend>.yaml) and runs/.
+generated AIME-style problems. `--backend megatron` trains the same tiny DeepSeek-V4 with the full
+recipe's trainer, Megatron with the registered DeepSeek-V4 modules (miles/train/megatron/
+deepseek_v4_model.py), in bf16 on CUDA. Its layout follows `--gpus` (default: the GPUs this host
+shows; 5 for `--dry-run`): with 5 or more, the full recipe's layout in small (one engine, 4 trainer
+ranks: PP2 with the layers split 3 / 2, the last stage one short as at full scale, EP2, R3, TIS, CPU
+optimizer offload); with fewer, PP1 EP1 on one GPU beside the engine. Files live under `--tiny-dir`
+(default runs/deepseek-v4-flash-tiny): model/, train.jsonl, aime.jsonl, the recipe it writes
+(recipe-<backend>.yaml) and runs/.
 
     python launchers/deepseek_v4_flash.py prepare-checkpoint --src HF_DIR --dst /shared/models/dsv4-flash
     python launchers/deepseek_v4_flash.py prepare-data [--src DAPO.parquet --answer-key reward_model.ground_truth]
     python launchers/deepseek_v4_flash.py prepare-eval --src aime_2024.jsonl
     python launchers/deepseek_v4_flash.py train [--dry-run] [--dedicated-eval] [--set KEY=VALUE ...]
-    python launchers/deepseek_v4_flash.py train --scale tiny [--backend megatron --dry-run]
+    python launchers/deepseek_v4_flash.py train --scale tiny [--backend megatron [--gpus N] [--dry-run]]
 
 prepare-data writes the training JSONL the recipe's `jsonl` task reads: rows {"prompt", "answer"},
 the prompt asking for a `\\boxed{}` answer, which the default reward (exact_match) extracts. From
@@ -106,16 +108,6 @@ RECIPE = {
     },
 }
 
-TINY_SHAPE: dict[str, Any] = dict(
-    num_hidden_layers=5,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    mlp_only_layers=[0],
-)
-"""The Megatron miniature's Qwen3-MoE shape (miles.models.tiny sizes the rest: hidden 64, 4 heads)."""
-TINY_ARCH = {"fsdp": "deepseek_v4", "megatron": "qwen3_moe"}
-"""The miniature's model by trainer: Megatron does not load DeepSeek-V4 yet."""
 TINY_ROWS = 64
 """Training rows the miniature generates."""
 
@@ -129,6 +121,16 @@ TINY_MEGATRON = {
     "optimizer_offload": "cpu",
 }
 """The full recipe's Megatron layout in small: 4 ranks = PP2 x DP2, EP2 over the data-parallel pair."""
+TINY_MEGATRON_ONE_GPU = {
+    "backend": "megatron",
+    "num_ranks": 1,
+    "pipeline_parallel": 1,
+    "expert_parallel": 1,
+    "optimizer_offload": "cpu",
+}
+"""The Megatron miniature on a host of fewer than 5 GPUs: one trainer rank beside the engine."""
+TINY_MEGATRON_GPUS = 5
+"""GPUs of TINY_MEGATRON's layout: one engine and 4 trainer ranks."""
 
 
 def tiny_paths(tiny_dir: str) -> dict[str, Path]:
@@ -137,16 +139,15 @@ def tiny_paths(tiny_dir: str) -> dict[str, Path]:
     return {
         "root": root,
         "model": root / "model",
-        "model-qwen3-moe": root / "model-qwen3-moe",
         "data": root / "train.jsonl",
         "aime": root / "aime.jsonl",
         "runs": root / "runs",
     }
 
 
-def tiny_recipe(tiny_dir: str, backend: str) -> dict[str, Any]:
+def tiny_recipe(tiny_dir: str, backend: str, gpus: int = TINY_MEGATRON_GPUS) -> dict[str, Any]:
     """The miniature: R3, TIS, |delta log p| per step and the AIME-style evaluation with tiny sizes;
-    the default digits task, which a tiny model learns (module docstring)."""
+    the default digits task, which a tiny model learns (module docstring); Megatron's layout by `gpus`."""
     p = tiny_paths(tiny_dir)
     train: dict[str, Any] = {
         "backend": "fsdp",
@@ -161,12 +162,12 @@ def tiny_recipe(tiny_dir: str, backend: str) -> dict[str, Any]:
         "checkpoint": {"every_steps": 100},
     }
     if backend == "megatron":
-        train.update(TINY_MEGATRON, device="auto", steps=3, checkpoint={"every_steps": 3})
-    model = p["model"] if TINY_ARCH[backend] == "deepseek_v4" else p["model-qwen3-moe"]
+        layout = TINY_MEGATRON if gpus >= TINY_MEGATRON_GPUS else TINY_MEGATRON_ONE_GPU
+        train.update(layout, device="auto", steps=3, checkpoint={"every_steps": 3})
     return {
         "run": {"name": f"deepseek-v4-flash-tiny-{backend}", "runs_root": str(p["runs"]), "seed": 0},
         "model": {
-            "path": str(model),
+            "path": str(p["model"]),
             "dtype": "bfloat16" if backend == "megatron" else "float32",
             "init_tiny_if_missing": False,
         },
@@ -276,16 +277,14 @@ def prepare_data(
     return path
 
 
-def prepare_checkpoint(src: str | None, dst: str, scale: str, arch: str = "deepseek_v4") -> None:
+def prepare_checkpoint(src: str | None, dst: str, scale: str) -> None:
     """Full scale: check that `src` is a DeepSeek-V4 checkpoint (miles/models/deepseek_v4_layout.py:
     every tensor of its config, FP8 weights with their block scales) and stage it on the shared
-    filesystem (engines and trainer read it there). Tiny: write the random miniature of `arch`
-    (DeepSeek-V4, or the Megatron miniature's Qwen3-MoE)."""
+    filesystem (engines and trainer read it there). Tiny: write the random miniature."""
     if scale == "tiny":
         from miles.models.tiny import init_tiny
 
-        shape = TINY_SHAPE if arch == "qwen3_moe" else {}
-        print(f"wrote tiny {arch} model to {init_tiny(dst, arch=arch, **shape)}")
+        print(f"wrote tiny deepseek_v4 model to {init_tiny(dst, arch='deepseek_v4')}")
         return
     from miles.models.deepseek_v4_layout import LayoutError, check
 
@@ -323,21 +322,27 @@ def prepare_eval(src: str | None, dst: str, scale: str) -> None:
 
 
 def train_tiny(
-    tiny_dir: str, backend: str, overrides: list[str], dry_run: bool, overwrite: bool = False
+    tiny_dir: str,
+    backend: str,
+    overrides: list[str],
+    dry_run: bool,
+    overwrite: bool = False,
+    gpus: int | None = None,
 ) -> int:
     """Prepare what is missing (model, data, eval set), write the recipe and run `miles train` on this
-    host (or, with dry_run, resolve and check the plan, write it beside the recipe and stop)."""
+    host (or, with dry_run, resolve and check the plan, write it beside the recipe and stop). Megatron's
+    layout by `gpus` (None: this host's CUDA devices, or TINY_MEGATRON_GPUS for a dry run)."""
     import yaml
 
     p = tiny_paths(tiny_dir)
-    arch = TINY_ARCH[backend]
-    model = p["model"] if arch == "deepseek_v4" else p["model-qwen3-moe"]
-    if not (model / "config.json").is_file():
-        prepare_checkpoint(None, str(model), "tiny", arch)
+    if gpus is None:
+        gpus = TINY_MEGATRON_GPUS if dry_run else _visible_gpus()
+    if not (p["model"] / "config.json").is_file():
+        prepare_checkpoint(None, str(p["model"]), "tiny")
     if not p["aime"].is_file():
         prepare_eval(None, str(p["aime"]), "tiny")
     recipe = p["root"] / f"recipe-{backend}.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_dir, backend), sort_keys=False))
+    recipe.write_text(yaml.safe_dump(tiny_recipe(tiny_dir, backend, gpus), sort_keys=False))
     flags = [*(f"--set {o}" for o in overrides), *(["--overwrite"] if overwrite else [])]
     command = " ".join(["miles train", str(recipe), *flags])
     if dry_run:
@@ -351,6 +356,12 @@ def train_tiny(
 
     print(f"running: {command}")
     return train_main(str(recipe), overrides, overwrite=overwrite)
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 DEDICATED_EVAL = ["eval.mode=dedicated", "eval.num_engines=1", "eval.max_in_flight=2", "eval.overflow=skip",
@@ -368,6 +379,9 @@ def train(overrides: list[str], dry_run: bool, dedicated_eval: bool = False) -> 
         overrides = [f"run.runs_root={Path('runs').resolve()}", *overrides]
     sub = submit(RECIPE, "mi355x", overrides, dry_run=dry_run)
     print(f"{'rendered' if dry_run else 'submitted ' + sub.job_ids[0]}: {sub.script_path}")
+    from miles.train.megatron.architectures import spec_of
+
+    print(f"trainer: megatron with the deepseek_v4 architecture ({spec_of('deepseek_v4')})")
     return 0
 
 
@@ -412,6 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     q.add_argument("--backend", choices=["fsdp", "megatron"], help="trainer of --scale tiny (default fsdp)")
     q.add_argument(
+        "--gpus",
+        type=int,
+        help=f"--scale tiny --backend megatron: GPUs to lay out ({TINY_MEGATRON_GPUS}+: PP2 EP2; fewer: one "
+        "trainer GPU); default this host's, or 5 with --dry-run",
+    )
+    q.add_argument(
         "--overwrite", action="store_true", help="--scale tiny: replace an earlier run of the recipe"
     )
     _scale_args(q)
@@ -440,10 +460,13 @@ def _run(args: argparse.Namespace) -> int:
     elif args.cmd == "prepare-eval":
         prepare_eval(args.src, args.dst or (_tiny_default(args, "aime") if tiny else AIME_FILE), args.scale)
     elif tiny:
-        return train_tiny(args.tiny_dir, args.backend or "fsdp", args.set, args.dry_run, args.overwrite)
-    elif args.backend == "fsdp" or args.overwrite:
+        return train_tiny(
+            args.tiny_dir, args.backend or "fsdp", args.set, args.dry_run, args.overwrite, args.gpus
+        )
+    elif args.backend == "fsdp" or args.overwrite or args.gpus is not None:
         raise SystemExit(
-            "--backend fsdp and --overwrite are for --scale tiny; the full scale trains with megatron"
+            "--backend fsdp, --gpus and --overwrite are for --scale tiny; the full scale trains with "
+            "megatron on the recipe's nodes"
         )
     else:
         return train(args.set, args.dry_run, args.dedicated_eval)

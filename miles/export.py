@@ -250,8 +250,10 @@ def megatron_state(mg_dir: Path, hf_cfg: Any) -> dict[str, Any]:
     for name in [k for k in full if ".lora_" in k]:
         module, _, leaf = name.rpartition(".")
         adapters[peft_name(module, leaf, 0)] = full.pop(name)
+    from miles.train.megatron import architectures
+
     try:
-        return {**convert.megatron_to_hf(full, shapes), **adapters}
+        return {**architectures.of(hf_cfg).to_hf(full, hf_cfg, shapes.te_names), **adapters}
     except KeyError as e:
         raise ConfigError(f"{mg_dir}: {e.args[0]}; is plan.model.path the model this run trained?") from e
 

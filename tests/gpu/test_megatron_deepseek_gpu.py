@@ -86,3 +86,64 @@ def test_replay_trains_the_router_but_not_its_bias(env):
     assert len(gates) == len(biases) == 3
     assert all(not torch.equal(before[k], after[k]) for k in gates)
     assert all(torch.equal(before[k], after[k]) for k in biases)
+
+
+# ---- DeepSeek-V4: Miles' Megatron modules in the backend (miles/train/megatron/deepseek_v4_model.py)
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    from miles.models.tiny import init_tiny
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    root = tmp_path_factory.mktemp("meg_v4")
+    path = str(init_tiny(root / "v4", arch="deepseek_v4", seed=5))
+    samples = make_samples(path, n=8, seed=6)
+    rng = np.random.default_rng(7)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    E, k, L = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers
+    for s in samples:  # random routing, k distinct experts per token and layer
+        rows = np.stack([rng.permutation(E)[:k] for _ in range((len(s.tokens) - 1) * L)]).astype(np.uint8)
+        s.routed_experts = rows.reshape(len(s.tokens) - 1, L * k)
+    return path, str(root / "runs"), samples
+
+
+def test_v4_export_and_logits(v4):
+    from transformers import AutoModelForCausalLM
+
+    from miles.models.families.deepseek_v4 import hf_names
+    from miles.train.megatron.model import read_hf_state
+
+    b = megatron_backend(v4[0], v4[1], "v4-export", "float32")
+    assert b.arch.name == "deepseek_v4" and not b.packed
+    want, got = hf_names(read_hf_state(v4[0])), _export(b)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].float()) for k in want)
+    ids = torch.randint(4, 380, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(v4[0], dtype=torch.float32).cuda().eval()
+        ref = hf(ids).logits.float()
+        ours = b.model.module(ids).float()
+    err = ((ours - ref).norm() / ref.norm()).item()
+    print(f"DeepSeek-V4 Megatron vs transformers logits rel err fp32: {err:.2e}")
+    assert err < 1e-4
+
+
+def test_v4_replay_step_trains_routers_not_tables(v4):
+    b = megatron_backend(v4[0], v4[1], "v4-replay", "float32", routing_replay="rollout", **TRAIN)
+    before = _export(b)
+    m = b.train(v4[2])
+    after = _export(b)
+    print({k: v for k, v in m.items() if not k.startswith("moe_expert_load")})
+    assert m["router_agreement"] == 1.0 and np.isfinite(m["loss"]) and m["grad_norm"] > 0
+    gates = [k for k in before if k.endswith("mlp.gate.weight")]
+    frozen = [k for k in before if k.endswith(("e_score_correction_bias", "gate.tid2eid"))]
+    assert gates and frozen
+    assert all(not torch.equal(before[k], after[k]) for k in gates)
+    assert all(torch.equal(before[k], after[k]) for k in frozen)
+    b.save(1, {"mark": 1})  # megatron-core's distributed checkpoint of the V4 modules, and back
+    b.train(v4[2])
+    assert b.load(1) == {"mark": 1}
+    back = _export(b)
+    assert all(torch.equal(back[k], after[k]) for k in after)

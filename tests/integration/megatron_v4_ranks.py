@@ -4,8 +4,8 @@ torchrun by test_megatron_v4_ranks.py:
     torchrun --standalone --nproc-per-node N tests/integration/megatron_v4_ranks.py MODEL OUT PP EP
 
 Real megatron-core parallel state over gloo. With PP=2 the tiny model's five layers split 3 / 2 (the
-last stage one layer short): stage 0 sends its hyper-connection streams [s, b, N, D] to stage 1 and
-receives their gradient back, as Megatron's schedule does. With EP=2 each rank holds half the routed
+last stage one layer short): stage 0 sends its hyper-connection streams [s, b, N, D], folded to
+[s * N, b, D] as Megatron's pipeline sends three dimensions, to stage 1 and receives their gradient back, as Megatron's schedule does. With EP=2 each rank holds half the routed
 experts (megatron-core's MoE layer exchanges the tokens) and its own row of the batch, as data
 parallelism gives it; the dense gradients are summed over the ranks as data-parallel training sums
 them. Each rank runs one forward and backward of
@@ -61,7 +61,7 @@ def main() -> None:
     if ep > 1:  # data parallel over the expert-parallel ranks: each rank its own row of the batch
         rank = ps.get_expert_model_parallel_rank()
         ids, weights = ids[rank : rank + 1], weights[rank : rank + 1]
-    shape = (13, ids.shape[0], cfg.hc_mult, cfg.hidden_size)
+    shape = (13 * cfg.hc_mult, ids.shape[0], cfg.hidden_size)  # the streams as a stage sends them (fold)
     group = ps.get_pipeline_model_parallel_group()
     result = {}
     if stage > 0:

@@ -3,6 +3,7 @@ R3, TIS), prepare-data, and the miniature (`--scale tiny`) rendered for Megatron
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -36,6 +37,7 @@ def test_full_scale_plan_has_the_reports_layout(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    assert "deepseek_v4 architecture (miles.train.megatron.deepseek_v4_model:ARCHITECTURE)" in out.stdout
     plan = read_plan(tmp_path / "deepseek-v4-flash" / "plan.yaml")
     t = plan.train
     layout = (t.backend, t.tensor_parallel, t.pipeline_parallel, t.expert_parallel)
@@ -143,11 +145,23 @@ def test_tiny_megatron_renders_ep_and_uneven_stages(tmp_path: Path, capsys) -> N
     plan = read_plan(tmp_path / "tiny" / "plan-megatron.yaml")
     t = plan.train
     assert (t.backend, t.num_ranks, t.pipeline_parallel, t.expert_parallel) == ("megatron", 4, 2, 2)
-    config = json.loads((tmp_path / "tiny" / "model-qwen3-moe" / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe" and config["num_hidden_layers"] == 5  # Megatron: no V4 yet
+    config = json.loads((tmp_path / "tiny" / "model" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v4" and config["num_hidden_layers"] == 5
     split = stage_layers(5, 2, t.pipeline_first_stage_layers, t.pipeline_last_stage_layers)
     assert split == [3, 2], f"the last stage one layer short, as at full scale; got {split}"
     assert t.routing_replay == "rollout" and t.loss.tis == "truncate"
+    if importlib.util.find_spec("megatron") is not None:  # the stages the registered V4 modules build
+        from transformers import AutoConfig
+
+        from miles.train.megatron import deepseek_v4_model as V4
+
+        cfg = AutoConfig.from_pretrained(tmp_path / "tiny" / "model")
+        last = (t.pipeline_first_stage_layers, t.pipeline_last_stage_layers)
+        assert [V4.stage_layers(cfg, 2, s, *last) for s in (0, 1)] == [range(0, 3), range(3, 5)]
+    assert dsv4.main(["train", "--scale", "tiny", "--backend", "megatron", "--dry-run", "--tiny-dir", tiny,
+                      "--gpus", "1"]) == 0  # fmt: skip
+    t = read_plan(tmp_path / "tiny" / "plan-megatron.yaml").train
+    assert (t.num_ranks, t.pipeline_parallel, t.expert_parallel) == (1, 1, 1), "one GPU: PP1 EP1"
     capsys.readouterr()
     bad = ["--set", "train.pipeline_last_stage_layers=1"]  # 5 - 3 - 1 = 1 layer left for no middle stage
     assert (

@@ -47,8 +47,8 @@ from miles.config.layout import check_layout
 from miles.sample import Sample
 from miles.train import step
 from miles.train.losses.aggregate import normalizers
+from miles.train.megatron import architectures, checkpoint, memory
 from miles.train.megatron import batch as B
-from miles.train.megatron import checkpoint, memory, weights
 from miles.train.megatron import model as M
 from miles.train.megatron.moe import MoERouting
 from miles.train.optim import lr_factor
@@ -101,6 +101,8 @@ class MegatronBackend:
 
     plan: Any
     hf_cfg: Any
+    arch: architectures.Architecture
+    """What is built for the model's architecture (miles/train/megatron/architectures.py)."""
     model: Any
     """Megatron DDP wrapper around (Float16Module around) this rank's GPTModel stage."""
     optimizer: Any
@@ -117,7 +119,7 @@ class MegatronBackend:
     _forward_kwargs: dict[str, Any]
 
     def __init__(self) -> None:
-        self.plan = self.hf_cfg = self.model = self.optimizer = None
+        self.plan = self.hf_cfg = self.arch = self.model = self.optimizer = None
         self.step_count = 0
         self.offloader = None
         self.ref_model = None
@@ -150,20 +152,20 @@ class MegatronBackend:
             )
         model_parallel_cuda_manual_seed(plan.run.seed)
         self.plan, self.hf_cfg = plan, AutoConfig.from_pretrained(plan.model.path)
-        if getattr(self.hf_cfg, "kv_lora_rank", None) is not None:
-            self.packed = False  # megatron-core's latent attention takes no sequences packed into a row
+        self.arch = architectures.of(self.hf_cfg)
+        if (why := architectures.refusal(self.arch, t)) is not None:
+            raise ConfigError(why)
+        self.packed = self.packed and self.arch.packs(self.hf_cfg)  # e.g. latent attention: whole rows
         self.model, self.optimizer = self._build()
 
     def _build(self):
-        from megatron.core import parallel_state as ps
-
         from miles.train.losses import get_estimator
         from miles.train.megatron.optim import schedule_hooks, wrap_for_training
 
         t = self.plan.train
         dtype = torch.bfloat16 if self.plan.model.dtype == "bfloat16" else torch.float32
         split = (t.pipeline_first_stage_layers, t.pipeline_last_stage_layers)
-        tf = M.transformer_config(
+        tf = self.arch.config(
             self.hf_cfg,
             dtype,
             t.tensor_parallel,
@@ -172,16 +174,17 @@ class MegatronBackend:
             stage_layers=split,
             extra=recompute_config(t.recompute),
         )
-        gpt = M.build_gpt(self.hf_cfg, tf, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        gpt = self.arch.build(self.hf_cfg, tf)
         gpt.cuda(torch.cuda.current_device())
         hf_state = M.read_hf_state(self.plan.model.path)
-        M.load_hf_into(gpt, hf_state, self.hf_cfg)
+        self.arch.load(gpt, hf_state, self.hf_cfg)
         if t.lora is not None:  # frozen base, adapters on the dense projections (lora.py)
             from miles.train.megatron import lora
 
             lora.install(gpt, t.lora, self.hf_cfg, self.plan.run.seed)
         replay = t.routing_replay == "rollout"
-        self.moe = MoERouting(gpt, self.hf_cfg, M.layer_offset(gpt), replay) if tf.num_moe_experts else None
+        offset = self.arch.layer_offset(gpt)
+        self.moe = MoERouting(gpt, self.hf_cfg, offset, replay) if tf.num_moe_experts else None
         self._install_fake_quant(gpt)
         # bf16 logits stay bf16 (Float16Module would upcast them: twice the vocabulary-sized bytes
         # each way); the fused log-prob kernel reads them as they are and computes in fp32
@@ -213,14 +216,13 @@ class MegatronBackend:
         """The frozen reference policy: the policy's architecture, layout and fake-quant forward with the
         weights of model.path, no gradients. It shares the policy's TransformerConfig: a forward-only
         schedule reads nothing there that training changes."""
-        from megatron.core import parallel_state as ps
         from megatron.core.transformer.module import Float16Module
 
-        gpt = M.build_gpt(self.hf_cfg, tf, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        gpt = self.arch.build(self.hf_cfg, tf)
         gpt.cuda(torch.cuda.current_device())
-        M.load_hf_into(gpt, hf_state, self.hf_cfg)
+        self.arch.load(gpt, hf_state, self.hf_cfg)
         if self.moe is not None:  # the reference forward replays the rollout's experts too
-            self.moe.attach(gpt, M.layer_offset(gpt), measured=False)
+            self.moe.attach(gpt, self.arch.layer_offset(gpt), measured=False)
         self._install_fake_quant(gpt)
         gpt.requires_grad_(False)
         return Float16Module(tf, gpt) if dtype == torch.bfloat16 else gpt
@@ -525,7 +527,7 @@ class MegatronBackend:
                 yield bucket if dist.get_rank() == 0 else []
             return
         contract = engine_contract(self.plan)
-        for bucket in weights.export_buckets(self.gpt, self.hf_cfg, bucket_bytes, contract):
+        for bucket in self.arch.export(self.gpt, self.hf_cfg, bucket_bytes, contract):
             yield bucket if dist.get_rank() == 0 else []
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:

@@ -49,7 +49,8 @@ import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
-_EXPERT_NAME = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+_EXPERT_NAME = re.compile(r"^((?:decoder\.)?layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+"""An expert weight of GPTModel (`decoder.layers.`) or of a model naming its layers globally (`layers.`)."""
 
 # Per-layer names that map one to one (local layer spec).
 _LAYER_PLAIN = {

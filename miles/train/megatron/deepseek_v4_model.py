@@ -18,16 +18,20 @@ replay (miles/train/megatron/moe.py) finds the learned routers as it finds any m
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from miles.engine.v4_spec import V4Spec
 from miles.models.families import deepseek_v4 as family
+from miles.train.megatron import convert
 from miles.train.megatron import deepseek_v4_moe as moe
+from miles.train.megatron.architectures import Architecture
 from miles.train.megatron.deepseek_v4_attention import HybridAttention, RMSNorm
 from miles.train.megatron.deepseek_v4_hc import HyperConnection, HyperHead, mix
 
@@ -45,7 +49,7 @@ def transformer_config(
         num_moe_experts=hf_cfg.n_routed_experts, moe_router_topk=hf_cfg.num_experts_per_tok,
         moe_ffn_hidden_size=hf_cfg.moe_intermediate_size,
         moe_shared_expert_intermediate_size=hf_cfg.moe_intermediate_size * int(hf_cfg.n_shared_experts or 1),
-        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0, moe_router_score_function="sigmoid",
+        moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=float(hf_cfg.routed_scaling_factor), moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0, moe_enable_routing_replay=True, moe_grouped_gemm=False,
         moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep,
@@ -102,20 +106,73 @@ class DeepseekV4GPT(MegatronModule):
         self.tokens = moe.watch_token_ids(self)
         self.input_tensor: torch.Tensor | None = None
 
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        self.input_tensor = tensor
+    share_embeddings_and_output_weights = False  # what megatron-core's gradient finalisation asks
+    model_type = ModelType.encoder_or_decoder  # what its pipeline schedules ask
 
-    def forward(self, input_ids: torch.Tensor, position_ids=None, attention_mask=None) -> torch.Tensor:
+    def set_input_tensor(self, tensor: torch.Tensor | list | None) -> None:
+        """The previous stage's output (Megatron's schedule hands a one-element list)."""
+        self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids=None,
+        attention_mask=None,
+        packed_seq_params=None,
+        output_processor=None,
+    ) -> torch.Tensor:
+        """Logits [b, s, V] (or `output_processor`'s pick, as GPTModel's hook gives it) on the last
+        stage; on a stage before it the streams folded to three dimensions (`fold`). Every row is one
+        sequence from position 0 (no packed rows: `packed_seq_params` must be None)."""
+        if packed_seq_params is not None:
+            raise ValueError("DeepseekV4GPT takes one sequence per row, not packed rows")
         if self.pre_process:
             x = self.embed_tokens(input_ids).transpose(0, 1)  # [s, b, D]
             streams = x.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
         else:
-            streams = self.input_tensor
+            streams = unfold(self.input_tensor, self.hc_mult)
         for layer in self.layers.values():
             streams = layer(streams)
         if not self.post_process:
-            return streams
-        return self.lm_head(self.norm(self.hc_head(streams))).transpose(0, 1)
+            return fold(streams)
+        hidden = self.norm(self.hc_head(streams))  # [s, b, D]
+        if output_processor is not None:
+            return output_processor(
+                hidden_states=hidden, output_layer=self._head, output_weight=None, runtime_gather_output=None
+            )
+        return self.lm_head(hidden).transpose(0, 1)
+
+    def _head(self, x: torch.Tensor, weight=None, runtime_gather_output=None):
+        """The output projection as megatron-core's output layer is called: (logits, bias)."""
+        return self.lm_head(x), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """megatron-core's distributed-checkpoint form, each layer's own (its MoE layer numbers the
+        experts globally), under the layers' global names."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        out = {}
+        for name, module in self.named_children():
+            if name == "layers":
+                for i, layer in module.items():
+                    out.update(
+                        sharded_state_dict_default(layer, f"{prefix}layers.{i}.", sharded_offsets, metadata)
+                    )
+            else:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
+
+
+def fold(streams: torch.Tensor) -> torch.Tensor:
+    """[s, b, N, D] streams as [s * N, b, D], the three dimensions Megatron's pipeline sends."""
+    s, b, n, d = streams.shape
+    return streams.permute(0, 2, 1, 3).reshape(s * n, b, d)
+
+
+def unfold(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `fold`."""
+    sn, b, d = x.shape
+    return x.reshape(sn // n, n, b, d).permute(0, 2, 1, 3)
 
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -160,17 +217,103 @@ def to_checkpoint(state: dict[str, torch.Tensor], names: list[str]) -> dict[str,
     """The checkpoint, under its own `names` (DeepSeek's spelling, or in-memory names), of this model's
     state dict (the inverse of to_megatron)."""
     spelled = {family.hf_name(k): k for k in names}
-    hf = {}
-    for name, t in state.items():
+    return {spelled.get(k, k): t for k, t in iter_hf(state.items())}
+
+
+def iter_hf(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers' in-memory name, tensor) of each (this model's global name, tensor), one at a time:
+    an fc1 [gate; up] leaves as its two halves."""
+    for name, t in named:
         if m := _MG_EXPERT.match(name):
             layer, expert, fc = m.groups()
             base = f"model.layers.{layer}.mlp." + (f"experts.{expert}" if expert else "shared_experts")
             if fc == "1":
-                hf[f"{base}.gate_proj.weight"], hf[f"{base}.up_proj.weight"] = t.chunk(2)
+                gate, up = t.chunk(2)
+                yield f"{base}.gate_proj.weight", gate
+                yield f"{base}.up_proj.weight", up
             else:
-                hf[f"{base}.down_proj.weight"] = t
+                yield f"{base}.down_proj.weight", t
         elif m := re.match(r"^layers\.(\d+)\.mlp\.(router\.\w+)$", name):
-            hf[f"model.layers.{m.group(1)}.mlp.{_ROUTER[m.group(2)]}"] = t
+            yield f"model.layers.{m.group(1)}.mlp.{_ROUTER[m.group(2)]}", t
         else:
-            hf[name if name == "lm_head.weight" else f"model.{name}"] = t
-    return {spelled.get(k, k): t for k, t in hf.items()}
+            yield (name if name == "lm_head.weight" else f"model.{name}"), t
+
+
+# ---- the Megatron backend's architecture (architectures.py) -------------------------------------
+
+
+def stage_layers(hf_cfg: Any, pp: int, stage: int, first: int | None, last: int | None) -> range:
+    """The global layers of pipeline stage `stage` of `pp` (megatron-core's split rule: `first` / `last`
+    layers on the end stages when given, the rest even)."""
+    from miles.config.layout import stage_layers as sizes
+
+    counts = sizes(hf_cfg.num_hidden_layers, pp, first, last)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
+
+
+def _config(hf_cfg: Any, dtype: Any, tp: int, pp: int, ep: int = 1, stage_layers=(None, None), extra=None):
+    split = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "num_layers_in_first_pipeline_stage": stage_layers[0],
+        "num_layers_in_last_pipeline_stage": stage_layers[1],
+    }
+    return transformer_config(hf_cfg, dtype, ep=ep, extra=split | (extra or {}))
+
+
+def _build(hf_cfg: Any, tf: Any) -> DeepseekV4GPT:
+    from megatron.core import parallel_state as ps
+
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    first, last = tf.num_layers_in_first_pipeline_stage, tf.num_layers_in_last_pipeline_stage
+    return DeepseekV4GPT(hf_cfg, tf, stage_layers(hf_cfg, pp, stage, first, last))
+
+
+def load_stage(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor], hf_cfg: Any) -> None:
+    """Copy this rank's part of a whole checkpoint into its stage: the stage's layers, and of the
+    routed experts those of its expert-parallel rank (numbered from 0). A name either side lacks is an
+    error naming it."""
+    from megatron.core import parallel_state as ps
+
+    full = to_megatron(checkpoint)
+    ep = ps.get_expert_model_parallel_world_size()
+    full = convert.ep_shard(full, ps.get_expert_model_parallel_rank(), ep, convert.Shapes.from_hf(hf_cfg))
+    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    missing = sorted(own - set(full))
+    if missing:
+        raise KeyError(f"DeepSeek-V4 checkpoint: no tensor for {missing[:5]}")
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name in own:
+                t.copy_(full[name])
+
+
+def _export(model: torch.nn.Module, hf_cfg: Any, bucket_bytes: int, contract: Any = None):
+    from miles.train.megatron.weights import iter_megatron_full
+    from miles.train.quant import export_pairs
+    from miles.weights.bucket import iter_buckets
+
+    named = iter_hf(iter_megatron_full(model, convert.Shapes.from_hf(hf_cfg), offset=0))
+    return iter_buckets(export_pairs(named, contract), bucket_bytes)
+
+
+ARCHITECTURE = Architecture(
+    name="deepseek_v4",
+    spec="miles/train/megatron/deepseek_v4_model.py (DeepseekV4GPT: hybrid attention, mHC, hash routing)",
+    config=_config,
+    build=_build,
+    load=load_stage,
+    export=_export,
+    to_hf=lambda full, hf_cfg, te_names=False: to_checkpoint(full, []),
+    layer_offset=lambda model: 0,  # its stages name layers by their global number
+    packs=lambda hf_cfg: False,
+    lacks={
+        "lora": "the DeepSeek-V4 modules take no adapters; use train.backend=fsdp for LoRA",
+        "quantization": "no fake-quantised forward for its modules; set train.quantization=none",
+        "critic": "no value head; use train.loss.advantage=grpo (or another critic-free estimator)",
+        "tensor_parallel": "its attention and hyper-connections are not split over ranks; set "
+        "train.tensor_parallel=1 and split with train.pipeline_parallel / train.expert_parallel",
+        "recompute": "its layers keep their activations; set train.recompute=none",
+    },
+)

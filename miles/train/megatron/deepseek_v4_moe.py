@@ -42,12 +42,20 @@ def sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
 
 
 class SqrtSoftplusRouter(TopKRouter):
-    """DeepSeek-V4's learned router (module docstring); `expert_bias` is its frozen correction bias."""
+    """DeepSeek-V4's learned router (module docstring); `expert_bias` is its frozen correction bias,
+    a buffer of its own (fp32): the config leaves megatron-core's bias updating off, whose step-end
+    update would also look for a bias on the hash routers, which have none."""
+
+    def __init__(self, config: Any, pg_collection: Any = None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        del self.expert_bias  # the plain attribute megatron-core sets without its bias
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, device=device))
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         logits = logits.view(-1, self.config.num_moe_experts)
         scores = sqrtsoftplus(logits)
-        biased = scores if self.expert_bias is None else scores + self.expert_bias
+        biased = scores + self.expert_bias.float()
 
         def natural(s: torch.Tensor, k: int, num_groups=None, group_topk=None):
             return torch.topk(s, k=k, dim=1)
@@ -74,9 +82,6 @@ class _HashRouter(TopKRouter):
 
     def __init__(self, config: Any, pg_collection: Any = None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        if "expert_bias" in self._buffers:  # the table chooses: no correction bias (the config's is shared)
-            del self._buffers["expert_bias"]
-            self.expert_bias = None
         self.register_buffer("tid2eid", torch.zeros(self.vocab_size, self.topk, dtype=torch.long))
         self.tokens: TokenIds | None = None
 

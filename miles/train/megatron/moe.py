@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -125,6 +126,10 @@ def block_spec(tf_cfg: Any, use_te: bool, core_attention: Any):
     return spec
 
 
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+"""A layer's number in a module name: GPTModel's `decoder.layers.<i>.`, DeepseekV4GPT's `layers.<i>.`."""
+
+
 def _routers(gpt: torch.nn.Module, layer_offset: int) -> list[tuple[int, Any]]:
     """(global decoder layer, TopKRouter) of this stage, in layer order."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -132,7 +137,7 @@ def _routers(gpt: torch.nn.Module, layer_offset: int) -> list[tuple[int, Any]]:
     found = []
     for name, module in gpt.named_modules():
         if isinstance(module, TopKRouter):
-            local = int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
+            local = int(_LAYER_NUMBER.search(name).group(1))
             found.append((local + layer_offset, module))
     return sorted(found, key=lambda x: x[0])
 

@@ -35,18 +35,22 @@ def _tp_full(name: str, p: torch.Tensor, s: convert.Shapes) -> torch.Tensor:
 
 
 def iter_megatron_full(
-    gpt: torch.nn.Module, s: convert.Shapes, keep: Callable[[str], bool] | None = None
+    gpt: torch.nn.Module,
+    s: convert.Shapes,
+    keep: Callable[[str], bool] | None = None,
+    offset: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(global Megatron name, full tensor) for every parameter (and router expert bias) of every stage (those whose name `keep`
     accepts, given), stage by stage; experts by their global index, gathered from the expert-parallel
     ranks."""
     from megatron.core import parallel_state as ps
 
-    offset = M.layer_offset(gpt)
-    # parameters, and the one buffer a checkpoint holds: DeepSeek's router correction bias
+    offset = M.layer_offset(gpt) if offset is None else offset  # a model naming layers globally: 0
+    # parameters, and the buffers a checkpoint holds: DeepSeek's router correction bias and
+    # DeepSeek-V4's hash-routing table
     held = [
         *gpt.named_parameters(),
-        *((n, b) for n, b in gpt.named_buffers() if n.endswith("router.expert_bias")),
+        *((n, b) for n, b in gpt.named_buffers() if n.endswith(("router.expert_bias", "router.tid2eid"))),
     ]
     mine = [(convert.to_global(n, offset), p) for n, p in held]
     if s.tied:  # the last stage's copy of the tied embedding is not a weight of its own
