@@ -164,6 +164,8 @@ def tiny_recipe(tiny_dir: str, backend: str, gpus: int = TINY_MEGATRON_GPUS) -> 
     if backend == "megatron":
         layout = TINY_MEGATRON if gpus >= TINY_MEGATRON_GPUS else TINY_MEGATRON_ONE_GPU
         train.update(layout, device="auto", steps=3, checkpoint={"every_steps": 3})
+    # one GPU: the trainer and the engine share it, taking turns
+    launch = {"layout": "colocated"} if backend == "megatron" and gpus < TINY_MEGATRON_GPUS else {}
     return {
         "run": {"name": f"deepseek-v4-flash-tiny-{backend}", "runs_root": str(p["runs"]), "seed": 0},
         "model": {
@@ -191,6 +193,7 @@ def tiny_recipe(tiny_dir: str, backend: str, gpus: int = TINY_MEGATRON_GPUS) -> 
             },
         },
         "train": train,
+        **({"launch": launch} if launch else {}),
     }
 
 

@@ -43,7 +43,6 @@ def one_rank():
 
 
 def _moe_layer(cfg, hashed: bool, limit: float):
-    from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from miles.train.megatron import deepseek_v4_moe as V4
@@ -55,7 +54,7 @@ def _moe_layer(cfg, hashed: bool, limit: float):
         num_moe_experts=cfg.n_routed_experts, moe_router_topk=cfg.num_experts_per_tok,
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts,
-        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0, moe_router_score_function="sigmoid",
+        moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=float(cfg.routed_scaling_factor), moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_enable_routing_replay=not hashed,
         gated_linear_unit=True, activation_func=F.silu, activation_func_clamp_value=limit,
@@ -63,7 +62,7 @@ def _moe_layer(cfg, hashed: bool, limit: float):
         bias_activation_fusion=False,
     )  # fmt: skip
     router = V4.hash_router(cfg.vocab_size) if hashed else V4.SqrtSoftplusRouter
-    return build_module(V4.moe_spec(router), config=tf, layer_number=1)
+    return V4.build_moe(router, tf, 1)
 
 
 def _load(layer, block) -> None:

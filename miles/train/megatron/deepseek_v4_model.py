@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
 
 from miles.engine.v4_spec import V4Spec
 from miles.models.families import deepseek_v4 as family
@@ -72,7 +71,7 @@ class DecoderLayer(MegatronModule):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, spec.eps)
         self.self_attn = HybridAttention(config, spec, layer)
         router = moe.hash_router(vocab_size) if layer in spec.hash_layers else moe.SqrtSoftplusRouter
-        self.mlp = build_module(moe.moe_spec(router), config=config, layer_number=layer + 1)
+        self.mlp = moe.build_moe(router, config, layer + 1)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)

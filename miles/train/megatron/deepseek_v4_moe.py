@@ -21,6 +21,8 @@ states), in the router's token order (position-major over Megatron's [s, b]).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -46,9 +48,9 @@ class SqrtSoftplusRouter(TopKRouter):
     a buffer of its own (fp32): the config leaves megatron-core's bias updating off, whose step-end
     update would also look for a bias on the hash routers, which have none."""
 
-    def __init__(self, config: Any, pg_collection: Any = None) -> None:
-        super().__init__(config=config, pg_collection=pg_collection)
-        del self.expert_bias  # the plain attribute megatron-core sets without its bias
+    def __init__(self, config: Any, pg_collection: Any = None, **kwargs: Any) -> None:
+        super().__init__(config=config, pg_collection=pg_collection, **kwargs)
+        self.__dict__.pop("expert_bias", None)  # the plain attribute megatron-core sets without its bias
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, device=device))
 
@@ -80,8 +82,8 @@ class _HashRouter(TopKRouter):
 
     vocab_size = 0
 
-    def __init__(self, config: Any, pg_collection: Any = None) -> None:
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config: Any, pg_collection: Any = None, **kwargs: Any) -> None:
+        super().__init__(config=config, pg_collection=pg_collection, **kwargs)
         self.register_buffer("tid2eid", torch.zeros(self.vocab_size, self.topk, dtype=torch.long))
         self.tokens: TokenIds | None = None
 
@@ -101,12 +103,26 @@ def hash_router(vocab_size: int) -> type[TopKRouter]:
     return type("HashRouter", (_HashRouter,), {"vocab_size": int(vocab_size)})
 
 
+def build_moe(router: type[TopKRouter], config: Any, layer_number: int, use_te: bool = False):
+    """megatron-core's MoE layer with `router` as its router (`moe_spec`), built."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = moe_spec(router, use_te)
+    if isinstance(spec, functools.partial):
+        return spec(config=config, layer_number=layer_number)
+    return build_module(spec, config=config, layer_number=layer_number)
+
+
 def moe_spec(router: type[TopKRouter], use_te: bool = False):
-    """megatron-core's MoE layer spec with `router` as its router."""
+    """megatron-core's MoE layer spec with `router` as its router: a ModuleSpec, or (megatron-core 0.19
+    on) a partial of the MoE layer."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     spec = get_moe_module_spec(use_te=use_te, num_experts=1, moe_grouped_gemm=False)
-    spec.submodules.router = router
+    if isinstance(spec, functools.partial):  # megatron-core >= 0.19: partial(MoELayer, submodules=...)
+        submodules = dataclasses.replace(spec.keywords["submodules"], router=router)
+        return functools.partial(spec.func, *spec.args, **(spec.keywords | {"submodules": submodules}))
+    spec.submodules.router = router  # a ModuleSpec
     return spec
 
 
