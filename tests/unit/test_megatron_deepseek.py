@@ -133,3 +133,48 @@ def test_routing_replay_through_megatrons_router_equals_transformers(v3, one_ran
     stats = routing.stats.metrics(routing.stats.stats())
     assert stats["router_agreement"] == 1.0  # the experts used are the rows'
     assert stats["router_natural_agreement"] < 0.5  # the router alone would have chosen others
+
+
+def _with_mtp(hf: dict[str, torch.Tensor], layers: int, hidden: int) -> dict[str, torch.Tensor]:
+    """`hf` plus one multi-token-prediction layer as DeepSeek-V3's checkpoint holds it (layer L): a copy
+    of the last (sparse) decoder layer, its own norms and projection, and copies of the embedding
+    and head."""
+    g = torch.Generator().manual_seed(3)
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    out = dict(hf) | {mtp + k.removeprefix(last): v.clone() for k, v in hf.items() if k.startswith(last)}
+    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        out[mtp + name] = torch.rand(hidden, generator=g) + 0.5
+    out[mtp + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.02
+    out[mtp + "embed_tokens.weight"] = hf["model.embed_tokens.weight"].clone()
+    out[mtp + "shared_head.head.weight"] = hf["lm_head.weight"].clone()
+    return out
+
+
+def test_mtp_layers_convert_to_megatron_cores_mtp_block_and_back_byte_identical(v3, one_rank):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from transformers import AutoConfig
+
+    from miles.train.megatron import convert
+    from miles.train.megatron import model as M
+
+    cfg = AutoConfig.from_pretrained(v3)
+    s = M.shapes_of(cfg)
+    hf = _with_mtp(M.read_hf_state(v3), cfg.num_hidden_layers, cfg.hidden_size)
+    full = convert.hf_to_megatron(hf, s)
+    tf = M.transformer_config(cfg, torch.float32, 1, 1, use_cpu=True, extra=CPU | {"mtp_num_layers": 1})
+    spec = M.layer_spec(tf)
+    mtp = get_gpt_mtp_block_spec(tf, spec.layer_specs[-1], use_transformer_engine=False)
+    gpt = GPTModel(config=tf, transformer_layer_spec=spec, vocab_size=cfg.vocab_size, max_sequence_length=64,
+                   mtp_block_spec=mtp, position_embedding_type="rope")  # fmt: skip
+    own = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
+    assert {k for k in full if k.startswith("mtp.")} == {k for k in own if k.startswith("mtp.")}
+    gpt.load_state_dict(full, strict=False)
+    state = {k: v for k, v in gpt.state_dict().items() if k in full}
+    back = convert.megatron_to_hf(state, s)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf), [k for k in hf if not torch.equal(back[k], hf[k])][:3]
+    assert convert.mtp_layers(hf, s) == 1 and convert.mtp_layers(M.read_hf_state(v3), s) == 0
+    hf[f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight"] += 1
+    with pytest.raises(ValueError, match="shared_head.head.weight differs from lm_head.weight"):
+        convert.hf_to_megatron(hf, s)

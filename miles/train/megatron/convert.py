@@ -36,6 +36,12 @@ replicated. The stacked in-memory names of transformers 5 (`mlp.experts.gate_up_
 `mlp.experts.down_proj` [E, H, I]) are read too. A sparse layer keeps its own pre-MLP norm under
 Transformer Engine's spec (nothing to fuse it into).
 
+DeepSeek-V3's multi-token-prediction layers (checkpoint layers L, L+1, ... after the L decoder layers)
+map onto megatron-core's MTP block: `enorm`, `hnorm`, `eh_proj` one to one, `shared_head.norm` ->
+`final_layernorm`, the layer's decoder part under `mtp.layers.i.transformer_layer.` as any decoder
+layer; its copies of the embedding and head are the model's (checked equal going in, written back
+coming out).
+
 Pure tensor code: nothing here imports megatron, so the mapping is testable without it.
 """
 
@@ -220,30 +226,74 @@ def _rope_rows(name: str, t: torch.Tensor, s: Shapes, inverse: bool = False) -> 
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
-    """Full HF state dict -> full Megatron state dict (global layer numbers, no TP split)."""
+    """Full HF state dict -> full Megatron state dict (global layer numbers, no TP split); a
+    checkpoint's multi-token-prediction layers (`mtp_layers`) under megatron-core's MTP names."""
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not s.tied:
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(s.num_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_suffix, mg_suffix in (_LAYER_PLAIN | (_MLA_PLAIN if s.mla else {})).items():
-            if src + hf_suffix in hf:
-                out[dst + _norm_name(mg_suffix, s, i)] = _rope_rows(mg_suffix, hf[src + hf_suffix], s)
-        if src + "mlp.shared_experts.gate_proj.weight" in hf:
-            gate, up = (hf[f"{src}mlp.shared_experts.{p}_proj.weight"] for p in ("gate", "up"))
-            out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        attn = src + "self_attn."
-        for kind in ("weight", "bias"):
-            if f"{attn}q_proj.{kind}" in hf and not s.mla:
-                q, k, v = (hf[f"{attn}{p}_proj.{kind}"] for p in "qkv")
-                out[f"{dst}self_attention.linear_qkv.{kind}"] = pack_qkv(q, k, v, s)
-        if i in s.moe_layers:
-            out.update(_experts_to_megatron(hf, src, dst, s.num_experts))
-        else:
-            gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
-            out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out.update(_layer_to_megatron(hf, f"model.layers.{i}.", f"decoder.layers.{i}.", s, i))
+    for i in range(mtp_layers(hf, s)):
+        out.update(_mtp_to_megatron(hf, s, i))
     return out
+
+
+def _layer_to_megatron(hf: dict[str, torch.Tensor], src: str, dst: str, s: Shapes, i: int) -> dict:
+    """One decoder layer's tensors (HF prefix `src`) under Megatron names (prefix `dst`); `i` its index,
+    which says whether it is sparse (an MTP layer is sparse when it holds a router)."""
+    out = {}
+    for hf_suffix, mg_suffix in (_LAYER_PLAIN | (_MLA_PLAIN if s.mla else {})).items():
+        if src + hf_suffix in hf:
+            out[dst + _norm_name(mg_suffix, s, i)] = _rope_rows(mg_suffix, hf[src + hf_suffix], s)
+    if src + "mlp.shared_experts.gate_proj.weight" in hf:
+        gate, up = (hf[f"{src}mlp.shared_experts.{p}_proj.weight"] for p in ("gate", "up"))
+        out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+    attn = src + "self_attn."
+    for kind in ("weight", "bias"):
+        if f"{attn}q_proj.{kind}" in hf and not s.mla:
+            q, k, v = (hf[f"{attn}{p}_proj.{kind}"] for p in "qkv")
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = pack_qkv(q, k, v, s)
+    if i in s.moe_layers or (i >= s.num_layers and src + "mlp.gate.weight" in hf):
+        out.update(_experts_to_megatron(hf, src, dst, s.num_experts))
+    else:
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+    return out
+
+
+# A multi-token-prediction layer (DeepSeek-V3's `num_nextn_predict_layers`, checkpoint layer L + i):
+# its own tensors, one to one with megatron-core's MultiTokenPredictionLayer; its embedding and head
+# are the model's (megatron-core shares them; the checkpoint holds copies, checked equal).
+_MTP_PLAIN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "shared_head.norm.weight": "final_layernorm.weight",
+}
+_MTP_SHARED = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+}
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def mtp_layers(hf: dict[str, torch.Tensor], s: Shapes) -> int:
+    """How many multi-token-prediction layers the checkpoint `hf` holds (after the decoder's)."""
+    n = 0
+    while f"model.layers.{s.num_layers + n}.eh_proj.weight" in hf:
+        n += 1
+    return n
+
+
+def _mtp_to_megatron(hf: dict[str, torch.Tensor], s: Shapes, i: int) -> dict[str, torch.Tensor]:
+    src, dst = f"model.layers.{s.num_layers + i}.", f"mtp.layers.{i}."
+    for own, model in _MTP_SHARED.items():
+        model = "model.embed_tokens.weight" if s.tied and model == "lm_head.weight" else model
+        if src + own in hf and not torch.equal(hf[src + own], hf[model]):
+            raise ValueError(f"{src}{own} differs from {model}: Megatron's MTP layer shares the model's")
+    out = {dst + mg: hf[src + theirs] for theirs, mg in _MTP_PLAIN.items()}
+    return out | _layer_to_megatron(hf, src, dst + "transformer_layer.", s, s.num_layers + i)
 
 
 def _experts_to_megatron(hf: dict[str, torch.Tensor], src: str, dst: str, n: int) -> dict[str, torch.Tensor]:
@@ -273,21 +323,48 @@ def iter_megatron_to_hf(
     """Stream (megatron name, full tensor) -> (HF name, tensor); fused tensors expand to several."""
     inverse = {_norm_name(v, s): k for k, v in (_LAYER_PLAIN | (_MLA_PLAIN if s.mla else {})).items()}
     inverse["pre_mlp_layernorm.weight"] = "post_attention_layernorm.weight"  # sparse layers under TE
+    shared: dict[str, torch.Tensor] = {}  # the embedding and head, which MTP layers repeat
+    copies: list[tuple[str, str]] = []  # (an MTP layer's name of a copy, the model's name it copies)
     for name, t in items:
         if name.endswith("_extra_state"):
             continue
         if name == "embedding.word_embeddings.weight":
             yield "model.embed_tokens.weight", t
+            shared["model.embed_tokens.weight"] = t
         elif name == "decoder.final_layernorm.weight":
             yield "model.norm.weight", t
         elif name == "output_layer.weight":
             yield "lm_head.weight", t
+            shared["lm_head.weight"] = t
+        elif (m := _MTP.match(name)) is not None:
+            yield from _mtp_to_hf(int(m.group(1)), m.group(2), t, s, inverse, copies)
         else:
             m = _LAYER.match(name)
             if m is None:
                 raise KeyError(f"unmapped Megatron parameter {name!r}")
             i, suffix = m.groups()
             yield from _layer_to_hf(f"model.layers.{i}.", suffix, t, s, inverse)
+    for own, model in copies:  # the stream held the model's tensor: the checkpoint's copy of it
+        if model in shared:
+            yield own, shared[model]
+
+
+def _mtp_to_hf(i: int, suffix: str, t: torch.Tensor, s: Shapes, inverse: dict[str, str], copies: list):
+    """An MTP layer's tensor under the checkpoint's names (layer L + i); its `enorm` adds to `copies`
+    the layer's copies of the embedding and head, which the stream's end yields."""
+    prefix = f"model.layers.{s.num_layers + i}."
+    if suffix.startswith("transformer_layer."):
+        yield from _layer_to_hf(prefix, suffix.removeprefix("transformer_layer."), t, s, inverse)
+        return
+    theirs = {v: k for k, v in _MTP_PLAIN.items()}
+    if suffix not in theirs:
+        raise KeyError(f"unmapped Megatron parameter mtp.layers.{i}.{suffix!r}")
+    yield prefix + theirs[suffix], t
+    if suffix == "enorm.weight":
+        for own, model in _MTP_SHARED.items():
+            copies.append(
+                (prefix + own, "model.embed_tokens.weight" if s.tied and model == "lm_head.weight" else model)
+            )
 
 
 def _layer_to_hf(prefix: str, suffix: str, t: torch.Tensor, s: Shapes, inverse: dict[str, str]):
