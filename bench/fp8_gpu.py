@@ -12,9 +12,10 @@ the `miles train` child processes of the first find the GPU empty:
    (bf16), fp8_block and fp8_row, each FP8 layout at engine.fp8_min_tokens' default and at 1 (every
    GEMM in FP8, decode included; 1 is the lowest value the key takes; the two arms of a layout share
    its weights). Workloads: decode-heavy (256 requests, prompt 128, 512 new tokens) and prefill-heavy
-   (64 requests, prompt 2048, 8 new tokens). Every arm runs each workload once untimed (graph
-   captures, Triton compiles); then each round runs each workload on every arm, the arms' order
-   rotated by one per round, with fresh random prompts per round (the same for every arm).
+   (64 requests, prompt 2048, 8 new tokens). The arms run one after another, each with a KV pool of
+   its own that is freed before the next (five pools beside the three 7B decoders do not fit an 80 GB
+   card): each workload once untimed (graph captures, Triton compiles), then each round each
+   workload, with fresh random prompts per round (the same for every arm).
 2. train: the FSDP backend on one GPU with bench/gpu_train.py's shapes and batch (Qwen2.5-0.5B, 64 x
    1024 tokens, 8192-token micro-batches), train.quantization none / fake_quant (layout --layout) /
    torchao_float8 (skipped, the reason printed, without torchao or a GPU). One untimed step per arm,
@@ -134,19 +135,32 @@ def make_model(work: Path, size: str, dtype: str) -> Path:
 # ---- part 1: rollout tok/s -------------------------------------------------------------------------
 
 
-def build_engines(model: Path, arms: list[Arm], loads: list[Workload], device: str, dtype: torch.dtype):
-    """One Scheduler per arm; the arms of one FP8 layout share its decoder (min_tokens is set per run)."""
+def build_decoders(model: Path, arms: list[Arm], device: str, dtype: torch.dtype) -> dict:
+    """One decoder per quantization of `arms` (the arms of one FP8 layout share it; min_tokens is set
+    per run)."""
     from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
     from miles.engine.model import ModelSpec
-    from miles.engine.scheduler import Scheduler
 
     spec = ModelSpec.from_dir(model)
-    decoders = {}
-    for q in dict.fromkeys(a.quantization for a in arms):
-        decoders[q] = build_decoder(spec, model, device, dtype, q, DEFAULT_FP8_MIN_TOKENS)
+    return {
+        q: build_decoder(spec, model, device, dtype, q, DEFAULT_FP8_MIN_TOKENS)
+        for q in dict.fromkeys(a.quantization for a in arms)
+    }
+
+
+def build_engines(model: Path, arms: list[Arm], loads: list[Workload], device: str, dtype: torch.dtype):
+    """One Scheduler per arm, all alive at once (bench/moe_gpu.py's arms, one per model)."""
+    decoders = build_decoders(model, arms, device, dtype)
+    return {a: scheduler_for(decoders[a.quantization], loads) for a in arms}
+
+
+def scheduler_for(decoder, loads: list[Workload]):
+    """A Scheduler over `decoder` with room for the largest workload (its own KV pool)."""
+    from miles.engine.scheduler import Scheduler
+
     width = max(w.requests for w in loads)
     slots = max(w.requests * (w.prompt + w.completion) for w in loads) + 4096
-    return {a: Scheduler(decoders[a.quantization], width, slots) for a in arms}
+    return Scheduler(decoder, width, slots)
 
 
 def engine_run(sched, arm: Arm, prompts: list[list[int]], w: Workload, device: str) -> float:
@@ -177,24 +191,25 @@ def rollout_size(args, size: str, device: str) -> list[dict]:
     model = make_model(Path(args.workdir), size, dtype)
     arms, loads = rollout_arms(), workloads(args.smoke)
     vocab = SIZES[size][1]
-    engines = build_engines(model, arms, loads, device, getattr(torch, dtype))
+    decoders = build_decoders(model, arms, device, getattr(torch, dtype))
 
     def prompts(w: Workload, seed: int) -> list[list[int]]:
         rng = random.Random(seed)
         return [[rng.randrange(vocab) for _ in range(w.prompt)] for _ in range(w.requests)]
 
-    for w in loads:
-        for a in arms:  # untimed: graph captures, Triton compiles, allocator growth
-            engine_run(engines[a], a, prompts(w, 10_000), w, device)
     tok_s: dict[tuple[str, Arm], list[float]] = {(w.name, a): [] for w in loads for a in arms}
-    for r in range(args.rounds):
-        for w in loads:
-            batch = prompts(w, r)
-            for a in rotated(arms, r):
-                tok_s[(w.name, a)].append(engine_run(engines[a], a, batch, w, device))
+    for a in arms:  # one arm's KV pool at a time: five beside the 7B decoders overflow an 80 GB card
+        sched = scheduler_for(decoders[a.quantization], loads)
+        for w in loads:  # untimed: graph captures, Triton compiles, allocator growth
+            engine_run(sched, a, prompts(w, 10_000), w, device)
+        for r in range(args.rounds):
+            for w in loads:
+                tok_s[(w.name, a)].append(engine_run(sched, a, prompts(w, r), w, device))
                 print(f"rollout {size} {w.name} round {r + 1} {a.label}: {tok_s[(w.name, a)][-1]:.0f} tok/s")
+        del sched
+        free_memory()
     refused = block_gemm_refused()
-    del engines
+    del decoders
     free_memory()
     rows = []
     for w in loads:
