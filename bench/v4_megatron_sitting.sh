@@ -10,12 +10,13 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export USE_HUB_KERNELS=0  # transformers 5.25 asks the `kernels` package for hub kernels otherwise
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-timeout 300 $py -m pytest -q -p no:cacheprovider -s tests/gpu/test_megatron_deepseek_gpu.py \
+timeout 220 $py -m pytest -q -p no:cacheprovider -s tests/gpu/test_megatron_deepseek_gpu.py \
   tests/gpu/test_deepseek_launcher_gpu.py -k "v4 or launcher" > "$out/tests.log" 2>&1
 echo "tests rc $?"
 grep -E "rel err|passed|failed|^[123] \{|Error" "$out/tests.log" | grep -v Warning | tail -20
+declare -A limit=([megatron]=190 [fsdp]=165)
 for backend in megatron fsdp; do
-  timeout 280 $py -m bench.deepseek_v4_gpu --part mismatch --backend "$backend" --steps "$steps" \
+  timeout "${limit[$backend]}" $py -m bench.deepseek_v4_gpu --part mismatch --backend "$backend" --steps "$steps" \
     --workdir /tmp/bv4 --out "$out/v4_$backend.json" > "$out/bench_$backend.log" 2>&1
   echo "bench $backend rc $?"
   grep -E "^\| (megatron|fsdp) " "$out/bench_$backend.log"
