@@ -41,8 +41,11 @@ def test_each_family_names_the_attention_tensors_transformers_builds(family) -> 
     assert any(".experts." in n for n in names) == family.moe
 
 
-def test_a_plan_whose_rooms_cannot_load_the_family_is_refused_at_resolve(tmp_path) -> None:
+def test_a_plan_whose_rooms_cannot_load_the_family_is_refused_at_resolve(tmp_path, monkeypatch) -> None:
+    import dataclasses
+
     from miles.config import ConfigError, resolve
+    from miles.models.families import FAMILIES
 
     def plan(arch: str, **sections):
         base = {
@@ -51,12 +54,16 @@ def test_a_plan_whose_rooms_cannot_load_the_family_is_refused_at_resolve(tmp_pat
         }
         return resolve(base | sections)
 
-    assert plan("deepseek_v4").engine.kind == "embedded"  # the engine and FSDP load it
+    assert plan("deepseek_v4").engine.kind == "embedded"  # the engine and both trainers load it
+    assert plan("deepseek_v4", train={"backend": "megatron"}).train.backend == "megatron"
+    v4 = FAMILIES["DeepseekV4ForCausalLM"]  # a family Megatron would not load: refused, naming who does
+    monkeypatch.setitem(FAMILIES, v4.hf_arch, dataclasses.replace(v4, backends=("engine", "fsdp")))
     with pytest.raises(
         ConfigError,
         match=r"train.backend=megatron cannot load DeepseekV4ForCausalLM .*set train.backend to fsdp",
     ):
         plan("deepseek_v4", train={"backend": "megatron"}, engine={"kind": "sglang"})
+    monkeypatch.undo()
     assert plan("deepseek_v3").model.tiny.arch == "deepseek_v3"  # the engine and both trainers load it
     assert plan("deepseek_v3", train={"backend": "megatron"}).train.backend == "megatron"
     assert plan("deepseek_v4", engine={"kind": "sglang"}).engine.kind == "sglang"
