@@ -6,8 +6,10 @@ CPU, run under torchrun by test_megatron_v4_architecture.py:
 Real megatron-core parallel state over gloo. The registered architecture builds this rank's stage
 (PP=2: layers 3 / 2) and loads its slice of the checkpoint (EP=2: half the routed experts), then
 runs a forward of a fixed loss (stage 0's streams cross to stage 1 folded, as Megatron's pipeline
-sends them), and the backend's weight export gathers every tensor back under transformers' names. Rank 0 writes OUT/rank0.json:
-the loss (from the last stage), and the exported tensors' names and bytes' digests.
+sends them), and the backend's weight export gathers every tensor back under transformers' names, and each stage writes the plain
+weights file a checkpoint keeps for `miles export` (OUT/run/checkpoints/step_1/megatron/). Rank 0
+writes OUT/rank0.json: the loss (from the last stage), and the exported tensors' names and bytes'
+digests.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ def main() -> None:
         dist.send(outputs.contiguous(), group=group, group_dst=stage + 1)
     dist.all_reduce(loss)  # the last stage's, summed over its data-parallel (expert-parallel) ranks
     exported = [pair for bucket in arch.export(gpt, cfg, 1 << 16, None) for pair in bucket]
+    from miles.train.megatron import checkpoint
+
+    checkpoint._megatron_dir(str(out / "run"), 1).mkdir(parents=True, exist_ok=True)
+    checkpoint.save_model_file(gpt, str(out / "run"), 1)  # what a checkpoint keeps for `miles export`
     if dist.get_rank() == 0:
         digest = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                   for n, t in exported}  # fmt: skip

@@ -51,6 +51,15 @@ def test_pp2_ep2_loads_runs_and_exports_as_the_checkpoint(model, tmp_path):
               for n, t in checkpoint.items()}  # fmt: skip
     for res in (single, split):
         assert res["exported"] == digest, sorted(set(res["exported"]) ^ set(digest))[:5]
+    from transformers import AutoConfig
+
+    from miles.export import megatron_state
+
+    cfg = AutoConfig.from_pretrained(model)
+    for run in ("one", "pp2ep2"):  # `miles export`'s reading of the files a checkpoint keeps
+        files = tmp_path / run / "run" / "checkpoints" / "step_1" / "megatron"
+        state = megatron_state(files, cfg)
+        assert state.keys() == checkpoint.keys() and all(torch.equal(state[k], checkpoint[k]) for k in state)
 
 
 def test_registry_names_the_v4_modules_and_refuses_what_they_lack():

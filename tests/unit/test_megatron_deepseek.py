@@ -173,7 +173,9 @@ def test_mtp_layers_convert_to_megatron_cores_mtp_block_and_back_byte_identical(
     state = {k: v for k, v in gpt.state_dict().items() if k in full}
     back = convert.megatron_to_hf(state, s)
     assert back.keys() == hf.keys()
-    assert all(torch.equal(back[k], hf[k]) for k in hf), [k for k in hf if not torch.equal(back[k], hf[k])][:3]
+    assert all(torch.equal(back[k], hf[k]) for k in hf), [k for k in hf if not torch.equal(back[k], hf[k])][
+        :3
+    ]
     assert convert.mtp_layers(hf, s) == 1 and convert.mtp_layers(M.read_hf_state(v3), s) == 0
     hf[f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight"] += 1
     with pytest.raises(ValueError, match="shared_head.head.weight differs from lm_head.weight"):

@@ -100,7 +100,6 @@ def _sharded(owner: Any, loading: bool) -> dict[str, Any]:
 def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
     """Collective over all trainer ranks; returns the step directory."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     if not all(o.optimizer is None or o.optimizer.state for o in _chain(backend.optimizer)):
         raise CheckpointError(
@@ -110,16 +109,7 @@ def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
     run_dir, rank = backend.plan.run_dir, dist.get_rank()
     mg = _megatron_dir(run_dir, step)
     (mg / "dist").mkdir(parents=True, exist_ok=True)
-    ep = ps.get_expert_model_parallel_world_size() > 1
-    if (ps.get_expert_data_parallel_rank() if ep else ps.get_data_parallel_rank()) == 0:
-        # expert-parallel ranks > 0 hold the same dense weights as ep0: only their experts are new
-        experts_only = ep and ps.get_expert_model_parallel_rank() > 0
-        state = {
-            k: v
-            for k, v in backend.gpt.state_dict().items()
-            if not k.endswith("_extra_state") and not (experts_only and expert_of(k) is None)
-        }
-        torch.save(state, _model_file(run_dir, step))
+    save_model_file(backend.gpt, run_dir, step)
     dist.barrier()  # megatron-core's writer expects its directory to exist on every rank
     dist_checkpointing.save(_sharded(backend, loading=False), str(mg / "dist"))
     critic = getattr(backend, "critic", None)
@@ -139,6 +129,23 @@ def save(backend: Any, step: int, extra: dict[str, Any] | None) -> str:
     seal(run_dir, step, backend.plan.train.checkpoint.keep_last, dist)
     dist.barrier()
     return str(out)
+
+
+def save_model_file(gpt: torch.nn.Module, run_dir: str, step: int) -> None:
+    """This stage's plain weights file for `miles export` (written by one data-parallel rank of each
+    stage and expert-parallel rank; the directory exists)."""
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size() > 1
+    if (ps.get_expert_data_parallel_rank() if ep else ps.get_data_parallel_rank()) != 0:
+        return
+    experts_only = ep and ps.get_expert_model_parallel_rank() > 0  # ep0 holds the same dense weights
+    state = {
+        k: v
+        for k, v in gpt.state_dict().items()
+        if not k.endswith("_extra_state") and not (experts_only and expert_of(k) is None)
+    }
+    torch.save(state, _model_file(run_dir, step))
 
 
 def load(backend: Any, step: int | None) -> dict[str, Any]:
