@@ -1,7 +1,7 @@
 """The coding recipe on a mix of generated tasks and a real one: a Terminal-Bench 1 task written
 elsewhere (tests/foreign_tasks/tb1-count-errors), converted by `miles tasks convert`, then `miles
-train recipes/coding-tiny.yaml` with rollout.env.options.tasks naming it beside generate: true. Half
-of the training episodes play generated tasks and half the converted one (agent/generated), held-out
+train recipes/coding-tiny.yaml` with rollout.env.options.tasks naming it beside generate: true. About
+half of the training episodes play generated tasks and half the converted one (agent/generated), held-out
 episodes play the converted task, no sample is masked, and the run ends with its checkpoint."""
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ def test_coding_recipe_trains_on_generated_and_converted_tasks(tmp_path) -> None
     rows = [r for r in read_metrics(tmp_path / "runs" / "coding-tiny") if r["step"] > 0]
     trained = [r for r in rows if "agent/generated" in r]
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1)), rows
+    # a step trains the episodes that finished first (an asynchronous rollout), so one step may hold
+    # one kind only; over the run both kinds train, about half each
     shares = [r["agent/generated"] for r in trained]
-    assert all(0.0 < s < 1.0 for s in shares) and abs(sum(shares) / len(shares) - 0.5) <= 0.25, shares
+    assert min(shares) < 1.0 and max(shares) > 0.0 and abs(sum(shares) / len(shares) - 0.5) <= 0.25, shares
     assert all(r.get("rollout/masked_samples", 0) == 0 for r in trained)
     held_out = [r for r in rows if "eval/held_out/pass@1" in r or "eval/pass@1" in r]
     assert held_out, rows
