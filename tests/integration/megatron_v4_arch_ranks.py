@@ -21,21 +21,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron_v4_ranks import start
 
 
 def main() -> None:
     model, out, pp, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    dist.init_process_group("gloo")
+    cfg = start(model, pp, ep)  # the script beside this one
     from megatron.core import parallel_state as ps
-    from transformers import AutoConfig
 
     from miles.train.megatron import architectures
-    from miles.train.megatron.model import _moe_utils_without_te, read_hf_state
+    from miles.train.megatron.model import read_hf_state
 
-    _moe_utils_without_te()
-    ps.initialize_model_parallel(1, pp, expert_model_parallel_size=ep)
-    cfg = AutoConfig.from_pretrained(model)
     arch = architectures.of(cfg)
     # the CPU's token dispatcher (all-gather) takes fixed shapes only: the schedule then sends
     # [seq_length, b, hidden], which the folded streams are with seq_length = s * hc_mult

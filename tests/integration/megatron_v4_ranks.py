@@ -26,19 +26,28 @@ import torch.distributed as dist
 STAGES = {1: [range(0, 5)], 2: [range(0, 3), range(3, 5)]}
 
 
-def main() -> None:
-    model, out, pp, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def start(model: str, pp: int, ep: int):
+    """gloo ranks on the CPU with megatron-core's parallel state of PP x EP; the model's HF config."""
     torch.cuda.current_device = lambda: torch.device("cpu")
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from miles.train.megatron import deepseek_v4_model as V4
-    from miles.train.megatron.model import _moe_utils_without_te, read_hf_state
+    from miles.train.megatron.model import _moe_utils_without_te
 
     _moe_utils_without_te()
     ps.initialize_model_parallel(1, pp, expert_model_parallel_size=ep)
-    cfg = AutoConfig.from_pretrained(model)
+    return AutoConfig.from_pretrained(model)
+
+
+def main() -> None:
+    model, out, pp, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    cfg = start(model, pp, ep)
+    from megatron.core import parallel_state as ps
+
+    from miles.train.megatron import deepseek_v4_model as V4
+    from miles.train.megatron.model import read_hf_state
+
     stage = ps.get_pipeline_model_parallel_rank()
     extra = {
         "moe_token_dispatcher_type": "allgather",
