@@ -20,6 +20,20 @@ IMAGES = Path(os.environ.get("MILES_TEST_IMAGES", "/var/cache/miles-images"))
 """Images the shipped Harbor tasks name, as `apptainer pull` names them (containers/stand-in-images.sh)."""
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `gpu2` need two CUDA GPUs of one host (bench/multi_gpu_sitting.sh runs them all):
+    skipped, saying so, on a host with fewer."""
+    marked = [item for item in items if item.get_closest_marker("gpu2") is not None]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        skip = pytest.mark.skip(reason="needs 2 GPUs of one host (gpu2; bench/multi_gpu_sitting.sh)")
+        for item in marked:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def apptainer_images() -> str:
     """The image directory of the apptainer backend's tests. Skips where apptainer or the images are

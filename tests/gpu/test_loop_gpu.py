@@ -74,9 +74,7 @@ def test_colocated_run_learns(tmp_path, tiny_model) -> None:
     assert "transport: tensor" in (tmp_path / "colocated" / "plan.yaml").read_text()
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 GPUs (engine on one, trainer on the other)"
-)
+@pytest.mark.gpu2  # the engine on one, the trainer on the other
 def test_disaggregated_run_learns_over_nccl(tmp_path, tiny_model) -> None:
     records = run(tmp_path, tiny_model, "disaggregated", steps=30)
     check_learns(records, 30)

@@ -217,7 +217,7 @@ def test_offload_onload_and_checkpoint(env):
     assert m1["loss"] == m1["loss"] and b.step_count == 2
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu2
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)])
 def test_parallel_layouts_match_reference(env, tp, pp):
     """TP=2, PP=2 and DP=2 (tp=pp=1 on 2 ranks) each reproduce the single-model reference step."""

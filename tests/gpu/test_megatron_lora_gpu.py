@@ -105,7 +105,7 @@ def test_megatron_lora_equals_peft_and_trains_only_the_adapter(tmp_path):
     assert ((got - trained).norm() / trained.norm()).item() < 1e-4
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu2
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)])
 def test_megatron_lora_parallel_layouts_match_peft_step(tmp_path, tp, pp):
     """TP=2, PP=2 and DP=2 (tp=pp=1 on 2 ranks) each train the adapter as one step of PEFT's model does

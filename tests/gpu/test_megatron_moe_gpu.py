@@ -262,7 +262,7 @@ def replayed_reference_step(path: str, samples: list, lr: float):
     return loss, gn, _stacked_to_names(state)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu2
 @pytest.mark.parametrize("ep,pp,first", [(2, 1, 0), (1, 2, 1)])
 def test_expert_and_uneven_pipeline_parallel_match_reference(env, ep, pp, first):
     """EP=2 (experts 0-3 / 4-7, DP=2) and PP=2 with the dense layer alone on the first stage: weights

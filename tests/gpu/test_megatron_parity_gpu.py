@@ -395,7 +395,7 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu2
 @pytest.mark.parametrize(
     "saved,resumed", [((2, 1), (1, 2)), ((1, 1), (2, 1))], ids=["tp2-to-pp2", "dp2-to-tp2"]
 )
