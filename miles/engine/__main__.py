@@ -32,7 +32,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles.cluster.environment import set_intra_op_threads
-from miles.engine import streaming
+from miles.engine import speculative, streaming
 from miles.engine.app import build_app
 from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, QUANTIZATIONS, build_decoder
 from miles.engine.model import ModelSpec
@@ -177,7 +177,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_lora_args(p)
     _add_health_args(p)
     streaming.add_args(p)
+    speculative.add_args(p)
     args = p.parse_args(argv)
+    if (why := speculative.problem(args)) is not None:
+        p.error(why)
     if (
         args.max_request_bytes < 1
         or args.scheduler_stuck_timeout_s <= 0
@@ -294,6 +297,9 @@ def _server_args(args: argparse.Namespace, scheduler: Scheduler, device: str, dt
         "max_lora_rank": None if lora is None else lora.max_rank,
         "quantization": _sglang_quantization(args.quantization),
         "fp8_layout": args.quantization if args.quantization.startswith("fp8") else None,
+        "speculative_algorithm": args.speculative_algorithm,
+        "speculative_draft_model_path": args.speculative_draft_model_path,
+        "speculative_num_steps": args.speculative_num_steps if args.speculative_algorithm else None,
     }
 
 
@@ -314,8 +320,14 @@ def build_state(args: argparse.Namespace) -> EngineState:
         cuda_graph=not args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_max_context=args.cuda_graph_max_context,
+        # speculation records each step's tokens at once: no decode step runs ahead of its readback
+        overlap=False if args.speculative_algorithm else None,
         stuck_timeout_s=args.scheduler_stuck_timeout_s,
     )
+    try:
+        speculative.attach(args, scheduler, device, dtype)
+    except (ValueError, Unsupported) as e:
+        raise SystemExit(f"--speculative-draft-model-path {args.speculative_draft_model_path}: {e}") from None
     for name, config, tensors, path in adapters:
         try:
             scheduler.holdings.load_lora(name, config, tensors, path)

@@ -51,6 +51,10 @@ class Request:
     """At finish, with return_routed_experts: int32 [rows, num_layers, top_k] expert ids of positions
     routed_experts_start_len .. num_tokens - 2 (miles/engine/replies.py encodes them)."""
     """Logprob and sampling options beyond the plain path (miles/engine/options.py); None for most."""
+    spec_verify_ct: int = 0
+    """Speculative decoding (miles/engine/speculative.py): verify forwards, tokens proposed, kept."""
+    spec_draft_token_num: int = 0
+    spec_accept_token_num: int = 0
     done: Future = field(default_factory=Future)
     created_s: float = field(default_factory=time.monotonic)
 

@@ -125,6 +125,8 @@ class Scheduler(EngineThread):
         self._free_rows: list[int] = []
         self._constants = RowConstants(max_running_requests + 1, decoder.spec.vocab_size)
         """Each row's sampling constants, for the decode steps' sampling rows."""
+        self.speculator: Any = None
+        """Speculative decoding with a draft model (miles/engine/speculative.py), else None."""
         self._needs_memory = True
         if self.decoder.device.type != "cpu":  # device memory at start-up, where running out shows at once
             self._alloc_memory()
@@ -233,7 +235,7 @@ class Scheduler(EngineThread):
         if self.running:
             self._fault_point()
         others = [r for r in self.running if r not in admitted] if admitted else list(self.running)
-        if admitted and others and self.row_kv is not None:
+        if admitted and others and self.row_kv is not None and self.speculator is None:
             self._forward_mixed(admitted, others)
         else:
             if admitted:
@@ -380,6 +382,8 @@ class Scheduler(EngineThread):
                 record_prompt(asks, logits[len(group) :])
                 logits = logits[: len(group)]
             self._sample(group, logits, self._to_device(sampling_rows(group, logits.shape[1])))
+        if decode and self.speculator is not None:  # the requests it does not take decode below
+            decode = self.speculator.step(decode)
         decode = self._grow(decode)
         if decode:
             self._decode(decode)

@@ -146,6 +146,12 @@ def reply(state: EngineState, req: EngineRequest, return_logprob: bool) -> dict[
         "e2e_latency": time.monotonic() - req.created_s,
         "miles_output_token_weight_versions": list(req.versions),
     }
+    if state.scheduler.speculator is not None:  # SGLang's speculative counters
+        meta |= {
+            "spec_verify_ct": req.spec_verify_ct,
+            "spec_draft_token_num": req.spec_draft_token_num,
+            "spec_accept_token_num": req.spec_accept_token_num,
+        }
     if return_logprob:
         meta |= replies.logprob_meta(state.tokenizer, req)
     if done:

@@ -1,0 +1,259 @@
+"""Speculative decoding with a separate draft model (SGLang's `--speculative-algorithm STANDALONE`).
+
+Per decode step of the requests it takes (`Speculator.step`), for a request of N tokens whose last
+token has no K/V yet (the scheduler's decode state):
+1. draft: the draft model, over a KV cache of its own (one contiguous run of slots per scheduler
+   row), catches up on the tokens it has not seen and proposes k tokens d1..dk one at a time, each
+   sampled from its own distribution q_i = softmax(z_i / T) (greedy: its argmax);
+2. verify: one target forward over [last, d1..dk] (positions N-1 .. N+k-1, a prefill-shaped batch
+   over the request's own KV slots) gives the target's distributions p_1..p_{k+1};
+3. accept (`accept`, standard speculative sampling): d_i is kept with probability min(1, p_i(d_i) /
+   q_i(d_i)); at the first rejection a token is drawn from norm(max(0, p_i - q_i)) instead and the
+   step ends; when all k are kept a bonus token is drawn from p_{k+1}. Greedy: d_i is kept while it
+   is p_i's argmax, then p's argmax follows. Every token then is distributed as the target alone
+   would have sampled it, and its returned log-prob is the target's, log softmax(z / T) at the token
+   (T = 1 when greedy), as the plain sampler reports it;
+4. the K/V of the last token and the kept drafts stay, the rejected positions' slots go back to the
+   pool, so the request is again in the decode state, n + 1 tokens further on.
+
+Requests the step does not take decode as usual: those with per-step options (log-prob rows, stop
+strings, grammars, penalties), top-p / top-k sampling, or no room for a draft (max_new_tokens or
+the context nearly reached). Counters per request, as SGLang's meta_info names them:
+`spec_verify_ct` (verify forwards), `spec_draft_token_num` (tokens proposed),
+`spec_accept_token_num` (proposed tokens kept).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from miles.engine.request import Request, prefill_batch
+
+ALGORITHMS = ("STANDALONE",)
+"""`--speculative-algorithm` values this engine runs (SGLang's EAGLE, EAGLE3 and NEXTN need a model's
+own draft layers, which it does not load yet)."""
+
+
+def accept(
+    target: torch.Tensor,
+    draft: torch.Tensor | None,
+    proposed: list[int],
+    gen: torch.Generator,
+) -> tuple[list[int], int]:
+    """The tokens a step appends and how many proposals were kept. `target`: [k + 1, V] the target's
+    probabilities at the k proposals and after them; `draft`: [k, V] the draft's (None: greedy, then
+    `target` may hold logits, only its argmax is read); `proposed`: the k draft tokens."""
+    if draft is None:
+        best = target.argmax(dim=-1).tolist()
+        n = 0
+        while n < len(proposed) and proposed[n] == best[n]:
+            n += 1
+        return proposed[:n] + [best[n]], n
+    for i, tok in enumerate(proposed):
+        p, q = float(target[i, tok]), float(draft[i, tok])
+        if q > 0 and float(torch.rand((), generator=gen)) * q < p:  # u < p / q, without dividing
+            continue
+        residual = (target[i] - draft[i]).clamp_min(0)
+        total = float(residual.sum())
+        row = residual / total if total > 0 else target[i]
+        return proposed[:i] + [int(torch.multinomial(row, 1, generator=gen))], i
+    return proposed + [int(torch.multinomial(target[-1], 1, generator=gen))], len(proposed)
+
+
+class DraftCache:
+    """The draft model's K/V: scheduler row r owns slots [r * stride, (r + 1) * stride); `valid[r]`
+    positions of its request are computed (0 when the row changes hands)."""
+
+    def __init__(self, decoder: Any, rows: int, stride: int) -> None:
+        self.decoder, self.stride = decoder, stride
+        self.pool = decoder.new_kv_pool(rows * stride + 1)
+        base = torch.arange(rows + 1)[:, None] * stride + torch.arange(stride)[None, :]
+        self.table = base.clamp_max(rows * stride).to(decoder.device)
+        self.valid: dict[int, tuple[int, int]] = {}
+        """row -> (id of its request, positions computed)."""
+
+    def computed(self, req: Request) -> int:
+        owner, n = self.valid.get(req.row, (None, 0))
+        return n if owner == id(req) else 0
+
+    def forward(self, reqs: list[Request], contexts: list[list[int]]) -> torch.Tensor:
+        """The draft's logits [B, V] after each context (its new positions computed and kept)."""
+        fake = [
+            SimpleNamespace(tokens=ctx, kv_len=self.computed(r), row=r.row, slots=ctx)
+            for r, ctx in zip(reqs, contexts, strict=True)
+        ]
+        logits = self.decoder.forward(prefill_batch(fake, self.table), self.pool)
+        for r, ctx in zip(reqs, contexts, strict=True):
+            self.valid[r.row] = (id(r), len(ctx))
+        return logits.float()
+
+    def keep(self, req: Request, positions: int) -> None:
+        owner, n = self.valid.get(req.row, (None, 0))
+        if owner == id(req):
+            self.valid[req.row] = (owner, min(n, positions))
+
+
+class Speculator:
+    """Speculative decoding for one Scheduler (module docstring); `num_steps` draft tokens per step."""
+
+    def __init__(self, scheduler: Any, draft: Any, num_steps: int) -> None:
+        if num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be at least 1, got {num_steps}")
+        if draft.spec.vocab_size != scheduler.decoder.spec.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.spec.vocab_size}) is not the target's "
+                f"({scheduler.decoder.spec.vocab_size}): give a draft of the same tokenizer"
+            )
+        self.s, self.k = scheduler, num_steps
+        self.cache = DraftCache(draft, scheduler.max_running + 1, scheduler.max_context + num_steps + 1)
+
+    def _room(self, r: Request) -> int:
+        """Draft tokens request `r` can take this step (0: decode it as usual)."""
+        if r.opts is not None or r.restricts_support or r.abort_requested:
+            return 0
+        left = min(r.params.max_new_tokens - len(r.output), self.s.max_context - r.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def step(self, reqs: list[Request]) -> list[Request]:
+        """Speculate for the requests of `reqs` that can; returns the others, to decode as usual."""
+        ks = {id(r): self._room(r) for r in reqs}
+        mine = [r for r in reqs if ks[id(r)] > 0]
+        if not mine:
+            return reqs
+        fresh = self.s.slots.allocate(sum(ks[id(r)] + 1 for r in mine))
+        if fresh is None:  # the pool is full: the plain path retracts what it must
+            return reqs
+        drafts, dists = self._draft(mine, ks)
+        logits = self._verify(mine, ks, drafts, fresh)
+        at = 0
+        for r in mine:
+            k = ks[id(r)]
+            self._settle(r, k, drafts[id(r)], dists[id(r)], logits[at : at + k + 1])
+            at += k + 1
+        return [r for r in reqs if ks[id(r)] == 0]
+
+    def _draft(self, mine: list[Request], ks: dict[int, int]):
+        """k proposals per request and the draft's distributions at them (None when greedy)."""
+        drafts: dict[int, list[int]] = {id(r): [] for r in mine}
+        dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
+        for i in range(max(ks.values())):
+            live = [r for r in mine if ks[id(r)] > i]
+            logits = self.cache.forward(live, [r.tokens + drafts[id(r)] for r in live])
+            for r, z in zip(live, logits, strict=True):
+                t = r.params.temperature
+                if t <= 0:
+                    drafts[id(r)].append(int(z.argmax()))
+                    continue
+                q = torch.softmax(z / t, dim=-1)
+                gen = torch.Generator().manual_seed(_seed(r, 1 + i))
+                drafts[id(r)].append(int(torch.multinomial(q, 1, generator=gen)))
+                dists[id(r)].append(q)
+        return drafts, dists
+
+    def _verify(self, mine: list[Request], ks: dict[int, int], drafts, fresh: list[int]) -> torch.Tensor:
+        """The target's logits [sum(k + 1), V] at [last, d1..dk] of every request, in order."""
+        s, at = self.s, 0
+        for r in mine:
+            n = ks[id(r)] + 1
+            new, at = fresh[at : at + n], at + n
+            start = len(r.slots)  # = N - 1, the last token's position
+            r.slots.extend(new)
+            s.table[r.row, start : start + n] = torch.tensor(new, device=s.table.device)
+            r.output.extend(drafts[id(r)])
+        batch = s._prefill_batch(mine)
+        batch.last_index = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+        try:
+            return s.decoder.forward(batch, s.pool).float()
+        finally:
+            for r in mine:
+                del r.output[len(r.output) - ks[id(r)] :]
+
+    def _settle(self, r: Request, k: int, proposed: list[int], dist: list[torch.Tensor], z: torch.Tensor):
+        """Accept, record the step's tokens with the target's log-probs, keep the K/V of what stays."""
+        t = r.params.temperature
+        scaled = z / (t if t > 0 else 1.0)
+        logp = torch.log_softmax(scaled, dim=-1)
+        if t > 0:
+            gen = torch.Generator().manual_seed(_seed(r, 0))
+            tokens, n = accept(logp.exp(), torch.stack(dist), proposed, gen)
+        else:
+            tokens, n = accept(z, None, proposed, torch.Generator())
+        base = len(r.slots) - (k + 1)  # N - 1
+        kept = base + 1 + n  # the last token and the kept proposals
+        self.s.slots.release(r.slots[kept:])
+        del r.slots[kept:]
+        r.kv_len = kept
+        self.cache.keep(r, min(base + k, kept))  # the draft computed up to d_{k-1}
+        r.spec_verify_ct += 1
+        r.spec_draft_token_num += k
+        r.spec_accept_token_num += n
+        for j, tok in enumerate(tokens):
+            if r.finish is not None:
+                break
+            self.s._record([r], [tok], [float(logp[j, tok])], self.s.weight_version)
+
+
+def _seed(r: Request, salt: int) -> int:
+    """A seed of the request's seed, its length and `salt` (reproducible, distinct per draw)."""
+    return (r.seed * 1_000_003 + r.num_tokens * 7919 + salt) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+# ---- the engine's command line (SGLang's flags) -------------------------------------------------------
+
+
+def add_args(p: Any) -> None:
+    p.add_argument(
+        "--speculative-algorithm",
+        choices=["EAGLE", "EAGLE3", "NEXTN", "STANDALONE"],
+        default=None,
+        help="speculative decoding; this engine runs STANDALONE (a separate draft model)",
+    )
+    p.add_argument("--speculative-draft-model-path", default=None, help="the draft model's HF directory")
+    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per step")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches (1: a chain)")
+    p.add_argument(
+        "--speculative-num-draft-tokens", type=int, default=None, help="tokens verified: num-steps + 1"
+    )
+
+
+def problem(args: Any) -> str | None:
+    """Why the speculative flags cannot run here (naming the flag to change); None when they can."""
+    algo = args.speculative_algorithm
+    if algo is None:
+        return None
+    if algo not in ALGORITHMS:
+        return (
+            f"--speculative-algorithm {algo} drafts with the model's own layers, which this engine does not "
+            "load yet: use STANDALONE with --speculative-draft-model-path"
+        )
+    if not args.speculative_draft_model_path:
+        return "--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR (the draft model)"
+    if args.speculative_eagle_topk != 1:
+        return "--speculative-eagle-topk must be 1 here (a chain of drafts, no tree)"
+    if args.speculative_num_steps < 1:
+        return "--speculative-num-steps must be at least 1"
+    drafted = args.speculative_num_draft_tokens
+    if drafted is not None and drafted != args.speculative_num_steps + 1:
+        return (
+            f"--speculative-num-draft-tokens {drafted} must be --speculative-num-steps + 1 "
+            f"({args.speculative_num_steps + 1}) with a chain of drafts"
+        )
+    return None
+
+
+def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
+    """Give `scheduler` a Speculator over the draft model the flags name (nothing without them)."""
+    if args.speculative_algorithm is None:
+        return
+    from pathlib import Path
+
+    from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
+    from miles.engine.model import ModelSpec
+
+    path = Path(args.speculative_draft_model_path)
+    spec = ModelSpec.from_dir(path)
+    draft = build_decoder(spec, path, device, dtype, "none", DEFAULT_FP8_MIN_TOKENS)
+    scheduler.speculator = Speculator(scheduler, draft, args.speculative_num_steps)

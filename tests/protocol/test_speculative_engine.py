@@ -1,0 +1,50 @@
+"""A real engine process started with SGLang's speculative flags (`--speculative-algorithm STANDALONE
+--speculative-draft-model-path DIR --speculative-num-steps 3`): /generate answers in SGLang's shape
+with its speculative counters in meta_info, greedy output equal to a plain engine's, and the
+server info reports the algorithm; a flag this engine cannot run is refused at start-up, naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from miles.engine.process import start_engine
+
+BODY = {"input_ids": [3, 9, 17, 5], "sampling_params": {"max_new_tokens": 16, "temperature": 0.0},
+        "return_logprob": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> str:
+    from miles.models.tiny import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("draft") / "d", seed=1))
+
+
+def test_counters_and_greedy_output(tiny_model, draft, tmp_path):
+    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
+             "--speculative-num-steps", "3"]  # fmt: skip
+    spec = start_engine(tiny_model, device="cpu", log_path=tmp_path / "spec.log", extra_args=flags)
+    plain = start_engine(tiny_model, device="cpu", log_path=tmp_path / "plain.log")
+    try:
+        got = httpx.post(spec.url + "/generate", json=BODY, timeout=120).json()
+        want = httpx.post(plain.url + "/generate", json=BODY, timeout=120).json()
+        info = httpx.get(spec.url + "/get_server_info", timeout=30).json()
+    finally:
+        spec.stop()
+        plain.stop()
+    assert got["output_ids"] == want["output_ids"]
+    meta = got["meta_info"]
+    assert meta["spec_verify_ct"] >= 1 and meta["spec_draft_token_num"] >= meta["spec_accept_token_num"] >= 0
+    assert meta["spec_verify_ct"] <= meta["completion_tokens"]
+    assert "spec_verify_ct" not in want["meta_info"]
+    assert info["speculative_algorithm"] == "STANDALONE" and info["speculative_num_steps"] == 3
+
+
+def test_an_algorithm_it_cannot_run_is_refused(tiny_model):
+    out = subprocess.run([sys.executable, "-m", "miles.engine", "--model", tiny_model, "--device", "cpu",
+                          "--speculative-algorithm", "NEXTN"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode != 0 and "use STANDALONE" in out.stderr

@@ -1,0 +1,114 @@
+"""Speculative decoding with a draft model in the embedded engine (miles/engine/speculative.py): the
+acceptance rule reproduces the target's distribution (a fixed-seed statistical check on a small
+vocabulary); greedy outputs equal the plain engine's token for token, with a draft of other weights
+and with the target as its own draft (which then keeps every proposal); sampled tokens carry the
+target's log-probs (transformers' scoring of the same tokens); SGLang's flags are checked."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from miles.engine import speculative
+from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.engine.sampling import SamplingParams
+from miles.engine.scheduler import Request, Scheduler
+
+
+def test_acceptance_keeps_the_target_distribution():
+    gen = torch.Generator().manual_seed(0)
+    vocab, k, trials = 6, 2, 20000
+    target = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 1.5, dim=-1)
+    draft = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, dim=-1)
+    first = torch.zeros(vocab)
+    first_kept = 0
+    for _ in range(trials):
+        proposed = [int(torch.multinomial(draft[i], 1, generator=gen)) for i in range(k)]
+        tokens, n = speculative.accept(target, draft, proposed, gen)
+        first[tokens[0]] += 1
+        first_kept += n >= 1
+    gap = (first / trials - target[0]).abs().max().item()
+    assert gap < 0.015, f"first token's frequencies differ from the target's by {gap:.4f}"
+    expected = torch.minimum(target[0], draft[0]).sum().item()  # P(d1 kept) = sum_x min(p(x), q(x))
+    assert abs(first_kept / trials - expected) < 0.015
+    tokens, n = speculative.accept(target[:1].repeat(k + 1, 1), target[:1].repeat(k, 1), [1, 2], gen)
+    assert n == k and len(tokens) == k + 1, "a draft equal to the target keeps every proposal"
+
+
+def _scheduler(path: str, draft: str | None = None, steps: int = 3) -> Scheduler:
+    def decoder(p: str) -> Decoder:
+        return Decoder(ModelSpec.from_dir(p), load_weights(p), "cpu", torch.float32)
+
+    sched = Scheduler(decoder(path), 8, 4096, overlap=False)
+    if draft is not None:
+        sched.speculator = speculative.Speculator(sched, decoder(draft), steps)
+    return sched
+
+
+def _run(sched: Scheduler, temperature: float, n: int = 24) -> list[Request]:
+    reqs = [
+        Request(str(i), [3 + i, 9, 17 + 2 * i, 5], SamplingParams(max_new_tokens=n, temperature=temperature),
+                100 + i, frozenset())
+        for i in range(4)
+    ]  # fmt: skip
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_idle()
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, str]:
+    from miles.models.tiny import init_tiny
+
+    root = tmp_path_factory.mktemp("spec")
+    return str(init_tiny(root / "target", seed=0)), str(init_tiny(root / "draft", seed=1))
+
+
+def test_greedy_equals_the_plain_engine(models):
+    target, draft = models
+    plain = _run(_scheduler(target), 0.0)
+    for name, model in (("other weights", draft), ("the target itself", target)):
+        spec = _run(_scheduler(target, model), 0.0)
+        for a, b in zip(plain, spec, strict=True):
+            assert a.output == b.output, name
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5), name
+        proposed = sum(r.spec_draft_token_num for r in spec)
+        kept = sum(r.spec_accept_token_num for r in spec)
+        assert proposed > 0 and all(r.spec_verify_ct > 0 for r in spec)
+        if model == target:
+            assert kept == proposed, "the target as its own draft: every proposal is kept"
+        else:
+            assert kept < proposed, "another model's proposals are not all the target's choices"
+
+
+def test_sampled_tokens_carry_the_targets_logprobs(models):
+    from transformers import AutoModelForCausalLM
+
+    target, draft = models
+    reqs = _run(_scheduler(target, draft), 1.0)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for r in reqs:
+        assert len(r.output) == 24 and r.spec_verify_ct < 24, "several tokens per verify forward"
+        with torch.no_grad():
+            logits = hf(torch.tensor([r.prompt + r.output])).logits[0].float()
+        logp = torch.log_softmax(logits[len(r.prompt) - 1 : -1], dim=-1)
+        want = logp.gather(1, torch.tensor(r.output)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(r.logprobs), want, atol=1e-4)
+
+
+def test_flags_are_sglangs_and_checked():
+    p = argparse.ArgumentParser()
+    speculative.add_args(p)
+    ok = p.parse_args(["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
+                       "--speculative-num-steps", "4", "--speculative-num-draft-tokens", "5"])  # fmt: skip
+    assert speculative.problem(ok) is None
+    for argv, words in [
+        (["--speculative-algorithm", "EAGLE"], "use STANDALONE"),
+        (["--speculative-algorithm", "STANDALONE"], "--speculative-draft-model-path"),
+        (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
+          "--speculative-num-draft-tokens", "9"], "num-steps + 1"),
+    ]:  # fmt: skip
+        assert words in speculative.problem(p.parse_args(argv))
