@@ -13,6 +13,25 @@ if TYPE_CHECKING:
     from miles.config.plan import Plan
 
 
+class SpeculativeConfig(Section):
+    """Speculative decoding during rollout, in SGLang's terms (its `--speculative-*` flags, which both
+    the embedded engine and SGLang servers get from these keys). The embedded engine runs STANDALONE:
+    a separate draft model proposes `num_steps` tokens, one target forward verifies them, and
+    speculative sampling keeps the target's distribution and log-probs (miles/engine/speculative.py)."""
+
+    algorithm: Literal["STANDALONE", "EAGLE", "EAGLE3", "NEXTN"] = "STANDALONE"
+    """STANDALONE: a separate draft model (`draft_model_path`); EAGLE / EAGLE3 / NEXTN draft with a
+    model's own draft layers (SGLang servers only)."""
+    draft_model_path: str | None = None
+    """HF directory of the draft model (STANDALONE: required; same tokenizer as the target)."""
+    num_steps: int = Field(3, ge=1)
+    """Draft tokens proposed per verify forward."""
+    eagle_topk: int = Field(1, ge=1)
+    """Draft branches per step (the embedded engine: 1, a chain)."""
+    num_draft_tokens: int | None = Field(None, ge=2)
+    """Tokens each verify forward checks (SGLang's flag; a chain: num_steps + 1, the default)."""
+
+
 class EngineConfig(Section):
     """Rollout engine processes (the embedded engine or SGLang servers)."""
 
@@ -79,6 +98,8 @@ class EngineConfig(Section):
     covered parameter; 1 runs every GEMM in FP8 and keeps no copy). The default is the smallest GEMM size at
     which FP8 was measured to gain on one H200 (1.2-1.5x from 1k rows; 0.56-0.75x of bf16 at <= 256
     rows, activation quantisation included); the engine's --fp8-min-tokens has the same default."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (SpeculativeConfig); None: plain decoding."""
     fault_injection: bool = False
     """Testing only: engines serve POST /debug/inject_fault (miles.engine.server) to fake their faults."""
 
@@ -96,6 +117,40 @@ class EngineConfig(Section):
         if len(set(urls)) != len(urls):
             raise ValueError("a URL is listed twice")
         return urls
+
+
+def check_speculative(plan: Plan) -> None:
+    """Refuse speculative settings the engines cannot run, naming the key to change."""
+    spec = plan.engine.speculative
+    if spec is None:
+        return
+    if spec.algorithm == "STANDALONE" and not spec.draft_model_path:
+        raise ConfigError("engine.speculative.algorithm=STANDALONE needs engine.speculative.draft_model_path")
+    if plan.engine.kind == "embedded" and not plan.engine.urls:
+        if spec.algorithm != "STANDALONE":
+            raise ConfigError(
+                f"engine.speculative.algorithm={spec.algorithm} drafts with the model's own layers, which the "
+                "embedded engine does not load yet: set it to STANDALONE with a draft_model_path, or "
+                "engine.kind=sglang"
+            )
+        if spec.eagle_topk != 1 or spec.num_draft_tokens not in (None, spec.num_steps + 1):
+            raise ConfigError(
+                "the embedded engine drafts a chain: set engine.speculative.eagle_topk=1 and leave "
+                "engine.speculative.num_draft_tokens unset (num_steps + 1)"
+            )
+
+
+def speculative_argv(plan: Plan) -> list[str]:
+    """SGLang's `--speculative-*` flags of engine.speculative (the embedded engine takes the same)."""
+    spec = plan.engine.speculative
+    if spec is None:
+        return []
+    argv = ["--speculative-algorithm", spec.algorithm, "--speculative-num-steps", str(spec.num_steps)]
+    argv += ["--speculative-eagle-topk", str(spec.eagle_topk)]
+    argv += ["--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1)]
+    if spec.draft_model_path:
+        argv += ["--speculative-draft-model-path", spec.draft_model_path]
+    return argv
 
 
 def check_external_engines(plan: Plan) -> None:

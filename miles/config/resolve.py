@@ -16,7 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from miles.config.base import ConfigError, explain
-from miles.config.engine import check_external_engines
+from miles.config.engine import check_external_engines, check_speculative
 from miles.config.layout import check_layout
 from miles.config.loading import apply_overrides, deep_merge, read_yaml
 from miles.config.plan import Plan
@@ -72,6 +72,7 @@ def _check(plan: Plan) -> None:
     if t.loss.dual_clip is not None and t.loss.dual_clip <= 1.0:
         raise ConfigError(f"train.loss.dual_clip must be > 1 (got {t.loss.dual_clip})")
     check_external_engines(plan)
+    check_speculative(plan)
     check_quantization(plan)
     check_distill(plan)
     check_lora(plan)

@@ -25,12 +25,15 @@ the context nearly reached). Counters per request, as SGLang's meta_info names t
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from miles.engine.request import Request, prefill_batch
+
+log = logging.getLogger("miles.engine")
 
 ALGORITHMS = ("STANDALONE",)
 """`--speculative-algorithm` values this engine runs (SGLang's EAGLE, EAGLE3 and NEXTN need a model's
@@ -257,3 +260,9 @@ def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
     spec = ModelSpec.from_dir(path)
     draft = build_decoder(spec, path, device, dtype, "none", DEFAULT_FP8_MIN_TOKENS)
     scheduler.speculator = Speculator(scheduler, draft, args.speculative_num_steps)
+    log.info(
+        "speculative decoding: STANDALONE, draft %s (%s), %d draft tokens per verify",
+        path,
+        spec.arch,
+        args.speculative_num_steps,
+    )

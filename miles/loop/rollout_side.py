@@ -25,7 +25,7 @@ from miles.config import Plan
 from miles.quant.formats import engine_contract
 from miles.rollout.buffer import RolloutBuffer, load_policy
 from miles.rollout.client import SGLangClient
-from miles.rollout.generate import Generator, PromptEncoder
+from miles.rollout.generate import SPECULATIVE, Generator, PromptEncoder
 from miles.rollout.producer import Producer
 from miles.rollout.rewards import load_reward
 from miles.rollout.tasks import plan_task
@@ -86,6 +86,20 @@ def batch_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/multi_version_frac": sum(v > 1 for v in versions) / n,
         "rollout/resent_frac": sum(s.metadata.get("attempts", 1) > 1 for s in samples) / n,
         "rollout/batch_samples": float(len(samples)),
+        **speculative_metrics(samples),
+    }
+
+
+def speculative_metrics(samples: list[Sample]) -> dict[str, float]:
+    """With speculative rollout: the share of proposed draft tokens the target kept
+    (`rollout/spec_accept_rate`) and the tokens each verify forward gave (`rollout/spec_accept_length`,
+    kept proposals + 1 per forward, SGLang's accept length); nothing otherwise."""
+    verify, drafted, kept = (sum(s.metadata.get(k, 0) for s in samples) for k in SPECULATIVE)
+    if not verify:
+        return {}
+    return {
+        "rollout/spec_accept_rate": kept / drafted if drafted else 0.0,
+        "rollout/spec_accept_length": (kept + verify) / verify,
     }
 
 

@@ -1,4 +1,5 @@
-"""The embedded engine's model flags for a plan: its weight contract (miles/train/quant.py) and LoRA."""
+"""The embedded engine's model flags for a plan: its weight contract (miles/train/quant.py), LoRA and
+speculative decoding."""
 
 from __future__ import annotations
 
@@ -30,4 +31,6 @@ def engine_lora_argv(plan: Any) -> list[str]:
 
 
 def engine_argv(plan: Any) -> list[str]:
-    return engine_quant_argv(plan) + engine_lora_argv(plan)
+    from miles.config.engine import speculative_argv
+
+    return engine_quant_argv(plan) + engine_lora_argv(plan) + speculative_argv(plan)

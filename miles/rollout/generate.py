@@ -214,6 +214,7 @@ class Generator:
             finally:
                 self.active -= 1
             s.status = _FINISH.get(r.finish_reason, Status.FAILED)
+            add_speculative(s.metadata, r.meta_info)
             if s.status is Status.ABORTED:
                 continue
             return r
@@ -229,6 +230,17 @@ class Generator:
         s.routed_experts = r.routed_experts
         s.response = self.encoder.decode(s.response_ids)
         s.reward = float(await asyncio.to_thread(self.reward_fn, s))
+
+
+SPECULATIVE = ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")
+"""SGLang's speculative counters of a /generate answer, summed into a sample's metadata."""
+
+
+def add_speculative(metadata: dict[str, Any], meta_info: dict[str, Any]) -> None:
+    """Add an answer's speculative counters (when the engine speculates) to a sample's metadata."""
+    for key in SPECULATIVE:
+        if key in meta_info:
+            metadata[key] = metadata.get(key, 0) + int(meta_info[key])
 
 
 async def sample_group(

@@ -8,6 +8,7 @@ executes what these functions return, and golden tests pin their text.
 from __future__ import annotations
 
 from miles.config import Plan
+from miles.config.engine import speculative_argv
 from miles.rollout.engine_argv import engine_lora_argv
 from miles.rollout.router import policy_args
 
@@ -75,6 +76,7 @@ def sglang_server_command(
     if e.quantization != "none":  # an FP8 checkpoint's own config gives its layout; packed formats need
         cmd += ["--quantization", SGLANG_QUANTIZATION[e.quantization]]  # a packed checkpoint (miles export)
     cmd += engine_lora_argv(plan)  # the run's adapters, pushed each step by name (SGLang's own flags)
+    cmd += speculative_argv(plan)  # engine.speculative, in SGLang's own flags
     return cmd + list(s.extra_args)
 
 

@@ -112,3 +112,59 @@ def test_flags_are_sglangs_and_checked():
           "--speculative-num-draft-tokens", "9"], "num-steps + 1"),
     ]:  # fmt: skip
         assert words in speculative.problem(p.parse_args(argv))
+
+
+def test_stop_tokens_and_routes_as_the_plain_engine(models, tmp_path):
+    """A stop token met among the kept proposals ends the request there, as the plain engine ends it;
+    a mixture-of-experts target's recorded routes (R3) are the target's own for every kept token."""
+    target, draft = models
+    plain = _run(_scheduler(target), 0.0)
+    stop = plain[0].output[5]  # a token the greedy output meets early
+    reqs = []
+    for sched in (_scheduler(target), _scheduler(target, draft)):
+        r = Request("s", list(plain[0].prompt), SamplingParams(max_new_tokens=24, temperature=0.0), 7,
+                    frozenset({stop}))  # fmt: skip
+        sched.submit(r)
+        sched.run_until_idle()
+        reqs.append(r)
+    assert reqs[0].output == reqs[1].output and reqs[1].output[-1] == stop
+    assert reqs[1].finish["type"] == "stop"
+
+    from miles.models.tiny import init_tiny
+
+    moe = str(init_tiny(tmp_path / "moe", arch="qwen3_moe", seed=0))
+    routes = []
+    for with_draft in (False, True):
+        sched = _scheduler(moe, moe if with_draft else None)
+        sched.decoder.record_routing = True
+        r = Request("r", [3, 9, 17, 5], SamplingParams(max_new_tokens=12, temperature=0.0), 7, frozenset())
+        r.return_routed_experts = True
+        sched.submit(r)
+        sched.run_until_idle()
+        routes.append((r.output, r.routed_experts))
+    assert routes[0][0] == routes[1][0]
+    assert torch.equal(routes[0][1], routes[1][1])
+
+
+def test_recipe_keys_render_sglangs_flags_for_both_engines(tmp_path):
+    from miles.config import ConfigError, resolve
+    from miles.rollout.engine_argv import engine_argv
+    from miles.rollout.sglang import sglang_server_command
+
+    base = {"run": {"runs_root": str(tmp_path)}, "model": {"path": str(tmp_path / "m")}}
+    spec = {"draft_model_path": str(tmp_path / "d"), "num_steps": 4}
+    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "4",
+             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5",
+             "--speculative-draft-model-path", str(tmp_path / "d")]  # fmt: skip
+    embedded = engine_argv(resolve(base | {"engine": {"speculative": spec}}))
+    assert " ".join(flags) in " ".join(embedded)
+    server = sglang_server_command(resolve(base | {"engine": {"kind": "sglang", "speculative": spec}}),
+                                   host="127.0.0.1", port=1)  # fmt: skip
+    assert " ".join(flags) in " ".join(server)
+    nextn = {"kind": "sglang", "speculative": {"algorithm": "NEXTN", "num_steps": 2}}
+    assert "--speculative-algorithm NEXTN" in " ".join(sglang_server_command(resolve(base | {"engine": nextn}),
+                                                                              host="127.0.0.1", port=1))  # fmt: skip
+    for engine, key in [({"speculative": {"algorithm": "NEXTN"}}, "engine.kind=sglang"),
+                        ({"speculative": {}}, "draft_model_path")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=key):
+            resolve(base | {"engine": engine})

@@ -1,0 +1,32 @@
+"""`miles train` with speculative rollout: engine.speculative names a draft model (a second tiny model of
+the same tokenizer), the embedded engine gets SGLang's --speculative-* flags from it, and every step
+reports `rollout/spec_accept_rate` and `rollout/spec_accept_length`, the samples training as usual.
+The draft stays frozen here (training it with the policy is not built yet)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import finish, miles_train
+
+from miles.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_run_with_a_draft_model_reports_its_acceptance(recipe, tmp_path) -> None:
+    from miles.models.tiny import init_tiny
+
+    draft = init_tiny(tmp_path / "draft", seed=1)
+    path, run_dir = recipe(
+        run={"name": "spec"},
+        engine={"speculative": {"draft_model_path": str(draft), "num_steps": 2}},
+        rollout={"max_new_tokens": 6},
+        train={"steps": 3},
+    )
+    finish(miles_train(path))
+    steps = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0 and "rollout/reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert 0.0 <= r["rollout/spec_accept_rate"] <= 1.0
+        assert 1.0 <= r["rollout/spec_accept_length"] <= 3.0  # kept proposals + 1 per verify, at most 2 + 1
+    assert any(log.read_text().count("speculative") for log in (run_dir / "logs").glob("engine-*.log"))
