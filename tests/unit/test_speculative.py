@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from miles.engine import speculative
-from miles.engine.model import Decoder, ModelSpec, load_weights
+from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
+from miles.engine.model import ModelSpec
 from miles.engine.sampling import SamplingParams
 from miles.engine.scheduler import Request, Scheduler
 
@@ -38,13 +39,28 @@ def test_acceptance_keeps_the_target_distribution():
 
 
 def _scheduler(path: str, draft: str | None = None, steps: int = 3) -> Scheduler:
-    def decoder(p: str) -> Decoder:
-        return Decoder(ModelSpec.from_dir(p), load_weights(p), "cpu", torch.float32)
+    def decoder(p: str):
+        return build_decoder(ModelSpec.from_dir(p), p, "cpu", torch.float32, "none", DEFAULT_FP8_MIN_TOKENS)
 
     sched = Scheduler(decoder(path), 8, 4096, overlap=False)
     if draft is not None:
         sched.speculator = speculative.Speculator(sched, decoder(draft), steps)
     return sched
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "deepseek_v4"])
+def test_other_families_keep_greedy_output(tmp_path, arch):
+    """Mixture-of-experts, latent-attention and DeepSeek-V4 targets (each its own draft, then another
+    model of its family) give the plain engine's greedy tokens."""
+    from miles.models.tiny import init_tiny
+
+    target = str(init_tiny(tmp_path / "t", arch=arch, seed=0))
+    other = str(init_tiny(tmp_path / "d", arch=arch, seed=1))
+    plain = [r.output for r in _run(_scheduler(target), 0.0, 10)]
+    own = _run(_scheduler(target, target), 0.0, 10)
+    assert [r.output for r in own] == plain
+    assert sum(r.spec_accept_token_num for r in own) == sum(r.spec_draft_token_num for r in own) > 0
+    assert [r.output for r in _run(_scheduler(target, other), 0.0, 10)] == plain
 
 
 def _run(sched: Scheduler, temperature: float, n: int = 24) -> list[Request]:
