@@ -18,7 +18,9 @@ token has no K/V yet (the scheduler's decode state):
 
 Requests the step does not take decode as usual: those with per-step options (log-prob rows, stop
 strings, grammars, penalties), top-p / top-k sampling, or no room for a draft (max_new_tokens or
-the context nearly reached). Counters per request, as SGLang's meta_info names them:
+the context nearly reached, or longer than the draft cache's run per row: what an average request of
+a full pool holds, at least 256 positions). The draft's weights and cache stay on the device when
+the engine releases its memory for a colocated trainer. Counters per request, as SGLang's meta_info names them:
 `spec_verify_ct` (verify forwards), `spec_draft_token_num` (tokens proposed),
 `spec_accept_token_num` (proposed tokens kept).
 """
@@ -111,14 +113,20 @@ class Speculator:
                 f"({scheduler.decoder.spec.vocab_size}): give a draft of the same tokenizer"
             )
         self.s, self.k = scheduler, num_steps
-        self.cache = DraftCache(draft, scheduler.max_running + 1, scheduler.max_context + num_steps + 1)
+        # each row's run of draft slots: what an average request of a full pool holds (at least 256
+        # positions, at most the context), so the draft's cache is about the size of the target's;
+        # a request grown past it decodes as usual
+        per_row = max(scheduler.max_total_tokens // scheduler.max_running, 256)
+        stride = min(scheduler.max_context, per_row) + num_steps + 1
+        self.cache = DraftCache(draft, scheduler.max_running + 1, stride)
 
     def _room(self, r: Request) -> int:
         """Draft tokens request `r` can take this step (0: decode it as usual)."""
         if r.opts is not None or r.restricts_support or r.abort_requested:
             return 0
         left = min(r.params.max_new_tokens - len(r.output), self.s.max_context - r.num_tokens)
-        return max(0, min(self.k, left - 1))
+        room = self.cache.stride - 1 - r.num_tokens  # the draft's positions reach N + k - 2
+        return max(0, min(self.k, left - 1, room))
 
     def step(self, reqs: list[Request]) -> list[Request]:
         """Speculate for the requests of `reqs` that can; returns the others, to decode as usual."""

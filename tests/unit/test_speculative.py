@@ -184,3 +184,22 @@ def test_recipe_keys_render_sglangs_flags_for_both_engines(tmp_path):
                         ({"speculative": {}}, "draft_model_path")]:  # fmt: skip
         with pytest.raises(ConfigError, match=key):
             resolve(base | {"engine": engine})
+
+
+def test_a_request_past_the_draft_cache_decodes_as_usual(models):
+    """The draft's cache holds a run of positions per row (here 256 + k + 1): a request growing past
+    it goes on without speculation, its greedy tokens still the plain engine's."""
+    target, draft = models
+    prompt = [3 + (7 * i) % 90 for i in range(250)]
+    outs = []
+    for sched in (Scheduler(_scheduler(target).decoder, 8, 2048, overlap=False), _scheduler(target, draft)):
+        if sched.speculator is not None:
+            sched = Scheduler(sched.decoder, 8, 2048, overlap=False)
+            sched.speculator = speculative.Speculator(sched, _scheduler(draft).decoder, 3)
+            assert sched.speculator.cache.stride == 256 + 3 + 1
+        r = Request("long", prompt, SamplingParams(max_new_tokens=16, temperature=0.0), 1, frozenset())
+        sched.submit(r)
+        sched.run_until_idle()
+        outs.append(r)
+    assert outs[0].output == outs[1].output and len(outs[1].output) == 16
+    assert 0 < outs[1].spec_verify_ct < 16, "speculation until the run is full, then plain decoding"
