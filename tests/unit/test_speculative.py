@@ -48,6 +48,7 @@ def _scheduler(path: str, draft: str | None = None, steps: int = 3) -> Scheduler
     return sched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "deepseek_v4"])
 def test_other_families_keep_greedy_output(tmp_path, arch):
     """Mixture-of-experts, latent-attention and DeepSeek-V4 targets (each its own draft, then another
