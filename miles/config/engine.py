@@ -140,19 +140,6 @@ def check_speculative(plan: Plan) -> None:
             )
 
 
-def speculative_argv(plan: Plan) -> list[str]:
-    """SGLang's `--speculative-*` flags of engine.speculative (the embedded engine takes the same)."""
-    spec = plan.engine.speculative
-    if spec is None:
-        return []
-    argv = ["--speculative-algorithm", spec.algorithm, "--speculative-num-steps", str(spec.num_steps)]
-    argv += ["--speculative-eagle-topk", str(spec.eagle_topk)]
-    argv += ["--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1)]
-    if spec.draft_model_path:
-        argv += ["--speculative-draft-model-path", spec.draft_model_path]
-    return argv
-
-
 def check_external_engines(plan: Plan) -> None:
     """With `engine.urls`, refuse what servers that Miles did not place cannot do (ConfigError naming
     the key): they run wherever they were started, so neither a colocated layout nor the tensor

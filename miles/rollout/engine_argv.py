@@ -31,6 +31,17 @@ def engine_lora_argv(plan: Any) -> list[str]:
 
 
 def engine_argv(plan: Any) -> list[str]:
-    from miles.config.engine import speculative_argv
-
     return engine_quant_argv(plan) + engine_lora_argv(plan) + speculative_argv(plan)
+
+
+def speculative_argv(plan: Any) -> list[str]:
+    """SGLang's `--speculative-*` flags of engine.speculative (the embedded engine takes the same)."""
+    spec = plan.engine.speculative
+    if spec is None:
+        return []
+    argv = ["--speculative-algorithm", spec.algorithm, "--speculative-num-steps", str(spec.num_steps)]
+    argv += ["--speculative-eagle-topk", str(spec.eagle_topk)]
+    argv += ["--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1)]
+    if spec.draft_model_path:
+        argv += ["--speculative-draft-model-path", spec.draft_model_path]
+    return argv

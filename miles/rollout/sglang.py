@@ -8,8 +8,7 @@ executes what these functions return, and golden tests pin their text.
 from __future__ import annotations
 
 from miles.config import Plan
-from miles.config.engine import speculative_argv
-from miles.rollout.engine_argv import engine_lora_argv
+from miles.rollout.engine_argv import engine_lora_argv, speculative_argv
 from miles.rollout.router import policy_args
 
 # Ports of one job live in [BASE, BASE + SPAN * 1000): derived from the job id so that two jobs on
