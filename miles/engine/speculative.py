@@ -138,7 +138,7 @@ class Speculator:
         if fresh is None:  # the pool is full: the plain path retracts what it must
             return reqs
         drafts, dists = self._draft(mine, ks)
-        logits = self._verify(mine, ks, drafts, fresh)
+        logits = self._verify(mine, ks, drafts, fresh).cpu()  # one read-back: acceptance runs on the host
         at = 0
         for r in mine:
             k = ks[id(r)]
@@ -152,7 +152,8 @@ class Speculator:
         dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
         for i in range(max(ks.values())):
             live = [r for r in mine if ks[id(r)] > i]
-            logits = self.cache.forward(live, [r.tokens + drafts[id(r)] for r in live])
+            # one read-back per draft step: the sampling below runs on the host with host generators
+            logits = self.cache.forward(live, [r.tokens + drafts[id(r)] for r in live]).cpu()
             for r, z in zip(live, logits, strict=True):
                 t = r.params.temperature
                 if t <= 0:

@@ -284,8 +284,13 @@ def load_stage(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor], hf_c
         raise KeyError(f"DeepSeek-V4 checkpoint: no tensor for {missing[:5]}")
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            if name in own:
-                t.copy_(full[name])
+            if name not in own:
+                continue
+            if full[name].shape != t.shape:
+                raise ValueError(
+                    f"{name}: the checkpoint gives {tuple(full[name].shape)}, the model has {tuple(t.shape)}"
+                )
+            t.copy_(full[name])
 
 
 def _export(model: torch.nn.Module, hf_cfg: Any, bucket_bytes: int, contract: Any = None):

@@ -17,10 +17,6 @@ def _build(hf_cfg: Any, tf: Any):
     return M.build_gpt(hf_cfg, tf, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
 
 
-def _config(hf_cfg: Any, dtype: Any, tp: int, pp: int, ep: int = 1, stage_layers=(None, None), extra=None):
-    return M.transformer_config(hf_cfg, dtype, tp, pp, ep=ep, stage_layers=stage_layers, extra=extra)
-
-
 def _to_hf(full: dict, hf_cfg: Any, te_names: bool = False) -> dict:
     return convert.megatron_to_hf(full, convert.Shapes.from_hf(hf_cfg, te_names=te_names))
 
@@ -28,7 +24,7 @@ def _to_hf(full: dict, hf_cfg: Any, te_names: bool = False) -> dict:
 ARCHITECTURE = Architecture(
     name="gpt",
     spec="miles/train/megatron/model.py (megatron-core GPTModel)",
-    config=_config,
+    config=M.transformer_config,
     build=_build,
     load=M.load_hf_into,
     export=weights.export_buckets,
