@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # DeepSeek-V4 on the Megatron backend, one GPU, one call: the launcher's Megatron miniature (a GPU
 # test), bench.deepseek_v4_gpu's mismatch part on Megatron (train step seconds, MFU, |delta log p|
-# over STEPS GRPO steps with R3 off and on) and on FSDP (at most 10 steps: the step-time anchor), then
+# over STEPS GRPO steps with R3 off and on) and on FSDP (FSDP_STEPS, at most 10 by default: the step-time anchor), then
 # the GPU tests of the V4 Megatron modules. Each part under its own time limit (LIMITS, seconds, in
 # that order; 0 skips a part), so that a short device lease still brings back the first ones.
-#   [LIMITS="150 200 110 120"] bash bench/v4_megatron_sitting.sh OUT [STEPS]
+#   [LIMITS="150 200 110 120"] bash bench/v4_megatron_sitting.sh OUT [STEPS [FSDP_STEPS]]
 set -u
 out=${1:?usage: bench/v4_megatron_sitting.sh OUT [STEPS]}
 steps=${2:-20}
+fsdp_steps=${3:-$(( steps < 10 ? steps : 10 ))}
 read -r t_launcher t_megatron t_fsdp t_tests <<< "${LIMITS:-150 200 110 120}"
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
 export USE_HUB_KERNELS=0  # transformers 5.25 asks the `kernels` package for hub kernels otherwise
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -29,9 +31,11 @@ bench() {  # backend limit steps
     --workdir /tmp/bv4 --out "$out/v4_$1.json" > "$out/bench_$1.log" 2>&1
   echo "bench $1 rc $?"
   grep -E "^\| (megatron|fsdp) " "$out/bench_$1.log"
+  # every run's per-step metrics, also of a run the time limit cut short
+  (cd /tmp/bv4/runs && tar czf "$out/metrics_$1.tgz" v4-mismatch-"$1"-*/metrics.jsonl)
 }
 
 tests launcher "$t_launcher" tests/gpu/test_deepseek_launcher_gpu.py
 bench megatron "$t_megatron" "$steps"
-bench fsdp "$t_fsdp" $(( steps < 10 ? steps : 10 ))
+bench fsdp "$t_fsdp" "$fsdp_steps"
 tests v4_tests "$t_tests" tests/gpu/test_megatron_deepseek_gpu.py -k v4
