@@ -220,6 +220,14 @@ class TrainConfig(Section):
     """MoE routing replay: `rollout` (R3) makes the trainer's forward use the rollout engine's expert
     choice per token and layer (router probabilities gathered there and renormalised, so the router
     still learns); `off` lets the trainer's router choose (miles/train/routing_replay.py)."""
+    true_on_policy: bool = False
+    """The engine's sampled-token log-probs and the trainer's recomputed ones equal bit for bit: the
+    engines run deterministic inference (SGLang's `--enable-deterministic-inference --rl-on-policy-target
+    fsdp`; the embedded engine's batch-invariant forward) and the FSDP trainer's forward calls the same
+    batch-invariant operations (miles/quant/invariant.py), whatever the batch, chunking or cached prefix.
+    With `rollout.schedule: sync` (rollout and training on the same weights) train/logprob_mismatch is
+    then 0. FSDP only, dense Qwen2 / Qwen3 / Llama models, full precision (no LoRA, no quantisation, no
+    speculative decoding); slower engines and trainer (bench/RESULTS.md)."""
     quantization: Literal["none", "fake_quant", "int4_qat", "torchao_float8"] = "none"
     """Low precision in the trainer's forward (miles/train/quant.py). `fake_quant`: the linear layers
     the FP8 contract covers (miles/quant/fp8.py) compute with the contract's quantise -> dequantise of
@@ -231,6 +239,29 @@ class TrainConfig(Section):
     quantisation-aware training); fake_quant also serves `mxfp8` and `nvfp4` engines (emulated). `none`:
     the forward runs in model.dtype (with a quantised engine: low-precision rollout whose mismatch only
     TIS/MIS correct)."""
+
+
+def check_true_on_policy(plan: Plan) -> None:
+    """What train.true_on_policy needs (ConfigError naming the key to change)."""
+    t, e = plan.train, plan.engine
+    if not t.true_on_policy:
+        return
+    if t.backend != "fsdp":
+        raise ConfigError(
+            "train.true_on_policy=true makes the FSDP trainer's forward the engine's computation; the "
+            "Megatron backend's is not (its measured mismatch: bench/RESULTS.md): set train.backend=fsdp"
+        )
+    clashes = {
+        "train.lora": t.lora is not None,
+        "train.quantization": t.quantization != "none",
+        "engine.quantization": e.quantization != "none",
+        "engine.speculative": e.speculative is not None,
+    }
+    for key, clash in clashes.items():
+        if clash:
+            raise ConfigError(
+                f"train.true_on_policy=true covers full-precision dense models alone: unset {key}"
+            )
 
 
 def check_lora(plan: Plan) -> None:

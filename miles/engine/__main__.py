@@ -115,6 +115,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="MoE: record each token's top-k experts so /generate can return routed_experts",
     )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant forward and log-probs (miles/quant/invariant.py): a token's log-prob has "
+        "the same bits whatever the batch, chunk or cached prefix, and equals the FSDP trainer's under "
+        "train.true_on_policy",
+    )
+    p.add_argument(
+        "--rl-on-policy-target",
+        choices=["fsdp"],
+        default=None,
+        help="the trainer whose log-probs to match bit for bit; implies --enable-deterministic-inference",
+    )
 
 
 def _add_quantization_args(p: argparse.ArgumentParser) -> None:
@@ -270,7 +283,26 @@ def _build_decoder(args: argparse.Namespace, device: str, dtype: torch.dtype) ->
             f"--enable-return-routed-experts needs a mixture-of-experts model; {spec.arch} is dense"
         )
     decoder.record_routing = args.enable_return_routed_experts
+    if deterministic(args):
+        why = _not_invariant(args, spec)
+        if why:
+            raise SystemExit(f"--enable-deterministic-inference does not cover {why}")
+        decoder.make_invariant()
     return spec, decoder
+
+
+def deterministic(args: argparse.Namespace) -> bool:
+    """Whether the batch-invariant forward is asked for (either flag)."""
+    return args.enable_deterministic_inference or args.rl_on_policy_target is not None
+
+
+def _not_invariant(args: argparse.Namespace, spec: ModelSpec) -> str | None:
+    """What of this server stops the batch-invariant forward, or None."""
+    if spec.moe is not None or spec.mla is not None or spec.v4 is not None or spec.rope_scaling:
+        return f"{spec.arch} (dense grouped-query decoders with the default RoPE only)"
+    if args.quantization != "none" or args.enable_lora or args.lora_paths or args.speculative_algorithm:
+        return "--quantization, LoRA adapters or speculative decoding: drop them"
+    return None
 
 
 def _server_args(args: argparse.Namespace, scheduler: Scheduler, device: str, dtype: torch.dtype) -> dict:
@@ -297,6 +329,8 @@ def _server_args(args: argparse.Namespace, scheduler: Scheduler, device: str, dt
         "max_lora_rank": None if lora is None else lora.max_rank,
         "quantization": _sglang_quantization(args.quantization),
         "fp8_layout": args.quantization if args.quantization.startswith("fp8") else None,
+        "enable_deterministic_inference": deterministic(args),
+        "rl_on_policy_target": args.rl_on_policy_target,
         "speculative_algorithm": args.speculative_algorithm,
         "speculative_draft_model_path": args.speculative_draft_model_path,
         "speculative_num_steps": args.speculative_num_steps if args.speculative_algorithm else None,
@@ -317,7 +351,7 @@ def build_state(args: argparse.Namespace) -> EngineState:
         args.max_running_requests,
         args.max_total_tokens,
         args.max_prefill_tokens,
-        cuda_graph=not args.disable_cuda_graph,
+        cuda_graph=not args.disable_cuda_graph and not deterministic(args),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_max_context=args.cuda_graph_max_context,
         # speculation records each step's tokens at once: no decode step runs ahead of its readback

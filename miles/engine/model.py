@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from miles.engine import moe
 from miles.engine.fused_forward import FusedForward
+from miles.engine.invariant_forward import InvariantForward
 from miles.engine.kv_cache import gather_slots as _gather_slots
 from miles.engine.mla import LatentAttention
 from miles.engine.rope import decoder_frequencies
@@ -101,6 +102,8 @@ class Decoder:
         the per-op path (the CPU forward's), one GEMM per HF weight."""
         self.fused_forward = FusedForward(self)
         """The forward strategy of CUDA tensors when `fused` (miles/engine/fused_forward.py)."""
+        self.invariant: InvariantForward | None = None
+        """Deterministic inference's forward (miles/engine/invariant_forward.py): all forwards when set."""
         self.trace: dict[str, torch.Tensor] | None = None
         """When a dict, the per-op forward leaves each sublayer's output [T, hidden] in it under its
         transformers module name (`model.layers.3.self_attn`): the alignment tool's side (miles/align.py)."""
@@ -121,6 +124,11 @@ class Decoder:
         self.load(weights, strict=True)
         self.inv_freq, self.rope_scale = decoder_frequencies(spec, self.device)
         """RoPE's inverse frequencies, and YaRN's factor on cos and sin (1.0 for default RoPE)."""
+
+    def make_invariant(self) -> None:
+        """Every forward through the batch-invariant operations (dense grouped-query decoders)."""
+        self.invariant = InvariantForward(self)
+        self.fused = self.paged_decode = self.row_decode = False
 
     def expected_names(self) -> list[str]:
         s = self.spec
@@ -514,6 +522,8 @@ class Decoder:
     @torch.inference_mode()
     def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits (fp32) at each request's last new token: [B, vocab]. Writes the new K/V to the pool."""
+        if self.invariant is not None:
+            return self.invariant.forward(b, pool)
         if self.lora is not None:
             self.lora.terms.begin(_token_slots(b))
         if self.fused and b.input_ids.is_cuda:

@@ -60,6 +60,7 @@ from miles.engine.request import (
 )
 from miles.engine.sampling import sample
 from miles.engine.staging import Staging
+from miles.quant import invariant
 
 log = logging.getLogger(__name__)
 
@@ -511,7 +512,10 @@ class Scheduler(EngineThread):
             req.kv_len = len(req.slots)
         (seeds, steps, top_k), (temperature, top_p) = params
         filtered = [i for i, r in enumerate(reqs) if r.restricts_support]
-        return sample(logits, temperature, top_p, top_k, seeds, steps, filtered_rows=filtered)
+        tokens, logps = sample(logits, temperature, top_p, top_k, seeds, steps, filtered_rows=filtered)
+        if self.decoder.invariant is not None:  # the log-probs the trainer computes, bit for bit
+            logps = invariant.token_logprobs(logits, tokens, torch.where(temperature > 0, temperature, 1.0))
+        return tokens, logps
 
     def _record(self, reqs: list[Request], tokens: list[int], logps: list[float], version: str) -> None:
         """Append each request's sampled token and check whether it finished. Requests that finished

@@ -132,6 +132,25 @@ async def load_initial_weights(client: SGLangClient, info: dict[str, Any], model
         ) from None
 
 
+def check_deterministic(url: str, server: Any, plan: Plan) -> None:
+    """train.true_on_policy: the server must run deterministic inference matched to this trainer."""
+    if not plan.train.true_on_policy:
+        return
+    info = server if isinstance(server, dict) else {}
+    if (
+        not info.get("enable_deterministic_inference")
+        or info.get("rl_on_policy_target") != plan.train.backend
+    ):
+        raise _fail(
+            url,
+            "runs without deterministic inference for this trainer (its /server_info: "
+            f"enable_deterministic_inference={info.get('enable_deterministic_inference')}, rl_on_policy_target="
+            f"{info.get('rl_on_policy_target')}), so train.true_on_policy cannot hold: restart it with "
+            f"--enable-deterministic-inference --rl-on-policy-target {plan.train.backend}, or set "
+            "train.true_on_policy=false",
+        )
+
+
 async def _check_one(url: str, plan: Plan, resume: bool) -> None:
     # questions are answered at once by a live server; loading weights may take minutes
     client = SGLangClient(url, timeout_s=INFO_TIMEOUT_S, retries=2)
@@ -139,7 +158,7 @@ async def _check_one(url: str, plan: Plan, resume: bool) -> None:
     try:
         try:
             info = await client.get_model_info()
-            await client.get_server_info()
+            server = await client.get_server_info()
         except EngineError as e:
             raise _fail(
                 url,
@@ -148,6 +167,7 @@ async def _check_one(url: str, plan: Plan, resume: bool) -> None:
             ) from None
         if not isinstance(info, dict):
             raise _fail(url, f"answers /model_info with {str(info)[:200]!r}, not SGLang's model info")
+        check_deterministic(url, server, plan)
         model_path = plan.model.path
         check_family(url, info, model_path)
         served = str(info.get("model_path", ""))

@@ -1,5 +1,5 @@
-"""The embedded engine's model flags for a plan: its weight contract (miles/train/quant.py), LoRA and
-speculative decoding."""
+"""The embedded engine's model flags for a plan: its weight contract (miles/train/quant.py), LoRA,
+speculative decoding and deterministic inference."""
 
 from __future__ import annotations
 
@@ -31,7 +31,17 @@ def engine_lora_argv(plan: Any) -> list[str]:
 
 
 def engine_argv(plan: Any) -> list[str]:
-    return engine_quant_argv(plan) + engine_lora_argv(plan) + speculative_argv(plan)
+    return (
+        engine_quant_argv(plan) + engine_lora_argv(plan) + speculative_argv(plan) + true_on_policy_argv(plan)
+    )
+
+
+def true_on_policy_argv(plan: Any) -> list[str]:
+    """SGLang's deterministic-inference flags under train.true_on_policy (the embedded engine takes the
+    same: its batch-invariant forward, miles/engine/invariant_forward.py)."""
+    if not plan.train.true_on_policy:
+        return []
+    return ["--enable-deterministic-inference", "--rl-on-policy-target", plan.train.backend]
 
 
 def speculative_argv(plan: Any) -> list[str]:

@@ -8,7 +8,7 @@ executes what these functions return, and golden tests pin their text.
 from __future__ import annotations
 
 from miles.config import Plan
-from miles.rollout.engine_argv import engine_lora_argv, speculative_argv
+from miles.rollout.engine_argv import engine_lora_argv, speculative_argv, true_on_policy_argv
 from miles.rollout.router import policy_args
 
 # Ports of one job live in [BASE, BASE + SPAN * 1000): derived from the job id so that two jobs on
@@ -76,6 +76,7 @@ def sglang_server_command(
         cmd += ["--quantization", SGLANG_QUANTIZATION[e.quantization]]  # a packed checkpoint (miles export)
     cmd += engine_lora_argv(plan)  # the run's adapters, pushed each step by name (SGLang's own flags)
     cmd += speculative_argv(plan)  # engine.speculative, in SGLang's own flags
+    cmd += true_on_policy_argv(plan)  # train.true_on_policy: batch-invariant kernels matching FSDP
     return cmd + list(s.extra_args)
 
 

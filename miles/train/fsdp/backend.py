@@ -53,7 +53,7 @@ from miles.sample import Sample
 from miles.train import quant, step
 from miles.train.batching import Packed, RankPlan, check_samples, pack, plan_rank, response_logprobs
 from miles.train.distill import topk_logprobs
-from miles.train.fsdp import checkpoint
+from miles.train.fsdp import checkpoint, true_on_policy
 from miles.train.fsdp.critic import Critic
 from miles.train.fsdp.sharding import load_sharded
 from miles.train.fsdp.weights import iter_full_tensors
@@ -135,6 +135,12 @@ class FSDPBackend:
             self.ref_model = load_sharded(
                 plan.model.path, self.device, dtype, trainable=False, prepare=prepare
             )
+        if t.true_on_policy:  # the engine's batch-invariant computation (true_on_policy.py)
+            try:
+                for model in filter(None, (self.model, self.ref_model)):
+                    true_on_policy.install(model)
+            except ValueError as e:
+                raise ConfigError(f"{e} ({plan.model.path}): set train.true_on_policy=false") from None
         self._budget = t.max_tokens_per_microbatch
         """Tokens per micro-batch."""
         self._rows = not packs_sequences(self.model.config.model_type)
@@ -355,6 +361,8 @@ class FSDPBackend:
         )
         temperature = self.plan.rollout.temperature
         logp, entropy = response_logprobs(logits, dev, temperature, with_entropy)
+        if self.plan.train.true_on_policy:  # the engine's log-softmax, bit for bit
+            logp = true_on_policy.logprobs(logits, dev.logit_index, dev.targets, temperature)
         topk = None
         if with_entropy and dev.teacher_topk_ids is not None:
             topk = topk_logprobs(logits, dev.logit_index, dev.teacher_topk_ids, temperature)

@@ -1,0 +1,82 @@
+"""The engine's batch-invariant forward (`--enable-deterministic-inference`): the decoder of
+miles/engine/model.py computed with the operations of miles/quant/invariant.py, the ones the FSDP
+trainer's forward calls under `train.true_on_policy` (miles/train/fsdp/true_on_policy.py), in
+transformers' order and dtypes, so a token's log-prob has the same bits in a decode step, a chunked
+prefill, over a cached prefix, and in the trainer's recomputation.
+
+Per layer, as transformers' Qwen2 / Qwen3 / Llama decoder layer computes it:
+    h = RMSNorm(x); q, k, v = separate projections (+ bias); Qwen3: per-head q / k norms;
+    RoPE (transformers' cos / sin, x * cos + rotate_half(x) * sin); the new K/V into the pool;
+    each query over its own context (invariant attention); x = x + o_proj(attn)
+    x = x + down(silu(gate(RMSNorm(x))) * up(RMSNorm(x)))
+then RMSNorm and lm_head on each request's last token, logits in fp32. The fused q/k/v and gate/up
+weights are multiplied by their members' rows (views), each GEMM of the trainer's shape.
+Not covered (the server refuses them with the flag): mixture-of-experts layers, latent attention,
+LoRA adapters, low-precision weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles.engine.kv_cache import gather_slots
+from miles.engine.spec import Batch
+from miles.quant import invariant as inv
+
+
+class InvariantForward:
+    """`forward(batch, pool)` of a Decoder (miles/engine/model.py) through the invariant operations."""
+
+    def __init__(self, decoder) -> None:
+        self.d = decoder
+        s = decoder.spec
+        self.inv_freq = inv.inverse_frequencies(s.head_dim, s.rope_theta, decoder.device)
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return inv.rms_norm(x, self.d.params[name], self.d.spec.rms_norm_eps)
+
+    def _proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        p = self.d.params
+        return inv.linear(x, p[name + ".weight"], p.get(name + ".bias"))
+
+    def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool) -> torch.Tensor:
+        s, p = self.d.spec, f"model.layers.{i}.self_attn."
+        T, D = x.shape[0], s.head_dim
+        q = self._proj(x, p + "q_proj").view(T, s.num_heads, D)
+        k = self._proj(x, p + "k_proj").view(T, s.num_kv_heads, D)
+        v = self._proj(x, p + "v_proj").view(T, s.num_kv_heads, D)
+        if s.family.qk_norm:
+            q, k = self._norm(q, p + "q_norm.weight"), self._norm(k, p + "k_norm.weight")
+        q, k = inv.apply_rope(q, cos, sin), inv.apply_rope(k, cos, sin)
+        k_pool, v_pool = pool[i]
+        k_pool[:, b.write_slots] = k.transpose(0, 1)
+        v_pool[:, b.write_slots] = v.transpose(0, 1)
+        # [B, L, KVH, D] contexts from the pool, [B, Q, H, D] queries
+        kc = gather_slots(k_pool, b.context_slots).permute(1, 2, 0, 3)
+        vc = gather_slots(v_pool, b.context_slots).permute(1, 2, 0, 3)
+        out = inv.attention(q[b.query_index], kc, vc, b.query_pos, D**-0.5)
+        B, Q = b.query_index.shape
+        dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)  # padding: a dropped row
+        packed = out.new_zeros(T + 1, s.num_heads * D)
+        packed[dest] = out.reshape(B * Q, -1)
+        return self._proj(packed[:T], p + "o_proj")
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}.mlp."
+        return self._proj(
+            inv.silu(self._proj(x, p + "gate_proj")) * self._proj(x, p + "up_proj"), p + "down_proj"
+        )
+
+    @torch.inference_mode()
+    def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """fp32 logits [B, vocab] at each request's last new token; the new K/V written to the pool."""
+        d = self.d
+        x = d.params["model.embed_tokens.weight"][b.input_ids]
+        cos, sin = inv.rope_cos_sin(b.positions, self.inv_freq, x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D] over the heads
+        for i in range(d.spec.num_layers):
+            p = f"model.layers.{i}."
+            x = x + self._attention(i, self._norm(x, p + "input_layernorm.weight"), b, cos, sin, pool)
+            x = x + self._mlp(i, self._norm(x, p + "post_attention_layernorm.weight"))
+        h = self._norm(x[b.last_index], "model.norm.weight")
+        return inv.linear(h, d.get("lm_head.weight")).float()

@@ -1,0 +1,128 @@
+"""True on-policy training on FSDP (`train.true_on_policy`): the policy's forward through the
+batch-invariant operations of miles/quant/invariant.py, the ones the embedded engine's forward calls
+under `--enable-deterministic-inference`, so the trainer's log-probs of the rollout's tokens equal the
+engine's bit for bit.
+
+`install(model)` swaps the computations of a transformers causal LM of a dense family (Qwen2, Qwen3,
+Llama) module by module, leaving its module tree, parameters, FSDP units and checkpoints as they are:
+every nn.Linear's forward, every RMSNorm's, the MLP's activation, the rotary embedding's cos / sin,
+and the attention function (registered with transformers' AttentionInterface as `miles_invariant`:
+each packed sequence's queries over their own prefix, sequences found from position_ids restarting at
+0). What transformers computes itself between them (embedding lookup, residual additions, the RoPE
+products, q/k views) is exact elementwise work. `logprobs` is the log-softmax side.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor, nn
+
+from miles.quant import invariant as inv
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+"""Model types the invariant forward covers (dense decoders with default RoPE and SiLU MLPs)."""
+ATTENTION = "miles_invariant"
+
+
+def unsupported(config) -> str | None:
+    """Why a model of this HF config cannot train true on-policy, or None."""
+    kind = getattr(config, "model_type", "?")
+    if kind not in FAMILIES:
+        return f"model type {kind!r} (true on-policy covers the dense families {', '.join(FAMILIES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (SiLU MLPs only)"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type != "default":
+        return f"rope_scaling {rope_type!r} (the default RoPE only)"
+    if getattr(config, "use_sliding_window", False):
+        return "a sliding attention window"
+    return None
+
+
+def _linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    return inv.linear(x, self.weight, self.bias)
+
+
+def _norm_forward(self: nn.Module, x: Tensor) -> Tensor:
+    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+    return inv.rms_norm(x, self.weight, eps)
+
+
+def _silu_forward(self: nn.Module, x: Tensor) -> Tensor:
+    return inv.silu(x)
+
+
+def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    return inv.rope_cos_sin(position_ids, self._miles_inv_freq.to(x.device), x.dtype)
+
+
+def _sequences(positions: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each sequence of a row's positions (they restart at 0 for each sequence)."""
+    starts = [0] + [i for i, p in enumerate(positions) if p == 0 and i > 0]
+    return list(zip(starts, starts[1:] + [len(positions)], strict=True))
+
+
+def attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_ids: Tensor | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: query [B, H, S, D], key / value [B, KVH, S, D]
+    (RoPE applied) -> ([B, S, H, D], None). Causal within each sequence of the packed rows."""
+    B, H, S, D = query.shape
+    if position_ids is None:
+        position_ids = torch.arange(S, device=query.device).expand(B, S)
+    scale = scaling if scaling is not None else D**-0.5
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    rows = []
+    for row, positions in enumerate(position_ids.expand(B, S).tolist()):
+        parts = []
+        for a, b in _sequences(positions):
+            pos = torch.arange(b - a, device=q.device)[None]
+            parts.append(
+                inv.attention(q[row : row + 1, a:b], k[row : row + 1, a:b], v[row : row + 1, a:b], pos, scale)
+            )
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows).contiguous(), None
+
+
+def install(model: nn.Module) -> None:
+    """Route `model`'s forward through the invariant operations (module docstring). Raises ValueError
+    naming what stops it (unsupported)."""
+    from transformers import AttentionInterface
+
+    config = model.config
+    why = unsupported(config)
+    if why is not None:
+        raise ValueError(f"train.true_on_policy cannot hold for {why}")
+    AttentionInterface.register(ATTENTION, attention_forward)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    theta = float(
+        getattr(config, "rope_theta", None) or (config.rope_parameters or {}).get("rope_theta", 10000.0)
+    )
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, nn.Linear):
+            module.forward = types.MethodType(_linear_forward, module)
+        elif name.endswith("RMSNorm"):
+            module.forward = types.MethodType(_norm_forward, module)
+        elif name in ("SiLUActivation", "SiLU"):
+            module.forward = types.MethodType(_silu_forward, module)
+        elif name.endswith("RotaryEmbedding"):
+            module._miles_inv_freq = inv.inverse_frequencies(head_dim, theta, "cpu")
+            module.forward = types.MethodType(_rotary_forward, module)
+    model.set_attn_implementation(ATTENTION)
+
+
+def logprobs(logits: Tensor, rows: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """The response tokens' log-probs from the packed logits [N, V]: rows `rows`, ids `targets`."""
+    return inv.token_logprobs(logits.index_select(0, rows), targets, temperature)
