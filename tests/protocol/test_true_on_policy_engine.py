@@ -65,20 +65,26 @@ def _trainer_logprobs(model_dir: str, samples: list[dict], true_on_policy: bool)
         ids += seq
         pos += range(len(seq))
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), use_cache=False).logits[0]
+        logits = model(
+            input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), use_cache=False
+        ).logits[0]
     out = []
     for r, t in zip(rows, targets, strict=True):
         if true_on_policy:
             out.append(top.logprobs(logits, torch.tensor(r), torch.tensor(t), TEMPERATURE))
         else:
-            out.append(torch.log_softmax(logits[r] / TEMPERATURE, -1).gather(1, torch.tensor(t)[:, None])[:, 0])
+            out.append(
+                torch.log_softmax(logits[r] / TEMPERATURE, -1).gather(1, torch.tensor(t)[:, None])[:, 0]
+            )
     return out
 
 
 @pytest.fixture(scope="module")
 def rollouts(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("true-on-policy")
-    on = start_engine(tiny_model, device="cpu", log_path=logs / "on.log", extra_args=FLAGS, max_total_tokens=4096)
+    on = start_engine(
+        tiny_model, device="cpu", log_path=logs / "on.log", extra_args=FLAGS, max_total_tokens=4096
+    )
     off = start_engine(tiny_model, device="cpu", log_path=logs / "off.log", max_total_tokens=4096)
     try:
         info = httpx.get(on.url + "/server_info", timeout=30).json()
@@ -101,7 +107,10 @@ def test_the_trainer_reproduces_every_sampled_log_prob_bit_for_bit(tiny_model, r
 def test_without_the_mode_the_log_probs_differ(tiny_model, rollouts) -> None:
     _, _, samples = rollouts
     trainer = _trainer_logprobs(tiny_model, samples, true_on_policy=False)
-    diffs = [(got - torch.tensor(s["logprobs"])).abs().max().item() for s, got in zip(samples, trainer, strict=True)]
+    diffs = [
+        (got - torch.tensor(s["logprobs"])).abs().max().item()
+        for s, got in zip(samples, trainer, strict=True)
+    ]
     assert max(diffs) > 0.0 and max(diffs) < 1e-3  # the same policy, other bits
 
 
