@@ -79,13 +79,19 @@ def _trainer_logprobs(model_dir: str, samples: list[dict], true_on_policy: bool)
     return out
 
 
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def model(request, tmp_path_factory) -> str:
+    """Tiny models of both attention kinds: Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms)."""
+    from miles.models.tiny import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("models") / request.param, arch=request.param, seed=0))
+
+
 @pytest.fixture(scope="module")
-def rollouts(tiny_model, tmp_path_factory):
+def rollouts(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("true-on-policy")
-    on = start_engine(
-        tiny_model, device="cpu", log_path=logs / "on.log", extra_args=FLAGS, max_total_tokens=4096
-    )
-    off = start_engine(tiny_model, device="cpu", log_path=logs / "off.log", max_total_tokens=4096)
+    on = start_engine(model, device="cpu", log_path=logs / "on.log", extra_args=FLAGS, max_total_tokens=4096)
+    off = start_engine(model, device="cpu", log_path=logs / "off.log", max_total_tokens=4096)
     try:
         info = httpx.get(on.url + "/server_info", timeout=30).json()
         yield info, _rollout(on.url), _rollout(off.url)
@@ -94,19 +100,19 @@ def rollouts(tiny_model, tmp_path_factory):
         off.stop()
 
 
-def test_the_trainer_reproduces_every_sampled_log_prob_bit_for_bit(tiny_model, rollouts) -> None:
+def test_the_trainer_reproduces_every_sampled_log_prob_bit_for_bit(model, rollouts) -> None:
     info, samples, _ = rollouts
     assert info["enable_deterministic_inference"] is True and info["rl_on_policy_target"] == "fsdp"
     assert len(samples) == 8 and sum(len(s["output"]) for s in samples) > 80
-    trainer = _trainer_logprobs(tiny_model, samples, true_on_policy=True)
+    trainer = _trainer_logprobs(model, samples, true_on_policy=True)
     for s, got in zip(samples, trainer, strict=True):
         engine = torch.tensor(s["logprobs"], dtype=torch.float32)
         assert torch.equal(got, engine), (s["prompt"][:5], (got - engine).abs().max())
 
 
-def test_without_the_mode_the_log_probs_differ(tiny_model, rollouts) -> None:
+def test_without_the_mode_the_log_probs_differ(model, rollouts) -> None:
     _, _, samples = rollouts
-    trainer = _trainer_logprobs(tiny_model, samples, true_on_policy=False)
+    trainer = _trainer_logprobs(model, samples, true_on_policy=False)
     diffs = [
         (got - torch.tensor(s["logprobs"])).abs().max().item()
         for s, got in zip(samples, trainer, strict=True)

@@ -259,6 +259,7 @@ EVERY_OPTION = (
     "engine.dp_size=2",
     "launch.sglang.context_length=4096",
     "launch.sglang.capture_routed_experts=true",
+    "train.true_on_policy=true",
 )
 """Overrides that make the command render each optional flag it knows."""
 
@@ -274,6 +275,8 @@ def test_every_optional_flag_exists_in_the_pinned_sglang(profile, request):
     argv, text = render("default", profile, EVERY_OPTION)
     assert argv is not None, text
     assert {"--enable-dp-attention", "--context-length", "--enable-return-routed-experts"} <= set(argv)
+    assert {"--enable-deterministic-inference", "--rl-on-policy-target"} <= set(argv)
+    assert argv[argv.index("--rl-on-policy-target") + 1] == "fsdp"
     version = pinned_version(image_recipe(profile))
     flags = server_flags(fetch_server_args(version, _cache_dir(request.config)))
     assert not check_command(argv, flags), f"sglang=={version}: {check_command(argv, flags)}"
