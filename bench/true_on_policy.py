@@ -1,0 +1,187 @@
+"""What true on-policy (`train.true_on_policy`) costs, and what it changes in learning.
+
+    python -m bench.true_on_policy --part cost [--model 0.5b|tiny] [--rounds 3] [--out F.json]
+    python -m bench.true_on_policy --part learning [--seeds 0 1 2] [--steps 30] [--out F.json]   # CPU
+
+1. cost (GPU: bf16; CPU: fp32): the embedded engine's decode throughput with and without
+   `--enable-deterministic-inference` (a real engine process each, `--disable-cuda-graph` on both so
+   the anchor runs the same eager schedule the mode does, and once more the anchor with its CUDA graphs:
+   the engine's default), `--requests` concurrent requests of `--prompt` random ids and exactly
+   `--new` new tokens (ignore_eos), tok/s = generated tokens / wall seconds of the whole batch; and the
+   trainer's step (forward + backward of one packed row of `--train-seqs` sequences of `--train-len`
+   tokens, transformers' model with and without miles/train/fsdp/true_on_policy.py installed, median
+   of `--rounds`). Ratios: mode / anchor of the same run.
+2. learning (CPU, the tiny model): `miles train` of the e2e digits recipe, synchronous schedule, TIS
+   off, per seed with the mode on and off: eval accuracy (held-out prompts) before and after, and the
+   per-step train/logprob_mismatch (the mean |delta log p| between rollout and trainer, the KL's
+   first-order proxy the trainer already reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+FLAGS = ["--enable-deterministic-inference", "--rl-on-policy-target", "fsdp"]
+
+
+def _model(kind: str, work: Path) -> str:
+    from miles.models.tiny import init_random, init_tiny
+
+    out = work / f"model-{kind}"
+    if (out / "config.json").exists():
+        return str(out)
+    if kind == "tiny":
+        return str(init_tiny(out, seed=0))
+    return str(init_random(out, dtype="bfloat16", seed=0))
+
+
+def decode_tok_s(model: str, device: str, flags: list[str], args, log: Path) -> float:
+    """Generated tokens / wall seconds of `--requests` concurrent requests on a fresh engine process."""
+    from miles.engine.process import start_engine
+
+    eng = start_engine(model, device=device, log_path=log, extra_args=flags, max_total_tokens=65536)
+    body = lambda i: {"input_ids": [(7 * i + j) % 300 + 3 for j in range(args.prompt)],  # noqa: E731
+                      "sampling_params": {"max_new_tokens": args.new, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
+    try:
+        post = lambda i: httpx.post(eng.url + "/generate", json=body(i), timeout=600).json()  # noqa: E731
+        post(0)  # warm-up
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.requests) as pool:
+            outs = list(pool.map(post, range(args.requests)))
+        wall = time.perf_counter() - start
+    finally:
+        eng.stop()
+    assert all(len(o["output_ids"]) == args.new for o in outs), "a request ended early"
+    return args.requests * args.new / wall
+
+
+def train_step_s(model: str, device: str, on: bool, args) -> list[float]:
+    """Forward + backward seconds of one packed row (transformers' model, optionally the invariant one)."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.quant import invariant as inv
+    from miles.train.fsdp import true_on_policy
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to(device)
+    if on:
+        true_on_policy.install(net)
+    n, length = args.train_seqs, args.train_len
+    ids = torch.randint(3, 300, (1, n * length), device=device)
+    pos = torch.arange(length, device=device).repeat(n)[None]
+    times = []
+    for _ in range(args.rounds + 1):
+        net.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = net(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        rows, targets = torch.arange(n * length - 1, device=device), ids[0, 1:]
+        if on:
+            logp = inv.token_logprobs(logits.index_select(0, rows), targets)
+        else:
+            logp = torch.log_softmax(logits[:-1].float(), -1).gather(1, targets[:, None])[:, 0]
+        logp.mean().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    del net
+    return times[1:]  # the first round compiles / warms caches
+
+
+def cost(args) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    work = Path(args.workdir)
+    model = _model(args.model, work)
+    graphs = [] if device == "cuda" else None
+    arms = {"mode": FLAGS + ["--disable-cuda-graph"], "anchor eager": ["--disable-cuda-graph"]}
+    if graphs is not None:
+        arms["anchor with CUDA graphs"] = []
+    decode = {name: [decode_tok_s(model, device, f, args, work / f"engine-{i}-{r}.log")
+                     for r in range(args.rounds)] for i, (name, f) in enumerate(arms.items())}  # fmt: skip
+    train = {
+        "mode": train_step_s(model, device, True, args),
+        "anchor": train_step_s(model, device, False, args),
+    }
+    return dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", model=args.model,
+                decode_tok_s=decode, train_step_s=train)  # fmt: skip
+
+
+def learning(args) -> dict:
+    """Per seed and mode: eval accuracy at step 0 and at the end, and the per-step mismatch."""
+    import yaml
+
+    from miles.launch.local import train_main
+    from miles.metrics import read_metrics
+
+    work = Path(args.workdir)
+    model = _model("tiny", work)
+    rows = []
+    for seed in args.seeds:
+        for on in (False, True):
+            name = f"top-{'on' if on else 'off'}-{seed}"
+            recipe = {
+                "run": {"name": name, "seed": seed, "runs_root": str(work / "runs"), "tensorboard": False},
+                "model": {"path": model, "init_tiny_if_missing": False},
+                "rollout": {"task": {"name": "digits", "options": {"op": "last", "num_digits": 1}, "eval_size": 32},
+                            "reward": "miles.rollout.rewards:first_number", "prompts_per_step": 8,
+                            "n_samples_per_prompt": 4, "max_new_tokens": 4, "schedule": "sync"},
+                "eval": {"every_steps": args.steps},
+                "train": {"steps": args.steps, "lr": 3e-3, "true_on_policy": on, "loss": {"tis": None}},
+            }  # fmt: skip
+            path = work / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(recipe))
+            rc = train_main(str(path), [], progress=False, overwrite=True)
+            metrics = read_metrics(work / "runs" / name)
+            evals = [
+                (r["step"], r[k])
+                for r in metrics
+                for k in r
+                if k.startswith("eval/") and k.endswith("accuracy")
+            ]
+            mismatch = [r["train/logprob_mismatch"] for r in metrics if "train/logprob_mismatch" in r]
+            rows.append(dict(seed=seed, true_on_policy=on, rc=rc, evals=evals, mismatch=mismatch))
+    return dict(rows=rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=["cost", "learning"], required=True)
+    p.add_argument("--model", choices=["0.5b", "tiny"], default="0.5b")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--train-seqs", type=int, default=8)
+    p.add_argument("--train-len", type=int, default=256)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-top-"))
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    result = cost(args) if args.part == "cost" else learning(args)
+    result["args"] = vars(args)
+    if args.part == "cost":
+        for name, vals in result["decode_tok_s"].items():
+            print(f"decode {name}: {statistics.median(vals):.0f} tok/s ({min(vals):.0f}-{max(vals):.0f})")
+        for name, vals in result["train_step_s"].items():
+            print(f"train step {name}: {statistics.median(vals):.3f} s ({min(vals):.3f}-{max(vals):.3f})")
+    else:
+        print(json.dumps(result["rows"], indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Shared by the true on-policy tests (protocol on the CPU, GPU): a rollout of requests of different
+lengths sampled together from an engine, and the FSDP trainer's log-probs of the same tokens from one
+packed forward (transformers' model, with or without miles/train/fsdp/true_on_policy.py installed)."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+
+TEMPERATURE = 0.8
+FLAGS = ["--enable-deterministic-inference", "--rl-on-policy-target", "fsdp"]
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    base = [rng.randrange(3, 380) for _ in range(30)]
+    out = [base[:5], base[:17], base, [7, 8, 9], [rng.randrange(3, 380) for _ in range(45)]]
+    return out + [base[:17] + [11, 12], base + [13]]  # continue cached prefixes
+
+
+def _generate(url: str, prompt: list[int], seed: int, n: int = 1) -> list[dict]:
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 10 + seed % 7, "temperature": TEMPERATURE, "n": n,
+                                "sampling_seed": seed, "ignore_eos": True}}  # fmt: skip
+    out = httpx.post(url + "/generate", json=body, timeout=120).json()
+    outs = out if isinstance(out, list) else [out]
+    return [dict(prompt=prompt, output=o["output_ids"],
+                 logprobs=[row[0] for row in o["meta_info"]["output_token_logprobs"]]) for o in outs]  # fmt: skip
+
+
+def rollout(url: str) -> list[dict]:
+    prompts = _prompts()
+    with ThreadPoolExecutor(8) as pool:  # together: batches of changing composition
+        first = list(pool.map(lambda i: _generate(url, prompts[i], i, n=2 if i == 1 else 1), range(5)))
+    later = [_generate(url, p, 10 + j) for j, p in enumerate(prompts[5:])]  # over cached prefixes
+    return [s for group in first + later for s in group]
+
+
+def trainer_logprobs(
+    model_dir: str, samples: list[dict], true_on_policy: bool, device: str = "cpu", dtype=torch.float32
+) -> list[torch.Tensor]:
+    """Each sample's response log-probs from one packed forward, as the FSDP backend computes them."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.train.fsdp import true_on_policy as top
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(
+        device
+    )
+    if true_on_policy:
+        top.install(model)
+    ids, pos, rows, targets = [], [], [], []
+    for s in samples:
+        seq = s["prompt"] + s["output"]
+        start = len(ids)
+        rows.append(list(range(start + len(s["prompt"]) - 1, start + len(seq) - 1)))
+        targets.append(s["output"])
+        ids += seq
+        pos += range(len(seq))
+    with torch.no_grad():
+        batch = dict(
+            input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device)
+        )
+        logits = model(**batch, use_cache=False).logits[0]
+    out = []
+    for r, t in zip(rows, targets, strict=True):
+        if true_on_policy:
+            out.append(
+                top.logprobs(
+                    logits, torch.tensor(r, device=device), torch.tensor(t, device=device), TEMPERATURE
+                ).cpu()
+            )
+        else:
+            out.append(
+                torch.log_softmax(logits[r].float() / TEMPERATURE, -1)
+                .gather(1, torch.tensor(t, device=device)[:, None])[:, 0]
+                .cpu()
+            )
+    return out
