@@ -226,8 +226,9 @@ class TrainConfig(Section):
     fsdp`; the embedded engine's batch-invariant forward) and the FSDP trainer's forward calls the same
     batch-invariant operations (miles/quant/invariant.py), whatever the batch, chunking or cached prefix.
     With `rollout.schedule: sync` (rollout and training on the same weights) train/logprob_mismatch is
-    then 0. FSDP only, dense Qwen2 / Qwen3 / Llama models, full precision (no LoRA, no quantisation, no
-    speculative decoding); slower engines and trainer (bench/RESULTS.md)."""
+    then 0 (with Qwen3-MoE and routing replay as well). FSDP only; Qwen2 / Qwen3 / Llama / Qwen3-MoE
+    models in full precision (no LoRA, no quantisation, no speculative decoding); slower engines and
+    trainer (bench/RESULTS.md)."""
     quantization: Literal["none", "fake_quant", "int4_qat", "torchao_float8"] = "none"
     """Low precision in the trainer's forward (miles/train/quant.py). `fake_quant`: the linear layers
     the FP8 contract covers (miles/quant/fp8.py) compute with the contract's quantise -> dequantise of

@@ -298,8 +298,9 @@ def deterministic(args: argparse.Namespace) -> bool:
 
 def _not_invariant(args: argparse.Namespace, spec: ModelSpec) -> str | None:
     """What of this server stops the batch-invariant forward, or None."""
-    if spec.moe is not None or spec.mla is not None or spec.v4 is not None or spec.rope_scaling:
-        return f"{spec.arch} (dense grouped-query decoders with the default RoPE only)"
+    moe = spec.moe is not None and (spec.moe.scoring != "softmax" or spec.moe.shared_intermediate > 0)
+    if moe or spec.mla is not None or spec.v4 is not None or spec.rope_scaling:
+        return f"{spec.arch} (grouped-query decoders with the default RoPE, dense or Qwen3-MoE, only)"
     if args.quantization != "none" or args.enable_lora or args.lora_paths or args.speculative_algorithm:
         return "--quantization, LoRA adapters or speculative decoding: drop them"
     return None

@@ -11,8 +11,10 @@ Per layer, as transformers' Qwen2 / Qwen3 / Llama decoder layer computes it:
     x = x + down(silu(gate(RMSNorm(x))) * up(RMSNorm(x)))
 then RMSNorm and lm_head on each request's last token, logits in fp32. The fused q/k/v and gate/up
 weights are multiplied by their members' rows (views), each GEMM of the trainer's shape.
-Not covered (the server refuses them with the flag): mixture-of-experts layers, latent attention,
-LoRA adapters, low-precision weights.
+Qwen3-MoE's sparse layers: the softmax router and top-k of miles/quant/invariant.py `route`, its
+experts through `experts`; the chosen ids recorded for routing replay as the other forwards record them.
+Not covered (the server refuses them with the flag): shared experts and other routers (DeepSeek),
+latent attention, LoRA adapters, low-precision weights.
 """
 
 from __future__ import annotations
@@ -62,7 +64,14 @@ class InvariantForward:
         return self._proj(packed[:T], p + "o_proj")
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        p = f"model.layers.{i}.mlp."
+        p, m, d = f"model.layers.{i}.mlp.", self.d.spec.moe, self.d
+        if m is not None and i in m.sparse_layers:  # Qwen3-MoE: softmax router, routed experts
+            _, weights, ids = inv.route(inv.linear(x, d.params[p + "gate.weight"]), m.top_k, m.norm_topk_prob)
+            if d.record_routing:
+                d._routed.append(ids)
+            gate_up = d._stacked(p + "experts.gate_up_proj").view(m.num_experts, 2 * m.intermediate_size, -1)
+            down = d._stacked(p + "experts.down_proj").view(m.num_experts, -1, m.intermediate_size)
+            return inv.experts(x, ids, weights, gate_up, down)
         return self._proj(
             inv.silu(self._proj(x, p + "gate_proj")) * self._proj(x, p + "up_proj"), p + "down_proj"
         )
@@ -78,5 +87,6 @@ class InvariantForward:
             p = f"model.layers.{i}."
             x = x + self._attention(i, self._norm(x, p + "input_layernorm.weight"), b, cos, sin, pool)
             x = x + self._mlp(i, self._norm(x, p + "post_attention_layernorm.weight"))
+        d._take_routing(b.write_slots)
         h = self._norm(x[b.last_index], "model.norm.weight")
         return inv.linear(h, d.get("lm_head.weight")).float()

@@ -126,7 +126,7 @@ class Decoder:
         """RoPE's inverse frequencies, and YaRN's factor on cos and sin (1.0 for default RoPE)."""
 
     def make_invariant(self) -> None:
-        """Every forward through the batch-invariant operations (dense grouped-query decoders)."""
+        """Every forward through the batch-invariant operations (grouped-query decoders, Qwen3-MoE)."""
         self.invariant = InvariantForward(self)
         self.fused = self.paged_decode = self.row_decode = False
 

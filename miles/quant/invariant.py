@@ -20,8 +20,10 @@ and the engine's forward and the trainer's forward both call them:
   of 64 elements (all in the vector loop, no scalar tail); on CUDA as is (one device function).
 - On top of them: `rms_norm` (transformers' formula), `rope_cos_sin` and `apply_rope` (the default
   RoPE, transformers' order of operations), `silu`, `attention` (each query over its own prefix:
-  scores, softmax and the weighted sum of values as tree sums over the key axis, in fp32), and
-  `token_logprobs` (log-softmax of z / T at the chosen ids, in fp32).
+  scores, softmax and the weighted sum of values as tree sums over the key axis, in fp32),
+  `token_logprobs` (log-softmax of z / T at the chosen ids, in fp32), and a mixture-of-experts layer
+  (`route`: softmax router and top-k; `experts`: each expert's rows through `linear`, a token's k
+  outputs weighted and tree-summed in slot order, whichever tokens share its experts).
 
 Everything else of the forward (embedding lookups, residual additions, products, maxima) is exact
 elementwise work already. The cost is speed: GEMMs in blocks of ROWS and attention without a fused
@@ -177,3 +179,35 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float | Tensor =
         lse = pointwise(torch.log, tree_sum(pointwise(torch.exp, shifted)))
         outs.append(shifted.gather(1, tb[:, None].long())[:, 0] - lse)
     return torch.cat(outs) if outs else z.new_zeros(0)
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """softmax in fp32: exp(x - max) over its tree sum."""
+    x = x.float()
+    e = pointwise(torch.exp, x - x.amax(dim=dim, keepdim=True).detach())
+    return e / tree_sum(e, dim=dim, keepdim=True)
+
+
+def normalize(weights: Tensor) -> Tensor:
+    """Top-k weights divided by their (tree) sum over the last dimension."""
+    return weights / tree_sum(weights, keepdim=True)
+
+
+def route(logits: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """A softmax router (Qwen3-MoE) from its logits x W_gate^T [T, E] (`linear`): (probs [T, E] fp32,
+    top-k weights [T, k] fp32, expert ids [T, k])."""
+    probs = softmax(logits)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return probs, normalize(weights) if norm_topk_prob else weights, ids
+
+
+def experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t) with e = ids[t, j], the k terms added as
+    a tree in slot order: x [T, H], ids / weights [T, k], gate_up [E, 2I, H], down [E, H, I]."""
+    T, k = ids.shape
+    out = x.new_zeros(T, k, x.shape[-1])
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        gate, up = linear(x[t], gate_up[e]).chunk(2, dim=-1)
+        out = out.index_put((t, j), linear(silu(gate) * up, down[e]))
+    return tree_sum(out * weights.to(x.dtype)[..., None], dim=1)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.models.families.deepseek_v3 import group_limited
+from miles.quant import invariant as inv
 from miles.sample import Sample
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -273,14 +274,20 @@ def _bound_forward(router: nn.Module, rr: RoutingReplay, slot: int):
     if hasattr(router, "routed_scaling_factor"):
         return _bound_deepseek(router, rr, slot)
 
+    invariant = getattr(router, "invariant", False)  # train.true_on_policy (miles/quant/invariant.py)
+
     def forward(hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         hidden = hidden_states.reshape(-1, router.hidden_dim)
-        logits = F.linear(hidden, router.weight)
-        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        if invariant:
+            logits = inv.linear(hidden, router.weight)
+            probs = inv.softmax(logits)
+        else:
+            logits = F.linear(hidden, router.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         used, _ = rr.route(slot, probs)
         weights = probs.gather(1, used)
         if router.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = inv.normalize(weights) if invariant else weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), used
 
     return forward

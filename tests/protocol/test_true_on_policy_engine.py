@@ -17,9 +17,9 @@ from miles.engine.process import start_engine
 from miles.quant import invariant as inv
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3_moe"])
 def model(request, tmp_path_factory) -> str:
-    """Tiny models of both attention kinds: Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms)."""
+    """Tiny models: Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Qwen3-MoE (routed experts)."""
     from miles.models.tiny import init_tiny
 
     return str(init_tiny(tmp_path_factory.mktemp("models") / request.param, arch=request.param, seed=0))

@@ -3,9 +3,10 @@ batch-invariant operations of miles/quant/invariant.py, the ones the embedded en
 under `--enable-deterministic-inference`, so the trainer's log-probs of the rollout's tokens equal the
 engine's bit for bit.
 
-`install(model)` swaps the computations of a transformers causal LM of a dense family (Qwen2, Qwen3,
-Llama) module by module, leaving its module tree, parameters, FSDP units and checkpoints as they are:
-every nn.Linear's forward, every RMSNorm's, the MLP's activation, the rotary embedding's cos / sin,
+`install(model)` swaps the computations of a transformers causal LM (Qwen2, Qwen3, Llama, Qwen3-MoE)
+module by module, leaving its module tree, parameters, FSDP units and checkpoints as they are:
+every nn.Linear's forward, every RMSNorm's, the MLP's activation, the MoE routers and experts (routing
+replay, installed after, keeps the router's invariant numerics), the rotary embedding's cos / sin,
 and the attention function (registered with transformers' AttentionInterface as `miles_invariant`:
 each packed sequence's queries over their own prefix, sequences found from position_ids restarting at
 0). What transformers computes itself between them (embedding lookup, residual additions, the RoPE
@@ -21,8 +22,8 @@ from torch import Tensor, nn
 
 from miles.quant import invariant as inv
 
-FAMILIES = ("qwen2", "qwen3", "llama")
-"""Model types the invariant forward covers (dense decoders with default RoPE and SiLU MLPs)."""
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+"""Model types the invariant forward covers (default RoPE, SiLU MLPs; Qwen3-MoE's softmax routers)."""
 ATTENTION = "miles_invariant"
 
 
@@ -31,6 +32,8 @@ def unsupported(config) -> str | None:
     kind = getattr(config, "model_type", "?")
     if kind not in FAMILIES:
         return f"model type {kind!r} (true on-policy covers the dense families {', '.join(FAMILIES)})"
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        return "a shared expert"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} (SiLU MLPs only)"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -53,6 +56,18 @@ def _norm_forward(self: nn.Module, x: Tensor) -> Tensor:
 
 def _silu_forward(self: nn.Module, x: Tensor) -> Tensor:
     return inv.silu(x)
+
+
+def _router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A Qwen3-MoE router's (logits, top-k weights in the logits' dtype, expert ids)."""
+    hidden = hidden_states.reshape(-1, self.hidden_dim)
+    logits = inv.linear(hidden, self.weight)
+    _, weights, ids = inv.route(logits, self.top_k, self.norm_topk_prob)
+    return logits, weights.to(logits.dtype), ids
+
+
+def _experts_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    return inv.experts(hidden, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
 def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -117,6 +132,11 @@ def install(model: nn.Module) -> None:
             module.forward = types.MethodType(_norm_forward, module)
         elif name in ("SiLUActivation", "SiLU"):
             module.forward = types.MethodType(_silu_forward, module)
+        elif name.endswith("TopKRouter"):  # routing replay, when installed after, keeps this flag
+            module.invariant = True
+            module.forward = types.MethodType(_router_forward, module)
+        elif name.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            module.forward = types.MethodType(_experts_forward, module)
         elif name.endswith("RotaryEmbedding"):
             module._miles_inv_freq = inv.inverse_frequencies(head_dim, theta, "cpu")
             module.forward = types.MethodType(_rotary_forward, module)
