@@ -20,7 +20,13 @@ from miles.config.engine import check_external_engines, check_speculative
 from miles.config.layout import check_layout
 from miles.config.loading import apply_overrides, deep_merge, read_yaml
 from miles.config.plan import Plan
-from miles.config.train import check_distill, check_lora, check_quantization, check_true_on_policy
+from miles.config.train import (
+    check_distill,
+    check_draft,
+    check_lora,
+    check_quantization,
+    check_true_on_policy,
+)
 
 log = logging.getLogger("miles.config")
 
@@ -77,6 +83,7 @@ def _check(plan: Plan) -> None:
     check_distill(plan)
     check_lora(plan)
     check_true_on_policy(plan)
+    check_draft(plan)
     _check_transport(plan)
     if plan.launch.layout == "colocated" and plan.weights.transport == "distributed":
         raise ConfigError(

@@ -130,6 +130,19 @@ class CriticConfig(Section):
     """Whiten the GAE advantages over the step's trained tokens (mean 0, std 1)."""
 
 
+class DraftConfig(Section):
+    """The speculative draft model trained with the policy (miles/train/draft_model.py): every step, one
+    optimiser step of its cross-entropy on the rollout's own trained tokens, and every weight push
+    carries it to the engines' draft (engine.speculative: STANDALONE with draft_model_path)."""
+
+    lr: float = Field(1e-3, gt=0.0)
+    """AdamW learning rate of the draft."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip of the draft's step."""
+    max_tokens_per_microbatch: int = Field(8192, ge=1)
+    """Tokens per packed micro-batch of the draft's step."""
+
+
 class CheckpointConfig(Section):
     """Checkpointing of the full training state (file sizes and SHA-256 recorded, checked on resume)."""
 
@@ -200,6 +213,8 @@ class TrainConfig(Section):
     """The value function, trained only with train.loss.advantage = ppo."""
     distill: DistillConfig | None = None
     """On-policy distillation from a teacher (None: off)."""
+    draft: DraftConfig | None = None
+    """Train the speculative draft model with the policy (DraftConfig); None: the draft stays frozen."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     tensor_parallel: int = 1
     """Megatron: tensor-parallel size (train.backend=fsdp refuses > 1; rules in miles/config/layout.py)."""
@@ -263,6 +278,27 @@ def check_true_on_policy(plan: Plan) -> None:
             raise ConfigError(
                 f"train.true_on_policy=true covers full-precision dense models alone: unset {key}"
             )
+
+
+def check_draft(plan: Plan) -> None:
+    """What train.draft needs (ConfigError naming the key to change)."""
+    if plan.train.draft is None:
+        return
+    spec, e = plan.engine.speculative, plan.engine
+    if spec is None or spec.algorithm != "STANDALONE" or not spec.draft_model_path:
+        raise ConfigError(
+            "train.draft trains a separate draft model: set engine.speculative.algorithm=STANDALONE and "
+            "engine.speculative.draft_model_path"
+        )
+    if e.kind != "embedded" or e.urls:
+        raise ConfigError(
+            "train.draft pushes the draft's weights as draft.* tensors, which only the embedded engine "
+            "started by Miles loads: set engine.kind=embedded without engine.urls, or unset train.draft"
+        )
+    if plan.train.lora is not None:
+        raise ConfigError(
+            "train.draft pushes full weights; a LoRA run pushes its adapters: unset one of them"
+        )
 
 
 def check_lora(plan: Plan) -> None:

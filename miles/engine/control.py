@@ -54,6 +54,11 @@ class Holdings:
         if abort_all:
             self.s._drain_inbox()
             self.s._abort_all("aborted for a weight update")
+        draft = {n.removeprefix("draft."): t for n, t in weights.items() if n.startswith("draft.")}
+        if draft:  # the speculative draft's weights (train.draft), for the draft model
+            weights = {n: t for n, t in weights.items() if not n.startswith("draft.")}
+            if self.s.speculator is not None:
+                self.s.speculator.load_draft(draft)
         self.s.decoder.load(weights, strict=complete)
         self.s._flush_locked()
         if version is not None:

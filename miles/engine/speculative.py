@@ -120,6 +120,11 @@ class Speculator:
         stride = min(scheduler.max_context, per_row) + num_steps + 1
         self.cache = DraftCache(draft, scheduler.max_running + 1, stride)
 
+    def load_draft(self, weights: dict[str, torch.Tensor]) -> None:
+        """New weights for the draft model (by HF name); its cached K/V is recomputed from then on."""
+        self.cache.decoder.load(weights, strict=False)
+        self.cache.valid.clear()
+
     def _room(self, r: Request) -> int:
         """Draft tokens request `r` can take this step (0: decode it as usual)."""
         if r.opts is not None or r.restricts_support or r.abort_requested:

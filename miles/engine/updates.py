@@ -28,6 +28,10 @@ on receipt with the contract; the distributed route receives a float8 tensor (na
 dtype) as uint8 bytes (miles.weights.group.broadcast_from_trainer). /get_weights_by_name answers an
 FP8 weight's dequantised values, as SGLang does.
 
+Names under `draft.` are the speculative draft model's (`train.draft` pushes them after the policy's):
+they load into the draft (its cached K/V recomputed from then on), /get_weights_by_name reads them
+back from it, and an engine without a draft ignores them.
+
 `/weights_checker` with `{"action": "checksum"}` answers SGLang's reply (utils/weight_checker.py):
 per HF name the hash of the bytes the engine stores (miles.weights.checksum: sha256 of the C-order
 bytes, first 8 bytes in hex), an FP8 weight as its two tensors, so a trainer compares them with the
@@ -423,8 +427,12 @@ class WeightUpdater:
             )
 
     def get_by_name(self, body: GetWeightsByName) -> list:
+        decoder, name = self.scheduler.decoder, body.name
+        spec = self.scheduler.speculator
+        if name.startswith("draft.") and spec is not None:  # the speculative draft's (train.draft)
+            decoder, name = spec.cache.decoder, name.removeprefix("draft.")
         try:
-            t = self.scheduler.decoder.get(body.name)
+            t = decoder.get(name)
         except KeyError:
             raise ValueError(f"name: no weight named {body.name!r}") from None
         return t[: body.truncate_size].float().cpu().tolist()

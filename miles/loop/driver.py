@@ -176,6 +176,10 @@ def run(run_dir: Path, resume: bool) -> int:
 
     plan = read_plan(run_dir / "plan.yaml")
     backend = get_backend(plan.train.backend)()
+    if plan.train.draft is not None:  # the speculative draft trained beside the policy
+        from miles.train.draft_model import DraftTraining
+
+        backend = DraftTraining(backend)
     backend.setup(plan)
     rank0 = dist.get_rank() == 0
     setup_logging(run_dir, dist.get_rank())

@@ -30,3 +30,22 @@ def test_a_run_with_a_draft_model_reports_its_acceptance(recipe, tmp_path) -> No
         assert 0.0 <= r["rollout/spec_accept_rate"] <= 1.0
         assert 1.0 <= r["rollout/spec_accept_length"] <= 3.0  # kept proposals + 1 per verify, at most 2 + 1
     assert any(log.read_text().count("speculative") for log in (run_dir / "logs").glob("engine-*.log"))
+
+
+def test_a_run_trains_its_draft_online(recipe, tmp_path) -> None:
+    """train.draft: the draft's step beside the policy's (train/draft/loss every step) and its weights
+    in every push (the engine loads the draft.* tensors; a refused push would fail the run)."""
+    from miles.models.tiny import init_tiny
+
+    draft = init_tiny(tmp_path / "draft", seed=1)
+    path, run_dir = recipe(
+        run={"name": "spec-online"},
+        engine={"speculative": {"draft_model_path": str(draft), "num_steps": 2}},
+        rollout={"max_new_tokens": 6},
+        train={"steps": 3, "draft": {"lr": 1e-2}},
+    )
+    finish(miles_train(path))
+    steps = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0 and "train/draft/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["train/draft/loss"] > 0 and r["train/draft/tokens"] > 0 for r in steps)
+    assert all(0.0 <= r["rollout/spec_accept_rate"] <= 1.0 for r in steps)

@@ -48,3 +48,34 @@ def test_an_algorithm_it_cannot_run_is_refused(tiny_model):
     out = subprocess.run([sys.executable, "-m", "miles.engine", "--model", tiny_model, "--device", "cpu",
                           "--speculative-algorithm", "NEXTN"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode != 0 and "use STANDALONE" in out.stderr
+
+
+def test_draft_weights_arrive_by_their_prefix(tiny_model, draft, tmp_path):
+    """`draft.*` tensors of a weight update (train.draft's push) load into the draft model and read
+    back from it; the target's weights of the same update load as usual; greedy output stays the
+    target's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    update = shutil.copytree(tiny_model, tmp_path / "update")
+    drafted = {f"draft.{n}": t * 0.5 for n, t in load_file(f"{draft}/model.safetensors").items()}
+    save_file(drafted, update / "draft.safetensors")
+    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
+             "--speculative-num-steps", "2"]  # fmt: skip
+    eng = start_engine(tiny_model, device="cpu", log_path=tmp_path / "spec.log", extra_args=flags)
+    try:
+        ask = {"name": "draft.lm_head.weight", "truncate_size": 2}
+        before = httpx.post(eng.url + "/get_weights_by_name", json=ask, timeout=30).json()
+        reply = httpx.post(
+            eng.url + "/update_weights_from_disk", json={"model_path": str(update)}, timeout=120
+        )
+        after = httpx.post(eng.url + "/get_weights_by_name", json=ask, timeout=30).json()
+        out = httpx.post(eng.url + "/generate", json=BODY, timeout=120).json()
+    finally:
+        eng.stop()
+    assert reply.status_code == 200, reply.text
+    import torch
+
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(before) * 0.5)
+    assert after != before and out["meta_info"]["spec_verify_ct"] >= 1
