@@ -274,6 +274,7 @@ async def sample_group(
             continue
         s = Sample(group_id, i, list(prompt_ids), prompt=prompt.text, answer=prompt.answer)
         s.metadata.update(prompt.metadata, prompt=prompt, attempts=1)
+        add_speculative(s.metadata, r.meta_info)
         await gen.fill(s, r)
         out.append(s)
     return out

@@ -41,7 +41,7 @@ def test_a_run_trains_its_draft_online(recipe, tmp_path) -> None:
     path, run_dir = recipe(
         run={"name": "spec-online"},
         engine={"speculative": {"draft_model_path": str(draft), "num_steps": 2}},
-        rollout={"max_new_tokens": 6},
+        rollout={"max_new_tokens": 6, "group_requests": True},  # a prompt's samples in one /generate
         train={"steps": 3, "draft": {"lr": 1e-2}},
     )
     finish(miles_train(path))
