@@ -105,6 +105,8 @@ def _create_tiny(path: Path, tiny: TinyModelConfig, seed: int) -> None:
               file=sys.stderr, flush=True)  # fmt: skip
 
     try:
+        from miles.quant.invariant import one_torch_thread  # one thread: tiny GEMMs (bench/RESULTS.md)
+
         with one_torch_thread():
             init_tiny(
                 tmp,
@@ -119,21 +121,6 @@ def _create_tiny(path: Path, tiny: TinyModelConfig, seed: int) -> None:
         os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Torch's intra-op threads set to 1 while a tiny model is made, then put back. Its GEMMs (hidden
-    64-256) are too small to gain from more threads, and on a busy machine more threads only wait on
-    each other (the pretraining's seconds per step with 1 and 2 threads: bench/RESULTS.md)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _train_base(path: Path, recipe: str, overrides: list[str], runs_root: str) -> None:

@@ -49,12 +49,8 @@ _KEY_BLOCK_ELEMS = 1 << 22
 
 
 @contextlib.contextmanager
-def _one_thread(x: Tensor):
-    """CPU: torch's own threads down to one while the block runs (a thread's share of a buffer would
-    end in a scalar tail wherever the split falls)."""
-    if x.is_cuda:
-        yield
-        return
+def one_torch_thread():
+    """Torch's intra-op threads set to 1 for the block, then put back."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -72,7 +68,7 @@ def pointwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     pad = -n % _VECTOR
     if pad:
         flat = torch.cat((flat, flat.new_zeros(pad)))
-    with _one_thread(x):
+    with one_torch_thread():  # a thread's share of the buffer would end in a scalar tail
         out = fn(flat)
     return out[:n].view(x.shape)
 
