@@ -151,10 +151,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> T
     is not to be used). Query (b, i) attends keys 0..q_pos[b, i]. Returns [B, Q, H, D] in q's dtype."""
     B, Q, H, D = q.shape
     L, KVH = k.shape[1], k.shape[2]
+    per_query = max(1, H * L * D)  # products one query of one request holds
+    if B > 1 and B * per_query > _KEY_BLOCK_ELEMS:  # requests in groups (all elementwise: same bits)
+        rows = max(1, _KEY_BLOCK_ELEMS // per_query)
+        return torch.cat([attention(q[b : b + rows], k[b : b + rows], v[b : b + rows], q_pos[b : b + rows], scale)
+                          for b in range(0, B, rows)])  # fmt: skip
     qf = q.float().view(B, Q, KVH, H // KVH, D)
     kf, vf = k.float(), v.float()
     visible = torch.arange(L, device=q.device)[None, None, :] <= q_pos.clamp(min=0)[:, :, None]
-    step = max(1, _KEY_BLOCK_ELEMS // max(1, B * H * L * D))
+    step = max(1, _KEY_BLOCK_ELEMS // (B * per_query))
     outs = [
         _attend_block(qf[:, i : i + step], kf, vf, visible[:, i : i + step], scale) for i in range(0, Q, step)
     ]

@@ -110,3 +110,14 @@ def test_gradients_flow_through_the_invariant_ops(gen) -> None:
         1, torch.tensor([[1], [2], [3], [4], [5]])
     ).sum().backward()
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_in_request_groups_is_the_same(gen, monkeypatch) -> None:
+    q, k, v = (torch.randn(5, 2, 4, 16, generator=gen), torch.randn(5, 9, 2, 16, generator=gen),
+               torch.randn(5, 9, 2, 16, generator=gen))  # fmt: skip
+    pos = torch.tensor([[3, 8], [0, 1], [8, -1], [5, 6], [2, 7]])
+    whole = inv.attention(q, k, v, pos, 0.25)
+    monkeypatch.setattr(inv, "_KEY_BLOCK_ELEMS", 4 * 9 * 16 * 2)  # two requests a group, a query a block
+    grouped = inv.attention(q, k, v, pos, 0.25)
+    valid = pos >= 0
+    assert torch.equal(grouped[valid], whole[valid])
