@@ -79,3 +79,43 @@ def test_draft_weights_arrive_by_their_prefix(tiny_model, draft, tmp_path):
 
     torch.testing.assert_close(torch.tensor(after), torch.tensor(before) * 0.5)
     assert after != before and out["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_a_lora_request_speculates_against_its_adapter(tiny_model, draft, tmp_path):
+    """A request naming a LoRA adapter: the verify forward runs the target with the adapter (the
+    draft is the base draft), so greedy output equals a plain engine's with the same adapter, and
+    differs from the base model's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           init_lora_weights=False))  # fmt: skip
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_" in n:
+                p.mul_(3.0)
+    peft.save_pretrained(tmp_path / "adapter")
+    lora = [
+        "--lora-paths",
+        f"a={tmp_path / 'adapter'}",
+        "--max-lora-rank",
+        "4",
+        "--lora-target-modules",
+        "all",
+    ]
+    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
+             "--speculative-num-steps", "3"]  # fmt: skip
+    spec = start_engine(tiny_model, device="cpu", log_path=tmp_path / "spec.log", extra_args=lora + flags)
+    plain = start_engine(tiny_model, device="cpu", log_path=tmp_path / "plain.log", extra_args=lora)
+    try:
+        got = httpx.post(spec.url + "/generate", json={**BODY, "lora_path": "a"}, timeout=120).json()
+        want = httpx.post(plain.url + "/generate", json={**BODY, "lora_path": "a"}, timeout=120).json()
+        base_out = httpx.post(plain.url + "/generate", json=BODY, timeout=120).json()
+    finally:
+        spec.stop()
+        plain.stop()
+    assert got["output_ids"] == want["output_ids"] != base_out["output_ids"]
+    assert got["meta_info"]["spec_verify_ct"] >= 1
