@@ -200,7 +200,7 @@ def mismatch_part(args, device: str) -> list[dict]:
     for backend in args.backend or ["fsdp"]:
         name = f"v4-mismatch-{backend}"
         recipe = mismatch_recipe(args, out, name, backend, args.steps, {"old_logprobs": "recompute"})
-        for r in ("off", "rollout"):
+        for r in args.replay:
             sets = [f"train.routing_replay={r}"]
             rows.append(dict(backend=backend, routing_replay=r, **info)
                         | mismatch_run(recipe, args.workdir, f"{name}-{r}", sets, args.steps, keys))  # fmt: skip
@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mm-completion", type=int, default=128)
     p.add_argument("--micro-tokens", type=int, default=8192)
     p.add_argument("--backend", action="append", choices=["fsdp", "megatron"], help="mismatch: trainer(s)")
+    p.add_argument("--replay", nargs="+", choices=["off", "rollout"], default=["off", "rollout"],
+                   help="mismatch: the train.routing_replay arms to run")  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.steps, args.mm_prompts, args.mm_samples = 2, 2, 2, 2

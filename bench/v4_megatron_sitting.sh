@@ -4,7 +4,9 @@
 # over STEPS GRPO steps with R3 off and on) and on FSDP (FSDP_STEPS, at most 10 by default: the step-time anchor), then
 # the GPU tests of the V4 Megatron modules. Each part under its own time limit (LIMITS, seconds, in
 # that order; 0 skips a part), so that a short device lease still brings back the first ones.
-#   [LIMITS="150 200 110 120"] bash bench/v4_megatron_sitting.sh OUT [STEPS [FSDP_STEPS]]
+#   [LIMITS="150 200 110 120"] [REPLAY="off rollout"] bash bench/v4_megatron_sitting.sh OUT [STEPS [FSDP_STEPS]]
+# Seen on one H100 (2026-12-07): a Megatron run of 20 steps takes ~165 s with its start-up, an FSDP run
+# of 5 steps ~45 s; REPLAY=rollout runs only the R3 arm.
 set -u
 out=${1:?usage: bench/v4_megatron_sitting.sh OUT [STEPS]}
 steps=${2:-20}
@@ -27,7 +29,7 @@ tests() {  # name limit pytest-args...
 
 bench() {  # backend limit steps
   [ "$2" -gt 0 ] || return 0
-  timeout "$2" $py -m bench.deepseek_v4_gpu --part mismatch --backend "$1" --steps "$3" \
+  timeout "$2" $py -m bench.deepseek_v4_gpu --part mismatch --backend "$1" --steps "$3" --replay ${REPLAY:-off rollout} \
     --workdir /tmp/bv4 --out "$out/v4_$1.json" > "$out/bench_$1.log" 2>&1
   echo "bench $1 rc $?"
   grep -E "^\| (megatron|fsdp) " "$out/bench_$1.log"
