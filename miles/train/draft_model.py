@@ -90,8 +90,12 @@ class DraftTraining:
 
     def setup(self, plan: Any) -> None:
         self.inner.setup(plan)
-        if dist.get_rank() == 0:
-            device = getattr(self.inner, "device", None) or torch.device("cpu")
+        if dist.get_rank() == 0:  # the policy's device (Megatron's: this rank's current CUDA device)
+            device = getattr(self.inner, "device", None)
+            if device is None:
+                device = (
+                    torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+                )
             self.draft = DraftTrainer(plan, torch.device(device))
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
