@@ -16,6 +16,8 @@ from miles.train.checkpoint import COMPLETE, complete_steps, latest_complete_ste
 from miles.train.fsdp.checkpoint import load_checkpoint
 
 TOL = 1e-5
+WEIGHTS_TOL = 3e-5
+"""Weights of a 2-rank and a 1-rank timeline (test_fsdp.py's WEIGHTS_TOL)."""
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def test_resume_on_one_rank_from_two_rank_checkpoint(runs):
     for ref in (two, one):
         w_ref = ref["tensors"]["weights"]
         w = resumed["tensors"]["weights"]
-        assert max((w[k] - w_ref[k]).abs().max().item() for k in w) <= TOL
+        assert max((w[k] - w_ref[k]).abs().max().item() for k in w) <= WEIGHTS_TOL
 
 
 @pytest.mark.slow

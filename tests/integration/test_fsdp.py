@@ -14,6 +14,10 @@ from test_fsdp_ranks import probe_ids, reference_runs
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
+WEIGHTS_TOL = 3e-5
+"""Weights after the steps: two ranks sum the gradients in another order, and Adam's normalised step
+carries the rounding gap into the weights (seen up to 1.07e-5 on a 2-core AVX2 machine, under 1e-5 on
+others)."""
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,7 @@ def test_two_ranks_match_one_rank(runs):
     for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
         for key in m1.keys() - {"step_time_s"}:
             assert math.isclose(m1[key], m2[key], rel_tol=TOL, abs_tol=1e-6), (key, m1[key], m2[key])
-    assert _max_diff(one["tensors"]["weights"], two["tensors"]["weights"]) <= TOL
+    assert _max_diff(one["tensors"]["weights"], two["tensors"]["weights"]) <= WEIGHTS_TOL
     assert (one["tensors"]["logits"] - two["tensors"]["logits"]).abs().max() <= TOL
 
 
