@@ -34,6 +34,7 @@ needs no invariance, only the forward's value).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -48,15 +49,25 @@ _KEY_BLOCK_ELEMS = 1 << 22
 """Attention holds about this many fp32 products per block of queries."""
 
 
+_threads_lock = threading.Lock()
+_threads_saved: list[int] = []  # the setting before the outermost block, while blocks are open
+
+
 @contextlib.contextmanager
 def one_torch_thread():
-    """Torch's intra-op threads set to 1 for the block, then put back."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    """Torch's intra-op threads set to 1 for the block, then put back (the setting is the process's:
+    blocks open in several threads at once restore it when the last one closes)."""
+    with _threads_lock:
+        _threads_saved.append(torch.get_num_threads())
+        torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        with _threads_lock:
+            first = _threads_saved[0]
+            _threads_saved.pop()
+            if not _threads_saved:
+                torch.set_num_threads(first)
 
 
 def pointwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:

@@ -121,3 +121,23 @@ def test_attention_in_request_groups_is_the_same(gen, monkeypatch) -> None:
     grouped = inv.attention(q, k, v, pos, 0.25)
     valid = pos >= 0
     assert torch.equal(grouped[valid], whole[valid])
+
+
+def test_one_thread_blocks_in_several_threads_put_the_setting_back(threads) -> None:
+    import threading
+    import time
+
+    torch.set_num_threads(2)
+
+    def work() -> None:
+        for _ in range(100):
+            with inv.one_torch_thread():
+                assert torch.get_num_threads() == 1
+                time.sleep(0.0002)
+
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert torch.get_num_threads() == 2
