@@ -142,3 +142,10 @@ def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         weights.update(load_file(str(f)))
     return weights
+
+
+def token_slots(b: Batch) -> torch.Tensor:
+    """The LoRA slot of each new token of `b` (-1, the base model, when the batch names none)."""
+    if b.lora_slots is not None:
+        return b.lora_slots
+    return torch.full_like(b.input_ids, -1)

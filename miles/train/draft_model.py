@@ -85,7 +85,7 @@ class DraftTraining:
         self.inner = inner
         self.draft: DraftTrainer | None = None
 
-    def __getattr__(self, name: str) -> Any:  # the wrapped backend's other attributes (model, step, ...)
+    def __getattr__(self, name: str) -> Any:  # the wrapped backend's other parts (offload, model, ...)
         return getattr(self.inner, name)
 
     def setup(self, plan: Any) -> None:
@@ -120,9 +120,3 @@ class DraftTraining:
         if self.draft is not None and state is not None:
             self.draft.restore(state)
         return extra
-
-    def offload(self) -> None:
-        self.inner.offload()
-
-    def onload(self) -> None:
-        self.inner.onload()

@@ -360,9 +360,11 @@ class FSDPBackend:
             **{k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in vars(packed).items()}
         )
         temperature = self.plan.rollout.temperature
-        logp, entropy = response_logprobs(logits, dev, temperature, with_entropy)
         if self.plan.train.true_on_policy:  # the engine's log-softmax, bit for bit
             logp = true_on_policy.logprobs(logits, dev.logit_index, dev.targets, temperature)
+            entropy = response_logprobs(logits, dev, temperature, True)[1] if with_entropy else None
+        else:
+            logp, entropy = response_logprobs(logits, dev, temperature, with_entropy)
         topk = None
         if with_entropy and dev.teacher_topk_ids is not None:
             topk = topk_logprobs(logits, dev.logit_index, dev.teacher_topk_ids, temperature)
