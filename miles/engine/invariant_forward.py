@@ -53,6 +53,10 @@ class InvariantForward:
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
+        if x.is_cuda:  # one kernel reads the pool in place (each token's request from _requests)
+            req = self._requests(b, T)
+            out = inv.gpu_kernels().paged_attention(q, k_pool, v_pool, b.context_slots, req, b.positions, D**-0.5)
+            return self._proj(out.view(T, -1), p + "o_proj")
         # [B, L, KVH, D] contexts from the pool, [B, Q, H, D] queries
         kc = gather_slots(k_pool, b.context_slots).permute(1, 2, 0, 3)
         vc = gather_slots(v_pool, b.context_slots).permute(1, 2, 0, 3)
@@ -62,6 +66,16 @@ class InvariantForward:
         packed = out.new_zeros(T + 1, s.num_heads * D)
         packed[dest] = out.reshape(B * Q, -1)
         return self._proj(packed[:T], p + "o_proj")
+
+    @staticmethod
+    def _requests(b: Batch, T: int) -> torch.Tensor:
+        """[T] the request (row of b.context_slots) of each packed new token."""
+        B, Q = b.query_index.shape
+        rows = torch.arange(B, device=b.query_index.device)[:, None].expand(B, Q)
+        live = b.query_pos >= 0
+        req = torch.zeros(T, dtype=torch.int64, device=rows.device)
+        req[b.query_index[live]] = rows[live]
+        return req
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p, m, d = f"model.layers.{i}.mlp.", self.d.spec.moe, self.d

@@ -26,9 +26,13 @@ and the engine's forward and the trainer's forward both call them:
   outputs weighted and tree-summed in slot order, whichever tokens share its experts).
 
 Everything else of the forward (embedding lookups, residual additions, products, maxima) is exact
-elementwise work already. The cost is speed: GEMMs in blocks of ROWS and attention without a fused
-kernel (bench/RESULTS.md measures it). Gradients flow through every function (the trainer's backward
-needs no invariance, only the forward's value).
+elementwise work already. Gradients flow through every function (the trainer's backward needs no
+invariance, only the forward's value).
+
+On CUDA tensors `linear`, `rms_norm` and `token_logprobs` run as Triton kernels of the same contract
+(miles/quant/invariant_triton.py), and the engine and the trainer attend through its
+`paged_attention` / `packed_attention`: the forms above cost a launch per block or tree level, which
+a GPU pays in full. The CPU keeps the forms above. Both sides of a comparison run on one kind of device.
 """
 
 from __future__ import annotations
@@ -98,8 +102,17 @@ def tree_sum(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
     return out.unsqueeze(dim) if keepdim else out
 
 
+def gpu_kernels():
+    """miles/quant/invariant_triton.py (imported on first use: Triton comes with CUDA builds of torch)."""
+    from miles.quant import invariant_triton
+
+    return invariant_triton
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x W^T (+ bias) with every row computed by a GEMM of ROWS rows."""
+    if x.is_cuda:
+        return gpu_kernels().linear(x, weight, bias)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     m = rows.shape[0]
@@ -115,6 +128,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) computed in fp32, rounded to x's dtype before the weight
     multiplies (transformers' Qwen2RMSNorm / LlamaRMSNorm)."""
+    if x.is_cuda:
+        return gpu_kernels().rms_norm(x, weight, eps)
     h = x.float()
     var = tree_sum(h * h, keepdim=True) / h.shape[-1]
     h = h * pointwise(torch.rsqrt, var + eps)
@@ -179,6 +194,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> T
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
     """log softmax(logits / T)[token] per row (fp32): logits [N, V], tokens [N], T a float or [N]."""
+    if logits.is_cuda:
+        return gpu_kernels().token_logprobs(logits, tokens, temperature)
     z = logits.float()
     if isinstance(temperature, Tensor):
         z = z / temperature.float()[:, None]

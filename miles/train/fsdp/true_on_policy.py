@@ -97,6 +97,13 @@ def attention_forward(
     if position_ids is None:
         position_ids = torch.arange(S, device=query.device).expand(B, S)
     scale = scaling if scaling is not None else D**-0.5
+    if query.is_cuda:  # each row's sequences through one kernel (miles/quant/invariant_triton.py)
+        out = []
+        for row, positions in enumerate(position_ids.expand(B, S).tolist()):
+            starts, lengths = zip(*((a, b - a) for a, b in _sequences(positions)), strict=True)
+            q = query[row].transpose(0, 1)
+            out.append(inv.gpu_kernels().packed_attention(q, key[row], value[row], list(starts), list(lengths), scale))
+        return torch.stack(out).contiguous(), None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     rows = []
     for row, positions in enumerate(position_ids.expand(B, S).tolist()):
