@@ -4,6 +4,7 @@ packed forward (transformers' model, with or without miles/train/fsdp/true_on_po
 
 from __future__ import annotations
 
+import contextlib
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,28 +22,53 @@ def _prompts() -> list[list[int]]:
     return out + [base[:17] + [11, 12], base + [13]]  # continue cached prefixes
 
 
-def _generate(url: str, prompt: list[int], seed: int, n: int = 1) -> list[dict]:
-    body = {"input_ids": prompt, "return_logprob": True,
+def _generate(url: str, prompt: list[int], seed: int, n: int = 1, routed: bool = False) -> list[dict]:
+    body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": routed,
             "sampling_params": {"max_new_tokens": 10 + seed % 7, "temperature": TEMPERATURE, "n": n,
                                 "sampling_seed": seed, "ignore_eos": True}}  # fmt: skip
     out = httpx.post(url + "/generate", json=body, timeout=120).json()
     outs = out if isinstance(out, list) else [out]
-    return [dict(prompt=prompt, output=o["output_ids"],
+    return [dict(prompt=prompt, output=o["output_ids"], routed=o["meta_info"].get("routed_experts"),
                  logprobs=[row[0] for row in o["meta_info"]["output_token_logprobs"]]) for o in outs]  # fmt: skip
 
 
-def rollout(url: str) -> list[dict]:
+def rollout(url: str, routed: bool = False) -> list[dict]:
+    """`routed`: each sample also carries the engine's routed experts (SGLang's base64 rows)."""
     prompts = _prompts()
+    gen = lambda p, seed, n=1: _generate(url, p, seed, n, routed)  # noqa: E731
     with ThreadPoolExecutor(8) as pool:  # together: batches of changing composition
-        first = list(pool.map(lambda i: _generate(url, prompts[i], i, n=2 if i == 1 else 1), range(5)))
-    later = [_generate(url, p, 10 + j) for j, p in enumerate(prompts[5:])]  # over cached prefixes
+        first = list(pool.map(lambda i: gen(prompts[i], i, 2 if i == 1 else 1), range(5)))
+    later = [gen(p, 10 + j) for j, p in enumerate(prompts[5:])]  # over cached prefixes
     return [s for group in first + later for s in group]
 
 
+def _replay(model, samples: list[dict]):
+    """Routing replay installed on `model` and the packed row's routing from the samples' rows."""
+    from miles.rollout.client import decode_routed_experts
+    from miles.sample import Sample
+    from miles.train.routing_replay import RoutingReplay, packed_routing
+
+    rr = RoutingReplay.install(model, replay=True)
+    packed = []
+    for i, s in enumerate(samples):
+        tokens = s["prompt"] + s["output"]
+        rows = decode_routed_experts(s["routed"], len(tokens) - 1)
+        packed.append(
+            Sample(group_id=i, index=0, prompt_ids=s["prompt"], response_ids=s["output"], routed_experts=rows)
+        )
+    return rr, packed_routing(packed, range(len(packed)), rr.shape, required=True)
+
+
 def trainer_logprobs(
-    model_dir: str, samples: list[dict], true_on_policy: bool, device: str = "cpu", dtype=torch.float32
+    model_dir: str,
+    samples: list[dict],
+    true_on_policy: bool,
+    device: str = "cpu",
+    dtype=torch.float32,
+    replay: bool = False,
 ) -> list[torch.Tensor]:
-    """Each sample's response log-probs from one packed forward, as the FSDP backend computes them."""
+    """Each sample's response log-probs from one packed forward, as the FSDP backend computes them
+    (`replay`: the MoE routers follow the samples' routed experts, routing replay)."""
     from transformers import AutoModelForCausalLM
 
     from miles.train.fsdp import true_on_policy as top
@@ -60,7 +86,8 @@ def trainer_logprobs(
         targets.append(s["output"])
         ids += seq
         pos += range(len(seq))
-    with torch.no_grad():
+    rr, routing = _replay(model, samples) if replay else (None, None)
+    with torch.no_grad(), rr.batch(routing, measure=False) if rr else contextlib.nullcontext():
         batch = dict(
             input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device)
         )

@@ -352,7 +352,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
         args.max_running_requests,
         args.max_total_tokens,
         args.max_prefill_tokens,
-        cuda_graph=not args.disable_cuda_graph and not deterministic(args),
+        # the invariant forward is graph-safe on CUDA, but for Qwen3-MoE's experts (host-side expert lists)
+        cuda_graph=not args.disable_cuda_graph and not (deterministic(args) and spec.moe is not None),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_max_context=args.cuda_graph_max_context,
         # speculation records each step's tokens at once: no decode step runs ahead of its readback

@@ -55,7 +55,9 @@ class InvariantForward:
         v_pool[:, b.write_slots] = v.transpose(0, 1)
         if x.is_cuda:  # one kernel reads the pool in place (each token's request from _requests)
             req = self._requests(b, T)
-            out = inv.gpu_kernels().paged_attention(q, k_pool, v_pool, b.context_slots, req, b.positions, D**-0.5)
+            out = inv.gpu_kernels().paged_attention(
+                q, k_pool, v_pool, b.context_slots, req, b.positions, D**-0.5
+            )
             return self._proj(out.view(T, -1), p + "o_proj")
         # [B, L, KVH, D] contexts from the pool, [B, Q, H, D] queries
         kc = gather_slots(k_pool, b.context_slots).permute(1, 2, 0, 3)
@@ -69,13 +71,13 @@ class InvariantForward:
 
     @staticmethod
     def _requests(b: Batch, T: int) -> torch.Tensor:
-        """[T] the request (row of b.context_slots) of each packed new token."""
+        """[T] the request (row of b.context_slots) of each packed new token, without a host read (a
+        CUDA graph captures it): padding queries write into a dropped element T."""
         B, Q = b.query_index.shape
         rows = torch.arange(B, device=b.query_index.device)[:, None].expand(B, Q)
-        live = b.query_pos >= 0
-        req = torch.zeros(T, dtype=torch.int64, device=rows.device)
-        req[b.query_index[live]] = rows[live]
-        return req
+        dest = torch.where(b.query_pos >= 0, b.query_index, T)
+        req = torch.zeros(T + 1, dtype=torch.int64, device=rows.device)
+        return req.scatter_(0, dest.reshape(-1), rows.reshape(-1))[:T]
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p, m, d = f"model.layers.{i}.mlp.", self.d.spec.moe, self.d

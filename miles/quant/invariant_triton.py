@@ -39,7 +39,7 @@ VOCAB_BLOCK = 4096
 """Logits per block of the log-softmax."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one build whatever the number of rows
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -58,8 +58,12 @@ def _gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
-        a = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
-        b = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None], other=0.0)
+        a = tl.load(
+            x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0
+        )
+        b = tl.load(
+            w_ptr + n[None, :] * stride_wn + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None], other=0.0
+        )
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     mask = (m < M)[:, None] & (n < N)[None, :]
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -77,7 +81,9 @@ def matmul(x: Tensor, weight: Tensor) -> Tensor:
     tile = GEMM_TILE
     grid = (triton.cdiv(M, tile["BLOCK_M"]) * triton.cdiv(N, tile["BLOCK_N"]),)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # bf16 / fp16 tiles: tensor-core dots
-    _gemm_kernel[grid](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), PRECISION=precision, **tile)
+    _gemm_kernel[grid](
+        x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), PRECISION=precision, **tile
+    )
     return out
 
 
@@ -199,7 +205,11 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
         m_i = m_new
     o = acc / tl.maximum(l_i, 1e-30)[:, None]  # a padding query: 0
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty), mask=qd_mask)
+    tl.store(
+        out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=qd_mask,
+    )
 
 
 def paged_attention(
@@ -263,7 +273,9 @@ class _PackedAttention(torch.autograd.Function):
         return (*_recomputed_grads(_causal_reference, ctx, grad, *ctx.args), None, None, None)
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, starts: list[int], lengths: list[int], scale: float) -> Tensor:
+def packed_attention(
+    q: Tensor, k: Tensor, v: Tensor, starts: list[int], lengths: list[int], scale: float
+) -> Tensor:
     """Causal attention within each sequence of a packed row: q [T, H, D], k / v [KVH, T, D] ->
     [T, H, D]; differentiable (SDPA recomputed for the backward)."""
     return _PackedAttention.apply(q, k, v, starts, lengths, scale)

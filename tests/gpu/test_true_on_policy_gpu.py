@@ -1,8 +1,10 @@
 """True on-policy on the GPU in bf16: a CUDA engine started with `--enable-deterministic-inference
 --rl-on-policy-target fsdp` samples requests of different lengths together (mixed batches, parallel
-samples, cached prefixes), and the trainer's bf16 forward under train.true_on_policy gives every
-sampled token the same log-prob bit for bit; the tiny Qwen2 / Qwen3 models and a random model of
-Qwen2.5-0.5B's shapes. Without the mode the log-probs differ."""
+samples, cached prefixes, CUDA-graph decode buckets for the dense models), and the trainer's bf16
+forward under train.true_on_policy gives every sampled token the same log-prob bit for bit; the tiny
+Qwen2 / Qwen3 models, a random model of Qwen2.5-0.5B's shapes, and the tiny Qwen3-MoE with routing
+replay (the trainer's routers follow the experts the engine returned). Without the mode the
+log-probs differ."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen2-0.5b"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen2-0.5b", "qwen3_moe"])
 def model(request, tmp_path_factory) -> str:
     from miles.models.tiny import init_random, init_tiny
 
@@ -32,22 +34,28 @@ def model(request, tmp_path_factory) -> str:
 def rollouts(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("true-on-policy-gpu")
     kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=8192)
-    on = start_engine(model, log_path=logs / "on.log", extra_args=FLAGS, **kw)
+    routed = _moe(model)
+    extra = ["--enable-return-routed-experts"] if routed else []
+    on = start_engine(model, log_path=logs / "on.log", extra_args=FLAGS + extra, **kw)
     try:
-        got_on = rollout(on.url)
+        got_on = rollout(on.url, routed=routed)
     finally:
         on.stop()
-    off = start_engine(model, log_path=logs / "off.log", **kw)
+    off = start_engine(model, log_path=logs / "off.log", extra_args=extra, **kw)
     try:
-        got_off = rollout(off.url)
+        got_off = rollout(off.url, routed=routed)
     finally:
         off.stop()
     return got_on, got_off
 
 
+def _moe(model: str) -> bool:
+    return model.endswith("qwen3_moe")
+
+
 def test_bf16_trainer_log_probs_equal_the_engine_bit_for_bit(model, rollouts) -> None:
     samples, _ = rollouts
-    trainer = trainer_logprobs(model, samples, True, device="cuda", dtype=torch.bfloat16)
+    trainer = trainer_logprobs(model, samples, True, device="cuda", dtype=torch.bfloat16, replay=_moe(model))
     for s, got in zip(samples, trainer, strict=True):
         engine = torch.tensor(s["logprobs"], dtype=torch.float32)
         assert torch.equal(got, engine), (s["prompt"][:5], (got - engine).abs().max())
@@ -55,7 +63,7 @@ def test_bf16_trainer_log_probs_equal_the_engine_bit_for_bit(model, rollouts) ->
 
 def test_bf16_without_the_mode_differs(model, rollouts) -> None:
     _, samples = rollouts
-    trainer = trainer_logprobs(model, samples, False, device="cuda", dtype=torch.bfloat16)
+    trainer = trainer_logprobs(model, samples, False, device="cuda", dtype=torch.bfloat16, replay=_moe(model))
     diffs = [
         (got - torch.tensor(s["logprobs"])).abs().max().item()
         for s, got in zip(samples, trainer, strict=True)

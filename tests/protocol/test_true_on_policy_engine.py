@@ -72,3 +72,21 @@ def test_greedy_and_sampled_log_probs_are_the_invariant_log_softmax() -> None:
     lp = inv.token_logprobs(logits, torch.tensor([1, 2, 3]), torch.tensor([1.0, 0.5, 2.0]))
     want = torch.stack([torch.log_softmax(logits[i] / t, -1)[i + 1] for i, t in enumerate((1.0, 0.5, 2.0))])
     torch.testing.assert_close(lp, want)
+
+
+def test_moe_with_routing_replay_reproduces_every_log_prob(tmp_path) -> None:
+    """Qwen3-MoE, the engine returning its routed experts and the trainer's routers replaying them."""
+    from miles.models.tiny import init_tiny
+
+    model = str(init_tiny(tmp_path / "moe", arch="qwen3_moe", seed=1))
+    flags = FLAGS + ["--enable-return-routed-experts"]
+    eng = start_engine(
+        model, device="cpu", log_path=tmp_path / "engine.log", extra_args=flags, max_total_tokens=4096
+    )
+    try:
+        samples = rollout(eng.url, routed=True)
+    finally:
+        eng.stop()
+    assert all(s["routed"] for s in samples)
+    for s, got in zip(samples, trainer_logprobs(model, samples, True, replay=True), strict=True):
+        assert torch.equal(got, torch.tensor(s["logprobs"], dtype=torch.float32)), s["prompt"][:5]

@@ -35,7 +35,9 @@ def _linear(torch, kern, gen) -> dict:
     return {
         "linear_err": (full - torch.nn.functional.linear(x, w, b)).abs().max().item(),
         "linear_invariant": torch.equal(alone, full[[0, *range(128, 150)]]),
-        "linear_grad_err": max((a.grad - r.grad).abs().max().item() for a, r in zip((xg, wg, bg), ref, strict=True)),
+        "linear_grad_err": max(
+            (a.grad - r.grad).abs().max().item() for a, r in zip((xg, wg, bg), ref, strict=True)
+        ),
     }
 
 

@@ -102,7 +102,11 @@ def attention_forward(
         for row, positions in enumerate(position_ids.expand(B, S).tolist()):
             starts, lengths = zip(*((a, b - a) for a, b in _sequences(positions)), strict=True)
             q = query[row].transpose(0, 1)
-            out.append(inv.gpu_kernels().packed_attention(q, key[row], value[row], list(starts), list(lengths), scale))
+            out.append(
+                inv.gpu_kernels().packed_attention(
+                    q, key[row], value[row], list(starts), list(lengths), scale
+                )
+            )
         return torch.stack(out).contiguous(), None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     rows = []
