@@ -4,9 +4,8 @@
     python -m bench.true_on_policy --part learning [--seeds 0 1 2] [--steps 30] [--out F.json]   # CPU
 
 1. cost (GPU: bf16; CPU: fp32): the embedded engine's decode throughput with and without
-   `--enable-deterministic-inference` (a real engine process each, `--disable-cuda-graph` on both so
-   the anchor runs the same eager schedule the mode does, and once more the anchor with its CUDA graphs:
-   the engine's default), `--requests` concurrent requests of `--prompt` random ids and exactly
+   `--enable-deterministic-inference` (a real engine process each; on CUDA both with and without
+   `--disable-cuda-graph`, graphs being the engine's default), `--requests` concurrent requests of `--prompt` random ids and exactly
    `--new` new tokens (ignore_eos), tok/s = generated tokens / wall seconds of the whole batch; and the
    trainer's step (forward + backward of one packed row of `--train-seqs` sequences of `--train-len`
    tokens, transformers' model with and without miles/train/fsdp/true_on_policy.py installed, median
@@ -106,9 +105,9 @@ def cost(args) -> dict:
     work = Path(args.workdir)
     model = _model(args.model, work)
     graphs = [] if device == "cuda" else None
-    arms = {"mode": FLAGS + ["--disable-cuda-graph"], "anchor eager": ["--disable-cuda-graph"]}
-    if graphs is not None:
-        arms["anchor with CUDA graphs"] = []
+    arms = {"mode eager": FLAGS + ["--disable-cuda-graph"], "anchor eager": ["--disable-cuda-graph"]}
+    if graphs is not None:  # the mode keeps CUDA graphs for dense models
+        arms.update({"mode with CUDA graphs": FLAGS, "anchor with CUDA graphs": []})
     decode = {name: [decode_tok_s(model, device, f, args, work / f"engine-{i}-{r}.log")
                      for r in range(args.rounds)] for i, (name, f) in enumerate(arms.items())}  # fmt: skip
     train = {
