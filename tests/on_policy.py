@@ -107,3 +107,28 @@ def trainer_logprobs(
                 .cpu()
             )
     return out
+
+
+def chunked_prefill_logits(model_dir: str, device: str, dtype, invariant: bool, chunk: int = 7):
+    """The engine decoder's logits after a 40-token prompt computed (a) in one prefill beside a
+    second request and (b) in chunks of `chunk` tokens alone, each chunk over the cached K/V of the
+    ones before (chunked prefill): ([V] whole, [V] chunked)."""
+    from types import SimpleNamespace
+
+    from miles.engine.model import Decoder, ModelSpec, load_weights
+    from miles.engine.request import prefill_batch
+
+    dec = Decoder(ModelSpec.from_dir(model_dir), load_weights(model_dir), device, dtype)
+    if invariant:
+        dec.make_invariant()
+    prompt = [(13 * i) % 300 + 3 for i in range(40)]
+    other = [(7 * i) % 250 + 5 for i in range(23)]
+    pool = dec.new_kv_pool(256)
+    table = torch.arange(256, device=dec.device).view(2, 128)
+    req = lambda toks, row, done: SimpleNamespace(tokens=toks, kv_len=done, row=row, slots=toks)  # noqa: E731
+    whole = dec.forward(prefill_batch([req(other, 1, 0), req(prompt, 0, 0)], table), pool)[1]
+    pool = dec.new_kv_pool(256)
+    for start in range(0, len(prompt), chunk):
+        done = prompt[: start + chunk]
+        last = dec.forward(prefill_batch([req(done, 0, start)], table), pool)[0]
+    return whole.float().cpu(), last.float().cpu()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from on_policy import FLAGS, rollout, trainer_logprobs
+from on_policy import FLAGS, chunked_prefill_logits, rollout, trainer_logprobs
 
 from miles.engine.process import start_engine
 
@@ -70,3 +70,8 @@ def test_bf16_without_the_mode_differs(model, rollouts) -> None:
     ]
     print(f"true on-policy off, bf16 max |delta logp| per sample: {[f'{d:.2e}' for d in diffs]}")
     assert max(diffs) > 0.0
+
+
+def test_bf16_chunked_prefill_gives_the_same_bits_as_one_prefill(model) -> None:
+    whole, chunked = chunked_prefill_logits(model, "cuda", torch.bfloat16, invariant=True)
+    assert torch.equal(whole, chunked), (whole - chunked).abs().max()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from on_policy import FLAGS, rollout, trainer_logprobs
+from on_policy import FLAGS, chunked_prefill_logits, rollout, trainer_logprobs
 
 from miles.engine.process import start_engine
 from miles.quant import invariant as inv
@@ -90,3 +90,14 @@ def test_moe_with_routing_replay_reproduces_every_log_prob(tmp_path) -> None:
     assert all(s["routed"] for s in samples)
     for s, got in zip(samples, trainer_logprobs(model, samples, True, replay=True), strict=True):
         assert torch.equal(got, torch.tensor(s["logprobs"], dtype=torch.float32)), s["prompt"][:5]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_chunked_prefill_gives_the_same_bits_as_one_prefill(arch, tmp_path) -> None:
+    from miles.models.tiny import init_tiny
+
+    model = str(init_tiny(tmp_path / arch, arch=arch, seed=0))
+    whole, chunked = chunked_prefill_logits(model, "cpu", torch.float32, invariant=True)
+    assert torch.equal(whole, chunked)
+    whole, chunked = chunked_prefill_logits(model, "cpu", torch.float32, invariant=False)
+    assert not torch.equal(whole, chunked)  # the ordinary forward: other bits
