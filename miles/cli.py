@@ -19,7 +19,9 @@ def _cmd_model_init_tiny(args: argparse.Namespace) -> int:
     from miles.models.tiny import init_tiny
 
     sizes = dict(kv.split("=", 1) for kv in args.size)
-    path = init_tiny(args.dir, arch=args.arch, seed=args.seed, **{k: int(v) for k, v in sizes.items()})
+    path = init_tiny(
+        args.dir, arch=args.arch, seed=args.seed, mtp=args.mtp, **{k: int(v) for k, v in sizes.items()}
+    )
     print(f"wrote tiny {args.arch} model to {path}")
     return 0
 
@@ -94,6 +96,12 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=N",
         help="override a config size, e.g. --size hidden_size=128",
+    )
+    q.add_argument(
+        "--mtp",
+        action="store_true",
+        help="add a random multi-token-prediction layer (config num_nextn_predict_layers: 1), the draft "
+        "of the engine's --speculative-algorithm NEXTN",
     )
     q.set_defaults(func=_cmd_model_init_tiny)
 

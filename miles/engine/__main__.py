@@ -363,7 +363,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
     try:
         speculative.attach(args, scheduler, device, dtype)
     except (ValueError, Unsupported) as e:
-        raise SystemExit(f"--speculative-draft-model-path {args.speculative_draft_model_path}: {e}") from None
+        what = args.speculative_draft_model_path or args.model
+        raise SystemExit(f"--speculative-algorithm {args.speculative_algorithm} with {what}: {e}") from None
     for name, config, tensors, path in adapters:
         try:
             scheduler.holdings.load_lora(name, config, tensors, path)

@@ -59,6 +59,9 @@ class Holdings:
             weights = {n: t for n, t in weights.items() if not n.startswith("draft.")}
             if self.s.speculator is not None:
                 self.s.speculator.load_draft(draft)
+        mtp = getattr(self.s.speculator, "mtp", None)
+        if mtp is not None and any(n.startswith(mtp.prefix) for n in weights):  # the MTP draft's (NEXTN)
+            self.s.speculator.load_draft({n: t for n, t in weights.items() if n.startswith(mtp.prefix)})
         self.s.decoder.load(weights, strict=complete)
         self.s._flush_locked()
         if version is not None:

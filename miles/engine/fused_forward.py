@@ -45,7 +45,9 @@ class FusedForward:
 
         d = self.d
         w, st, eps = d.params, d.storage, d.spec.rms_norm_eps
-        x = w["model.embed_tokens.weight"][b.input_ids].float()
+        x = (
+            w["model.embed_tokens.weight"][b.input_ids] if b.input_embeds is None else b.input_embeds
+        ).float()
         freqs = b.positions.float()[:, None] * d.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()  # the per-op path's [cos | cos] halves, once
         mask = d._decode_mask(b)
@@ -68,6 +70,8 @@ class FusedForward:
             else:  # a sparse (MoE) layer, or FP8 gate/up kept unfused (miles/engine/fp8_weights.py)
                 h = add_rms_norm_(x, d._mlp(i, h), w[next_norm], eps, d.dtype)
         d._take_routing(b.write_slots)
+        if d.capture_hidden:
+            d.hidden = h
         # decode (one query per request) packs exactly the last tokens, in order; the norm is per row
         decode = b.query_index.shape[1] == 1
         return d._logits(h if decode else h[b.last_index], None if decode else b.last_index)

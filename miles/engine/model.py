@@ -83,6 +83,10 @@ class Decoder:
         """The forward strategy of CUDA tensors when `fused` (miles/engine/fused_forward.py)."""
         self.invariant: InvariantForward | None = None
         """Deterministic inference's forward (miles/engine/invariant_forward.py): all forwards when set."""
+        self.capture_hidden = False
+        """When set, each forward leaves the final-normed hidden states of all its new tokens [T, hidden]
+        in `hidden` (the MTP draft's input, miles/engine/mtp.py)."""
+        self.hidden: torch.Tensor | None = None
         self.trace: dict[str, torch.Tensor] | None = None
         """When a dict, the per-op forward leaves each sublayer's output [T, hidden] in it under its
         transformers module name (`model.layers.3.self_attn`): the alignment tool's side (miles/align.py)."""
@@ -433,7 +437,11 @@ class Decoder:
             self.lora.terms.begin(token_slots(b))
         if self.fused and b.input_ids.is_cuda:
             return self.fused_forward.forward(b, pool)
-        x = self.params["model.embed_tokens.weight"][b.input_ids]
+        x = (
+            self.params["model.embed_tokens.weight"][b.input_ids]
+            if b.input_embeds is None
+            else b.input_embeds
+        )
         # bf16 on CUDA: the residual stream stays fp32 (each sublayer's input is rounded once), which
         # roughly halves the log-prob error against an fp32 forward for a few elementwise kernels
         wide = x.is_cuda and x.dtype != torch.float32
@@ -454,8 +462,12 @@ class Decoder:
             h = self._traced(p + "post_attention_layernorm", h)
             x = x + self._traced(p + "mlp", self._mlp(i, h.to(self.dtype)))
         self._take_routing(b.write_slots)
-        if self.trace is not None:
-            self.trace["model.norm"] = self._norm(x, self.params["model.norm.weight"]).to(self.dtype)
+        if self.trace is not None or self.capture_hidden:
+            normed = self._norm(x, self.params["model.norm.weight"]).to(self.dtype)
+            self.hidden = normed if self.capture_hidden else None
+            if self.trace is not None:
+                self.trace["model.norm"] = normed
+            return self._logits(normed[b.last_index], b.last_index)
         return self._logits(
             self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype), b.last_index
         )

@@ -383,6 +383,8 @@ class Scheduler(EngineThread):
                 record_prompt(asks, logits[len(group) :])
                 logits = logits[: len(group)]
             self._sample(group, logits, self._to_device(sampling_rows(group, logits.shape[1])))
+            if self.speculator is not None:  # an MTP draft extends over the prefill (miles/engine/mtp.py)
+                self.speculator.after_prefill(group, batch)
         if decode and self.speculator is not None:  # the requests it does not take decode below
             decode = self.speculator.step(decode)
         decode = self._grow(decode)

@@ -40,9 +40,10 @@ class ModelSpec:
     rope_scaling: dict | None = None
     """The rope's YaRN parameters (DeepSeek-V3: `rope_type: yarn`, miles/engine/rope.py), None for default."""
     mtp_layers: int = 0
-    """Multi-token-prediction layers a DeepSeek-V3 checkpoint holds after its decoder layers
-    (`num_nextn_predict_layers`, named model.layers.N.* from N = num_layers): dropped at load, as
-    transformers drops them (the engine does not speculate with them)."""
+    """Multi-token-prediction layers the checkpoint holds after its decoder layers
+    (`num_nextn_predict_layers`, named model.layers.N.* from N = num_layers; DeepSeek-V3, or a tiny
+    model's head from `miles model init-tiny --mtp`): the decoder drops them at load, as transformers
+    does; `--speculative-algorithm NEXTN` drafts with the first (miles/engine/mtp.py)."""
     v4: V4Spec | None = None
     """DeepSeek-V4's hybrid attention and hyper-connections (miles/engine/deepseek_v4.py), else None."""
 
@@ -82,7 +83,7 @@ class ModelSpec:
             moe=moe.MoeSpec.from_config(cfg, cfg["num_hidden_layers"]) if family.moe else None,
             mla=mla,
             rope_scaling=dict(rope) if kind == "yarn" and v4 is None else None,
-            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if v4 is None else 0,
             v4=v4,
         )
 
@@ -100,6 +101,7 @@ class Batch:
     last_index: torch.Tensor  # [B] index of each request's last new token in the packed tokens
     kv_rows: torch.Tensor | None = None  # CPU decode: [B] ascending RowKV row of each request, else None
     lora_slots: torch.Tensor | None = None  # [T] LoRA slot of each new token (-1: base); None: all base
+    input_embeds: torch.Tensor | None = None  # [T, hidden] in place of the tokens' embeddings (MTP draft)
 
     @classmethod
     def decode(

@@ -37,9 +37,9 @@ from miles.engine.request import Request, prefill_batch
 
 log = logging.getLogger("miles.engine")
 
-ALGORITHMS = ("STANDALONE",)
-"""`--speculative-algorithm` values this engine runs (SGLang's EAGLE, EAGLE3 and NEXTN need a model's
-own draft layers, which it does not load yet)."""
+ALGORITHMS = ("STANDALONE", "NEXTN")
+"""`--speculative-algorithm` values this engine runs: a separate draft model, or the model's own MTP
+layer (miles/engine/mtp.py). SGLang's EAGLE / EAGLE3 need EAGLE heads, which it does not load."""
 
 
 def accept(
@@ -203,7 +203,7 @@ class Speculator:
         self.s.slots.release(r.slots[kept:])
         del r.slots[kept:]
         r.kv_len = kept
-        self.cache.keep(r, min(base + k, kept))  # the draft computed up to d_{k-1}
+        self._draft_kept(r, min(base + k, kept))  # the draft computed up to d_{k-1}
         r.spec_verify_ct += 1
         r.spec_draft_token_num += k
         r.spec_accept_token_num += n
@@ -211,6 +211,13 @@ class Speculator:
             if r.finish is not None:
                 break
             self.s._record([r], [tok], [float(logp[j, tok])], self.s.weight_version)
+
+    def _draft_kept(self, r: Request, positions: int) -> None:
+        """The draft's cache keeps `positions` of `r` (the rest was drafted past what stays)."""
+        self.cache.keep(r, positions)
+
+    def after_prefill(self, group: list[Request], batch: Any) -> None:
+        """Called after each prefill forward and its sampling (the MTP draft extends over it)."""
 
 
 def _seed(r: Request, salt: int) -> int:
@@ -226,7 +233,8 @@ def add_args(p: Any) -> None:
         "--speculative-algorithm",
         choices=["EAGLE", "EAGLE3", "NEXTN", "STANDALONE"],
         default=None,
-        help="speculative decoding; this engine runs STANDALONE (a separate draft model)",
+        help="speculative decoding; this engine runs STANDALONE (a separate draft model) and NEXTN (the "
+        "model's own MTP layer, config num_nextn_predict_layers)",
     )
     p.add_argument("--speculative-draft-model-path", default=None, help="the draft model's HF directory")
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per step")
@@ -243,10 +251,10 @@ def problem(args: Any) -> str | None:
         return None
     if algo not in ALGORITHMS:
         return (
-            f"--speculative-algorithm {algo} drafts with the model's own layers, which this engine does not "
-            "load yet: use STANDALONE with --speculative-draft-model-path"
+            f"--speculative-algorithm {algo} drafts with EAGLE heads, which this engine does not load: use "
+            "NEXTN (the model's MTP layer) or STANDALONE with --speculative-draft-model-path"
         )
-    if not args.speculative_draft_model_path:
+    if algo == "STANDALONE" and not args.speculative_draft_model_path:
         return "--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR (the draft model)"
     if args.speculative_eagle_topk != 1:
         return "--speculative-eagle-topk must be 1 here (a chain of drafts, no tree)"
@@ -270,6 +278,17 @@ def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
     from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
     from miles.engine.model import ModelSpec
 
+    if args.speculative_algorithm == "NEXTN":  # the model's own MTP layer
+        from miles.engine.mtp import MtpSpeculator, load_mtp
+
+        mtp = load_mtp(args.model, scheduler.decoder, scheduler.max_total_tokens + 1)
+        scheduler.speculator = MtpSpeculator(scheduler, mtp, args.speculative_num_steps)
+        log.info(
+            "speculative decoding: NEXTN, the MTP layer of %s, %d draft tokens per verify",
+            args.model,
+            args.speculative_num_steps,
+        )
+        return
     path = Path(args.speculative_draft_model_path)
     spec = ModelSpec.from_dir(path)
     draft = build_decoder(spec, path, device, dtype, "none", DEFAULT_FP8_MIN_TOKENS)

@@ -429,8 +429,13 @@ class WeightUpdater:
     def get_by_name(self, body: GetWeightsByName) -> list:
         decoder, name = self.scheduler.decoder, body.name
         spec = self.scheduler.speculator
-        if name.startswith("draft.") and spec is not None:  # the speculative draft's (train.draft)
+        mtp = getattr(spec, "mtp", None)
+        if (
+            name.startswith("draft.") and spec is not None and mtp is None
+        ):  # the speculative draft's (train.draft)
             decoder, name = spec.cache.decoder, name.removeprefix("draft.")
+        elif mtp is not None and name.startswith(mtp.prefix):  # the MTP layer NEXTN drafts with
+            decoder = mtp
         try:
             t = decoder.get(name)
         except KeyError:

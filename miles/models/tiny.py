@@ -210,17 +210,24 @@ def init_tiny(
     corpus: str = "default",
     pretrain_steps: int = 0,
     report=None,
+    mtp: bool = False,
     **sizes: int,
 ) -> Path:
     """Create the tiny model directory (fp32 safetensors + tokenizer), random or, with
-    `pretrain_steps`, a base (module docstring; `report(step, loss)`: its progress); returns its path."""
+    `pretrain_steps`, a base (module docstring; `report(step, loss)`: its progress); returns its path.
+    `mtp`: with a random multi-token-prediction layer (miles/models/mtp.py) for NEXTN speculation."""
     tok = build_tokenizer(vocab_size, seed, corpus)
     cfg = model_config(arch, len(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
     base = None
     if pretrain_steps:
         docs = base_text(corpus, 20_000, seed)
         base = functools.partial(pretrain, tok=tok, docs=docs, steps=pretrain_steps, seed=seed, report=report)
-    return _write(Path(out_dir), cfg, tok, seed, "float32", "cpu", base)
+    out = _write(Path(out_dir), cfg, tok, seed, "float32", "cpu", base)
+    if mtp:
+        from miles.models.mtp import add_mtp_head
+
+        add_mtp_head(out, seed)
+    return out
 
 
 def _write(out: Path, cfg, tok, seed: int, dtype: str, device: str, before_save=None) -> Path:

@@ -123,7 +123,7 @@ def test_flags_are_sglangs_and_checked():
                        "--speculative-num-steps", "4", "--speculative-num-draft-tokens", "5"])  # fmt: skip
     assert speculative.problem(ok) is None
     for argv, words in [
-        (["--speculative-algorithm", "EAGLE"], "use STANDALONE"),
+        (["--speculative-algorithm", "EAGLE"], "use NEXTN"),
         (["--speculative-algorithm", "STANDALONE"], "--speculative-draft-model-path"),
         (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
           "--speculative-num-draft-tokens", "9"], "num-steps + 1"),

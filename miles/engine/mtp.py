@@ -1,0 +1,278 @@
+"""Speculative decoding with the model's own multi-token-prediction layer (SGLang's
+`--speculative-algorithm NEXTN`): DeepSeek-V3's MTP, or the one-layer head `miles model init-tiny
+--mtp` gives a tiny model.
+
+The MTP layer L (= num_hidden_layers, weights `model.layers.L.*`) predicts the token after next: at
+position t it takes the target's final-normed hidden state h_t and the embedding of token t+1,
+    u_t = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])
+runs one decoder layer of the model's own kind over u (its attention over its own K/V of positions
+<= t), normalises (`shared_head.norm`) and applies the shared LM head: a distribution of x_{t+2}.
+Embedding and LM head are the target's (the checkpoint's `embed_tokens` / `shared_head.head` copies
+where it has them).
+
+Its K/V lives in a pool of its own indexed by the target's slots, so a prefix the target shares
+between requests (the radix cache) shares the MTP's K/V too. Per request the speculator keeps the
+MTP's output after the request's last consumed token (`_State`: logits and hidden state), valid while
+the MTP has consumed every token but the newest (decode state: x_0..x_{N-1} with x_{N-1} not yet
+forwarded by the target, MTP positions 0..N-2 computed):
+
+1. after a prefill (`after_prefill`), the MTP extends over the prefill's positions with the
+   target's hidden states of them and the tokens one ahead (the sampled token last);
+2. a step drafts d1 from the kept logits, then d2..dk by running the MTP on its own output hidden
+   state in place of the target's, one position further each time (chain drafting, as SGLang's
+   NEXTN with several steps);
+3. the target verifies [x_{N-1}, d1..dk] (miles/engine/speculative.py: exact rejection sampling, the
+   target's log-probs), and the MTP extends over the kept positions N-1..N-1+n with the target's
+   hidden states of the verify, overwriting what the chain wrote there.
+
+A request that decodes without speculating for a step (its options, the pool full) has a gap in its
+MTP history and decodes as usual from then on. Verification keeps every output the target's, so the
+MTP only sets how many drafts are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles.engine.request import Request, prefill_batch
+from miles.engine.speculative import Speculator
+
+
+def mtp_prefix(spec) -> str:
+    return f"model.layers.{spec.num_layers}."
+
+
+class MtpDraft:
+    """The MTP layer as a one-layer decoder with its own input projection (module docstring)."""
+
+    def __init__(self, target: Any, weights: dict[str, torch.Tensor], num_slots: int) -> None:
+        from miles.engine.model import Decoder
+
+        spec, pre = target.spec, mtp_prefix(target.spec)
+        mine = {n.removeprefix(pre): t for n, t in weights.items() if n.startswith(pre)}
+        need = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+        if missing := [n for n in need if n not in mine]:
+            raise ValueError(f"the checkpoint's MTP layer ({pre}*) lacks {missing}")
+        sparse = any(n.startswith("mlp.experts.") or n == "mlp.gate.weight" for n in mine)
+        moe = spec.moe and dataclasses.replace(spec.moe, sparse_layers=(0,) if sparse else ())
+        one = dataclasses.replace(spec, num_layers=1, mtp_layers=0, moe=moe, tie_word_embeddings=False)
+        layer = {_layer_name(n): t for n, t in mine.items() if n not in _SHARED and n not in need[:3]}
+        layer["model.embed_tokens.weight"] = mine.get(
+            "embed_tokens.weight", target.params["model.embed_tokens.weight"]
+        )
+        layer["lm_head.weight"] = mine.get("shared_head.head.weight", target.get("lm_head.weight"))
+        self.decoder = Decoder(one, layer, str(target.device), target.dtype)
+        self.decoder.fused = self.decoder.paged_decode = self.decoder.row_decode = False
+        self.decoder.capture_hidden = True
+        self.own = {n: mine[n].to(target.device, target.dtype) for n in need[:3]}
+        self.prefix = pre
+        self.eps = spec.rms_norm_eps
+        self.pool = self.decoder.new_kv_pool(num_slots)
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """New MTP weights by their checkpoint names (`model.layers.L.*`; the embedding and LM head
+        copies are the target's and are skipped)."""
+        mine = {n.removeprefix(self.prefix): t for n, t in weights.items() if n.startswith(self.prefix)}
+        for n in self.own:
+            if n in mine:
+                self.own[n].copy_(mine.pop(n))
+        renamed = {_layer_name(n): t for n, t in mine.items() if n not in _SHARED}
+        if renamed:
+            self.decoder.load(renamed)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The MTP weight of checkpoint name `name` (KeyError when it has none)."""
+        n = name.removeprefix(self.prefix)
+        if n in self.own:
+            return self.own[n]
+        return self.decoder.get(_layer_name(n))
+
+    def _inputs(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        emb = self.decoder.params["model.embed_tokens.weight"][next_ids]
+        both = torch.cat(
+            (_rms(emb, self.own["enorm.weight"], self.eps), _rms(hidden, self.own["hnorm.weight"], self.eps)),
+            -1,
+        )
+        return F.linear(both, self.own["eh_proj.weight"])
+
+    @torch.inference_mode()
+    def forward(self, runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor):
+        """One MTP forward over runs (table row, the tokens one ahead of positions start.., the
+        hidden states [m, hidden] of those positions, start): (logits [R, V] fp32 and final-normed
+        hidden [R, hidden]) at each run's last position. K/V written at the table's slots."""
+        fake = [SimpleNamespace(tokens=[0] * start + ids, kv_len=start, row=row, slots=range(start + len(ids)))
+                for row, ids, _, start in runs]  # fmt: skip
+        b = prefill_batch(fake, table)
+        b.input_embeds = self._inputs(
+            torch.cat([h for _, _, h, _ in runs]).to(self.decoder.dtype), b.input_ids
+        )
+        logits = self.decoder.forward(b, self.pool)
+        return logits.float(), self.decoder.hidden[b.last_index]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return (w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).to(x.dtype)
+
+
+_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+"""The MTP layer's copies of the embedding and the LM head (DeepSeek-V3 stores them): the target's serve."""
+
+
+def _layer_name(n: str) -> str:
+    """The one-layer decoder's name of MTP weight `n` (relative to model.layers.L.)."""
+    return "model.norm.weight" if n == "shared_head.norm.weight" else f"model.layers.0.{n}"
+
+
+@dataclasses.dataclass
+class _State:
+    upto: int
+    """MTP positions computed: 0 .. upto - 1 (valid for drafting when upto == num_tokens - 1)."""
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class MtpSpeculator(Speculator):
+    """Speculator whose draft is the model's MTP layer (module docstring)."""
+
+    def __init__(self, scheduler: Any, mtp: MtpDraft, num_steps: int) -> None:
+        if num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be at least 1, got {num_steps}")
+        self.s, self.k, self.mtp = scheduler, num_steps, mtp
+        self.state: weakref.WeakKeyDictionary[Request, _State] = weakref.WeakKeyDictionary()
+        scheduler.decoder.capture_hidden = True
+
+    def load_draft(self, weights: dict[str, torch.Tensor]) -> None:
+        """New MTP weights (a weight push); kept states draft on, verification keeps outputs exact."""
+        self.mtp.load(weights)
+
+    def _room(self, r: Request) -> int:
+        st = self.state.get(r)
+        if (
+            st is None
+            or st.upto != r.num_tokens - 1
+            or r.opts is not None
+            or r.restricts_support
+            or r.abort_requested
+        ):
+            return 0
+        left = min(r.params.max_new_tokens - len(r.output), self.s.max_context - r.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def step(self, reqs: list[Request]) -> list[Request]:
+        """Speculate for the requests that can (`_room`); returns the others, to decode as usual (their
+        MTP history then has a gap: they are not drafted for again)."""
+        ks = {id(r): self._room(r) for r in reqs}
+        mine = [r for r in reqs if ks[id(r)] > 0]
+        fresh = self.s.slots.allocate(sum(ks[id(r)] + 1 for r in mine)) if mine else None
+        if fresh is None:
+            for r in reqs:
+                self.state.pop(r, None)
+            return reqs
+        for r in reqs:
+            if ks[id(r)] == 0:
+                self.state.pop(r, None)
+        self._prepare(mine, ks, fresh)
+        drafts, dists = self._draft(mine, ks)
+        before = {id(r): r.num_tokens for r in mine}
+        logits = self._verify(mine, ks, drafts, fresh)
+        hidden = self.s.decoder.hidden  # the target's, of [x_{N-1}, d1..dk] per request
+        logits, runs, kept, at = logits.cpu(), [], [], 0
+        for r in mine:
+            k, n0 = ks[id(r)], before[id(r)]
+            self._settle(r, k, drafts[id(r)], dists[id(r)], logits[at : at + k + 1])
+            new = r.num_tokens - n0  # the kept drafts and the target's token after them
+            if r.finish is None:
+                runs.append((r.row, r.tokens[n0 : n0 + new], hidden[at : at + new], n0 - 1))
+                kept.append(r)
+            else:
+                self.state.pop(r, None)
+            at += k + 1
+        self._extend(kept, runs)
+        return [r for r in reqs if ks[id(r)] == 0]
+
+    def _draft_kept(self, r: Request, positions: int) -> None:
+        """The MTP's own positions are rewritten by the extend after each verify."""
+
+    def after_prefill(self, group: list[Request], batch) -> None:
+        """The MTP over each prefilled request's new positions (the target's hidden states of them)."""
+        hidden, ends = self.s.decoder.hidden, batch.last_index[: len(group)].tolist()
+        runs, kept, begin = [], [], 0
+        for r, end in zip(group, ends, strict=True):
+            start = int(batch.positions[begin])
+            if r.finish is None and r.opts is None and len(r.output) and r.row >= 0:
+                ids = r.tokens[start + 1 : end - begin + start + 2]
+                runs.append((r.row, ids, hidden[begin : end + 1], start))
+                kept.append(r)
+            begin = end + 1
+        self._extend(kept, runs)
+
+    def _extend(self, reqs: list[Request], runs) -> None:
+        if not runs:
+            return
+        logits, hidden = self.mtp.forward(runs, self.s.table)
+        for i, (r, (_, ids, _, start)) in enumerate(zip(reqs, runs, strict=True)):
+            self.state[r] = _State(start + len(ids), logits[i], hidden[i])
+
+    def _draft(self, mine: list[Request], ks: dict[int, int]):
+        """d1 from each request's kept MTP logits, then d2.. from the MTP on its own hidden state, at
+        positions N-1.. (slots the step allocated for them, their table entries written by `_prepare`)."""
+        drafts: dict[int, list[int]] = {id(r): [] for r in mine}
+        dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
+        logits = torch.stack([self.state[r].logits for r in mine]).cpu()
+        hidden = [self.state[r].hidden for r in mine]
+        live = list(mine)
+        for i in range(max(ks.values())):
+            for r, z in zip(live, logits, strict=True):
+                self._pick(r, z, i, drafts, dists)
+            live_next = [(j, r) for j, r in enumerate(live) if ks[id(r)] > i + 1]
+            if not live_next:
+                break
+            runs = [(r.row, [drafts[id(r)][-1]], hidden[j][None], r.num_tokens - 1 + i) for j, r in live_next]
+            z, h = self.mtp.forward(runs, self.s.table)
+            live, logits, hidden = [r for _, r in live_next], z.cpu(), list(h)
+        return drafts, dists
+
+    def _pick(self, r: Request, z: torch.Tensor, i: int, drafts, dists) -> None:
+        t = r.params.temperature
+        if t <= 0:
+            drafts[id(r)].append(int(z.argmax()))
+            return
+        from miles.engine.speculative import _seed
+
+        q = torch.softmax(z / t, dim=-1)
+        gen = torch.Generator().manual_seed(_seed(r, 1 + i))
+        drafts[id(r)].append(int(torch.multinomial(q, 1, generator=gen)))
+        dists[id(r)].append(q)
+
+    def _prepare(self, mine: list[Request], ks: dict[int, int], fresh: list[int]) -> None:
+        """Table entries of the step's fresh slots before drafting (the chain writes K/V there)."""
+        at = 0
+        for r in mine:
+            n = ks[id(r)] + 1
+            start = len(r.slots)
+            self.s.table[r.row, start : start + n] = torch.tensor(
+                fresh[at : at + n], device=self.s.table.device
+            )
+            at += n
+
+
+def load_mtp(model_dir: str | Path, target: Any, num_slots: int) -> MtpDraft:
+    """The MTP draft of the checkpoint in `model_dir` (ValueError naming what is missing)."""
+    from miles.engine.model import load_weights
+
+    if not target.spec.mtp_layers:
+        raise ValueError(
+            f"{model_dir} has no MTP layer (config num_nextn_predict_layers): NEXTN drafts with the model's "
+            "own MTP layer; use STANDALONE with --speculative-draft-model-path, or `miles model init-tiny --mtp`"
+        )
+    pre = mtp_prefix(target.spec)
+    weights = {n: t for n, t in load_weights(model_dir).items() if n.startswith(pre)}
+    return MtpDraft(target, weights, num_slots)

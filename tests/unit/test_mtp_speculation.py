@@ -1,0 +1,136 @@
+"""Speculative decoding with the model's own MTP layer (`--speculative-algorithm NEXTN`,
+miles/engine/mtp.py) in the embedded engine's scheduler:
+
+- an oracle: a target whose attention and MLP outputs are zero predicts the next token from the
+  current one alone (x_{t+1} = f(x_t)); an MTP layer that passes the next token's embedding through
+  (eh_proj = [I | 0], zero attention and MLP outputs) predicts f(x_{t+1}) = x_{t+2} exactly, so every
+  proposal is kept. Positions, the token one ahead, the chain on the MTP's own hidden state and the
+  K/V bookkeeping all have to be right for that;
+- greedy output equals the plain engine's with a random MTP layer (which keeps few proposals), for
+  dense, Qwen3-MoE (routes recorded for R3 equal the plain engine's) and DeepSeek-V3 targets;
+- sampled tokens carry the target's log-probs (transformers' scoring of the same tokens);
+- `miles model init-tiny --mtp` writes a layer transformers leaves unloaded, the flags are checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
+from miles.engine.model import ModelSpec
+from miles.engine.mtp import MtpSpeculator, load_mtp
+from miles.engine.sampling import SamplingParams
+from miles.engine.scheduler import Request, Scheduler
+
+
+def _scheduler(path: str, nextn: bool, steps: int = 3) -> Scheduler:
+    dec = build_decoder(ModelSpec.from_dir(path), path, "cpu", torch.float32, "none", DEFAULT_FP8_MIN_TOKENS)
+    sched = Scheduler(dec, 8, 4096, overlap=False)
+    if nextn:
+        sched.speculator = MtpSpeculator(sched, load_mtp(path, dec, sched.max_total_tokens + 1), steps)
+    return sched
+
+
+def _run(sched: Scheduler, temperature: float, n: int = 20, routes: bool = False) -> list[Request]:
+    prompts = [[3, 9, 17, 5], [3, 9, 17, 5, 40], [60, 61], [3, 9, 17, 5]]  # shared prefixes: radix hits
+    reqs = [Request(str(i), p, SamplingParams(max_new_tokens=n, temperature=temperature), 100 + i, frozenset())
+            for i, p in enumerate(prompts)]  # fmt: skip
+    for r in reqs:
+        r.return_routed_experts = routes
+        sched.submit(r)
+    sched.run_until_idle()
+    return reqs
+
+
+def _oracle(path) -> str:
+    """The tiny model with zero attention / MLP outputs in the target and the MTP layer, and an MTP
+    input projection that keeps the next token's embedding (module docstring)."""
+    from safetensors.torch import load_file, save_file
+
+    for name in ("model.safetensors", "mtp.safetensors"):
+        tensors = load_file(str(path / name))
+        for n, t in tensors.items():
+            if n.endswith(("o_proj.weight", "down_proj.weight")):
+                t.zero_()
+            if n.endswith("eh_proj.weight"):
+                hidden = t.shape[0]
+                t.zero_()
+                t[:, :hidden] = torch.eye(hidden)
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+    return str(path)
+
+
+def test_an_oracle_mtp_layer_keeps_every_proposal(tmp_path):
+    from miles.models.tiny import init_tiny
+
+    model = _oracle(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
+    plain = _run(_scheduler(model, False), 0.0)
+    spec = _run(_scheduler(model, True), 0.0)
+    assert [r.output for r in spec] == [r.output for r in plain]
+    proposed = sum(r.spec_draft_token_num for r in spec)
+    assert proposed > 0 and sum(r.spec_accept_token_num for r in spec) == proposed
+    assert all(r.spec_verify_ct < len(r.output) / 2 for r in spec), "several tokens per verify forward"
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> str:
+    from miles.models.tiny import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("mtp") / "m", seed=0, mtp=True))
+
+
+def test_greedy_equals_the_plain_engine_with_a_random_mtp_layer(mtp_model):
+    plain = _run(_scheduler(mtp_model, False), 0.0)
+    spec = _run(_scheduler(mtp_model, True), 0.0)
+    for a, b in zip(plain, spec, strict=True):
+        assert a.output == b.output
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert all(r.spec_verify_ct > 0 for r in spec)
+
+
+def test_sampled_tokens_carry_the_targets_logprobs(mtp_model):
+    from transformers import AutoModelForCausalLM
+
+    reqs = _run(_scheduler(mtp_model, True), 1.0)
+    hf = AutoModelForCausalLM.from_pretrained(mtp_model, dtype=torch.float32).eval()
+    for r in reqs:
+        assert len(r.output) == 20 and r.spec_verify_ct > 0
+        with torch.no_grad():
+            logits = hf(torch.tensor([r.prompt + r.output])).logits[0].float()
+        want = torch.log_softmax(logits[len(r.prompt) - 1 : -1], -1).gather(
+            1, torch.tensor(r.output)[:, None]
+        )
+        assert torch.allclose(torch.tensor(r.logprobs), want[:, 0], atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_other_families_keep_greedy_output_and_routes(tmp_path, arch):
+    from miles.models.tiny import init_tiny
+
+    model = str(init_tiny(tmp_path / arch, arch=arch, seed=0, mtp=True))
+    got = []
+    for nextn in (False, True):
+        sched = _scheduler(model, nextn)
+        sched.decoder.record_routing = True
+        got.append(_run(sched, 0.0, 10, routes=True))
+    for a, b in zip(*got, strict=True):
+        assert a.output == b.output
+        assert torch.equal(a.routed_experts, b.routed_experts)
+    assert sum(r.spec_verify_ct for r in got[1]) > 0
+
+
+def test_init_tiny_mtp_layer_is_left_out_by_transformers(mtp_model):
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((Path(mtp_model) / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1
+    layer = load_file(str(Path(mtp_model) / "mtp.safetensors"))
+    pre = f"model.layers.{cfg['num_hidden_layers']}."
+    assert {pre + "eh_proj.weight", pre + "enorm.weight", pre + "self_attn.q_proj.weight"} <= set(layer)
+    hf = AutoModelForCausalLM.from_pretrained(mtp_model)
+    assert len(hf.model.layers) == cfg["num_hidden_layers"]
