@@ -15,13 +15,15 @@ if TYPE_CHECKING:
 
 class SpeculativeConfig(Section):
     """Speculative decoding during rollout, in SGLang's terms (its `--speculative-*` flags, which both
-    the embedded engine and SGLang servers get from these keys). The embedded engine runs STANDALONE:
-    a separate draft model proposes `num_steps` tokens, one target forward verifies them, and
-    speculative sampling keeps the target's distribution and log-probs (miles/engine/speculative.py)."""
+    the embedded engine and SGLang servers get from these keys). The embedded engine runs STANDALONE
+    (a separate draft model) and NEXTN (the model's own MTP layer, miles/engine/mtp.py): the draft
+    proposes `num_steps` tokens, one target forward verifies them, and speculative sampling keeps the
+    target's distribution and log-probs (miles/engine/speculative.py)."""
 
     algorithm: Literal["STANDALONE", "EAGLE", "EAGLE3", "NEXTN"] = "STANDALONE"
-    """STANDALONE: a separate draft model (`draft_model_path`); EAGLE / EAGLE3 / NEXTN draft with a
-    model's own draft layers (SGLang servers only)."""
+    """STANDALONE: a separate draft model (`draft_model_path`); NEXTN: the model's own MTP layer
+    (config num_nextn_predict_layers; model.tiny.mtp gives the tiny model one); EAGLE / EAGLE3: EAGLE
+    heads (SGLang servers only)."""
     draft_model_path: str | None = None
     """HF directory of the draft model (STANDALONE: required; same tokenizer as the target)."""
     num_steps: int = Field(3, ge=1)
@@ -127,11 +129,11 @@ def check_speculative(plan: Plan) -> None:
     if spec.algorithm == "STANDALONE" and not spec.draft_model_path:
         raise ConfigError("engine.speculative.algorithm=STANDALONE needs engine.speculative.draft_model_path")
     if plan.engine.kind == "embedded" and not plan.engine.urls:
-        if spec.algorithm != "STANDALONE":
+        if spec.algorithm not in ("STANDALONE", "NEXTN"):
             raise ConfigError(
-                f"engine.speculative.algorithm={spec.algorithm} drafts with the model's own layers, which the "
-                "embedded engine does not load yet: set it to STANDALONE with a draft_model_path, or "
-                "engine.kind=sglang"
+                f"engine.speculative.algorithm={spec.algorithm} drafts with EAGLE heads, which the embedded "
+                "engine does not load: set it to NEXTN (the model's MTP layer), STANDALONE with a "
+                "draft_model_path, or engine.kind=sglang"
             )
         if spec.eagle_topk != 1 or spec.num_draft_tokens not in (None, spec.num_steps + 1):
             raise ConfigError(

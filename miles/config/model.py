@@ -37,6 +37,9 @@ class TinyModelConfig(Section):
     """Causal-LM steps on the corpus's base text before the model is written: a base model instead of
     a random one (coding: shell sessions and comments, never a task's instruction or a tool call;
     under a minute for 1800 steps on 2 idle cores, 2.2-2.4 min at load 4-5). 0: random weights."""
+    mtp: bool = False
+    """Add a random multi-token-prediction layer (miles/models/mtp.py): the draft of
+    engine.speculative.algorithm NEXTN, trained with the policy under train.draft."""
     sizes: dict[str, int | list[int]] = {}
     """Config sizes over the family's tiny defaults (hidden 64, 2 layers, 4 heads, ...), e.g.
     {hidden_size: 128}; `mlp_only_layers` is a list of layer indices."""

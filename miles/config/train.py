@@ -131,16 +131,18 @@ class CriticConfig(Section):
 
 
 class DraftConfig(Section):
-    """The speculative draft model trained with the policy (miles/train/draft_model.py): every step, one
-    optimiser step of its cross-entropy on the rollout's own trained tokens, and every weight push
-    carries it to the engines' draft (engine.speculative: STANDALONE with draft_model_path)."""
+    """The speculative draft trained with the policy: every step, one optimiser step of its
+    cross-entropy on the rollout's own trained tokens, and every weight push carries it to the
+    engines' draft. engine.speculative STANDALONE: the draft model of draft_model_path
+    (miles/train/draft_model.py); NEXTN: the model's MTP layer on the policy's hidden states
+    (miles/train/mtp_training.py, FSDP)."""
 
     lr: float = Field(1e-3, gt=0.0)
     """AdamW learning rate of the draft."""
     grad_clip: float = Field(1.0, gt=0.0)
     """Gradient-norm clip of the draft's step."""
     max_tokens_per_microbatch: int = Field(8192, ge=1)
-    """Tokens per packed micro-batch of the draft's step."""
+    """Tokens per packed micro-batch of the draft's step (STANDALONE; NEXTN uses the policy's)."""
 
 
 class CheckpointConfig(Section):
@@ -285,10 +287,16 @@ def check_draft(plan: Plan) -> None:
     if plan.train.draft is None:
         return
     spec, e = plan.engine.speculative, plan.engine
-    if spec is None or spec.algorithm != "STANDALONE" or not spec.draft_model_path:
+    nextn = spec is not None and spec.algorithm == "NEXTN"
+    if not nextn and (spec is None or spec.algorithm != "STANDALONE" or not spec.draft_model_path):
         raise ConfigError(
-            "train.draft trains a separate draft model: set engine.speculative.algorithm=STANDALONE and "
-            "engine.speculative.draft_model_path"
+            "train.draft trains the speculative draft: set engine.speculative.algorithm=STANDALONE with "
+            "engine.speculative.draft_model_path, or NEXTN (the model's MTP layer)"
+        )
+    if nextn and plan.train.backend != "fsdp":
+        raise ConfigError(
+            "train.draft with engine.speculative.algorithm=NEXTN trains the MTP layer on the FSDP "
+            "backend's hidden states: set train.backend=fsdp, or a STANDALONE draft"
         )
     if e.kind != "embedded" or e.urls:
         raise ConfigError(

@@ -116,6 +116,7 @@ def _create_tiny(path: Path, tiny: TinyModelConfig, seed: int) -> None:
                 corpus=tiny.corpus,
                 pretrain_steps=tiny.pretrain_steps,
                 report=report,
+                mtp=tiny.mtp,
                 **tiny.sizes,
             )
         os.rename(tmp, path)

@@ -27,6 +27,20 @@ def mtp_prefix(num_hidden_layers: int) -> str:
     return f"model.layers.{num_hidden_layers}."
 
 
+def one_layer_config(cfg):
+    """A copy of transformers config `cfg` with one decoder layer, of the MTP layer's kind (sparse
+    where the family has experts): layer 0 of it is built like the MTP layer."""
+    one = copy.deepcopy(cfg)
+    one.num_hidden_layers = 1
+    if getattr(one, "first_k_dense_replace", None):  # DeepSeek: the MTP layer is a sparse one
+        one.first_k_dense_replace = 0
+    if getattr(one, "mlp_only_layers", None):
+        one.mlp_only_layers = []
+    if isinstance(getattr(one, "layer_types", None), list):
+        one.layer_types = one.layer_types[-1:]
+    return one
+
+
 def add_mtp_head(model_dir: str | Path, seed: int = 0) -> Path:
     """Write a random MTP layer for the model in `model_dir` (module docstring) and set
     `num_nextn_predict_layers: 1` in its config.json; returns the file written."""
@@ -38,12 +52,7 @@ def add_mtp_head(model_dir: str | Path, seed: int = 0) -> Path:
 
     model_dir = Path(model_dir)
     cfg = AutoConfig.from_pretrained(model_dir)
-    one = copy.deepcopy(cfg)
-    one.num_hidden_layers = 1
-    if getattr(one, "first_k_dense_replace", None):  # DeepSeek: the MTP layer is a sparse one
-        one.first_k_dense_replace = 0
-    if getattr(one, "mlp_only_layers", None):
-        one.mlp_only_layers = []
+    one = one_layer_config(cfg)
     torch.manual_seed(seed + 7919)
     layer_model = AutoModelForCausalLM.from_config(one, dtype=torch.float32)
     fill = family_of_model_type(cfg.model_type).tiny_init

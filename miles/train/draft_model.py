@@ -1,4 +1,5 @@
-"""The speculative draft trained with the policy (`train.draft`): a STANDALONE draft model
+"""The speculative draft trained with the policy (`train.draft`; NEXTN's MTP layer: miles/train/mtp_training.py,
+through the same wrapper): a STANDALONE draft model
 (engine.speculative.draft_model_path) learns, every step, to predict the tokens the policy sampled, so
 its proposals keep being accepted as the policy moves away from where the draft started.
 
@@ -90,6 +91,12 @@ class DraftTraining:
 
     def setup(self, plan: Any) -> None:
         self.inner.setup(plan)
+        if plan.engine.speculative.algorithm == "NEXTN":  # the MTP layer, on every rank
+            from miles.train.mtp_training import MtpTrainer
+
+            self.draft = MtpTrainer(plan, self.inner.model, torch.device(self.inner.device))
+            self.inner.hidden_sink = self.draft.absorb
+            return
         if dist.get_rank() == 0:  # the policy's device (Megatron's: this rank's current CUDA device)
             device = getattr(self.inner, "device", None)
             if device is None:
@@ -99,6 +106,9 @@ class DraftTraining:
             self.draft = DraftTrainer(plan, torch.device(device))
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
+        begin = getattr(self.draft, "begin", None)
+        if begin is not None:  # the MTP layer reads the policy's hidden states during its step
+            begin()
         metrics = self.inner.train(samples)
         if self.draft is not None:
             metrics.update(self.draft.train(samples))
@@ -106,7 +116,7 @@ class DraftTraining:
 
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
         yield from self.inner.export_weights(bucket_bytes)
-        yield self.draft.named_tensors() if self.draft is not None else []
+        yield self.draft.named_tensors() if self.draft is not None and dist.get_rank() == 0 else []
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> str:
         extra = dict(extra or {})

@@ -1,7 +1,8 @@
 """`miles train` with speculative rollout: engine.speculative names a draft model (a second tiny model of
 the same tokenizer), the embedded engine gets SGLang's --speculative-* flags from it, and every step
 reports `rollout/spec_accept_rate` and `rollout/spec_accept_length`, the samples training as usual.
-The draft stays frozen here (training it with the policy is not built yet)."""
+With train.draft the draft (a STANDALONE model, or the model's own MTP layer under NEXTN) trains with the
+policy and rides every weight push."""
 
 from __future__ import annotations
 
@@ -49,3 +50,24 @@ def test_a_run_trains_its_draft_online(recipe, tmp_path) -> None:
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["train/draft/loss"] > 0 and r["train/draft/tokens"] > 0 for r in steps)
     assert all(0.0 <= r["rollout/spec_accept_rate"] <= 1.0 for r in steps)
+
+
+def test_a_run_trains_the_models_mtp_layer_online(recipe, tmp_path) -> None:
+    """NEXTN: the engine drafts with the model's MTP layer, the trainer trains that layer on the
+    policy's hidden states (train/draft/loss every step) and pushes it with the policy's weights."""
+    from miles.models.tiny import init_tiny
+
+    model = init_tiny(tmp_path / "mtp-model", seed=0, mtp=True)
+    path, run_dir = recipe(
+        run={"name": "spec-mtp"},
+        model={"path": str(model)},
+        engine={"speculative": {"algorithm": "NEXTN", "num_steps": 2}},
+        rollout={"max_new_tokens": 6},
+        train={"steps": 3, "draft": {"lr": 1e-2}},
+    )
+    finish(miles_train(path))
+    steps = [r for r in read_metrics(run_dir) if r.get("step", 0) > 0 and "train/draft/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["train/draft/loss"] > 0 and r["train/draft/tokens"] > 0 for r in steps)
+    assert all(0.0 <= r["rollout/spec_accept_rate"] <= 1.0 for r in steps)
+    assert any("NEXTN" in log.read_text() for log in (run_dir / "logs").glob("engine-*.log"))

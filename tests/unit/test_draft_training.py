@@ -109,3 +109,56 @@ def test_what_the_draft_cannot_run_with_is_refused(engine, named) -> None:
         engine = {**engine, "speculative": {"draft_model_path": "/tmp/d"}}
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         resolve({"engine": engine, "train": {"draft": {}}})
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> str:
+    from miles.models.tiny import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("mtp") / "m", seed=0, mtp=True))
+
+
+def _mtp_plan(model: str, run_dir, with_draft: bool):
+    train = {"device": "cpu", "steps": 4, "lr": 3e-3, "draft": {"lr": 1e-2}} if with_draft else {
+        "device": "cpu", "steps": 4, "lr": 3e-3}  # fmt: skip
+    return resolve({
+        "model": {"path": model},
+        "run": {"runs_root": str(run_dir.parent), "name": run_dir.name},
+        "engine": {"speculative": {"algorithm": "NEXTN", "num_steps": 2}},
+        "train": train,
+    })  # fmt: skip
+
+
+def test_the_mtp_layer_learns_beside_a_bit_identical_policy(mtp_model, tmp_path) -> None:
+    """NEXTN: the MTP layer trains on the policy's hidden states of its own update passes."""
+    plain = _backend(_mtp_plan(mtp_model, tmp_path / "plain", False), False)
+    for _ in range(2):
+        plain.train(_samples())
+    want, want_grads = _state(plain.model), _state(plain.model, grads=True)
+
+    backend = _backend(_mtp_plan(mtp_model, tmp_path / "mtp", True), True)
+    first = [backend.train(_samples()) for _ in range(2)]
+    got, got_grads = _state(backend.model), _state(backend.model, grads=True)
+    assert all(torch.equal(want[n], got[n]) for n in want) and want.keys() == got.keys()
+    assert want_grads and all(torch.equal(want_grads[n], got_grads[n]) for n in want_grads)
+    # positions t with x_{t+1} and x_{t+2} both trained response tokens: (4-1) + (3-1) + (5-1)
+    assert first[0]["draft/tokens"] == 9.0
+    losses = [m["draft/loss"] for m in first] + [backend.train(_samples())["draft/loss"] for _ in range(6)]
+    assert losses[-1] < losses[0] * 0.8, losses
+
+    mtp = dict(list(backend.export_weights(1 << 20))[-1])
+    pre = f"model.layers.{backend.model.config.num_hidden_layers}."
+    assert {pre + "eh_proj.weight", pre + "enorm.weight", pre + "self_attn.q_proj.weight"} <= set(mtp)
+    assert all(n.startswith(pre) for n in mtp)
+    backend.save(8, extra={"pos": 8})
+    saved = {n: t.clone() for n, t in mtp.items()}
+    backend.train(_samples())
+    assert backend.load(8) == {"pos": 8}
+    assert all(torch.equal(saved[n], t) for n, t in backend.draft.named_tensors())
+
+
+def test_nextn_draft_training_needs_fsdp() -> None:
+    with pytest.raises(ConfigError, match=r"train\.backend=fsdp"):
+        resolve(
+            {"engine": {"speculative": {"algorithm": "NEXTN"}}, "train": {"backend": "megatron", "draft": {}}}
+        )

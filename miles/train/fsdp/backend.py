@@ -107,6 +107,9 @@ class FSDPBackend:
         self.step = 0
         self._offloaded = False
         self._moved = []
+        self.hidden_sink = None
+        """fn(packed, final-normed hidden states) called after each update micro-batch's forward (the
+        MTP layer's training, miles/train/mtp_training.py), or None."""
 
     def setup(self, plan: Plan) -> None:
         """Process group, sharded policy (and reference), optimiser and LR schedule."""
@@ -353,8 +356,18 @@ class FSDPBackend:
             routing = packed_routing(self._samples, packed.samples, rr.shape, required=rr.replay)
             ctx = rr.batch(routing, measure)
         ids, pos = packed.rows() if self._rows else (packed.input_ids, packed.position_ids)
+        sink = self.hidden_sink if with_entropy and model is self.model else None
+        captured: list[Tensor] = []
+        hook = (
+            self.model.model.norm.register_forward_hook(lambda m, i, o: captured.append(o.detach()))
+            if sink
+            else None
+        )
         with ctx:
             out = model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), use_cache=False)
+        if hook is not None:
+            hook.remove()
+            sink(packed, captured[-1])
         logits = out.logits.reshape(-1, out.logits.shape[-1])  # rows flattened: the packed order
         dev = Packed(
             **{k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in vars(packed).items()}
