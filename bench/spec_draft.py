@@ -1,6 +1,7 @@
 """A frozen speculative draft against one trained with the policy (`train.draft`), on the CPU.
 
     python -m bench.spec_draft [--steps 200] [--seed 0] [--draft-lr 3e-4] [--out F.json] [--plot F.png]
+    python -m bench.spec_draft --draft mtp ...   # NEXTN: the policy's own MTP layer
 
 The policy: recipes/default.yaml's tiny model and digits task, with room for speculation (up to
 `--new` new tokens a response, `--k` draft tokens per verify) and a synchronous schedule. The draft:
@@ -10,6 +11,10 @@ while the online draft learns the policy's own samples every step. Per arm, per 
 rollout/spec_accept_rate (draft tokens kept / proposed) and rollout/spec_accept_length (tokens per
 verify forward), plus the eval reward at every `--eval-every` steps. Writes the per-step curves to
 --out and draws both acceptance curves to --plot.
+
+`--draft mtp`: the tiny policy gets a random MTP layer (`model.tiny.mtp`) and the engine drafts with it
+(engine.speculative.algorithm NEXTN); frozen, the random layer keeps what chance gives it, online
+(train.draft) it learns the policy's next-next tokens from the policy's hidden states.
 """
 
 from __future__ import annotations
@@ -29,14 +34,17 @@ def run_arm(name: str, online: bool, args, work: Path, model: Path) -> dict:
     from miles.launch.local import train_main
     from miles.metrics import read_metrics
 
-    draft = work / "draft"  # the initial policy's weights, written once
-    if not (draft / "config.json").exists():
-        shutil.copytree(model, draft)
     sets = [f"run.name={name}", f"run.seed={args.seed}", f"run.runs_root={work / 'runs'}", "run.tensorboard=false",
             f"model.path={model}", "model.init_tiny_if_missing=false", f"rollout.max_new_tokens={args.new}",
             "rollout.schedule=sync", f"train.steps={args.steps}", "train.checkpoint.every_steps=0",
-            f"eval.every_steps={args.eval_every}", f"engine.speculative.draft_model_path={draft}",
-            f"engine.speculative.num_steps={args.k}"]  # fmt: skip
+            f"eval.every_steps={args.eval_every}", f"engine.speculative.num_steps={args.k}"]  # fmt: skip
+    if args.draft == "mtp":
+        sets.append("engine.speculative.algorithm=NEXTN")
+    else:
+        draft = work / "draft"  # the initial policy's weights, written once
+        if not (draft / "config.json").exists():
+            shutil.copytree(model, draft)
+        sets.append(f"engine.speculative.draft_model_path={draft}")
     if online:
         sets.append(f"train.draft.lr={args.draft_lr}")
     rc = train_main(str(REPO / "recipes" / "default.yaml"), sets, progress=False, overwrite=True)
@@ -48,7 +56,8 @@ def run_arm(name: str, online: bool, args, work: Path, model: Path) -> dict:
         for r in read_metrics(work / "runs" / name)
         if "eval/reward_mean" in r
     ]
-    return dict(name=name, online=online, rc=rc, curve=curve, evals=evals)
+    kind = "MTP layer (NEXTN)" if args.draft == "mtp" else "draft model (STANDALONE)"
+    return dict(name=name, online=online, rc=rc, curve=curve, evals=evals, kind=kind)
 
 
 def _window(curve: list, lo: int, hi: int) -> float:
@@ -68,13 +77,13 @@ def plot(arms: list[dict], path: str) -> None:
         ax.plot(
             steps,
             [r for _, r, _ in arm["curve"]],
-            label="online draft (train.draft)" if arm["online"] else "frozen draft",
+            label=("online " if arm["online"] else "frozen ") + arm.get("kind", "draft"),
         )
     ax.set_xlabel("training step")
     ax.set_ylabel("rollout/spec_accept_rate")
     ax.set_ylim(0, 1.02)
     ax.legend()
-    ax.set_title("Draft acceptance as the policy learns (tiny model, digits task, CPU)")
+    ax.set_title("Draft acceptance as the policy learns (tiny model, digits task, CPU)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -86,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=8)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--draft-lr", type=float, default=3e-4)
+    p.add_argument("--draft", choices=["model", "mtp"], default="model", help="STANDALONE or NEXTN")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-spec-draft-"))
     p.add_argument("--out")
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir)
     model = work / "policy"
     if not (model / "config.json").exists():
-        init_tiny(model, seed=args.seed)
+        init_tiny(model, seed=args.seed, mtp=args.draft == "mtp")
     arms = [run_arm("frozen", False, args, work, model), run_arm("online", True, args, work, model)]
     n = args.steps
     for arm in arms:
