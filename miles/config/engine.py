@@ -135,11 +135,31 @@ def check_speculative(plan: Plan) -> None:
                 "engine does not load: set it to NEXTN (the model's MTP layer), STANDALONE with a "
                 "draft_model_path, or engine.kind=sglang"
             )
+        if spec.algorithm == "NEXTN":
+            _check_mtp_layer(plan)
         if spec.eagle_topk != 1 or spec.num_draft_tokens not in (None, spec.num_steps + 1):
             raise ConfigError(
                 "the embedded engine drafts a chain: set engine.speculative.eagle_topk=1 and leave "
                 "engine.speculative.num_draft_tokens unset (num_steps + 1)"
             )
+
+
+def _check_mtp_layer(plan: Plan) -> None:
+    """NEXTN on the embedded engine: the model (or the tiny one it will be made as) has an MTP layer."""
+    import json
+    from pathlib import Path
+
+    config = Path(plan.model.path) / "config.json"
+    if config.is_file():
+        has = bool(json.loads(config.read_text()).get("num_nextn_predict_layers"))
+    else:
+        has = not plan.model.init_tiny_if_missing or plan.model.tiny.mtp
+    if not has:
+        raise ConfigError(
+            "engine.speculative.algorithm=NEXTN drafts with the model's MTP layer, and model.path has none "
+            "(config num_nextn_predict_layers): set model.tiny.mtp=true for a tiny model, use a checkpoint "
+            "with one, or STANDALONE with engine.speculative.draft_model_path"
+        )
 
 
 def check_external_engines(plan: Plan) -> None:

@@ -181,7 +181,13 @@ def test_recipe_keys_render_sglangs_flags_for_both_engines(tmp_path):
     nextn = {"kind": "sglang", "speculative": {"algorithm": "NEXTN", "num_steps": 2}}
     assert "--speculative-algorithm NEXTN" in " ".join(sglang_server_command(resolve(base | {"engine": nextn}),
                                                                               host="127.0.0.1", port=1))  # fmt: skip
-    for engine, key in [({"speculative": {"algorithm": "NEXTN"}}, "engine.kind=sglang"),
+    mtp = base | {"model": {"path": str(tmp_path / "m"), "tiny": {"mtp": True}}}
+    embedded_nextn = engine_argv(
+        resolve(mtp | {"engine": {"speculative": {"algorithm": "NEXTN", "num_steps": 2}}})
+    )
+    assert "--speculative-algorithm NEXTN --speculative-num-steps 2" in " ".join(embedded_nextn)
+    for engine, key in [({"speculative": {"algorithm": "EAGLE3"}}, "engine.kind=sglang"),
+                        ({"speculative": {"algorithm": "NEXTN"}}, "model.tiny.mtp=true"),
                         ({"speculative": {}}, "draft_model_path")]:  # fmt: skip
         with pytest.raises(ConfigError, match=key):
             resolve(base | {"engine": engine})
