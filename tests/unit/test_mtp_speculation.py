@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_oracle import oracle_mtp
 
 from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
 from miles.engine.model import ModelSpec
@@ -43,28 +44,10 @@ def _run(sched: Scheduler, temperature: float, n: int = 20, routes: bool = False
     return reqs
 
 
-def _oracle(path) -> str:
-    """The tiny model with zero attention / MLP outputs in the target and the MTP layer, and an MTP
-    input projection that keeps the next token's embedding (module docstring)."""
-    from safetensors.torch import load_file, save_file
-
-    for name in ("model.safetensors", "mtp.safetensors"):
-        tensors = load_file(str(path / name))
-        for n, t in tensors.items():
-            if n.endswith(("o_proj.weight", "down_proj.weight")):
-                t.zero_()
-            if n.endswith("eh_proj.weight"):
-                hidden = t.shape[0]
-                t.zero_()
-                t[:, :hidden] = torch.eye(hidden)
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
-    return str(path)
-
-
 def test_an_oracle_mtp_layer_keeps_every_proposal(tmp_path):
     from miles.models.tiny import init_tiny
 
-    model = _oracle(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
+    model = oracle_mtp(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
     plain = _run(_scheduler(model, False), 0.0)
     spec = _run(_scheduler(model, True), 0.0)
     assert [r.output for r in spec] == [r.output for r in plain]
