@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.request import Request, prefill_batch
-from miles.engine.speculative import Speculator
+from miles.engine.speculative import Speculator, propose
 
 
 def mtp_prefix(spec) -> str:
@@ -231,7 +231,7 @@ class MtpSpeculator(Speculator):
         live = list(mine)
         for i in range(max(ks.values())):
             for r, z in zip(live, logits, strict=True):
-                self._pick(r, z, i, drafts, dists)
+                propose(r, z, i, drafts[id(r)], dists[id(r)])
             live_next = [(j, r) for j, r in enumerate(live) if ks[id(r)] > i + 1]
             if not live_next:
                 break
@@ -239,18 +239,6 @@ class MtpSpeculator(Speculator):
             z, h = self.mtp.forward(runs, self.s.table)
             live, logits, hidden = [r for _, r in live_next], z.cpu(), list(h)
         return drafts, dists
-
-    def _pick(self, r: Request, z: torch.Tensor, i: int, drafts, dists) -> None:
-        t = r.params.temperature
-        if t <= 0:
-            drafts[id(r)].append(int(z.argmax()))
-            return
-        from miles.engine.speculative import _seed
-
-        q = torch.softmax(z / t, dim=-1)
-        gen = torch.Generator().manual_seed(_seed(r, 1 + i))
-        drafts[id(r)].append(int(torch.multinomial(q, 1, generator=gen)))
-        dists[id(r)].append(q)
 
     def _prepare(self, mine: list[Request], ks: dict[int, int], fresh: list[int]) -> None:
         """Table entries of the step's fresh slots before drafting (the chain writes K/V there)."""

@@ -160,14 +160,7 @@ class Speculator:
             # one read-back per draft step: the sampling below runs on the host with host generators
             logits = self.cache.forward(live, [r.tokens + drafts[id(r)] for r in live]).cpu()
             for r, z in zip(live, logits, strict=True):
-                t = r.params.temperature
-                if t <= 0:
-                    drafts[id(r)].append(int(z.argmax()))
-                    continue
-                q = torch.softmax(z / t, dim=-1)
-                gen = torch.Generator().manual_seed(_seed(r, 1 + i))
-                drafts[id(r)].append(int(torch.multinomial(q, 1, generator=gen)))
-                dists[id(r)].append(q)
+                propose(r, z, i, drafts[id(r)], dists[id(r)])
         return drafts, dists
 
     def _verify(self, mine: list[Request], ks: dict[int, int], drafts, fresh: list[int]) -> torch.Tensor:
@@ -218,6 +211,19 @@ class Speculator:
 
     def after_prefill(self, group: list[Request], batch: Any) -> None:
         """Called after each prefill forward and its sampling (the MTP draft extends over it)."""
+
+
+def propose(r: Request, z: torch.Tensor, i: int, drafts: list[int], dists: list[torch.Tensor]) -> None:
+    """Draft token i of request `r` from the draft's logits `z` [V]: its argmax when greedy, else a
+    sample of q = softmax(z / T) (seeded per request and position), q kept for the acceptance rule."""
+    t = r.params.temperature
+    if t <= 0:
+        drafts.append(int(z.argmax()))
+        return
+    q = torch.softmax(z / t, dim=-1)
+    gen = torch.Generator().manual_seed(_seed(r, 1 + i))
+    drafts.append(int(torch.multinomial(q, 1, generator=gen)))
+    dists.append(q)
 
 
 def _seed(r: Request, salt: int) -> int:
