@@ -90,6 +90,8 @@ def matmul(x: Tensor, weight: Tensor) -> Tensor:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.weight_dtype = weight.dtype
+        weight = weight.to(x.dtype)  # a weight kept in another dtype computes in the input's
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         out = matmul(x, weight)
@@ -99,7 +101,7 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        grad_w = (grad.t() @ x).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
