@@ -32,6 +32,11 @@ class SpeculativeConfig(Section):
     """Draft branches per step (the embedded engine: 1, a chain)."""
     num_draft_tokens: int | None = Field(None, ge=2)
     """Tokens each verify forward checks (SGLang's flag; a chain: num_steps + 1, the default)."""
+    max_batch: int | None = Field(32, ge=1)
+    """The embedded engine speculates only in decode steps of at most this many requests (a large
+    batch keeps the GPU busy already, where verifying k + 1 tokens a request costs more than the kept
+    drafts save; the long tail of a step runs at small batch). None: every step. Its own flag
+    (`--speculative-max-batch`), not given to SGLang servers."""
 
 
 class EngineConfig(Section):

@@ -52,7 +52,9 @@ class DecodeGraphs:
         self.static = torch.zeros(3, max_batch, dtype=torch.int64, device=decoder.device)
         self.padding = torch.zeros(3, max_batch, dtype=torch.int64, device=decoder.device)
         self.padding[2] = pad_row
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[
+            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]
+        ] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
     def bucket(self, batch: int, context_len: int) -> int | None:
@@ -69,10 +71,12 @@ class DecodeGraphs:
         key = (padded, context_len)
         if key not in self.graphs:
             self.graphs[key] = self._capture(padded, context_len)
-        graph, logits = self.graphs[key]
+        graph, logits, hidden = self.graphs[key]
         self.static[:, :batch].copy_(inputs)
         self._pad(batch, padded)
         graph.replay()
+        if hidden is not None:  # the decoder's capture_hidden (an MTP draft): the replay's hidden states
+            self.decoder.hidden = hidden[:batch]
         return logits[:batch]
 
     def clear(self) -> None:
@@ -88,7 +92,9 @@ class DecodeGraphs:
         b = Batch.decode(s[0, :batch], s[1, :batch], s[2, :batch], self.table, context_len, lora)
         return self.decoder.forward(b, self.pool)
 
-    def _capture(self, batch: int, context_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(
+        self, batch: int, context_len: int
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         self._pad(0, batch)  # warm-up runs write K/V only to the scratch slot
         side = torch.cuda.Stream(self.decoder.device)
         side.wait_stream(torch.cuda.current_stream(self.decoder.device))
@@ -99,4 +105,4 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits = self._forward(batch, context_len)
-        return graph, logits
+        return graph, logits, self.decoder.hidden if self.decoder.capture_hidden else None

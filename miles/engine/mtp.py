@@ -25,8 +25,11 @@ forwarded by the target, MTP positions 0..N-2 computed):
    target's log-probs), and the MTP extends over the kept positions N-1..N-1+n with the target's
    hidden states of the verify, overwriting what the chain wrote there.
 
-A request that decodes without speculating for a step (its options, the pool full) has a gap in its
-MTP history and decodes as usual from then on. Verification keeps every output the target's, so the
+A request that decodes a step without speculating (a batch above `--speculative-max-batch`, its
+options, the pool full) keeps its MTP history: after the plain decode step the layer extends over the
+position it forwarded (`after_decode`, from the hidden states the decode forward or its CUDA graph
+leaves). Only a step with no hidden states (none in this engine) leaves a gap, after which the
+request decodes as usual. Verification keeps every output the target's, so the
 MTP only sets how many drafts are kept.
 """
 
@@ -148,6 +151,7 @@ class MtpSpeculator(Speculator):
         self.s, self.k, self.mtp = scheduler, num_steps, mtp
         self.state: weakref.WeakKeyDictionary[Request, _State] = weakref.WeakKeyDictionary()
         scheduler.decoder.capture_hidden = True
+        scheduler.decoder.row_decode = False  # the CPU row decode leaves no hidden states
 
     def load_draft(self, weights: dict[str, torch.Tensor]) -> None:
         """New MTP weights (a weight push); kept states draft on, verification keeps outputs exact."""
@@ -169,16 +173,13 @@ class MtpSpeculator(Speculator):
     def step(self, reqs: list[Request]) -> list[Request]:
         """Speculate for the requests that can (`_room`); returns the others, to decode as usual (their
         MTP history then has a gap: they are not drafted for again)."""
+        if self.max_batch is not None and len(reqs) > self.max_batch:
+            return reqs  # decoded as usual; `after_decode` keeps the MTP's history
         ks = {id(r): self._room(r) for r in reqs}
         mine = [r for r in reqs if ks[id(r)] > 0]
         fresh = self.s.slots.allocate(sum(ks[id(r)] + 1 for r in mine)) if mine else None
         if fresh is None:
-            for r in reqs:
-                self.state.pop(r, None)
             return reqs
-        for r in reqs:
-            if ks[id(r)] == 0:
-                self.state.pop(r, None)
         self._prepare(mine, ks, fresh)
         drafts, dists = self._draft(mine, ks)
         before = {id(r): r.num_tokens for r in mine}
@@ -197,6 +198,20 @@ class MtpSpeculator(Speculator):
             at += k + 1
         self._extend(kept, runs)
         return [r for r in reqs if ks[id(r)] == 0]
+
+    def after_decode(self, reqs: list[Request]) -> None:
+        """The MTP over the position a plain decode step forwarded, for the requests whose history
+        reaches it (the target's hidden state of it, the token sampled after it)."""
+        hidden = self.s.decoder.hidden
+        if hidden is None or hidden.shape[0] < len(reqs):
+            return
+        runs, kept = [], []
+        for i, r in enumerate(reqs):
+            st = self.state.get(r)
+            if st is not None and r.finish is None and st.upto == r.num_tokens - 2:
+                runs.append((r.row, [r.tokens[-1]], hidden[i : i + 1], r.num_tokens - 2))
+                kept.append(r)
+        self._extend(kept, runs)
 
     def _draft_kept(self, r: Request, positions: int) -> None:
         """The MTP's own positions are rewritten by the extend after each verify."""

@@ -447,12 +447,15 @@ class Scheduler(EngineThread):
         """Forward and sample on the device (`ints` = ids, positions, rows, slots, seeds, steps, top_k;
         `head` its first four rows on the host); `decoding` then records the tokens or holds them in
         flight."""
+        self.decoder.hidden = None
         if self.graphs is not None and self.graphs.bucket(len(reqs), context) is not None:
             logits = self.graphs.run(ints[:3], context)
         else:
             batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context, self._lora_rows())
             logits = self.decoder.forward(batch, self.pool)
         self.decoding.take(reqs, logits, ints, floats, head)
+        if self.speculator is not None:  # the step's tokens are recorded (speculation decodes in step)
+            self.speculator.after_decode(reqs)
 
     def _would_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_running and bool(self._free_rows)

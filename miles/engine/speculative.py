@@ -104,6 +104,9 @@ class DraftCache:
 class Speculator:
     """Speculative decoding for one Scheduler (module docstring); `num_steps` draft tokens per step."""
 
+    max_batch: int | None = None
+    """Decode steps of more requests than this run without speculation (`--speculative-max-batch`)."""
+
     def __init__(self, scheduler: Any, draft: Any, num_steps: int) -> None:
         if num_steps < 1:
             raise ValueError(f"--speculative-num-steps must be at least 1, got {num_steps}")
@@ -135,6 +138,8 @@ class Speculator:
 
     def step(self, reqs: list[Request]) -> list[Request]:
         """Speculate for the requests of `reqs` that can; returns the others, to decode as usual."""
+        if self.max_batch is not None and len(reqs) > self.max_batch:
+            return reqs
         ks = {id(r): self._room(r) for r in reqs}
         mine = [r for r in reqs if ks[id(r)] > 0]
         if not mine:
@@ -212,6 +217,9 @@ class Speculator:
     def after_prefill(self, group: list[Request], batch: Any) -> None:
         """Called after each prefill forward and its sampling (the MTP draft extends over it)."""
 
+    def after_decode(self, reqs: list[Request]) -> None:
+        """Called after each plain decode step's tokens are recorded (the MTP draft extends over it)."""
+
 
 def propose(r: Request, z: torch.Tensor, i: int, drafts: list[int], dists: list[torch.Tensor]) -> None:
     """Draft token i of request `r` from the draft's logits `z` [V]: its argmax when greedy, else a
@@ -243,6 +251,13 @@ def add_args(p: Any) -> None:
         "model's own MTP layer, config num_nextn_predict_layers)",
     )
     p.add_argument("--speculative-draft-model-path", default=None, help="the draft model's HF directory")
+    p.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=None,
+        help="speculate only in decode steps of at most this many requests (this engine's own flag; "
+        "default: every step)",
+    )
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per step")
     p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches (1: a chain)")
     p.add_argument(
@@ -289,6 +304,7 @@ def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
 
         mtp = load_mtp(args.model, scheduler.decoder, scheduler.max_total_tokens + 1)
         scheduler.speculator = MtpSpeculator(scheduler, mtp, args.speculative_num_steps)
+        scheduler.speculator.max_batch = args.speculative_max_batch
         log.info(
             "speculative decoding: NEXTN, the MTP layer of %s, %d draft tokens per verify",
             args.model,
@@ -299,6 +315,7 @@ def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
     spec = ModelSpec.from_dir(path)
     draft = build_decoder(spec, path, device, dtype, "none", DEFAULT_FP8_MIN_TOKENS)
     scheduler.speculator = Speculator(scheduler, draft, args.speculative_num_steps)
+    scheduler.speculator.max_batch = args.speculative_max_batch
     log.info(
         "speculative decoding: STANDALONE, draft %s (%s), %d draft tokens per verify",
         path,

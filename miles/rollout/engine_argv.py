@@ -31,8 +31,14 @@ def engine_lora_argv(plan: Any) -> list[str]:
 
 
 def engine_argv(plan: Any) -> list[str]:
+    spec = plan.engine.speculative
+    own = ["--speculative-max-batch", str(spec.max_batch)] if spec is not None and spec.max_batch else []
     return (
-        engine_quant_argv(plan) + engine_lora_argv(plan) + speculative_argv(plan) + true_on_policy_argv(plan)
+        engine_quant_argv(plan)
+        + engine_lora_argv(plan)
+        + speculative_argv(plan)
+        + own  # the embedded engine's own switch (engine.speculative.max_batch)
+        + true_on_policy_argv(plan)
     )
 
 

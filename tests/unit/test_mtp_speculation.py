@@ -117,3 +117,27 @@ def test_init_tiny_mtp_layer_is_left_out_by_transformers(mtp_model):
     assert {pre + "eh_proj.weight", pre + "enorm.weight", pre + "self_attn.q_proj.weight"} <= set(layer)
     hf = AutoModelForCausalLM.from_pretrained(mtp_model)
     assert len(hf.model.layers) == cfg["num_hidden_layers"]
+
+
+def test_above_max_batch_steps_decode_plainly_and_keep_the_mtp_history(tmp_path):
+    """--speculative-max-batch 1: while four requests decode, no step speculates; once the short ones
+    finish, the long one speculates with its MTP history intact (the oracle keeps every proposal)."""
+    from miles.models.tiny import init_tiny
+
+    model = oracle_mtp(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
+    outs = []
+    for nextn in (False, True):
+        sched = _scheduler(model, nextn)
+        if nextn:
+            sched.speculator.max_batch = 1
+        reqs = [Request(str(i), [3 + i, 9, 17], SamplingParams(max_new_tokens=6 if i else 30, temperature=0.0),
+                        i, frozenset()) for i in range(4)]  # fmt: skip
+        for r in reqs:
+            sched.submit(r)
+        sched.run_until_idle()
+        outs.append(reqs)
+    plain, spec = outs
+    assert [r.output for r in spec] == [r.output for r in plain]
+    assert all(r.spec_verify_ct == 0 for r in spec[1:]), "batches of 4 > 1 decode plainly"
+    long = spec[0]
+    assert long.spec_verify_ct > 0 and long.spec_accept_token_num == long.spec_draft_token_num > 0
