@@ -37,7 +37,8 @@ def run_arm(name: str, online: bool, args, work: Path, model: Path) -> dict:
     sets = [f"run.name={name}", f"run.seed={args.seed}", f"run.runs_root={work / 'runs'}", "run.tensorboard=false",
             f"model.path={model}", "model.init_tiny_if_missing=false", f"rollout.max_new_tokens={args.new}",
             "rollout.schedule=sync", f"train.steps={args.steps}", "train.checkpoint.every_steps=0",
-            f"eval.every_steps={args.eval_every}", f"engine.speculative.num_steps={args.k}"]  # fmt: skip
+            f"eval.every_steps={args.eval_every}", f"engine.speculative.num_steps={args.k}",
+            "engine.speculative.max_batch=1000000"]  # every step speculates: acceptance over whole steps  # fmt: skip
     if args.draft == "mtp":
         sets.append("engine.speculative.algorithm=NEXTN")
     else:
