@@ -291,6 +291,13 @@ def _build_decoder(args: argparse.Namespace, device: str, dtype: torch.dtype) ->
     return spec, decoder
 
 
+def _graph_safe_invariant(spec: ModelSpec) -> bool:
+    """Whether the batch-invariant forward can be captured in CUDA graphs: dense, Triton kernels."""
+    from miles.quant import invariant
+
+    return spec.moe is None and invariant.GPU_KERNELS == "triton"
+
+
 def deterministic(args: argparse.Namespace) -> bool:
     """Whether the batch-invariant forward is asked for (either flag)."""
     return args.enable_deterministic_inference or args.rl_on_policy_target is not None
@@ -352,8 +359,9 @@ def build_state(args: argparse.Namespace) -> EngineState:
         args.max_running_requests,
         args.max_total_tokens,
         args.max_prefill_tokens,
-        # the invariant forward is graph-safe on CUDA, but for Qwen3-MoE's experts (host-side expert lists)
-        cuda_graph=not args.disable_cuda_graph and not (deterministic(args) and spec.moe is not None),
+        # the invariant forward's Triton kernels are graph-safe, Qwen3-MoE's experts (host-side lists) not
+        cuda_graph=not args.disable_cuda_graph
+        and not (deterministic(args) and not _graph_safe_invariant(spec)),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_max_context=args.cuda_graph_max_context,
         # speculation records each step's tokens at once: no decode step runs ahead of its readback

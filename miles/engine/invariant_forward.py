@@ -53,7 +53,7 @@ class InvariantForward:
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
-        if x.is_cuda:  # one kernel reads the pool in place (each token's request from _requests)
+        if inv.kernels_for(x):  # one kernel reads the pool in place (each token's request from _requests)
             req = self._requests(b, T)
             out = inv.gpu_kernels().paged_attention(
                 q, k_pool, v_pool, b.context_slots, req, b.positions, D**-0.5

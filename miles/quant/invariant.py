@@ -32,12 +32,14 @@ invariance, only the forward's value).
 On CUDA tensors `linear`, `rms_norm` and `token_logprobs` run as Triton kernels of the same contract
 (miles/quant/invariant_triton.py), and the engine and the trainer attend through its
 `paged_attention` / `packed_attention`: the forms above cost a launch per block or tree level, which
-a GPU pays in full. The CPU keeps the forms above. Both sides of a comparison run on one kind of device.
+a GPU pays in full (MILES_INVARIANT_GPU=torch keeps the forms above on CUDA too). The CPU keeps the
+forms above. Both sides of a comparison run on one kind of device and one setting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable
 
@@ -102,6 +104,16 @@ def tree_sum(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
     return out.unsqueeze(dim) if keepdim else out
 
 
+GPU_KERNELS = os.environ.get("MILES_INVARIANT_GPU", "triton")
+"""On CUDA: "triton" (miles/quant/invariant_triton.py) or "torch" (the forms above, as on the CPU). The
+engine and the trainer must use the same: the variable is read by both processes."""
+
+
+def kernels_for(x: Tensor) -> bool:
+    """Whether `x`'s operations run as the Triton kernels (a CUDA tensor, GPU_KERNELS "triton")."""
+    return x.is_cuda and GPU_KERNELS == "triton"
+
+
 def gpu_kernels():
     """miles/quant/invariant_triton.py (imported on first use: Triton comes with CUDA builds of torch)."""
     from miles.quant import invariant_triton
@@ -111,7 +123,7 @@ def gpu_kernels():
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x W^T (+ bias) with every row computed by a GEMM of ROWS rows."""
-    if x.is_cuda:
+    if kernels_for(x):
         return gpu_kernels().linear(x, weight, bias)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
@@ -128,7 +140,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) computed in fp32, rounded to x's dtype before the weight
     multiplies (transformers' Qwen2RMSNorm / LlamaRMSNorm)."""
-    if x.is_cuda:
+    if kernels_for(x):
         return gpu_kernels().rms_norm(x, weight, eps)
     h = x.float()
     var = tree_sum(h * h, keepdim=True) / h.shape[-1]
@@ -194,7 +206,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> T
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
     """log softmax(logits / T)[token] per row (fp32): logits [N, V], tokens [N], T a float or [N]."""
-    if logits.is_cuda:
+    if kernels_for(logits):
         return gpu_kernels().token_logprobs(logits, tokens, temperature)
     z = logits.float()
     if isinstance(temperature, Tensor):

@@ -97,7 +97,7 @@ def attention_forward(
     if position_ids is None:
         position_ids = torch.arange(S, device=query.device).expand(B, S)
     scale = scaling if scaling is not None else D**-0.5
-    if query.is_cuda:  # each row's sequences through one kernel (miles/quant/invariant_triton.py)
+    if inv.kernels_for(query):  # each row's sequences through one kernel (miles/quant/invariant_triton.py)
         out = []
         for row, positions in enumerate(position_ids.expand(B, S).tolist()):
             starts, lengths = zip(*((a, b - a) for a, b in _sequences(positions)), strict=True)
