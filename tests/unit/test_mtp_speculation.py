@@ -141,3 +141,21 @@ def test_above_max_batch_steps_decode_plainly_and_keep_the_mtp_history(tmp_path)
     assert all(r.spec_verify_ct == 0 for r in spec[1:]), "batches of 4 > 1 decode plainly"
     long = spec[0]
     assert long.spec_verify_ct > 0 and long.spec_accept_token_num == long.spec_draft_token_num > 0
+
+
+def test_a_stop_token_among_kept_proposals_ends_the_request_there(tmp_path):
+    from miles.models.tiny import init_tiny
+
+    model = oracle_mtp(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
+    plain = _run(_scheduler(model, False), 0.0)
+    stop = plain[0].output[7]
+    got = []
+    for nextn in (False, True):
+        sched = _scheduler(model, nextn)
+        r = Request("s", list(plain[0].prompt), SamplingParams(max_new_tokens=20, temperature=0.0), 7,
+                    frozenset({stop}))  # fmt: skip
+        sched.submit(r)
+        sched.run_until_idle()
+        got.append(r)
+    assert got[0].output == got[1].output and got[1].output[-1] == stop
+    assert got[1].finish["type"] == "stop" and got[1].spec_verify_ct > 0
