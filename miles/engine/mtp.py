@@ -7,8 +7,8 @@ position t it takes the target's final-normed hidden state h_t and the embedding
     u_t = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])
 runs one decoder layer of the model's own kind over u (its attention over its own K/V of positions
 <= t), normalises (`shared_head.norm`) and applies the shared LM head: a distribution of x_{t+2}.
-Embedding and LM head are the target's (the checkpoint's `embed_tokens` / `shared_head.head` copies
-where it has them).
+Embedding and LM head are the target's own tensors, read at each forward (the copies a DeepSeek-V3
+checkpoint keeps in the MTP layer are the same weights and are not loaded).
 
 Its K/V lives in a pool of its own indexed by the target's slots, so a prefix the target shares
 between requests (the radix cache) shares the MTP's K/V too. Per request the speculator keeps the
@@ -67,11 +67,11 @@ class MtpDraft:
         moe = spec.moe and dataclasses.replace(spec.moe, sparse_layers=(0,) if sparse else ())
         one = dataclasses.replace(spec, num_layers=1, mtp_layers=0, moe=moe, tie_word_embeddings=False)
         layer = {_layer_name(n): t for n, t in mine.items() if n not in _SHARED and n not in need[:3]}
-        layer["model.embed_tokens.weight"] = mine.get(
-            "embed_tokens.weight", target.params["model.embed_tokens.weight"]
-        )
-        layer["lm_head.weight"] = mine.get("shared_head.head.weight", target.get("lm_head.weight"))
+        layer.update({n: target.get(n) for n in _HEAD})
+        self.target = target
         self.decoder = Decoder(one, layer, str(target.device), target.dtype)
+        for n in _HEAD:  # the target's own tensors serve, bound before each forward (`_bind_head`)
+            self.decoder.storage.pop(n, None)
         self.decoder.fused = self.decoder.paged_decode = self.decoder.row_decode = False
         self.decoder.capture_hidden = True
         self.own = {n: mine[n].to(target.device, target.dtype) for n in need[:3]}
@@ -97,6 +97,12 @@ class MtpDraft:
             return self.own[n]
         return self.decoder.get(_layer_name(n))
 
+    def _bind_head(self) -> None:
+        """The target's embedding and LM head as they are now (weight pushes, memory release and
+        resume give the target new tensors)."""
+        for n in _HEAD:
+            self.decoder.params[n] = self.target.get(n)
+
     def _inputs(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         emb = self.decoder.params["model.embed_tokens.weight"][next_ids]
         both = torch.cat(
@@ -110,6 +116,7 @@ class MtpDraft:
         """One MTP forward over runs (table row, the tokens one ahead of positions start.., the
         hidden states [m, hidden] of those positions, start): (logits [R, V] fp32 and final-normed
         hidden [R, hidden]) at each run's last position. K/V written at the table's slots."""
+        self._bind_head()
         fake = [SimpleNamespace(tokens=[0] * start + ids, kv_len=start, row=row, slots=range(start + len(ids)))
                 for row, ids, _, start in runs]  # fmt: skip
         b = prefill_batch(fake, table)
@@ -127,6 +134,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 """The MTP layer's copies of the embedding and the LM head (DeepSeek-V3 stores them): the target's serve."""
+_HEAD = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _layer_name(n: str) -> str:
