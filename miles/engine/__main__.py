@@ -32,7 +32,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles.cluster.environment import set_intra_op_threads
-from miles.engine import speculative, streaming
+from miles.engine import mtp, speculative, streaming
 from miles.engine.app import build_app
 from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, QUANTIZATIONS, build_decoder
 from miles.engine.model import ModelSpec
@@ -369,7 +369,8 @@ def build_state(args: argparse.Namespace) -> EngineState:
         stuck_timeout_s=args.scheduler_stuck_timeout_s,
     )
     try:
-        speculative.attach(args, scheduler, device, dtype)
+        attach = mtp.attach if args.speculative_algorithm == "NEXTN" else speculative.attach
+        attach(args, scheduler, device, dtype)
     except (ValueError, Unsupported) as e:
         what = args.speculative_draft_model_path or args.model
         raise SystemExit(f"--speculative-algorithm {args.speculative_algorithm} with {what}: {e}") from None

@@ -36,6 +36,7 @@ MTP only sets how many drafts are kept.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +47,8 @@ import torch.nn.functional as F
 
 from miles.engine.request import Request, prefill_batch
 from miles.engine.speculative import Speculator, propose
+
+log = logging.getLogger("miles.engine")
 
 
 def mtp_prefix(spec) -> str:
@@ -287,3 +290,12 @@ def load_mtp(model_dir: str | Path, target: Any, num_slots: int) -> MtpDraft:
     pre = mtp_prefix(target.spec)
     weights = {n: t for n, t in load_weights(model_dir).items() if n.startswith(pre)}
     return MtpDraft(target, weights, num_slots)
+
+
+def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
+    """`--speculative-algorithm NEXTN`: give `scheduler` an MtpSpeculator over the model's MTP layer."""
+    mtp = load_mtp(args.model, scheduler.decoder, scheduler.max_total_tokens + 1)
+    scheduler.speculator = MtpSpeculator(scheduler, mtp, args.speculative_num_steps)
+    scheduler.speculator.max_batch = args.speculative_max_batch
+    log.info("speculative decoding: NEXTN, the MTP layer of %s, %d draft tokens per verify",
+             args.model, args.speculative_num_steps)  # fmt: skip

@@ -291,7 +291,8 @@ def problem(args: Any) -> str | None:
 
 
 def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
-    """Give `scheduler` a Speculator over the draft model the flags name (nothing without them)."""
+    """Give `scheduler` a Speculator over the draft model the flags name (nothing without them;
+    NEXTN: miles/engine/mtp.py `attach`)."""
     if args.speculative_algorithm is None:
         return
     from pathlib import Path
@@ -299,18 +300,6 @@ def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
     from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
     from miles.engine.model import ModelSpec
 
-    if args.speculative_algorithm == "NEXTN":  # the model's own MTP layer
-        from miles.engine.mtp import MtpSpeculator, load_mtp
-
-        mtp = load_mtp(args.model, scheduler.decoder, scheduler.max_total_tokens + 1)
-        scheduler.speculator = MtpSpeculator(scheduler, mtp, args.speculative_num_steps)
-        scheduler.speculator.max_batch = args.speculative_max_batch
-        log.info(
-            "speculative decoding: NEXTN, the MTP layer of %s, %d draft tokens per verify",
-            args.model,
-            args.speculative_num_steps,
-        )
-        return
     path = Path(args.speculative_draft_model_path)
     spec = ModelSpec.from_dir(path)
     draft = build_decoder(spec, path, device, dtype, "none", DEFAULT_FP8_MIN_TOKENS)

@@ -159,6 +159,5 @@ def test_the_mtp_layer_learns_beside_a_bit_identical_policy(mtp_model, tmp_path)
 
 def test_nextn_draft_training_needs_fsdp() -> None:
     with pytest.raises(ConfigError, match=r"train\.backend=fsdp"):
-        resolve(
-            {"engine": {"speculative": {"algorithm": "NEXTN"}}, "train": {"backend": "megatron", "draft": {}}}
-        )
+        resolve({"engine": {"speculative": {"algorithm": "NEXTN"}}, "model": {"tiny": {"mtp": True}},
+                 "train": {"backend": "megatron", "draft": {}}})  # fmt: skip
