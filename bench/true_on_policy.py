@@ -1,6 +1,6 @@
 """What true on-policy (`train.true_on_policy`) costs, and what it changes in learning.
 
-    python -m bench.true_on_policy --part cost [--model 0.5b|tiny] [--rounds 3] [--out F.json]
+    python -m bench.true_on_policy --part cost [--model 0.5b|tiny] [--rounds 3] [--kernels torch|triton] [--out F.json]
     python -m bench.true_on_policy --part learning [--seeds 0 1 2] [--steps 30] [--out F.json]   # CPU
 
 1. cost (GPU: bf16; CPU: fp32): the embedded engine's decode throughput with and without
@@ -101,6 +101,11 @@ def train_step_s(model: str, device: str, on: bool, args) -> list[float]:
 
 
 def cost(args) -> dict:
+    import os
+
+    from miles.quant import invariant
+
+    os.environ["MILES_INVARIANT_GPU"] = invariant.GPU_KERNELS = args.kernels  # engines and this trainer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(args.workdir)
     model = _model(args.model, work)
@@ -115,7 +120,7 @@ def cost(args) -> dict:
         "anchor": train_step_s(model, device, False, args),
     }
     return dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", model=args.model,
-                decode_tok_s=decode, train_step_s=train)  # fmt: skip
+                kernels=args.kernels, decode_tok_s=decode, train_step_s=train)  # fmt: skip
 
 
 def learning(args) -> dict:
@@ -148,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", choices=["cost", "learning"], required=True)
     p.add_argument("--model", choices=["0.5b", "tiny"], default="0.5b")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--kernels", choices=["torch", "triton"], default="torch", help="MILES_INVARIANT_GPU on CUDA"
+    )
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)

@@ -306,7 +306,9 @@ def _logprob_kernel(z_ptr, tok_ptr, temp_ptr, out_ptr, V, stride_z, BLOCK: tl.co
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: Tensor) -> Tensor:
-        z = logits if logits.stride(-1) == 1 else logits.contiguous()
+        # fp32 whatever the caller holds: a kernel built for bf16 loads lays the row out otherwise and
+        # sums it in another order (the engine passes fp32 logits, the trainer bf16: 1-2 ulp apart, seen)
+        z = logits.float().contiguous()
         N, V = z.shape
         out = torch.empty(N, dtype=torch.float32, device=z.device)
         if N:

@@ -75,3 +75,25 @@ def test_bf16_without_the_mode_differs(model, rollouts) -> None:
 def test_bf16_chunked_prefill_gives_the_same_bits_as_one_prefill(model) -> None:
     whole, chunked = chunked_prefill_logits(model, "cuda", torch.bfloat16, invariant=True)
     assert torch.equal(whole, chunked), (whole - chunked).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_bf16_triton_kernels_bit_for_bit(arch, tmp_path, monkeypatch) -> None:
+    """MILES_INVARIANT_GPU=triton (miles/quant/invariant_triton.py) in the engine and the trainer."""
+    from miles.models.tiny import init_tiny
+    from miles.quant import invariant
+
+    model = str(init_tiny(tmp_path / arch, arch=arch, seed=0))
+    routed = _moe(model)
+    extra = ["--enable-return-routed-experts"] if routed else []
+    eng = start_engine(model, device="cuda", dtype="bfloat16", max_total_tokens=8192, log_path=tmp_path / "e.log",
+                       extra_args=FLAGS + extra, env={"MILES_INVARIANT_GPU": "triton"})  # fmt: skip
+    try:
+        samples = rollout(eng.url, routed=routed)
+    finally:
+        eng.stop()
+    monkeypatch.setattr(invariant, "GPU_KERNELS", "triton")
+    trainer = trainer_logprobs(model, samples, True, device="cuda", dtype=torch.bfloat16, replay=routed)
+    for s, got in zip(samples, trainer, strict=True):
+        engine = torch.tensor(s["logprobs"], dtype=torch.float32)
+        assert torch.equal(got, engine), (s["prompt"][:5], (got - engine).abs().max())
