@@ -1,0 +1,167 @@
+"""Decode throughput with and without speculation (NEXTN, the model's MTP layer), on one GPU.
+
+    python -m bench.spec_gpu [--sizes 0.5b 7b moe] [--batches 1 8 32 256] [--new 128] [--out F.json]
+    python -m bench.spec_gpu --smoke           # the tiny model on the CPU: the script runs
+
+Random weights know nothing, so what a trained draft would keep is bracketed by two MTP layers:
+- "random": the random MTP layer `miles model init-tiny --mtp` style (miles/models/mtp.py): next to
+  nothing kept, the speculation's pure cost;
+- "oracle": the target made to predict the next token from the current one alone (attention and MLP
+  outputs zero) and the MTP layer passing the next token's embedding through (tests/mtp_oracle.py):
+  every proposal kept, the most speculation can give at `--k` drafts a verify.
+Per size and bracket a plain engine and a NEXTN engine (`--speculative-num-steps K`) each serve, for
+every batch B of `--batches`, B concurrent greedy requests of `--prompt` random ids and exactly `--new`
+new tokens; tok/s = B * new / wall seconds of the batch (the best of `--rounds`). The NEXTN engine
+runs with `--speculative-max-batch` at its default (32): above it steps decode plainly, which is how
+speculation stays out of the way at batch 256. Ratios: NEXTN / plain of the same bracket and batch.
+Sizes: Qwen2.5-0.5B and -7B shapes, and the MoE of bench/moe_gpu.py (Qwen3-30B-A3B's layers, 4 of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+
+def _shape(size: str, smoke: bool) -> tuple[dict | None, str, int]:
+    """(init_random shape, arch, vocab) of a size."""
+    from bench.fp8_gpu import QWEN25_7B_SHAPE
+    from bench.moe_gpu import QWEN3_30B_A3B_LAYER, TINY_LAYER
+    from miles.models.tiny import QWEN25_VOCAB
+
+    if smoke:
+        base = {
+            k: TINY_LAYER[k]
+            for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        }
+        return base | {"num_hidden_layers": 2, "intermediate_size": 64}, "qwen2", 512
+    if size == "7b":
+        return QWEN25_7B_SHAPE, "qwen2", QWEN25_VOCAB
+    if size == "moe":
+        return QWEN3_30B_A3B_LAYER | {"num_hidden_layers": 4}, "qwen3_moe", QWEN25_VOCAB
+    return None, "qwen2", QWEN25_VOCAB  # init_random's default: Qwen2.5-0.5B's shapes
+
+
+def make_model(size: str, bracket: str, args) -> str:
+    """The random model of `size` with an MTP layer, the oracle one for `bracket` "oracle"."""
+    from mtp_oracle import oracle_mtp
+
+    from miles.models.mtp import add_mtp_head
+    from miles.models.tiny import init_random
+
+    out = Path(args.workdir) / f"{size}-{bracket}"
+    if not (out / "config.json").exists():
+        shape, arch, vocab = _shape(size, args.smoke)
+        dtype = "float32" if args.smoke else "bfloat16"
+        init_random(out, shape=shape, vocab_size=vocab, tie_word_embeddings=False, dtype=dtype, arch=arch)
+        add_mtp_head(out, seed=0)
+        if bracket == "oracle":
+            oracle_mtp(out)
+    return str(out)
+
+
+def throughput(url: str, batch: int, args) -> tuple[float, dict]:
+    """tok/s of `batch` concurrent greedy requests, and the speculative counters summed."""
+    body = lambda i: {"input_ids": [(13 * i + 7 * j) % 300 + 3 for j in range(args.prompt)],  # noqa: E731
+                      "sampling_params": {"max_new_tokens": args.new, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+    post = lambda i: httpx.post(url + "/generate", json=body(i), timeout=1200).json()  # noqa: E731
+    best, counters = 0.0, {}
+    with ThreadPoolExecutor(batch) as pool:
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            outs = list(pool.map(post, range(batch)))
+            wall = time.perf_counter() - start
+            assert all(len(o["output_ids"]) == args.new for o in outs), "a request ended early"
+            best = max(best, batch * args.new / wall)
+            counters = {k: sum(o["meta_info"].get(k, 0) for o in outs)
+                        for k in ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")}  # fmt: skip
+    return best, counters
+
+
+def run(args) -> list[dict]:
+    from miles.engine.process import start_engine
+
+    device = "cpu" if args.smoke else "cuda"
+    rows = []
+    for size in args.sizes:
+        for bracket in ("random", "oracle"):
+            model = make_model(size, bracket, args)
+            for arm, flags in (("plain", []), ("NEXTN", ["--speculative-algorithm", "NEXTN",
+                                                         "--speculative-num-steps", str(args.k)])):  # fmt: skip
+                log = Path(args.workdir) / f"engine-{size}-{bracket}-{arm}.log"
+                eng = start_engine(
+                    model, device=device, log_path=log, extra_args=flags, max_total_tokens=args.pool
+                )
+                try:
+                    throughput(eng.url, 1, args)  # warm-up
+                    for b in args.batches:
+                        tok_s, counters = throughput(eng.url, b, args)
+                        rows.append(
+                            dict(size=size, bracket=bracket, arm=arm, batch=b, tok_s=tok_s, **counters)
+                        )
+                        print(json.dumps(rows[-1]), flush=True)
+                finally:
+                    eng.stop()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| size | draft | batch | plain tok/s | NEXTN tok/s | NEXTN / plain | kept / proposed |",
+           "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    plain = {(r["size"], r["bracket"], r["batch"]): r for r in rows if r["arm"] == "plain"}
+    for r in rows:
+        if r["arm"] != "NEXTN":
+            continue
+        p = plain[(r["size"], r["bracket"], r["batch"])]
+        kept = (
+            r["spec_accept_token_num"] / r["spec_draft_token_num"]
+            if r["spec_draft_token_num"]
+            else float("nan")
+        )
+        out.append(f"| {r['size']} | {r['bracket']} | {r['batch']} | {p['tok_s']:.0f} | {r['tok_s']:.0f} | "
+                   f"{r['tok_s'] / p['tok_s']:.2f}x | {kept:.2f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", choices=["0.5b", "7b", "moe"], default=["0.5b", "7b", "moe"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 256])
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--pool", type=int, default=131072, help="the engines' --max-total-tokens")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-spec-gpu-"))
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.batches, args.new, args.prompt, args.rounds, args.pool = (
+            ["0.5b"],
+            [1, 4],
+            8,
+            8,
+            1,
+            4096,
+        )
+    elif not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (or --smoke)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/mtp_oracle.py
+    rows = run(args)
+    print(table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""bench/spec_gpu.py --smoke: the speculation benchmark runs end to end on the CPU (tiny model, both
+MTP brackets, plain and NEXTN engines, two batch sizes) and reports what each bracket stands for: the
+oracle layer keeps every proposal, the random one next to none; every output row is complete."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_brackets_the_acceptance(tmp_path):
+    out = tmp_path / "spec.json"
+    cmd = [sys.executable, "-m", "bench.spec_gpu", "--smoke", "--workdir", str(tmp_path), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["bracket"], r["arm"], r["batch"]) for r in rows} == {
+        (b, a, n) for b in ("random", "oracle") for a in ("plain", "NEXTN") for n in (1, 4)
+    }
+    nextn = {(r["bracket"], r["batch"]): r for r in rows if r["arm"] == "NEXTN"}
+    for batch in (1, 4):
+        oracle = nextn[("oracle", batch)]
+        assert oracle["spec_draft_token_num"] > 0
+        assert oracle["spec_accept_token_num"] == oracle["spec_draft_token_num"]
+        random = nextn[("random", batch)]
+        assert random["spec_accept_token_num"] < random["spec_draft_token_num"] / 2
+    assert "| 0.5b | oracle | 1 |" in proc.stdout
