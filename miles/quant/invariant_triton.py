@@ -26,7 +26,6 @@ runs the kernels in the unit tests (fp32; its tl.dot of bf16 tiles is not the GP
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -252,14 +251,13 @@ def sequence_table(starts: list[int], lengths: list[int], device) -> tuple[Tenso
 
 
 def _causal_reference(q: Tensor, k: Tensor, v: Tensor, starts: list[int], lengths: list[int], scale: float):
-    """The packed row's attention by PyTorch's SDPA, sequence by sequence (q [T, H, D], k / v [KVH, T, D])."""
-    outs = []
-    for a, n in zip(starts, lengths, strict=True):
-        qs = q[a : a + n].transpose(0, 1)[None]
-        ks, vs = k[:, a : a + n][None], v[:, a : a + n][None]
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs)
+    """The packed row's attention by PyTorch's kernels (q [T, H, D], k / v [KVH, T, D]): on CUDA in bf16
+    one variable-length flash launch for the row (miles/train/varlen_attention.py), else SDPA per
+    sequence."""
+    from miles.train.varlen_attention import packed_causal_attention
+
+    bounds = torch.tensor([*starts, starts[-1] + lengths[-1]], dtype=torch.int32, device=q.device)
+    return packed_causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), bounds, max(lengths), scale)
 
 
 class _PackedAttention(torch.autograd.Function):

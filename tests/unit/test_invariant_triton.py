@@ -145,3 +145,16 @@ def test_gradients_are_pytorchs(measured) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     main()
+
+
+def test_a_forwards_sequence_spans_are_read_once_and_follow_changes() -> None:
+    import torch
+
+    from miles.train.fsdp import true_on_policy as top
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert top._row_spans(pos) == [([0, 3, 5], [3, 2, 1])]
+    assert top._row_spans(pos) is top._row_spans(pos)  # every layer: the same spans, no host read
+    pos[0, 4] = 0  # changed in place: read again
+    assert top._row_spans(pos) == [([0, 3, 4, 5], [3, 1, 1, 1])]
+    assert top._row_spans(torch.tensor([[0, 1, 2, 3, 4, 5]])) == [([0], [6])]

@@ -80,6 +80,24 @@ def _sequences(positions: list[int]) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [len(positions)], strict=True))
 
 
+_spans_seen: tuple[Tensor, int, list] | None = None
+"""The last position_ids tensor (held, so no other tensor can be it), its version and its sequence
+spans: every layer of a forward gets the same tensor, read to the host once."""
+
+
+def _row_spans(position_ids: Tensor) -> list[tuple[list[int], list[int]]]:
+    """Per row of `position_ids` [B, S], the (starts, lengths) of its packed sequences."""
+    global _spans_seen
+    seen = _spans_seen
+    if seen is None or seen[0] is not position_ids or seen[1] != position_ids._version:
+        spans = []
+        for positions in position_ids.tolist():
+            bounds = _sequences(positions)
+            spans.append(([a for a, _ in bounds], [b - a for a, b in bounds]))
+        _spans_seen = seen = (position_ids, position_ids._version, spans)
+    return seen[2]
+
+
 def attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -98,15 +116,12 @@ def attention_forward(
         position_ids = torch.arange(S, device=query.device).expand(B, S)
     scale = scaling if scaling is not None else D**-0.5
     if inv.kernels_for(query):  # each row's sequences through one kernel (miles/quant/invariant_triton.py)
-        out = []
-        for row, positions in enumerate(position_ids.expand(B, S).tolist()):
-            starts, lengths = zip(*((a, b - a) for a, b in _sequences(positions)), strict=True)
-            q = query[row].transpose(0, 1)
-            out.append(
-                inv.gpu_kernels().packed_attention(
-                    q, key[row], value[row], list(starts), list(lengths), scale
-                )
-            )
+        attend = inv.gpu_kernels().packed_attention
+        spans = _row_spans(position_ids)
+        spans = spans * B if len(spans) == 1 else spans  # one row of positions for every row
+        out = [
+            attend(query[row].transpose(0, 1), key[row], value[row], *spans[row], scale) for row in range(B)
+        ]
         return torch.stack(out).contiguous(), None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     rows = []
