@@ -33,6 +33,7 @@ class InvariantForward:
         self.d = decoder
         s = decoder.spec
         self.inv_freq = inv.inverse_frequencies(s.head_dim, s.rope_theta, decoder.device)
+        self._req: torch.Tensor | None = None  # this forward's token -> request (Triton kernels)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return inv.rms_norm(x, self.d.params[name], self.d.spec.rms_norm_eps)
@@ -54,7 +55,7 @@ class InvariantForward:
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
         if inv.kernels_for(x):  # one kernel reads the pool in place (each token's request from _requests)
-            req = self._requests(b, T)
+            req = self._req if self._req is not None else self._requests(b, T)
             out = inv.gpu_kernels().paged_attention(
                 q, k_pool, v_pool, b.context_slots, req, b.positions, D**-0.5
             )
@@ -97,6 +98,7 @@ class InvariantForward:
         """fp32 logits [B, vocab] at each request's last new token; the new K/V written to the pool."""
         d = self.d
         x = d.params["model.embed_tokens.weight"][b.input_ids]
+        self._req = self._requests(b, x.shape[0]) if inv.kernels_for(x) else None  # once for all layers
         cos, sin = inv.rope_cos_sin(b.positions, self.inv_freq, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D] over the heads
         for i in range(d.spec.num_layers):
