@@ -234,7 +234,9 @@ def paged_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
         out.stride(0), out.stride(1), scale,
         G=G, D=D, G_PAD=max(16, triton.next_power_of_2(G)), D_PAD=d_pad, BLOCK_N=KEY_BLOCK,
-        PRECISION="ieee", num_warps=8 if d_pad >= 128 else 4,
+        # bf16 / fp16 inputs: TF32 tensor-core dots (their values are exact in TF32; the probabilities
+        # round to TF32's 10-bit mantissa before P.V), fp32 inputs: IEEE dots
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if d_pad >= 128 else 4,
     )  # fmt: skip
     return out
 
