@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# True on-policy and speculation on one GPU, one call, each part under its own time limit (LIMITS,
+# seconds, in this order; 0 skips a part), so that a short device lease still brings back the first:
+#   1. tests/gpu/test_true_on_policy_gpu.py (the default plain-PyTorch forms and the Triton kernels,
+#      dense and MoE with routing replay, chunked prefill) and tests/gpu/test_speculative_gpu.py;
+#   2. bench.true_on_policy --part cost with the Triton kernels (decode eager / CUDA graphs, train step);
+#   3. bench.spec_gpu at the 0.5B shapes (decode tok/s with and without NEXTN at batch 1/8/32/256).
+#   [LIMITS="200 200 200"] bash bench/onpolicy_spec_sitting.sh OUT
+set -u
+out=${1:?usage: bench/onpolicy_spec_sitting.sh OUT}
+read -r t_tests t_cost t_spec <<< "${LIMITS:-200 200 200}"
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+py=${PYTHON:-python3}
+export USE_HUB_KERNELS=0  # transformers 5.25 asks the `kernels` package for hub kernels otherwise
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+git log --oneline -1 > "$out/commit.txt" 2>/dev/null
+
+part() {  # name limit command...
+  local name=$1 limit=$2
+  shift 2
+  [ "$limit" -gt 0 ] || return 0
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "$name rc $?"
+  grep -E "passed|failed|^decode|^train step|^\| " "$out/$name.log" | tail -20
+}
+
+part tests "$t_tests" $py -m pytest -q -p no:cacheprovider -s tests/gpu/test_true_on_policy_gpu.py \
+  tests/gpu/test_speculative_gpu.py
+part cost "$t_cost" $py -m bench.true_on_policy --part cost --kernels triton --model 0.5b --rounds 3 \
+  --requests 64 --new 64 --out "$out/top_cost.json"
+part spec "$t_spec" $py -m bench.spec_gpu --sizes 0.5b --out "$out/spec_gpu.json"
