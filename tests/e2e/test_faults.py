@@ -173,8 +173,10 @@ def test_ctrl_c_while_the_base_model_is_pretrained_exits_130_without_a_traceback
         model={"path": str(tmp_path / "base"), "init_tiny_if_missing": True,
                "tiny": {"corpus": "coding", "vocab_size": 512, "pretrain_steps": 100000}},
     )  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "train", str(path)],
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    # SIGINT at its default in the child: a test run started in the background (`cmd &` in a script)
+    # hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "train", str(path)], stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     seen = []
     try:
         for line in proc.stderr:  # progress is printed while it pretrains
