@@ -182,8 +182,8 @@ class MtpSpeculator(Speculator):
         return max(0, min(self.k, left - 1))
 
     def step(self, reqs: list[Request]) -> list[Request]:
-        """Speculate for the requests that can (`_room`); returns the others, to decode as usual (their
-        MTP history then has a gap: they are not drafted for again)."""
+        """Speculate for the requests that can (`_room`); returns the others, to decode as usual (the
+        MTP then extends over their step too, `after_decode`)."""
         if self.max_batch is not None and len(reqs) > self.max_batch:
             return reqs  # decoded as usual; `after_decode` keeps the MTP's history
         ks = {id(r): self._room(r) for r in reqs}
