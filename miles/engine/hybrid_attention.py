@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from miles.engine.packing import to_tokens, token_requests
 from miles.engine.v4_spec import CSA, SLIDING
 
 if TYPE_CHECKING:
@@ -67,28 +68,6 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def token_requests(b: Batch, T: int) -> torch.Tensor:
-    """[T] the request (row of b.query_index) of each packed new token."""
-    B, Q = b.query_index.shape
-    if Q == 1:  # decode: one token per request, in request order
-        return torch.arange(B, device=b.query_index.device)
-    dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)
-    owner = torch.zeros(T + 1, dtype=torch.long, device=dest.device)
-    owner[dest] = torch.arange(B, device=dest.device).repeat_interleave(Q)
-    return owner[:T]
-
-
-def to_tokens(x: torch.Tensor, b: Batch, T: int) -> torch.Tensor:
-    """[B, Q, ...] per (request, query) rows back to the packed [T, ...] token order."""
-    B, Q = b.query_index.shape
-    if Q == 1:
-        return x[:, 0]
-    dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)  # padding to a dropped row
-    packed = x.new_zeros(T + 1, *x.shape[2:])
-    packed[dest] = x.reshape(B * Q, *x.shape[2:])
-    return packed[:T]
 
 
 def _window(pool: torch.Tensor, b: Batch, owner: torch.Tensor, width: int, T: int):
@@ -213,7 +192,7 @@ class HybridAttention:
             cl = torch.einsum("bqhd,bcd->bqhc", q[b.query_index], ckeys) * scale + cbias[:, :, None].to(
                 q.dtype
             )
-            parts.append(to_tokens(cl, b, T))
+            parts.append(to_tokens(cl.flatten(0, 1), b, T))
         parts.append(sinks.float()[None, :, None].expand(T, -1, 1))
         full = torch.cat([x.float() for x in parts], dim=-1)
         probs = torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1).to(q.dtype).float()
@@ -221,5 +200,5 @@ class HybridAttention:
         out = torch.einsum("thw,twd->thd", probs[..., :W], keys.float())
         if ckeys is not None:
             per_request = torch.einsum("bqhc,bcd->bqhd", probs[..., W:-1][b.query_index], ckeys.float())
-            out = out + to_tokens(per_request, b, T)
+            out = out + to_tokens(per_request.flatten(0, 1), b, T)
         return out.to(q.dtype)

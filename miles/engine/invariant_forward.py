@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from miles.engine.kv_cache import gather_slots
+from miles.engine.packing import to_tokens, token_requests
 from miles.engine.spec import Batch
 from miles.quant import invariant as inv
 
@@ -33,7 +34,6 @@ class InvariantForward:
         self.d = decoder
         s = decoder.spec
         self.inv_freq = inv.inverse_frequencies(s.head_dim, s.rope_theta, decoder.device)
-        self._req: torch.Tensor | None = None  # this forward's token -> request (Triton kernels)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return inv.rms_norm(x, self.d.params[name], self.d.spec.rms_norm_eps)
@@ -42,7 +42,8 @@ class InvariantForward:
         p = self.d.params
         return inv.linear(x, p[name + ".weight"], p.get(name + ".bias"))
 
-    def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool) -> torch.Tensor:
+    def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool, req) -> torch.Tensor:
+        """One layer's attention; `req` [T] each token's request (Triton kernels; None otherwise)."""
         s, p = self.d.spec, f"model.layers.{i}.self_attn."
         T, D = x.shape[0], s.head_dim
         q = self._proj(x, p + "q_proj").view(T, s.num_heads, D)
@@ -54,8 +55,7 @@ class InvariantForward:
         k_pool, v_pool = pool[i]
         k_pool[:, b.write_slots] = k.transpose(0, 1)
         v_pool[:, b.write_slots] = v.transpose(0, 1)
-        if inv.kernels_for(x):  # one kernel reads the pool in place (each token's request from _requests)
-            req = self._req if self._req is not None else self._requests(b, T)
+        if req is not None:  # one kernel reads the pool in place
             out = inv.gpu_kernels().paged_attention(
                 q, k_pool, v_pool, b.context_slots, req, b.positions, D**-0.5
             )
@@ -64,21 +64,7 @@ class InvariantForward:
         kc = gather_slots(k_pool, b.context_slots).permute(1, 2, 0, 3)
         vc = gather_slots(v_pool, b.context_slots).permute(1, 2, 0, 3)
         out = inv.attention(q[b.query_index], kc, vc, b.query_pos, D**-0.5)
-        B, Q = b.query_index.shape
-        dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)  # padding: a dropped row
-        packed = out.new_zeros(T + 1, s.num_heads * D)
-        packed[dest] = out.reshape(B * Q, -1)
-        return self._proj(packed[:T], p + "o_proj")
-
-    @staticmethod
-    def _requests(b: Batch, T: int) -> torch.Tensor:
-        """[T] the request (row of b.context_slots) of each packed new token, without a host read (a
-        CUDA graph captures it): padding queries write into a dropped element T."""
-        B, Q = b.query_index.shape
-        rows = torch.arange(B, device=b.query_index.device)[:, None].expand(B, Q)
-        dest = torch.where(b.query_pos >= 0, b.query_index, T)
-        req = torch.zeros(T + 1, dtype=torch.int64, device=rows.device)
-        return req.scatter_(0, dest.reshape(-1), rows.reshape(-1))[:T]
+        return self._proj(to_tokens(out.flatten(0, 1).flatten(1), b, T), p + "o_proj")
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p, m, d = f"model.layers.{i}.mlp.", self.d.spec.moe, self.d
@@ -98,12 +84,12 @@ class InvariantForward:
         """fp32 logits [B, vocab] at each request's last new token; the new K/V written to the pool."""
         d = self.d
         x = d.params["model.embed_tokens.weight"][b.input_ids]
-        self._req = self._requests(b, x.shape[0]) if inv.kernels_for(x) else None  # once for all layers
+        req = token_requests(b, x.shape[0]) if inv.kernels_for(x) else None  # once for all layers
         cos, sin = inv.rope_cos_sin(b.positions, self.inv_freq, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D] over the heads
         for i in range(d.spec.num_layers):
             p = f"model.layers.{i}."
-            x = x + self._attention(i, self._norm(x, p + "input_layernorm.weight"), b, cos, sin, pool)
+            x = x + self._attention(i, self._norm(x, p + "input_layernorm.weight"), b, cos, sin, pool, req)
             x = x + self._mlp(i, self._norm(x, p + "post_attention_layernorm.weight"))
         d._take_routing(b.write_slots)
         h = self._norm(x[b.last_index], "model.norm.weight")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.kv_cache import gather_slots
+from miles.engine.packing import to_tokens
 from miles.engine.rope import yarn_softmax_scale
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class LatentAttention:
         query = torch.cat((q_lat, self._rope(q_rot, cos, sin)), dim=-1)  # [T, H, r + d_r]
         out = self._attend(query, b, latent, mask)  # [B, Q, H, r]
         out = torch.einsum("bqhr,hvr->bqhv", out, w[:, dn:]).reshape(out.shape[0] * out.shape[1], -1)
-        return d._project(self._pack(out, b, x.shape[0]), p + "o_proj.weight")
+        return d._project(to_tokens(out, b, x.shape[0]), p + "o_proj.weight")
 
     def _attend(self, query: torch.Tensor, b: Batch, latent: torch.Tensor, mask) -> torch.Tensor:
         """Attended latents [B, Q, H, r]: each request's queries (heads folded into the query length)
@@ -144,13 +145,3 @@ class LatentAttention:
             qb, keys, keys[..., : self.m.kv_lora_rank], attn_mask=mask, scale=scale
         )
         return out.view(B, H, Q, -1).transpose(1, 2)
-
-    @staticmethod
-    def _pack(out: torch.Tensor, b: Batch, T: int) -> torch.Tensor:
-        """[B*Q, X] per (request, query) rows back to the packed [T, X] token order."""
-        if b.query_index.shape[1] == 1:  # decode: query_index is arange(B), the packed order already
-            return out
-        dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)  # padding to a dropped row
-        packed = out.new_zeros(T + 1, out.shape[1])
-        packed[dest] = out
-        return packed[:T]

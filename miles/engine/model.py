@@ -43,6 +43,7 @@ from miles.engine.fused_forward import FusedForward
 from miles.engine.invariant_forward import InvariantForward
 from miles.engine.kv_cache import gather_slots as _gather_slots
 from miles.engine.mla import LatentAttention
+from miles.engine.packing import to_tokens
 from miles.engine.rope import decoder_frequencies
 from miles.engine.spec import Batch, ModelSpec, load_weights, token_slots
 
@@ -344,13 +345,7 @@ class Decoder:
         qb = q[b.query_index].view(B, Q, KVH, G, D).permute(2, 0, 3, 1, 4).reshape(KVH * B, 1, G * Q, D)
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
         out = out.view(KVH, B, G, Q, D).permute(1, 3, 0, 2, 4).reshape(B * Q, s.num_heads * D)
-        if Q == 1:  # decode: query_index is arange(B), the packed order already
-            return out
-        # padding queries go to a spare row T that is dropped
-        dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)
-        packed = out.new_zeros(T + 1, out.shape[1])
-        packed[dest] = out
-        return packed[:T]
+        return to_tokens(out, b, T)
 
     @torch.inference_mode()
     def forward_rows(

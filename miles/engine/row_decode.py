@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from miles.engine.kv_cache import gather_slots
+from miles.engine.packing import to_tokens
 from miles.engine.spec import Batch, token_slots
 
 
@@ -70,10 +71,7 @@ def attend_pool_cpu(dec, i: int, q, k, v, b: Batch, pool, mask) -> torch.Tensor:
     qb = q[b.query_index].view(B, Q, KVH, G, D).permute(2, 0, 3, 1, 4).reshape(KVH * B, 1, G * Q, D)
     out = attend_cpu(qb, kb, vb, mask)
     out = out.view(KVH, B, G, Q, D).permute(1, 3, 0, 2, 4).reshape(B * Q, s.num_heads * D)
-    dest = torch.where(b.query_pos >= 0, b.query_index, T).reshape(-1)  # padding to a dropped row
-    packed = out.new_zeros(T + 1, out.shape[1])
-    packed[dest] = out
-    return packed[:T]
+    return to_tokens(out, b, T)
 
 
 def forward_rows(
