@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from miles.engine.admission import check_finite
+from miles.engine.speculative import split_draft
 
 if TYPE_CHECKING:
     from miles.engine.scheduler import Scheduler
@@ -54,14 +55,10 @@ class Holdings:
         if abort_all:
             self.s._drain_inbox()
             self.s._abort_all("aborted for a weight update")
-        draft = {n.removeprefix("draft."): t for n, t in weights.items() if n.startswith("draft.")}
-        if draft:  # the speculative draft's weights (train.draft), for the draft model
-            weights = {n: t for n, t in weights.items() if not n.startswith("draft.")}
-            if self.s.speculator is not None:
-                self.s.speculator.load_draft(draft)
-        mtp = getattr(self.s.speculator, "mtp", None)
-        if mtp is not None and any(n.startswith(mtp.prefix) for n in weights):  # the MTP draft's (NEXTN)
-            self.s.speculator.load_draft({n: t for n, t in weights.items() if n.startswith(mtp.prefix)})
+        if self.s.speculator is not None:  # the draft's tensors (train.draft) load into the draft
+            weights = self.s.speculator.take_draft_weights(weights)
+        else:  # an engine without a draft ignores them
+            weights = split_draft(weights)[1]
         self.s.decoder.load(weights, strict=complete)
         self.s._flush_locked()
         if version is not None:

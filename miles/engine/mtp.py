@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.request import Request, prefill_batch
-from miles.engine.speculative import Speculator, propose
+from miles.engine.speculative import Speculator, propose, split_draft
 
 log = logging.getLogger("miles.engine")
 
@@ -167,6 +167,18 @@ class MtpSpeculator(Speculator):
     def load_draft(self, weights: dict[str, torch.Tensor]) -> None:
         """New MTP weights (a weight push); kept states draft on, verification keeps outputs exact."""
         self.mtp.load(weights)
+
+    def take_draft_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Load the MTP layer's tensors of a weight update (its checkpoint names, `model.layers.L.*`:
+        train.draft's push); returns the rest, the target's (a STANDALONE `draft.*` push is dropped)."""
+        mine = {n: t for n, t in weights.items() if n.startswith(self.mtp.prefix)}
+        if mine:
+            self.load_draft(mine)
+        return {n: t for n, t in split_draft(weights)[1].items() if n not in mine}
+
+    def draft_weight(self, name: str) -> torch.Tensor | None:
+        """The MTP layer's tensor of checkpoint name `name`, None for a target name."""
+        return self.mtp.get(name) if name.startswith(self.mtp.prefix) else None
 
     def _room(self, r: Request) -> int:
         st = self.state.get(r)

@@ -128,6 +128,18 @@ class Speculator:
         self.cache.decoder.load(weights, strict=False)
         self.cache.valid.clear()
 
+    def take_draft_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Load the draft's tensors of a weight update (`draft.<HF name>`, train.draft's push); returns
+        the rest, the target's."""
+        draft, rest = split_draft(weights)
+        if draft:
+            self.load_draft(draft)
+        return rest
+
+    def draft_weight(self, name: str) -> torch.Tensor | None:
+        """The draft's tensor of update name `name` (`draft.<HF name>`), None for a target name."""
+        return self.cache.decoder.get(name.removeprefix(PREFIX)) if name.startswith(PREFIX) else None
+
     def _room(self, r: Request) -> int:
         """Draft tokens request `r` can take this step (0: decode it as usual)."""
         if r.opts is not None or r.restricts_support or r.abort_requested:
@@ -219,6 +231,16 @@ class Speculator:
 
     def after_decode(self, reqs: list[Request]) -> None:
         """Called after each plain decode step's tokens are recorded (the MTP draft extends over it)."""
+
+
+PREFIX = "draft."
+"""Update names of the STANDALONE draft's tensors (miles/train/draft_model.py pushes them)."""
+
+
+def split_draft(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the draft's tensors by HF name, the rest) of a weight update."""
+    draft = {n.removeprefix(PREFIX): t for n, t in weights.items() if n.startswith(PREFIX)}
+    return draft, {n: t for n, t in weights.items() if not n.startswith(PREFIX)} if draft else weights
 
 
 def propose(r: Request, z: torch.Tensor, i: int, drafts: list[int], dists: list[torch.Tensor]) -> None:

@@ -427,17 +427,10 @@ class WeightUpdater:
             )
 
     def get_by_name(self, body: GetWeightsByName) -> list:
-        decoder, name = self.scheduler.decoder, body.name
         spec = self.scheduler.speculator
-        mtp = getattr(spec, "mtp", None)
-        if (
-            name.startswith("draft.") and spec is not None and mtp is None
-        ):  # the speculative draft's (train.draft)
-            decoder, name = spec.cache.decoder, name.removeprefix("draft.")
-        elif mtp is not None and name.startswith(mtp.prefix):  # the MTP layer NEXTN drafts with
-            decoder = mtp
-        try:
-            t = decoder.get(name)
+        try:  # the speculative draft's tensors (`draft.*`, or the MTP layer's) are the draft's own
+            t = spec.draft_weight(body.name) if spec is not None else None
+            t = self.scheduler.decoder.get(body.name) if t is None else t
         except KeyError:
             raise ValueError(f"name: no weight named {body.name!r}") from None
         return t[: body.truncate_size].float().cpu().tolist()

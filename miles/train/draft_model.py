@@ -20,7 +20,7 @@ the draft's weights and optimiser in the checkpoint's trainer state (`extra["dra
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from torch import Tensor
 
 from miles.sample import Sample
 from miles.train.batching import pack, pack_by_budget
+
+if TYPE_CHECKING:
+    from miles.train.mtp_training import MtpTrainer
 
 PREFIX = "draft."
 """Weight names of the draft model in an export (the engine strips it)."""
@@ -46,6 +49,9 @@ class DraftTrainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.grad_clip = cfg.grad_clip
+
+    def begin(self) -> None:
+        """Before the policy's step: nothing (the MTP layer's trainer reads the policy then)."""
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """One optimiser step of the cross-entropy over the samples' trained response tokens."""
@@ -84,7 +90,7 @@ class DraftTraining:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.draft: DraftTrainer | None = None
+        self.draft: DraftTrainer | MtpTrainer | None = None
 
     def __getattr__(self, name: str) -> Any:  # the wrapped backend's other parts (offload, model, ...)
         return getattr(self.inner, name)
@@ -106,9 +112,8 @@ class DraftTraining:
             self.draft = DraftTrainer(plan, torch.device(device))
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
-        begin = getattr(self.draft, "begin", None)
-        if begin is not None:  # the MTP layer reads the policy's hidden states during its step
-            begin()
+        if self.draft is not None:
+            self.draft.begin()
         metrics = self.inner.train(samples)
         if self.draft is not None:
             metrics.update(self.draft.train(samples))

@@ -119,3 +119,35 @@ def test_a_lora_request_speculates_against_its_adapter(tiny_model, draft, tmp_pa
         plain.stop()
     assert got["output_ids"] == want["output_ids"] != base_out["output_ids"]
     assert got["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_mtp_weights_arrive_by_their_checkpoint_names(tmp_path):
+    """NEXTN: the MTP layer's tensors of a weight update (`model.layers.L.*`) load into the engine's
+    MTP draft and read back from it by the same name; the target's weights load as usual."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from miles.models.tiny import init_tiny
+
+    model = init_tiny(tmp_path / "m", seed=0, mtp=True)
+    update = shutil.copytree(model, tmp_path / "update")
+    mtp = {n: t * 0.5 for n, t in load_file(str(update / "mtp.safetensors")).items()}
+    save_file(mtp, str(update / "mtp.safetensors"))
+    name = next(n for n in mtp if n.endswith("eh_proj.weight"))
+    flags = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"]
+    eng = start_engine(str(model), device="cpu", log_path=tmp_path / "spec.log", extra_args=flags)
+    try:
+        ask = {"name": name, "truncate_size": 2}
+        before = httpx.post(eng.url + "/get_weights_by_name", json=ask, timeout=30).json()
+        reply = httpx.post(
+            eng.url + "/update_weights_from_disk", json={"model_path": str(update)}, timeout=120
+        )
+        after = httpx.post(eng.url + "/get_weights_by_name", json=ask, timeout=30).json()
+        out = httpx.post(eng.url + "/generate", json=BODY, timeout=120).json()
+    finally:
+        eng.stop()
+    assert reply.status_code == 200, reply.text
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(before) * 0.5)
+    assert out["meta_info"]["spec_verify_ct"] >= 1
