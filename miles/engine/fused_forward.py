@@ -45,9 +45,7 @@ class FusedForward:
 
         d = self.d
         w, st, eps = d.params, d.storage, d.spec.rms_norm_eps
-        x = (
-            w["model.embed_tokens.weight"][b.input_ids] if b.input_embeds is None else b.input_embeds
-        ).float()
+        x = d.embed(b).float()
         freqs = b.positions.float()[:, None] * d.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()  # the per-op path's [cos | cos] halves, once
         mask = d._decode_mask(b)

@@ -432,11 +432,7 @@ class Decoder:
             self.lora.terms.begin(token_slots(b))
         if self.fused and b.input_ids.is_cuda:
             return self.fused_forward.forward(b, pool)
-        x = (
-            self.params["model.embed_tokens.weight"][b.input_ids]
-            if b.input_embeds is None
-            else b.input_embeds
-        )
+        x = self.embed(b)
         # bf16 on CUDA: the residual stream stays fp32 (each sublayer's input is rounded once), which
         # roughly halves the log-prob error against an fp32 forward for a few elementwise kernels
         wide = x.is_cuda and x.dtype != torch.float32
@@ -465,6 +461,14 @@ class Decoder:
             return self._logits(normed[b.last_index], b.last_index)
         return self._logits(
             self._norm(x[b.last_index], self.params["model.norm.weight"]).to(self.dtype), b.last_index
+        )
+
+    def embed(self, b: Batch) -> torch.Tensor:
+        """The new tokens' input rows: their embeddings, or the batch's own `input_embeds` (MTP draft)."""
+        return (
+            self.params["model.embed_tokens.weight"][b.input_ids]
+            if b.input_embeds is None
+            else b.input_embeds
         )
 
     def _traced(self, module: str, out: torch.Tensor) -> torch.Tensor:
