@@ -47,12 +47,9 @@ import torch.nn.functional as F
 
 from miles.engine.request import Request, prefill_batch
 from miles.engine.speculative import Speculator, propose, split_draft
+from miles.models.mtp import INPUT, OWN, mtp_prefix
 
 log = logging.getLogger("miles.engine")
-
-
-def mtp_prefix(spec) -> str:
-    return f"model.layers.{spec.num_layers}."
 
 
 class MtpDraft:
@@ -61,15 +58,14 @@ class MtpDraft:
     def __init__(self, target: Any, weights: dict[str, torch.Tensor], num_slots: int) -> None:
         from miles.engine.model import Decoder
 
-        spec, pre = target.spec, mtp_prefix(target.spec)
+        spec, pre = target.spec, mtp_prefix(target.spec.num_layers)
         mine = {n.removeprefix(pre): t for n, t in weights.items() if n.startswith(pre)}
-        need = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-        if missing := [n for n in need if n not in mine]:
+        if missing := [n for n in OWN if n not in mine]:
             raise ValueError(f"the checkpoint's MTP layer ({pre}*) lacks {missing}")
         sparse = any(n.startswith("mlp.experts.") or n == "mlp.gate.weight" for n in mine)
         moe = spec.moe and dataclasses.replace(spec.moe, sparse_layers=(0,) if sparse else ())
         one = dataclasses.replace(spec, num_layers=1, mtp_layers=0, moe=moe, tie_word_embeddings=False)
-        layer = {_layer_name(n): t for n, t in mine.items() if n not in _SHARED and n not in need[:3]}
+        layer = {_layer_name(n): t for n, t in mine.items() if n not in _SHARED and n not in INPUT}
         layer.update({n: target.get(n) for n in _HEAD})
         self.target = target
         self.decoder = Decoder(one, layer, str(target.device), target.dtype)
@@ -77,7 +73,7 @@ class MtpDraft:
             self.decoder.storage.pop(n, None)
         self.decoder.fused = self.decoder.paged_decode = self.decoder.row_decode = False
         self.decoder.capture_hidden = True
-        self.own = {n: mine[n].to(target.device, target.dtype) for n in need[:3]}
+        self.own = {n: mine[n].to(target.device, target.dtype) for n in INPUT}
         self.prefix = pre
         self.eps = spec.rms_norm_eps
         self.pool = self.decoder.new_kv_pool(num_slots)
@@ -299,8 +295,8 @@ def load_mtp(model_dir: str | Path, target: Any, num_slots: int) -> MtpDraft:
             f"{model_dir} has no MTP layer (config num_nextn_predict_layers): NEXTN drafts with the model's "
             "own MTP layer; use STANDALONE with --speculative-draft-model-path, or `miles model init-tiny --mtp`"
         )
-    pre = mtp_prefix(target.spec)
-    weights = {n: t for n, t in load_weights(model_dir).items() if n.startswith(pre)}
+    pre = mtp_prefix(target.spec.num_layers)
+    weights = load_weights(model_dir, prefix=pre)
     return MtpDraft(target, weights, num_slots)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from miles.engine import moe
@@ -131,8 +132,9 @@ class Batch:
         )
 
 
-def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the HF safetensors files in a directory, by HF name."""
+def load_weights(model_dir: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of the HF safetensors files in a directory, by HF name (only those whose name starts
+    with `prefix`, the others left unread)."""
     from miles.engine.admission import require_regular
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -142,7 +144,11 @@ def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
         require_regular(f, "weights file")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
+        if not prefix:
+            weights.update(load_file(str(f)))
+            continue
+        with safe_open(str(f), framework="pt") as st:
+            weights.update({n: st.get_tensor(n) for n in st.keys() if n.startswith(prefix)})
     return weights
 
 

@@ -20,7 +20,10 @@ import json
 from pathlib import Path
 
 MTP_FILE = "mtp.safetensors"
-OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+INPUT = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+"""The layer's input projection of [embedding; hidden state]."""
+OWN = (*INPUT, "shared_head.norm.weight")
+"""The layer's tensors beside its decoder layer (names relative to model.layers.L.)."""
 
 
 def mtp_prefix(num_hidden_layers: int) -> str:

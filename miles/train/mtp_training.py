@@ -99,7 +99,7 @@ class MtpTrainer:
 
         cfg = plan.train.draft
         prefix = mtp_prefix(policy.config.num_hidden_layers)
-        tensors = {n: t for n, t in load_weights(plan.model.path).items() if n.startswith(prefix)}
+        tensors = load_weights(plan.model.path, prefix=prefix)
         self.policy, self.device = policy, device
         self.layer = MtpLayer(policy, tensors).to(device=device, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.layer.parameters(), lr=cfg.lr, weight_decay=0.0)
