@@ -115,22 +115,23 @@ def attention_forward(
     if position_ids is None:
         position_ids = torch.arange(S, device=query.device).expand(B, S)
     scale = scaling if scaling is not None else D**-0.5
+    spans = _row_spans(position_ids)  # read to the host once a forward, not once a layer
+    spans = spans * B if len(spans) == 1 else spans  # one row of positions for every row
     if inv.kernels_for(query):  # each row's sequences through one kernel (miles/quant/invariant_triton.py)
         attend = inv.gpu_kernels().packed_attention
-        spans = _row_spans(position_ids)
-        spans = spans * B if len(spans) == 1 else spans  # one row of positions for every row
         out = [
             attend(query[row].transpose(0, 1), key[row], value[row], *spans[row], scale) for row in range(B)
         ]
         return torch.stack(out).contiguous(), None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     rows = []
-    for row, positions in enumerate(position_ids.expand(B, S).tolist()):
+    for row, (starts, lengths) in enumerate(spans):
         parts = []
-        for a, b in _sequences(positions):
-            pos = torch.arange(b - a, device=q.device)[None]
+        for a, n in zip(starts, lengths, strict=True):
+            sl = slice(a, a + n)
+            pos = torch.arange(n, device=q.device)[None]
             parts.append(
-                inv.attention(q[row : row + 1, a:b], k[row : row + 1, a:b], v[row : row + 1, a:b], pos, scale)
+                inv.attention(q[row : row + 1, sl], k[row : row + 1, sl], v[row : row + 1, sl], pos, scale)
             )
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows).contiguous(), None
