@@ -75,7 +75,6 @@ class MtpDraft:
         self.decoder.capture_hidden = True
         self.own = {n: mine[n].to(target.device, target.dtype) for n in INPUT}
         self.prefix = pre
-        self.eps = spec.rms_norm_eps
         self.pool = self.decoder.new_kv_pool(num_slots)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
@@ -103,12 +102,10 @@ class MtpDraft:
             self.decoder.params[n] = self.target.get(n)
 
     def _inputs(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        norm, own = self.decoder._norm, self.own  # the decoder's RMSNorm (HF's roundings)
         emb = self.decoder.params["model.embed_tokens.weight"][next_ids]
-        both = torch.cat(
-            (_rms(emb, self.own["enorm.weight"], self.eps), _rms(hidden, self.own["hnorm.weight"], self.eps)),
-            -1,
-        )
-        return F.linear(both, self.own["eh_proj.weight"])
+        both = torch.cat((norm(emb, own["enorm.weight"]), norm(hidden, own["hnorm.weight"])), -1)
+        return F.linear(both, own["eh_proj.weight"])
 
     @torch.inference_mode()
     def forward(self, runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor):
@@ -124,11 +121,6 @@ class MtpDraft:
         )
         logits = self.decoder.forward(b, self.pool)
         return logits.float(), self.decoder.hidden[b.last_index]
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    return (w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).to(x.dtype)
 
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
