@@ -22,10 +22,10 @@ part() {  # name limit command...
   [ "$limit" -gt 0 ] || return 0
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "$name rc $?"
-  grep -E "passed|failed|^decode|^train step|^\| " "$out/$name.log" | tail -20
+  grep -E "passed|failed|PASSED|FAILED|^decode|^train step|^\| " "$out/$name.log" | tail -20
 }
 
-part tests "$t_tests" $py -m pytest -q -p no:cacheprovider -s tests/gpu/test_true_on_policy_gpu.py \
+part tests "$t_tests" $py -m pytest -v -p no:cacheprovider -s tests/gpu/test_true_on_policy_gpu.py \
   tests/gpu/test_speculative_gpu.py
 part cost "$t_cost" $py -m bench.true_on_policy --part cost --kernels triton --model 0.5b --rounds 3 \
   --requests 64 --new 64 --out "$out/top_cost.json"
