@@ -80,24 +80,46 @@ def train_step_s(model: str, device: str, on: bool, args) -> list[float]:
     n, length = args.train_seqs, args.train_len
     ids = torch.randint(3, 300, (1, n * length), device=device)
     pos = torch.arange(length, device=device).repeat(n)[None]
-    times = []
-    for _ in range(args.rounds + 1):
+    rows, targets = torch.arange(n * length - 1, device=device), ids[0, 1:]
+
+    def step():
         net.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
         logits = net(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-        rows, targets = torch.arange(n * length - 1, device=device), ids[0, 1:]
         if on:
             logp = inv.token_logprobs(logits.index_select(0, rows), targets)
         else:
             logp = torch.log_softmax(logits[:-1].float(), -1).gather(1, targets[:, None])[:, 0]
         logp.mean().backward()
+
+    times = []
+    for _ in range(args.rounds + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    del net
+    if args.profile and device == "cuda":
+        _profile(step, "mode" if on else "anchor")
     return times[1:]  # the first round compiles / warms caches
+
+
+def _profile(step, name: str) -> None:
+    """One step under torch.profiler: the operations taking the most GPU time, and the GPU's busy time
+    against the step's wall time (far below it: the host launching kernels bounds the step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"profile {name}: wall {wall * 1e3:.1f} ms (profiled), GPU busy {busy * 1e3:.1f} ms")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
 def cost(args) -> dict:
@@ -114,10 +136,12 @@ def cost(args) -> dict:
     if graphs is not None:  # the mode keeps CUDA graphs for dense models
         arms.update({"mode with CUDA graphs": FLAGS, "anchor with CUDA graphs": []})
     decode = {name: [decode_tok_s(model, device, f, args, work / f"engine-{i}-{r}.log")
-                     for r in range(args.rounds)] for i, (name, f) in enumerate(arms.items())}  # fmt: skip
+                     for r in range(args.rounds)] for i, (name, f) in enumerate(arms.items())
+              if args.only in (None, "decode")}  # fmt: skip
     train = {
-        "mode": train_step_s(model, device, True, args),
-        "anchor": train_step_s(model, device, False, args),
+        arm: train_step_s(model, device, arm == "mode", args)
+        for arm in ("mode", "anchor")
+        if args.only in (None, "train")
     }
     return dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", model=args.model,
                 kernels=args.kernels, decode_tok_s=decode, train_step_s=train)  # fmt: skip
@@ -154,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=["0.5b", "tiny"], default="0.5b")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
-        "--kernels", choices=["torch", "triton"], default="torch", help="MILES_INVARIANT_GPU on CUDA"
+        "--kernels", choices=["torch", "triton"], default="triton", help="MILES_INVARIANT_GPU on CUDA"
     )
+    p.add_argument("--only", choices=["decode", "train"], help="cost: one half")
+    p.add_argument("--profile", action="store_true", help="cost on CUDA: a profiled train step per arm")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)

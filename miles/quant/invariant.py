@@ -104,7 +104,7 @@ def tree_sum(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
     return out.unsqueeze(dim) if keepdim else out
 
 
-GPU_KERNELS = os.environ.get("MILES_INVARIANT_GPU", "torch")
+GPU_KERNELS = os.environ.get("MILES_INVARIANT_GPU", "triton")
 """On CUDA: "torch" (the forms above, as on the CPU: bit for bit on an H100, tests/gpu) or "triton"
 (miles/quant/invariant_triton.py: faster, not yet shown bit for bit on a GPU, bench/RESULTS.md). The
 engine and the trainer must use the same: the variable is read by both processes."""

@@ -25,6 +25,8 @@ runs the kernels in the unit tests (fp32; its tl.dot of bf16 tiles is not the GP
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -241,50 +243,64 @@ def paged_attention(
     return out
 
 
-def sequence_table(starts: list[int], lengths: list[int], device) -> tuple[Tensor, Tensor, Tensor]:
-    """(table [R, Lmax], req [T], pos [T]) of the sequences packed one after another in a row of
-    T = sum(lengths) tokens: sequence r's position p is token starts[r] + p."""
-    width = max(lengths)
-    table = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)[None, :]
-    lens = torch.tensor(lengths, device=device)
-    req = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens)
-    pos = torch.arange(int(lens.sum()), device=device) - torch.repeat_interleave(table[:, 0], lens)
-    return table, req, pos
+@dataclass(frozen=True)
+class PackedRow:
+    """The sequences packed one after another in a row of T = sum(lengths) tokens (sequence r's position
+    p is token starts[r] + p), on the device: table [R, Lmax] each position's token, req [T] and pos [T]
+    each token's sequence and position, bounds [R + 1] (int32) the sequences' offsets. Built once on the
+    host and copied in one transfer, so the layers of a forward and its backward read no host values."""
+
+    lengths: list[int]
+    table: Tensor
+    req: Tensor
+    pos: Tensor
+    bounds: Tensor
+
+    @classmethod
+    def of(cls, starts: list[int], lengths: list[int], device) -> PackedRow:
+        width, count, total = max(lengths), len(lengths), sum(lengths)
+        first = torch.tensor(starts, dtype=torch.int64)
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        table = first[:, None] + torch.arange(width)[None, :]
+        req = torch.repeat_interleave(torch.arange(count), lens, output_size=total)
+        pos = torch.arange(total) - torch.repeat_interleave(first, lens, output_size=total)
+        bounds = torch.cat((first, first[-1:] + lens[-1:]))
+        flat = torch.cat((table.reshape(-1), req, pos, bounds)).to(device)  # the one host-to-device copy
+        table, req, pos, bounds = flat.split([count * width, total, total, count + 1])
+        return cls(list(lengths), table.view(count, width), req, pos, bounds.to(torch.int32))
 
 
-def _causal_reference(q: Tensor, k: Tensor, v: Tensor, starts: list[int], lengths: list[int], scale: float):
+def _causal_reference(q: Tensor, k: Tensor, v: Tensor, row: PackedRow, scale: float):
     """The packed row's attention by PyTorch's kernels (q [T, H, D], k / v [KVH, T, D]): on CUDA in bf16
     one variable-length flash launch for the row (miles/train/varlen_attention.py), else SDPA per
     sequence."""
     from miles.train.varlen_attention import packed_causal_attention
 
-    bounds = torch.tensor([*starts, starts[-1] + lengths[-1]], dtype=torch.int32, device=q.device)
-    return packed_causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), bounds, max(lengths), scale)
+    return packed_causal_attention(
+        q, k.transpose(0, 1), v.transpose(0, 1), row.bounds, max(row.lengths), scale
+    )
 
 
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, starts: list[int], lengths: list[int], scale: float):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, row: PackedRow, scale: float):
         ctx.save_for_backward(q, k, v)
-        ctx.args = (starts, lengths, scale)
-        table, req, pos = sequence_table(starts, lengths, q.device)
-        return paged_attention(q, k, v, table, req, pos, scale)
+        ctx.args = (row, scale)
+        return paged_attention(q, k, v, row.table, row.req, row.pos, scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return (*_recomputed_grads(_causal_reference, ctx, grad, *ctx.args), None, None, None)
+        return (*_recomputed_grads(_causal_reference, ctx, grad, *ctx.args), None, None)
 
 
-def packed_attention(
-    q: Tensor, k: Tensor, v: Tensor, starts: list[int], lengths: list[int], scale: float
-) -> Tensor:
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, row: PackedRow, scale: float) -> Tensor:
     """Causal attention within each sequence of a packed row: q [T, H, D], k / v [KVH, T, D] ->
-    [T, H, D]; differentiable (SDPA recomputed for the backward)."""
-    return _PackedAttention.apply(q, k, v, starts, lengths, scale)
+    [T, H, D]; differentiable (recomputed by PyTorch's kernels for the backward)."""
+    return _PackedAttention.apply(q, k, v, row, scale)
 
 
 @triton.jit
-def _logprob_kernel(z_ptr, tok_ptr, temp_ptr, out_ptr, V, stride_z, BLOCK: tl.constexpr):
+def _logprob_kernel(z_ptr, tok_ptr, temp_ptr, out_ptr, lse_ptr, V, stride_z, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride_z
     temp = tl.load(temp_ptr + row)
@@ -301,6 +317,26 @@ def _logprob_kernel(z_ptr, tok_ptr, temp_ptr, out_ptr, V, stride_z, BLOCK: tl.co
     lse = tl.log(tl.sum(total, axis=0))
     chosen = tl.load(base + tl.load(tok_ptr + row).to(tl.int64)).to(tl.float32) / temp
     tl.store(out_ptr + row, (chosen - m) - lse)
+    tl.store(lse_ptr + row, m + lse)  # log Z of z / T, for the backward
+
+
+@triton.jit
+def _logprob_grad_kernel(
+    z_ptr, tok_ptr, temp_ptr, lse_ptr, grad_ptr, out_ptr, V, stride_z, stride_o, BLOCK: tl.constexpr
+):  # fmt: skip
+    """d logp / d z = (onehot(token) - softmax(z / T)) / T, times the incoming gradient, per row."""
+    row = tl.program_id(0).to(tl.int64)
+    temp = tl.load(temp_ptr + row)
+    log_z = tl.load(lse_ptr + row)
+    scale = tl.load(grad_ptr + row) / temp
+    token = tl.load(tok_ptr + row).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        col = start + i
+        live = col < V
+        z = tl.load(z_ptr + row * stride_z + col, mask=live, other=0.0).to(tl.float32) / temp
+        g = (tl.where(col == token, 1.0, 0.0) - tl.exp(z - log_z)) * scale
+        tl.store(out_ptr + row * stride_o + col, g.to(out_ptr.dtype.element_ty), mask=live)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -311,18 +347,23 @@ class _TokenLogprobs(torch.autograd.Function):
         z = logits.float().contiguous()
         N, V = z.shape
         out = torch.empty(N, dtype=torch.float32, device=z.device)
+        log_z = torch.empty(N, dtype=torch.float32, device=z.device)
         if N:
-            _logprob_kernel[(N,)](z, tokens, temperature, out, V, z.stride(0), BLOCK=VOCAB_BLOCK)
-        ctx.save_for_backward(logits, tokens, temperature)
+            _logprob_kernel[(N,)](z, tokens, temperature, out, log_z, V, z.stride(0), BLOCK=VOCAB_BLOCK)
+        ctx.save_for_backward(logits, tokens, temperature, log_z)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logits, tokens, temperature = ctx.saved_tensors
-        t = temperature[:, None]
-        g = -torch.softmax(logits.float() / t, dim=-1)
-        g.scatter_add_(1, tokens[:, None].long(), torch.ones_like(g[:, :1]))
-        return (g * (grad[:, None] / t)).to(logits.dtype), None, None
+        logits, tokens, temperature, log_z = ctx.saved_tensors
+        z = logits if logits.stride(-1) == 1 else logits.contiguous()
+        out = torch.empty(z.shape, dtype=logits.dtype, device=z.device)
+        if z.shape[0]:
+            _logprob_grad_kernel[(z.shape[0],)](
+                z, tokens, temperature, log_z, grad.float().contiguous(), out, z.shape[1], z.stride(0),
+                out.stride(0), BLOCK=VOCAB_BLOCK,
+            )  # fmt: skip
+        return out, None, None
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0) -> Tensor:

@@ -78,8 +78,9 @@ def test_bf16_chunked_prefill_gives_the_same_bits_as_one_prefill(model) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
-def test_bf16_triton_kernels_bit_for_bit(arch, tmp_path, monkeypatch) -> None:
-    """MILES_INVARIANT_GPU=triton (miles/quant/invariant_triton.py) in the engine and the trainer."""
+def test_bf16_plain_torch_forms_bit_for_bit(arch, tmp_path, monkeypatch) -> None:
+    """MILES_INVARIANT_GPU=torch (the plain-PyTorch forms of miles/quant/invariant.py, not the Triton
+    kernels of the default) in the engine and the trainer."""
     from miles.models.tiny import init_tiny
     from miles.quant import invariant
 
@@ -87,13 +88,57 @@ def test_bf16_triton_kernels_bit_for_bit(arch, tmp_path, monkeypatch) -> None:
     routed = _moe(model)
     extra = ["--enable-return-routed-experts"] if routed else []
     eng = start_engine(model, device="cuda", dtype="bfloat16", max_total_tokens=8192, log_path=tmp_path / "e.log",
-                       extra_args=FLAGS + extra, env={"MILES_INVARIANT_GPU": "triton"})  # fmt: skip
+                       extra_args=FLAGS + extra, env={"MILES_INVARIANT_GPU": "torch"})  # fmt: skip
     try:
         samples = rollout(eng.url, routed=routed)
     finally:
         eng.stop()
-    monkeypatch.setattr(invariant, "GPU_KERNELS", "triton")
+    monkeypatch.setattr(invariant, "GPU_KERNELS", "torch")
     trainer = trainer_logprobs(model, samples, True, device="cuda", dtype=torch.bfloat16, replay=routed)
     for s, got in zip(samples, trainer, strict=True):
         engine = torch.tensor(s["logprobs"], dtype=torch.float32)
         assert torch.equal(got, engine), (s["prompt"][:5], (got - engine).abs().max())
+
+
+def test_the_trainers_step_reads_nothing_back_from_the_gpu(tmp_path) -> None:
+    """With the Triton kernels, a packed row's invariant forward and backward call no synchronizing CUDA
+    operation from Miles' code once its position ids were read (the first forward): torch's sync
+    debug mode warns at each one, naming the Python line that called it."""
+    import os
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    import miles
+    from miles.models.tiny import init_tiny
+    from miles.quant import invariant
+    from miles.train.fsdp import true_on_policy as top
+
+    assert invariant.GPU_KERNELS == "triton", "the default kernels on CUDA"
+    model = init_tiny(tmp_path / "m", arch="qwen2", seed=0)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda()
+    top.install(net)
+    lengths = [5, 40, 17]
+    ids = torch.randint(3, 300, (1, sum(lengths)), device="cuda")
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    rows, targets = torch.arange(sum(lengths) - 1, device="cuda"), ids[0, 1:]
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        logits = net(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        top.logprobs(logits, rows, targets, 1.0).mean().backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    print(f"synchronizing operations in the second step: {syncs}")
+    package = os.path.dirname(miles.__file__) + os.sep
+    assert not [s for s in syncs if s.startswith(package)], syncs
+    assert all(p.grad is not None for p in net.parameters() if p.requires_grad)

@@ -66,8 +66,9 @@ def _attention(torch, kern, gen) -> dict:
     T = sum(lengths)
     q = torch.randn(T, H, D, generator=gen)
     k, v = torch.randn(KVH, T, D, generator=gen), torch.randn(KVH, T, D, generator=gen)
-    packed = kern.packed_attention(q, k, v, starts, lengths, D**-0.5)
-    ref = kern._causal_reference(q, k, v, starts, lengths, D**-0.5)
+    row = kern.PackedRow.of(starts, lengths, "cpu")
+    packed = kern.packed_attention(q, k, v, row, D**-0.5)
+    ref = kern._causal_reference(q, k, v, row, D**-0.5)
     # the last sequence as a decode engine holds it: its keys at random slots of a larger pool,
     # NaN in every other slot, queries of positions 0, 64, 130 one request each
     a, n = starts[-1], lengths[-1]
@@ -80,9 +81,9 @@ def _attention(torch, kern, gen) -> dict:
     decode = kern.paged_attention(q[a + picks], k_pool, v_pool, table, torch.arange(3), picks, D**-0.5)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     g = torch.randn(T, H, D, generator=gen)
-    kern.packed_attention(qg, kg, vg, starts, lengths, D**-0.5).backward(g)
+    kern.packed_attention(qg, kg, vg, row, D**-0.5).backward(g)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    kern._causal_reference(qr, kr, vr, starts, lengths, D**-0.5).backward(g)
+    kern._causal_reference(qr, kr, vr, row, D**-0.5).backward(g)
     return {
         "attn_err": (packed - ref).abs().max().item(),
         "attn_decode_equal": torch.equal(decode, packed[a + picks]),
@@ -142,19 +143,24 @@ def test_gradients_are_pytorchs(measured) -> None:
         assert measured[key] < 5e-5, (key, measured[key])
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    main()
-
-
-def test_a_forwards_sequence_spans_are_read_once_and_follow_changes() -> None:
+def test_a_forwards_sequences_are_read_once_and_follow_changes() -> None:
     import torch
 
     from miles.train.fsdp import true_on_policy as top
 
     pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
-    assert top._row_spans(pos) == [([0, 3, 5], [3, 2, 1])]
-    assert top._row_spans(pos) is top._row_spans(pos)  # every layer: the same spans, no host read
+    assert top._packed_rows(pos, False) == [([0, 3, 5], [3, 2, 1])]
+    assert top._packed_rows(pos, False) is top._packed_rows(pos, False)  # every layer: no host read
+    (row,) = top._packed_rows(pos, True)  # the kernels' form: on the device, one copy
+    assert top._packed_rows(pos, True)[0] is row
+    assert row.table.tolist() == [[0, 1, 2], [3, 4, 5], [5, 6, 7]]
+    assert (row.req.tolist(), row.pos.tolist()) == ([0, 0, 0, 1, 1, 2], [0, 1, 2, 0, 1, 0])
+    assert (row.bounds.tolist(), row.bounds.dtype) == ([0, 3, 5, 6], torch.int32)
     pos[0, 4] = 0  # changed in place: read again
-    assert top._row_spans(pos) == [([0, 3, 4, 5], [3, 1, 1, 1])]
-    assert top._row_spans(torch.tensor([[0, 1, 2, 3, 4, 5]])) == [([0], [6])]
+    assert top._packed_rows(pos, False) == [([0, 3, 4, 5], [3, 1, 1, 1])]
+    assert top._packed_rows(torch.tensor([[0, 1, 2, 3, 4, 5]]), False) == [([0], [6])]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    main()

@@ -71,7 +71,9 @@ def _experts_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k
 
 
 def _rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-    return inv.rope_cos_sin(position_ids, self._miles_inv_freq.to(x.device), x.dtype)
+    if self._miles_inv_freq.device != x.device:  # moved once, not copied every forward
+        self._miles_inv_freq = self._miles_inv_freq.to(x.device)
+    return inv.rope_cos_sin(position_ids, self._miles_inv_freq, x.dtype)
 
 
 def _sequences(positions: list[int]) -> list[tuple[int, int]]:
@@ -80,22 +82,27 @@ def _sequences(positions: list[int]) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [len(positions)], strict=True))
 
 
-_spans_seen: tuple[Tensor, int, list] | None = None
-"""The last position_ids tensor (held, so no other tensor can be it), its version and its sequence
-spans: every layer of a forward gets the same tensor, read to the host once."""
+_rows_seen: tuple[Tensor, int, str, list] | None = None
+"""The last position_ids tensor (held, so no other tensor can be it), its version, the kernel path and
+its rows' sequences: every layer of a forward (and its backward) gets the same tensor, read to the
+host once."""
 
 
-def _row_spans(position_ids: Tensor) -> list[tuple[list[int], list[int]]]:
-    """Per row of `position_ids` [B, S], the (starts, lengths) of its packed sequences."""
-    global _spans_seen
-    seen = _spans_seen
-    if seen is None or seen[0] is not position_ids or seen[1] != position_ids._version:
-        spans = []
+def _packed_rows(position_ids: Tensor, kernels: bool) -> list:
+    """Per row of `position_ids` [B, S], its packed sequences: invariant_triton.PackedRow (on the
+    device) with the Triton kernels, else (starts, lengths)."""
+    global _rows_seen
+    key = "triton" if kernels else "torch"
+    seen = _rows_seen
+    if seen is None or seen[0] is not position_ids or seen[1] != position_ids._version or seen[2] != key:
+        rows = []
         for positions in position_ids.tolist():
             bounds = _sequences(positions)
-            spans.append(([a for a, _ in bounds], [b - a for a, b in bounds]))
-        _spans_seen = seen = (position_ids, position_ids._version, spans)
-    return seen[2]
+            starts, lengths = [a for a, _ in bounds], [b - a for a, b in bounds]
+            rows.append(inv.gpu_kernels().PackedRow.of(starts, lengths, position_ids.device) if kernels
+                        else (starts, lengths))  # fmt: skip
+        _rows_seen = seen = (position_ids, position_ids._version, key, rows)
+    return seen[3]
 
 
 def attention_forward(
@@ -115,17 +122,16 @@ def attention_forward(
     if position_ids is None:
         position_ids = torch.arange(S, device=query.device).expand(B, S)
     scale = scaling if scaling is not None else D**-0.5
-    spans = _row_spans(position_ids)  # read to the host once a forward, not once a layer
-    spans = spans * B if len(spans) == 1 else spans  # one row of positions for every row
-    if inv.kernels_for(query):  # each row's sequences through one kernel (miles/quant/invariant_triton.py)
+    kernels = inv.kernels_for(query)
+    rows = _packed_rows(position_ids, kernels)  # read to the host once a forward, not once a layer
+    rows = rows * B if len(rows) == 1 else rows  # one row of positions for every row
+    if kernels:  # each row's sequences through one kernel (miles/quant/invariant_triton.py)
         attend = inv.gpu_kernels().packed_attention
-        out = [
-            attend(query[row].transpose(0, 1), key[row], value[row], *spans[row], scale) for row in range(B)
-        ]
+        out = [attend(query[r].transpose(0, 1), key[r], value[r], rows[r], scale) for r in range(B)]
         return torch.stack(out).contiguous(), None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    rows = []
-    for row, (starts, lengths) in enumerate(spans):
+    outs = []
+    for row, (starts, lengths) in enumerate(rows):
         parts = []
         for a, n in zip(starts, lengths, strict=True):
             sl = slice(a, a + n)
@@ -133,8 +139,8 @@ def attention_forward(
             parts.append(
                 inv.attention(q[row : row + 1, sl], k[row : row + 1, sl], v[row : row + 1, sl], pos, scale)
             )
-        rows.append(torch.cat(parts, dim=1))
-    return torch.cat(rows).contiguous(), None
+        outs.append(torch.cat(parts, dim=1))
+    return torch.cat(outs).contiguous(), None
 
 
 def install(model: nn.Module) -> None:
