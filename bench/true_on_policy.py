@@ -86,7 +86,7 @@ def train_step_s(model: str, device: str, on: bool, args) -> list[float]:
         net.zero_grad(set_to_none=True)
         logits = net(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         if on:
-            logp = inv.token_logprobs(logits.index_select(0, rows), targets)
+            logp = inv.token_logprobs(logits, targets, rows=rows)
         else:
             logp = torch.log_softmax(logits[:-1].float(), -1).gather(1, targets[:, None])[:, 0]
         logp.mean().backward()

@@ -205,11 +205,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> T
     return torch.cat(outs, dim=1).reshape(B, Q, H, D).to(q.dtype)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
-    """log softmax(logits / T)[token] per row (fp32): logits [N, V], tokens [N], T a float or [N]."""
-    if kernels_for(logits):
-        return gpu_kernels().token_logprobs(logits, tokens, temperature)
-    z = logits.float()
+def token_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0, rows: Tensor | None = None
+) -> Tensor:
+    """log softmax(logits / T)[token] per row (fp32): logits [N, V], tokens [n], T a float or [n]; rows
+    [n] (distinct) the rows of logits to score, all N by default."""
+    if kernels_for(logits):  # the rows picked inside the kernels: no gathered copy to scatter back
+        return gpu_kernels().token_logprobs(logits, tokens, temperature, rows)
+    z = (logits if rows is None else logits.index_select(0, rows)).float()
     if isinstance(temperature, Tensor):
         z = z / temperature.float()[:, None]
     elif temperature != 1.0:

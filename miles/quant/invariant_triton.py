@@ -42,9 +42,9 @@ VOCAB_BLOCK = 4096
 
 @triton.jit(do_not_specialize=["M"])  # one build whatever the number of rows
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -66,12 +66,14 @@ def _gemm_kernel(
             w_ptr + n[None, :] * stride_wn + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None], other=0.0
         )
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:  # added to the fp32 sums, one rounding to the output's dtype
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     mask = (m < M)[:, None] & (n < N)[None, :]
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def matmul(x: Tensor, weight: Tensor) -> Tensor:
-    """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; each row independent of M."""
+def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) in x's dtype, fp32 accumulation; each row independent of M."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     M, K = x.shape
@@ -83,8 +85,9 @@ def matmul(x: Tensor, weight: Tensor) -> Tensor:
     grid = (triton.cdiv(M, tile["BLOCK_M"]) * triton.cdiv(N, tile["BLOCK_N"]),)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # bf16 / fp16 tiles: tensor-core dots
     _gemm_kernel[grid](
-        x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0), PRECISION=precision, **tile
-    )
+        x, weight, weight if bias is None else bias, out, M, N, K, x.stride(0), weight.stride(0),
+        out.stride(0), PRECISION=precision, HAS_BIAS=bias is not None, **tile,
+    )  # fmt: skip
     return out
 
 
@@ -94,16 +97,15 @@ class _Linear(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         weight = weight.to(x.dtype)  # a weight kept in another dtype computes in the input's
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        out = matmul(x, weight)
-        return out + bias if bias is not None else out
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return matmul(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         grad_w = (grad.t() @ x).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_b = grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
 
@@ -134,13 +136,34 @@ def _rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
+@triton.jit
+def _rms_norm_grad_kernel(
+    x_ptr, w_ptr, g_ptr, dx_ptr, dw_ptr, N, stride_x, stride_g, stride_dx, eps, BLOCK: tl.constexpr
+):  # fmt: skip
+    """One row of the RMSNorm backward: dx = r (g w - x^ mean(g w x^)) with x^ = x r, r = rsqrt(mean(x^2)
+    + eps) in fp32, and the row's share g * x^ (rounded as the forward rounds it) of the weight's
+    gradient."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    live = i < N
+    x = tl.load(x_ptr + row * stride_x + i, mask=live, other=0.0)
+    h = x.to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    xhat = h * r
+    g = tl.load(g_ptr + row * stride_g + i, mask=live, other=0.0).to(tl.float32)
+    gw = g * tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
+    dx = r * (gw - xhat * (tl.sum(gw * xhat, axis=0) / N))
+    tl.store(dx_ptr + row * stride_dx + i, dx.to(dx_ptr.dtype.element_ty), mask=live)
+    tl.store(dw_ptr + row * N + i, g * xhat.to(x_ptr.dtype.element_ty).to(tl.float32), mask=live)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        ctx.save_for_backward(rows, weight)
+        ctx.eps = eps
         out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
         if rows.shape[0]:
             N = rows.shape[1]
@@ -151,7 +174,19 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return (*_recomputed_grads(_rms_norm_reference, ctx, grad, ctx.eps), None)
+        rows, weight = ctx.saved_tensors
+        T, N = rows.shape
+        g = grad.reshape(T, N)
+        g = g if g.stride(-1) == 1 else g.contiguous()
+        dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+        dw_rows = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+        if T:
+            _rms_norm_grad_kernel[(T,)](
+                rows, weight, g, dx, dw_rows, N, rows.stride(0), g.stride(0), dx.stride(0), ctx.eps,
+                BLOCK=triton.next_power_of_2(N),
+            )  # fmt: skip
+        dw = dw_rows.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.view(grad.shape), dw, None
 
 
 def _recomputed_grads(fn, ctx, grad: Tensor, *args) -> tuple[Tensor | None, ...]:
@@ -322,14 +357,17 @@ def _logprob_kernel(z_ptr, tok_ptr, temp_ptr, out_ptr, lse_ptr, V, stride_z, BLO
 
 @triton.jit
 def _logprob_grad_kernel(
-    z_ptr, tok_ptr, temp_ptr, lse_ptr, grad_ptr, out_ptr, V, stride_z, stride_o, BLOCK: tl.constexpr
+    z_ptr, rows_ptr, tok_ptr, temp_ptr, lse_ptr, grad_ptr, out_ptr, V, stride_z, stride_o,
+    BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """d logp / d z = (onehot(token) - softmax(z / T)) / T, times the incoming gradient, per row."""
-    row = tl.program_id(0).to(tl.int64)
-    temp = tl.load(temp_ptr + row)
-    log_z = tl.load(lse_ptr + row)
-    scale = tl.load(grad_ptr + row) / temp
-    token = tl.load(tok_ptr + row).to(tl.int64)
+    """d logp / d z = (onehot(token) - softmax(z / T)) / T, times the incoming gradient, for the i-th
+    log-prob: logits row rows[i] (or i), written to the same row of the gradient."""
+    i_th = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + i_th).to(tl.int64) if HAS_ROWS else i_th
+    temp = tl.load(temp_ptr + i_th)
+    log_z = tl.load(lse_ptr + i_th)
+    scale = tl.load(grad_ptr + i_th) / temp
+    token = tl.load(tok_ptr + i_th).to(tl.int64)
     i = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         col = start + i
@@ -341,36 +379,40 @@ def _logprob_grad_kernel(
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: Tensor) -> Tensor:
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: Tensor, rows: Tensor | None) -> Tensor:
         # fp32 whatever the caller holds: a kernel built for bf16 loads lays the row out otherwise and
         # sums it in another order (the engine passes fp32 logits, the trainer bf16: 1-2 ulp apart, seen)
-        z = logits.float().contiguous()
+        z = (logits if rows is None else logits.index_select(0, rows)).float().contiguous()
         N, V = z.shape
         out = torch.empty(N, dtype=torch.float32, device=z.device)
         log_z = torch.empty(N, dtype=torch.float32, device=z.device)
         if N:
             _logprob_kernel[(N,)](z, tokens, temperature, out, log_z, V, z.stride(0), BLOCK=VOCAB_BLOCK)
-        ctx.save_for_backward(logits, tokens, temperature, log_z)
+        ctx.save_for_backward(logits, tokens, temperature, log_z, rows)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logits, tokens, temperature, log_z = ctx.saved_tensors
+        logits, tokens, temperature, log_z, rows = ctx.saved_tensors
         z = logits if logits.stride(-1) == 1 else logits.contiguous()
-        out = torch.empty(z.shape, dtype=logits.dtype, device=z.device)
-        if z.shape[0]:
-            _logprob_grad_kernel[(z.shape[0],)](
-                z, tokens, temperature, log_z, grad.float().contiguous(), out, z.shape[1], z.stride(0),
-                out.stride(0), BLOCK=VOCAB_BLOCK,
+        # rows not picked get no gradient; the picked ones are distinct (written, not added)
+        out = torch.empty_like(z) if rows is None else torch.zeros_like(z)
+        if tokens.shape[0]:
+            _logprob_grad_kernel[(tokens.shape[0],)](
+                z, tokens if rows is None else rows, tokens, temperature, log_z, grad.float().contiguous(),
+                out, z.shape[1], z.stride(0), out.stride(0), BLOCK=VOCAB_BLOCK, HAS_ROWS=rows is not None,
             )  # fmt: skip
-        return out, None, None
+        return out, None, None, None
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
-    """log softmax(logits / T)[token] per row in fp32: logits [N, V], tokens [N], T a float or [N]."""
-    N = logits.shape[0]
+def token_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0, rows: Tensor | None = None
+) -> Tensor:
+    """log softmax(logits / T)[token] per row in fp32: logits [N, V], tokens [n], T a float or [n]; rows
+    [n] (distinct) the logits rows to score, all N by default. Differentiable with respect to logits."""
+    n = tokens.shape[0]
     if isinstance(temperature, Tensor):
-        temps = temperature.to(device=logits.device, dtype=torch.float32).expand(N).contiguous()
+        temps = temperature.to(device=logits.device, dtype=torch.float32).expand(n).contiguous()
     else:
-        temps = torch.full((N,), float(temperature), dtype=torch.float32, device=logits.device)
-    return _TokenLogprobs.apply(logits, tokens.contiguous(), temps)
+        temps = torch.full((n,), float(temperature), dtype=torch.float32, device=logits.device)
+    return _TokenLogprobs.apply(logits, tokens.contiguous(), temps, rows)

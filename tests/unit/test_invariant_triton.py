@@ -101,12 +101,21 @@ def _logprobs(torch, kern, gen) -> dict:
     g = torch.randn(9, generator=gen)
     kern.token_logprobs(zg, tokens, temps).backward(g)
     (torch.log_softmax(zr / temps[:, None], -1).gather(1, tokens[:, None])[:, 0] * g).sum().backward()
+    # rows 7, 2, 4 picked inside the kernels: their values, and a gradient only on those rows
+    rows = torch.tensor([7, 2, 4])
+    zp = z.clone().requires_grad_()
+    picked = kern.token_logprobs(zp, tokens[rows], temps[rows], rows=rows)
+    picked.backward(g[rows])
+    want_grad = torch.zeros_like(z)
+    want_grad[rows] = zg.grad[rows]
     return {
         "logprob_err": (full - ref).abs().max().item(),
         "logprob_invariant": torch.equal(kern.token_logprobs(z[3:5], tokens[3:5], temps[3:5]), full[3:5]),
         "logprob_scalar_t": (kern.token_logprobs(z, tokens, 0.7)
                              - torch.log_softmax(z / 0.7, -1).gather(1, tokens[:, None])[:, 0]).abs().max().item(),
         "logprob_grad_err": (zg.grad - zr.grad).abs().max().item(),
+        "logprob_rows_equal": torch.equal(picked, full[rows]),
+        "logprob_rows_grad_err": (zp.grad - want_grad).abs().max().item(),
     }  # fmt: skip
 
 
@@ -134,12 +143,25 @@ def test_each_kernel_equals_pytorch_within_fp32_rounding(measured) -> None:
 
 
 def test_each_kernel_gives_a_row_the_same_bits_in_any_batch(measured) -> None:
-    for key in ("linear_invariant", "rms_invariant", "attn_decode_equal", "logprob_invariant"):
+    keys = (
+        "linear_invariant",
+        "rms_invariant",
+        "attn_decode_equal",
+        "logprob_invariant",
+        "logprob_rows_equal",
+    )
+    for key in keys:
         assert measured[key] is True, key
 
 
 def test_gradients_are_pytorchs(measured) -> None:
-    for key in ("linear_grad_err", "rms_grad_err", "attn_grad_err", "logprob_grad_err"):
+    for key in (
+        "linear_grad_err",
+        "rms_grad_err",
+        "attn_grad_err",
+        "logprob_grad_err",
+        "logprob_rows_grad_err",
+    ):
         assert measured[key] < 5e-5, (key, measured[key])
 
 

@@ -178,4 +178,4 @@ def install(model: nn.Module) -> None:
 
 def logprobs(logits: Tensor, rows: Tensor, targets: Tensor, temperature: float) -> Tensor:
     """The response tokens' log-probs from the packed logits [N, V]: rows `rows`, ids `targets`."""
-    return inv.token_logprobs(logits.index_select(0, rows), targets, temperature)
+    return inv.token_logprobs(logits, targets, temperature, rows)
