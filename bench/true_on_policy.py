@@ -8,8 +8,8 @@
    `--disable-cuda-graph`, graphs being the engine's default), `--requests` concurrent requests of `--prompt` random ids and exactly
    `--new` new tokens (ignore_eos), tok/s = generated tokens / wall seconds of the whole batch; and the
    trainer's step (forward + backward of one packed row of `--train-seqs` sequences of `--train-len`
-   tokens, transformers' model with and without miles/train/fsdp/true_on_policy.py installed, median
-   of `--rounds`). Ratios: mode / anchor of the same run.
+   tokens, transformers' model with and without miles/train/fsdp/true_on_policy.py installed, the two
+   taking turns for `--rounds` rounds; median and fastest). Ratios: mode / anchor of the same run.
 2. learning (CPU, the tiny model): `miles train recipes/default.yaml` (the digits task) on a
    synchronous schedule, TIS off, `--steps` steps, per seed with the mode on and off: eval/reward_mean
    on the held-out prompts at every evaluation (step 0 included), and the per-step
@@ -66,8 +66,8 @@ def decode_tok_s(model: str, device: str, flags: list[str], args, log: Path) -> 
     return args.requests * args.new / wall
 
 
-def train_step_s(model: str, device: str, on: bool, args) -> list[float]:
-    """Forward + backward seconds of one packed row (transformers' model, optionally the invariant one)."""
+def _train_step(model: str, device: str, on: bool, args):
+    """One packed row's forward + backward (transformers' model, optionally the invariant one)."""
     from transformers import AutoModelForCausalLM
 
     from miles.quant import invariant as inv
@@ -91,18 +91,27 @@ def train_step_s(model: str, device: str, on: bool, args) -> list[float]:
             logp = torch.log_softmax(logits[:-1].float(), -1).gather(1, targets[:, None])[:, 0]
         logp.mean().backward()
 
-    times = []
+    return step
+
+
+def train_step_s(model: str, device: str, args) -> dict[str, list[float]]:
+    """Seconds of each arm's step ("mode", "anchor"), the arms taking turns round by round (so that a
+    change in the host's load falls on both), after one untimed round each (compiles, warms caches)."""
+    steps = {arm: _train_step(model, device, arm == "mode", args) for arm in ("mode", "anchor")}
+    times: dict[str, list[float]] = {arm: [] for arm in steps}
     for _ in range(args.rounds + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        for arm, step in steps.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[arm].append(time.perf_counter() - start)
     if args.profile and device == "cuda":
-        _profile(step, "mode" if on else "anchor")
-    return times[1:]  # the first round compiles / warms caches
+        for arm, step in steps.items():
+            _profile(step, arm)
+    return {arm: t[1:] for arm, t in times.items()}
 
 
 def _profile(step, name: str) -> None:
@@ -138,11 +147,7 @@ def cost(args) -> dict:
     decode = {name: [decode_tok_s(model, device, f, args, work / f"engine-{i}-{r}.log")
                      for r in range(args.rounds)] for i, (name, f) in enumerate(arms.items())
               if args.only in (None, "decode")}  # fmt: skip
-    train = {
-        arm: train_step_s(model, device, arm == "mode", args)
-        for arm in ("mode", "anchor")
-        if args.only in (None, "train")
-    }
+    train = train_step_s(model, device, args) if args.only in (None, "train") else {}
     return dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", model=args.model,
                 kernels=args.kernels, decode_tok_s=decode, train_step_s=train)  # fmt: skip
 
@@ -199,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, vals in result["decode_tok_s"].items():
             print(f"decode {name}: {statistics.median(vals):.0f} tok/s ({min(vals):.0f}-{max(vals):.0f})")
         for name, vals in result["train_step_s"].items():
-            print(f"train step {name}: {statistics.median(vals):.3f} s ({min(vals):.3f}-{max(vals):.3f})")
+            print(f"train step {name}: median {statistics.median(vals):.4f} s, fastest {min(vals):.4f} s "
+                  f"(slowest {max(vals):.4f})")  # fmt: skip
+        if len(result["train_step_s"]) == 2:
+            mode, anchor = result["train_step_s"]["mode"], result["train_step_s"]["anchor"]
+            print(f"train step mode / anchor: median {statistics.median(mode) / statistics.median(anchor):.3f}x, "
+                  f"fastest {min(mode) / min(anchor):.3f}x")  # fmt: skip
     else:
         print(json.dumps(result["rows"], indent=1))
     if args.out:
