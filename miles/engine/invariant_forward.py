@@ -5,12 +5,14 @@ transformers' order and dtypes, so a token's log-prob has the same bits in a dec
 prefill, over a cached prefix, and in the trainer's recomputation.
 
 Per layer, as transformers' Qwen2 / Qwen3 / Llama decoder layer computes it:
-    h = RMSNorm(x); q, k, v = separate projections (+ bias); Qwen3: per-head q / k norms;
+    h = RMSNorm(x); q, k, v = one projection by the stacked [q; k; v] weights (+ bias), split;
+    Qwen3: per-head q / k norms;
     RoPE (transformers' cos / sin, x * cos + rotate_half(x) * sin); the new K/V into the pool;
     each query over its own context (invariant attention); x = x + o_proj(attn)
-    x = x + down(silu(gate(RMSNorm(x))) * up(RMSNorm(x)))
-then RMSNorm and lm_head on each request's last token, logits in fp32. The fused q/k/v and gate/up
-weights are multiplied by their members' rows (views), each GEMM of the trainer's shape.
+    x = x + down(silu(gate) * up) with gate, up one projection of RMSNorm(x) by [gate; up]
+then RMSNorm and lm_head on each request's last token, logits in fp32. The stacked weights are the
+engine's fused qkv_proj / gate_up_proj storage, and the trainer stacks its modules' weights the same
+way (`stacked_linear`), so each GEMM has the same shape on both sides.
 Qwen3-MoE's sparse layers: the softmax router and top-k of miles/quant/invariant.py `route`, its
 experts through `experts`; the chosen ids recorded for routing replay as the other forwards record them.
 Not covered (the server refuses them with the flag): shared experts and other routers (DeepSeek),
@@ -42,13 +44,27 @@ class InvariantForward:
         p = self.d.params
         return inv.linear(x, p[name + ".weight"], p.get(name + ".bias"))
 
+    def _stacked(
+        self, x: torch.Tensor, prefix: str, fused: str, members: tuple[str, ...]
+    ) -> list[torch.Tensor]:
+        """The members' projections of x as one GEMM of their stacked weights (the fused storage where
+        the engine keeps one), split back: inv.stacked_linear's layout, the trainer's."""
+        d, p = self.d, self.d.params
+        weight = d.storage.get(prefix + fused + ".weight")
+        if weight is None:
+            weight = torch.cat([p[prefix + m + ".weight"] for m in members])
+        sizes = [p[prefix + m + ".weight"].shape[0] for m in members]
+        bias = d.storage.get(prefix + fused + ".bias")
+        if bias is None:
+            bias = inv.stacked_bias([p.get(prefix + m + ".bias") for m in members], sizes, weight)
+        return inv.stacked_linear(x, weight, bias, sizes)
+
     def _attention(self, i: int, x: torch.Tensor, b: Batch, cos, sin, pool, req) -> torch.Tensor:
         """One layer's attention; `req` [T] each token's request (Triton kernels; None otherwise)."""
         s, p = self.d.spec, f"model.layers.{i}.self_attn."
         T, D = x.shape[0], s.head_dim
-        q = self._proj(x, p + "q_proj").view(T, s.num_heads, D)
-        k = self._proj(x, p + "k_proj").view(T, s.num_kv_heads, D)
-        v = self._proj(x, p + "v_proj").view(T, s.num_kv_heads, D)
+        q, k, v = self._stacked(x, p, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        q, k, v = q.view(T, s.num_heads, D), k.view(T, s.num_kv_heads, D), v.view(T, s.num_kv_heads, D)
         if s.family.qk_norm:
             q, k = self._norm(q, p + "q_norm.weight"), self._norm(k, p + "k_norm.weight")
         q, k = inv.apply_rope(q, cos, sin), inv.apply_rope(k, cos, sin)
@@ -75,9 +91,8 @@ class InvariantForward:
             gate_up = d._stacked(p + "experts.gate_up_proj").view(m.num_experts, 2 * m.intermediate_size, -1)
             down = d._stacked(p + "experts.down_proj").view(m.num_experts, -1, m.intermediate_size)
             return inv.experts(x, ids, weights, gate_up, down)
-        return self._proj(
-            inv.silu(self._proj(x, p + "gate_proj")) * self._proj(x, p + "up_proj"), p + "down_proj"
-        )
+        gate, up = self._stacked(x, p, "gate_up_proj", ("gate_proj", "up_proj"))
+        return self._proj(inv.silu(gate) * up, p + "down_proj")
 
     @torch.inference_mode()
     def forward(self, b: Batch, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -138,6 +138,30 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.view(*shape[:-1], weight.shape[0])
 
 
+def stacked_bias(biases: list[Tensor | None], sizes: list[int], like: Tensor) -> Tensor | None:
+    """The biases of weights stacked by rows, stacked the same way: zeros for a member without one,
+    None where no member has one."""
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else like.new_zeros(n) for b, n in zip(biases, sizes, strict=True)])
+
+
+def stacked_linear(
+    x: Tensor, weights: Tensor | list[Tensor], bias: Tensor | None, sizes: list[int]
+) -> list[Tensor]:
+    """Projections of one input by several weights stacked by rows (q / k / v, gate / up) as one
+    `linear`, split back into [..., sizes[i]]: one GEMM of one shape, whichever side computes it.
+    `weights`: the stacked tensor (the engine's fused storage) or its members (the trainer's modules;
+    on CUDA stacked inside the kernels' autograd function, so no stacked copy outlives the forward)."""
+    if isinstance(weights, Tensor):
+        out = linear(x, weights, bias)
+    elif kernels_for(x):
+        out = gpu_kernels().stacked_linear(x, weights, bias)
+    else:
+        out = linear(x, torch.cat(weights), bias)
+    return list(out.split(sizes, dim=-1))
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) computed in fp32, rounded to x's dtype before the weight
     multiplies (transformers' Qwen2RMSNorm / LlamaRMSNorm)."""

@@ -116,6 +116,35 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.view(*shape[:-1], weight.shape[0])
 
 
+class _StackedLinear(torch.autograd.Function):
+    """x [M, K] times the member weights stacked by rows, [sum N_i, K], as one GEMM; the stack is built
+    again for the backward instead of being kept (the members stay referenced, as nn.Linear's are)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bias: Tensor | None, *weights: Tensor) -> Tensor:
+        ctx.save_for_backward(x, *weights)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return matmul(x, torch.cat([w.to(x.dtype) for w in weights]), bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x = grad @ torch.cat([w.to(x.dtype) for w in weights]) if ctx.needs_input_grad[0] else None
+        grad_b = grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype and ctx.needs_input_grad[1] else None
+        grad_ws = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            parts = (grad.t() @ x).split([w.shape[0] for w in weights])
+            grad_ws = [g.to(w.dtype) for g, w in zip(parts, weights, strict=True)]
+        return grad_x, grad_b, *grad_ws
+
+
+def stacked_linear(x: Tensor, weights: list[Tensor], bias: Tensor | None = None) -> Tensor:
+    """x (W_0; W_1; ...)^T (+ bias): `linear` of the weights stacked by rows, without keeping the stack."""
+    shape = x.shape
+    out = _StackedLinear.apply(x.reshape(-1, shape[-1]), bias, *weights)
+    return out.view(*shape[:-1], out.shape[-1])
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

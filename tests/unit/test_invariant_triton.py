@@ -32,7 +32,18 @@ def _linear(torch, kern, gen) -> dict:
     kern.linear(xg, wg, bg).backward(g)
     ref = [t.clone().requires_grad_() for t in (x, w, b)]
     torch.nn.functional.linear(*ref).backward(g)
+    # two weights stacked by rows, one GEMM (the trainer's q / k / v), against each alone
+    w2 = torch.randn(30, 40, generator=gen)
+    sg = [t.clone().requires_grad_() for t in (x, w, w2)]
+    stacked = kern.stacked_linear(sg[0], sg[1:], torch.cat((b, torch.zeros(30))))
+    stacked.backward(torch.cat((g, g[:, :30]), dim=1))
     return {
+        "stacked_err": (stacked - torch.cat((full, x @ w2.t()), dim=1)).abs().max().item(),
+        "stacked_grad_err": max(
+            (sg[0].grad - ref[0].grad - g[:, :30] @ w2).abs().max().item(),
+            (sg[1].grad - ref[1].grad).abs().max().item(),
+            (sg[2].grad - g[:, :30].t() @ x).abs().max().item(),
+        ),  # fmt: skip
         "linear_err": (full - torch.nn.functional.linear(x, w, b)).abs().max().item(),
         "linear_invariant": torch.equal(alone, full[[0, *range(128, 150)]]),
         "linear_grad_err": max(
@@ -137,7 +148,7 @@ def measured() -> dict:
 
 
 def test_each_kernel_equals_pytorch_within_fp32_rounding(measured) -> None:
-    for key in ("linear_err", "rms_err", "attn_err", "logprob_err", "logprob_scalar_t"):
+    for key in ("linear_err", "stacked_err", "rms_err", "attn_err", "logprob_err", "logprob_scalar_t"):
         assert measured[key] < 2e-5, (key, measured[key])
     assert measured["rms_bf16_rel"] <= 2**-5, measured  # two bf16 roundings (normalised, times w)
 
@@ -186,3 +197,34 @@ def test_a_forwards_sequences_are_read_once_and_follow_changes() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     main()
+
+
+def test_the_trainer_multiplies_q_k_v_and_gate_up_as_one_gemm_each(tmp_path, monkeypatch) -> None:
+    """As the engine's invariant forward multiplies its fused qkv_proj / gate_up_proj: one stacked GEMM
+    per group in a forward, the members' gradients those of separate projections."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.models.tiny import init_tiny
+    from miles.quant import invariant
+    from miles.train.fsdp import true_on_policy as top
+
+    model = init_tiny(tmp_path / "m", arch="qwen2", seed=0)
+    plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    top.install(net)
+    calls = []
+    stacked = invariant.stacked_linear
+    monkeypatch.setattr(
+        invariant, "stacked_linear", lambda x, w, b, sizes: calls.append(len(w)) or stacked(x, w, b, sizes)
+    )
+    ids = torch.randint(3, 200, (1, 12))
+    pos = torch.arange(12)[None]
+    for m in (net, plain):
+        m(input_ids=ids, position_ids=pos, use_cache=False).logits.float().square().mean().backward()
+    layers = net.config.num_hidden_layers
+    assert sorted(calls) == [2] * layers + [3] * layers, calls
+    first = "model.layers.0."
+    for name in ("self_attn.q_proj.weight", "self_attn.v_proj.bias", "mlp.up_proj.weight"):
+        got, want = net.get_parameter(first + name).grad, plain.get_parameter(first + name).grad
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-6), (name, (got - want).abs().max())

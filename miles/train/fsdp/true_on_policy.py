@@ -49,6 +49,49 @@ def _linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
     return inv.linear(x, self.weight, self.bias)
 
 
+class _Stacked:
+    """Sibling nn.Linear modules that read one input (an attention's q / k / v, an MLP's gate / up),
+    multiplied as one GEMM of their weights stacked by rows when the first is called, as the engine
+    multiplies its fused qkv_proj / gate_up_proj: the others then return their share of it. A member
+    called on another input computes alone."""
+
+    def __init__(self, members: list[nn.Linear]) -> None:
+        self.members = members
+        self.sizes = [m.out_features for m in members]
+        self.pending: tuple[Tensor, list[Tensor | None]] | None = None
+
+    def forward(self, index: int, x: Tensor) -> Tensor:
+        if index == 0:
+            ms = self.members
+            weights = [m.weight for m in ms]
+            bias = inv.stacked_bias([m.bias for m in ms], self.sizes, weights[0])
+            outs: list[Tensor | None] = list(inv.stacked_linear(x, weights, bias, self.sizes))
+            self.pending = (x, outs)
+            return outs[0]
+        pending, self.pending = self.pending, None
+        if pending is None or pending[0] is not x or pending[1][index] is None:
+            member = self.members[index]
+            return inv.linear(x, member.weight, member.bias)
+        out, pending[1][index] = pending[1][index], None
+        if index + 1 < len(self.members):
+            self.pending = pending
+        return out
+
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Linear modules of one parent that read the same input, in the order transformers calls them."""
+
+
+def _stack_siblings(model: nn.Module) -> None:
+    for module in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(module, n, None) for n in names]
+            if all(isinstance(m, nn.Linear) for m in members):
+                group = _Stacked(members)
+                for i, m in enumerate(members):
+                    m.forward = types.MethodType(lambda self, x, i=i, g=group: g.forward(i, x), m)
+
+
 def _norm_forward(self: nn.Module, x: Tensor) -> Tensor:
     eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
     return inv.rms_norm(x, self.weight, eps)
@@ -173,6 +216,7 @@ def install(model: nn.Module) -> None:
         elif name.endswith("RotaryEmbedding"):
             module._miles_inv_freq = inv.inverse_frequencies(head_dim, theta, "cpu")
             module.forward = types.MethodType(_rotary_forward, module)
+    _stack_siblings(model)  # after the loop above: their forwards replace the plain linear one
     model.set_attn_implementation(ATTENTION)
 
 
