@@ -29,11 +29,11 @@ Everything else of the forward (embedding lookups, residual additions, products,
 elementwise work already. Gradients flow through every function (the trainer's backward needs no
 invariance, only the forward's value).
 
-With MILES_INVARIANT_GPU=triton, CUDA tensors' `linear`, `rms_norm` and `token_logprobs` run as Triton
-kernels of the same contract (miles/quant/invariant_triton.py), and the engine and the trainer attend
-through its `paged_attention` / `packed_attention`: the forms above cost a launch per block or tree
-level, which a GPU pays in full. The default keeps the forms above on CUDA too, the ones shown bit
-for bit on a GPU. Both sides of a comparison run on one kind of device and one setting.
+On CUDA, `linear`, `stacked_linear`, `rms_norm` and `token_logprobs` run as Triton kernels of the same
+contract (miles/quant/invariant_triton.py), and the engine and the trainer attend through its
+`paged_attention` / `packed_attention`: the forms above cost a launch per block or tree level, which a
+GPU pays in full. MILES_INVARIANT_GPU=torch keeps the forms above on CUDA too. Both sides of a
+comparison run on one kind of device and one setting.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ def tree_sum(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
 
 
 GPU_KERNELS = os.environ.get("MILES_INVARIANT_GPU", "triton")
-"""On CUDA: "torch" (the forms above, as on the CPU: bit for bit on an H100, tests/gpu) or "triton"
-(miles/quant/invariant_triton.py: faster, not yet shown bit for bit on a GPU, bench/RESULTS.md). The
-engine and the trainer must use the same: the variable is read by both processes."""
+"""On CUDA: "triton" (the default: miles/quant/invariant_triton.py) or "torch" (the forms above, as on
+the CPU); each bit for bit on an H100 (tests/gpu, bench/RESULTS.md). The engine and the trainer must
+use the same: the variable is read by both processes."""
 
 
 def kernels_for(x: Tensor) -> bool:

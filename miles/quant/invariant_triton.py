@@ -17,9 +17,10 @@ row, a tile or a query on their own, in an order fixed by compile-time constants
 
 The engine (miles/engine/invariant_forward.py) and the FSDP trainer (miles/train/fsdp/true_on_policy.py)
 both call these on CUDA tensors, so their log-probs agree bit for bit. The backward passes are not
-invariant and need not be (only the forward's value must match the engine's): `linear` multiplies
-the gradients with cuBLAS, `rms_norm` and `attention` recompute their forward with PyTorch's ordinary
-operations under autograd, `token_logprobs` applies the softmax gradient. Triton's CPU interpreter
+invariant and need not be (only the forward's value must match the engine's): `linear` and
+`stacked_linear` multiply the gradients with cuBLAS, `rms_norm` and `token_logprobs` have a row kernel
+each (the latter from the forward's log Z), `attention` recomputes its forward with PyTorch's
+variable-length flash attention under autograd. Triton's CPU interpreter
 runs the kernels in the unit tests (fp32; its tl.dot of bf16 tiles is not the GPU's).
 """
 
