@@ -1,4 +1,5 @@
-"""CUDA graphs for the decode step: one captured forward per (batch bucket, context bucket).
+"""CUDA graphs for the decode step: one captured forward per (batch bucket, context bucket, whether a
+running request uses a LoRA adapter: without, the base model's forward alone).
 
 A decode step launches a few hundred small kernels (24 layers x ~15 ops for a 0.5B model); launched
 one by one from Python they, not the GPU, set the step time. Replaying a captured graph launches
@@ -53,7 +54,7 @@ class DecodeGraphs:
         self.padding = torch.zeros(3, max_batch, dtype=torch.int64, device=decoder.device)
         self.padding[2] = pad_row
         self.graphs: dict[
-            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]
+            tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]
         ] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
@@ -68,9 +69,11 @@ class DecodeGraphs:
         batch = inputs.shape[1]
         padded = self.bucket(batch, context_len)
         assert padded is not None, "caller checks bucket() first"
-        key = (padded, context_len)
+        lora = self.decoder.lora
+        adapters = lora is not None and lora.requests.any_in_use  # else the base model's graph
+        key = (padded, context_len, adapters)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(padded, context_len)
+            self.graphs[key] = self._capture(padded, context_len, adapters)
         graph, logits, hidden = self.graphs[key]
         self.static[:, :batch].copy_(inputs)
         self._pad(batch, padded)
@@ -86,23 +89,23 @@ class DecodeGraphs:
     def _pad(self, start: int, stop: int) -> None:
         self.static[:, start:stop].copy_(self.padding[:, : stop - start])
 
-    def _forward(self, batch: int, context_len: int) -> torch.Tensor:
+    def _forward(self, batch: int, context_len: int, adapters: bool) -> torch.Tensor:
         s = self.static
-        lora = None if self.decoder.lora is None else self.decoder.lora.requests.rows
+        lora = self.decoder.lora.requests.rows if adapters else None
         b = Batch.decode(s[0, :batch], s[1, :batch], s[2, :batch], self.table, context_len, lora)
         return self.decoder.forward(b, self.pool)
 
     def _capture(
-        self, batch: int, context_len: int
+        self, batch: int, context_len: int, adapters: bool
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         self._pad(0, batch)  # warm-up runs write K/V only to the scratch slot
         side = torch.cuda.Stream(self.decoder.device)
         side.wait_stream(torch.cuda.current_stream(self.decoder.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(batch, context_len)
+                self._forward(batch, context_len, adapters)
         torch.cuda.current_stream(self.decoder.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits = self._forward(batch, context_len)
+            logits = self._forward(batch, context_len, adapters)
         return graph, logits, self.decoder.hidden if self.decoder.capture_hidden else None

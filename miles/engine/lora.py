@@ -360,6 +360,11 @@ class LoraRequests:
         if name is not None:
             self.in_use[name] = self.in_use.get(name, 0) + 1
 
+    @property
+    def any_in_use(self) -> bool:
+        """Whether a running request uses an adapter (else every token runs the base model)."""
+        return any(n > 0 for n in self.in_use.values())
+
     def unbind(self, row: int, name: str | None) -> None:
         self.rows[row] = -1
         if name is not None:

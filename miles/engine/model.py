@@ -45,7 +45,7 @@ from miles.engine.kv_cache import gather_slots as _gather_slots
 from miles.engine.mla import LatentAttention
 from miles.engine.packing import to_tokens
 from miles.engine.rope import decoder_frequencies
-from miles.engine.spec import Batch, ModelSpec, load_weights, token_slots
+from miles.engine.spec import Batch, ModelSpec, load_weights
 
 __all__ = ["Batch", "Decoder", "ModelSpec", "load_weights"]
 
@@ -428,8 +428,8 @@ class Decoder:
         """Logits (fp32) at each request's last new token: [B, vocab]. Writes the new K/V to the pool."""
         if self.invariant is not None:
             return self.invariant.forward(b, pool)
-        if self.lora is not None:
-            self.lora.terms.begin(token_slots(b))
+        if self.lora is not None:  # no slots: every token runs the base model, no adapter term at all
+            self.lora.terms.begin(b.lora_slots)
         if self.fused and b.input_ids.is_cuda:
             return self.fused_forward.forward(b, pool)
         x = self.embed(b)

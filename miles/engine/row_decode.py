@@ -89,8 +89,9 @@ def forward_rows(
     go to the pool, and the decode tokens' to their rows as well."""
     parts = [d] if prefill is None else [prefill, d]
     ids, positions = torch.cat([b.input_ids for b in parts]), torch.cat([b.positions for b in parts])
-    if dec.lora is not None:
-        dec.lora.terms.begin(torch.cat([token_slots(b) for b in parts]))
+    if dec.lora is not None:  # no slots in any part: the base model alone
+        named = any(b.lora_slots is not None for b in parts)
+        dec.lora.terms.begin(torch.cat([token_slots(b) for b in parts]) if named else None)
     n_pre = 0 if prefill is None else prefill.input_ids.shape[0]
     x = dec.params["model.embed_tokens.weight"][ids]
     freqs = positions.float()[:, None] * dec.inv_freq[None, :]

@@ -191,7 +191,10 @@ class Scheduler(EngineThread):
 
     # ---- LoRA adapters (miles/engine/lora.py) ----
     def _lora_rows(self) -> torch.Tensor | None:
-        return None if self.decoder.lora is None else self.decoder.lora.requests.rows
+        """The rows' adapter slots for a decode batch; None while no running request has an adapter, so
+        the step runs the base model's forward alone (a loaded bank then costs nothing)."""
+        lora = self.decoder.lora
+        return None if lora is None or not lora.requests.any_in_use else lora.requests.rows
 
     def _lora_gone(self, req: Request) -> bool:
         """Whether the adapter of a waiting request was unloaded meanwhile (it is then finished, aborted)."""
@@ -203,7 +206,7 @@ class Scheduler(EngineThread):
 
     def _prefill_batch(self, group: list[Request]):
         batch = prefill_batch(group, self.table)
-        if self.decoder.lora is not None:
+        if self.decoder.lora is not None and any(r.lora is not None for r in group):
             counts = [r.num_tokens - r.kv_len for r in group]
             batch.lora_slots = self.decoder.lora.requests.token_slots([r.lora for r in group], counts)
         return batch

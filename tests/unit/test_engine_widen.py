@@ -115,3 +115,50 @@ def test_the_bank_keeps_its_a_in_the_stacked_rows_through_offload(tiny_model, mo
     assert dec.lora.A[QKV.replace("qkv", "q")].data_ptr() == dec.stacked_rows(QKV + ".weight").data_ptr()
     assert all(torch.equal(v, stored[k]) for k, v in dec.lora.stored("x").items())
     assert torch.equal(adapted(), before)
+
+
+def test_a_loaded_bank_costs_base_requests_nothing(tiny_model, monkeypatch):
+    """While no running request has an adapter, a decode or prefill batch names no slots and the forward
+    runs the base model alone (no adapter GEMM, no mask; the CUDA graphs of that case have none either);
+    a request with an adapter brings the slots back for the batches it is in."""
+    from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
+    from miles.engine.lora import TARGETS, AdapterConfig, LoraBank
+    from miles.engine.sampling import SamplingParams
+    from miles.engine.scheduler import Request, Scheduler
+
+    def run(sched: Scheduler, adapters: list[str | None]) -> tuple[list[Request], list[bool]]:
+        seen = []
+        forward = sched.decoder.forward
+
+        def spy(b, pool):
+            seen.append(b.lora_slots is not None)
+            return forward(b, pool)
+
+        monkeypatch.setattr(sched.decoder, "forward", spy)
+        reqs = [Request(str(i), [3 + i, 9, 17, 5], SamplingParams(max_new_tokens=6, temperature=0.0), 100 + i,
+                        frozenset(), lora=name) for i, name in enumerate(adapters)]  # fmt: skip
+        for r in reqs:
+            sched.submit(r)
+        sched.run_until_idle()
+        return reqs, seen
+
+    spec = ModelSpec.from_dir(tiny_model)
+    build = lambda: build_decoder(spec, tiny_model, "cpu", torch.float32, "none", DEFAULT_FP8_MIN_TOKENS)  # noqa: E731
+    plain, _ = run(Scheduler(build(), 8, 4096, overlap=False), [None, None])
+    dec = build()
+    dec.lora = LoraBank.for_decoder(dec, 8, 4, TARGETS, 8)
+    dec.lora.load(
+        "x",
+        AdapterConfig(4, 8.0, TARGETS[:-1]),
+        peft_tensors(dec.lora, 4, torch.Generator().manual_seed(3), 0.2),
+        "t",
+    )
+    sched = Scheduler(dec, 8, 4096, overlap=False)
+    base, seen = run(sched, [None, None])
+    assert seen and not any(seen), "base-only batches name no adapter slots"
+    assert [r.output for r in base] == [r.output for r in plain]
+    assert [r.logprobs for r in base] == [r.logprobs for r in plain]
+    mixed, seen = run(sched, [None, "x"])
+    assert all(seen), "every batch with the adapter's request names the slots"
+    assert mixed[0].output == plain[0].output and mixed[1].logprobs != plain[1].logprobs
+    assert not dec.lora.requests.any_in_use
