@@ -38,7 +38,7 @@ def run_arm(name: str, online: bool, args, work: Path, model: Path) -> dict:
             f"model.path={model}", "model.init_tiny_if_missing=false", f"rollout.max_new_tokens={args.new}",
             "rollout.schedule=sync", f"train.steps={args.steps}", "train.checkpoint.every_steps=0",
             f"eval.every_steps={args.eval_every}", f"engine.speculative.num_steps={args.k}",
-            "engine.speculative.max_batch=1000000"]  # every step speculates: acceptance over whole steps  # fmt: skip
+            "engine.speculative.max_batch=1000000", "engine.speculative.adaptive=false"]  # every step speculates: acceptance over whole steps  # fmt: skip
     if args.draft == "mtp":
         sets.append("engine.speculative.algorithm=NEXTN")
     else:

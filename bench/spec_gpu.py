@@ -13,7 +13,10 @@ Per size and bracket a plain engine and a NEXTN engine (`--speculative-num-steps
 every batch B of `--batches`, B concurrent greedy requests of `--prompt` random ids and exactly `--new`
 new tokens; tok/s = B * new / wall seconds of the batch (the best of `--rounds`). The NEXTN engine
 runs with `--speculative-max-batch` at its default (32): above it steps decode plainly, which is how
-speculation stays out of the way at batch 256. Ratios: NEXTN / plain of the same bracket and batch.
+speculation stays out of the way at batch 256. Two NEXTN arms: "NEXTN" speculates in every step up to
+that (`--no-speculative-adaptive`: the speculation's own cost or gain), "NEXTN adaptive" as the engine
+does by default (miles/engine/spec_gate.py: per batch size the faster of speculating and plain decoding,
+measured; its probes are part of the figure). Ratios: each arm / plain of the same bracket and batch.
 Sizes: Qwen2.5-0.5B and -7B shapes, and the MoE of bench/moe_gpu.py (Qwen3-30B-A3B's layers, 4 of them).
 """
 
@@ -94,8 +97,13 @@ def run(args) -> list[dict]:
     for size in args.sizes:
         for bracket in ("random", "oracle"):
             model = make_model(size, bracket, args)
-            for arm, flags in (("plain", []), ("NEXTN", ["--speculative-algorithm", "NEXTN",
-                                                         "--speculative-num-steps", str(args.k)])):  # fmt: skip
+            nextn = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(args.k)]
+            arms = (
+                ("plain", []),
+                ("NEXTN", [*nextn, "--no-speculative-adaptive"]),
+                ("NEXTN adaptive", nextn),
+            )
+            for arm, flags in arms:
                 log = Path(args.workdir) / f"engine-{size}-{bracket}-{arm}.log"
                 eng = start_engine(
                     model, device=device, log_path=log, extra_args=flags, max_total_tokens=args.pool
@@ -114,11 +122,11 @@ def run(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| size | draft | batch | plain tok/s | NEXTN tok/s | NEXTN / plain | kept / proposed |",
-           "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = ["| size | draft | arm | batch | plain tok/s | tok/s | / plain | kept / proposed |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     plain = {(r["size"], r["bracket"], r["batch"]): r for r in rows if r["arm"] == "plain"}
     for r in rows:
-        if r["arm"] != "NEXTN":
+        if r["arm"] == "plain":
             continue
         p = plain[(r["size"], r["bracket"], r["batch"])]
         kept = (
@@ -126,8 +134,8 @@ def table(rows: list[dict]) -> str:
             if r["spec_draft_token_num"]
             else float("nan")
         )
-        out.append(f"| {r['size']} | {r['bracket']} | {r['batch']} | {p['tok_s']:.0f} | {r['tok_s']:.0f} | "
-                   f"{r['tok_s'] / p['tok_s']:.2f}x | {kept:.2f} |")  # fmt: skip
+        out.append(f"| {r['size']} | {r['bracket']} | {r['arm']} | {r['batch']} | {p['tok_s']:.0f} | "
+                   f"{r['tok_s']:.0f} | {r['tok_s'] / p['tok_s']:.2f}x | {kept:.2f} |")  # fmt: skip
     return "\n".join(out)
 
 

@@ -37,6 +37,11 @@ class SpeculativeConfig(Section):
     batch keeps the GPU busy already, where verifying k + 1 tokens a request costs more than the kept
     drafts save; the long tail of a step runs at small batch). None: every step. Its own flag
     (`--speculative-max-batch`), not given to SGLang servers."""
+    adaptive: bool = True
+    """The embedded engine measures, per batch size, speculative rounds against plain decode steps
+    (seconds per generated token) and keeps the faster, probing the other every 256 steps
+    (miles/engine/spec_gate.py); false: every step up to max_batch speculates. Its own flag
+    (`--no-speculative-adaptive`), not given to SGLang servers."""
 
 
 class EngineConfig(Section):

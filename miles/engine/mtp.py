@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.request import Request, prefill_batch
+from miles.engine.spec_gate import Gate
 from miles.engine.speculative import Speculator, propose, split_draft
 from miles.models.mtp import INPUT, OWN, mtp_prefix
 
@@ -181,11 +182,9 @@ class MtpSpeculator(Speculator):
         left = min(r.params.max_new_tokens - len(r.output), self.s.max_context - r.num_tokens)
         return max(0, min(self.k, left - 1))
 
-    def step(self, reqs: list[Request]) -> list[Request]:
+    def _round(self, reqs: list[Request]) -> list[Request]:
         """Speculate for the requests that can (`_room`); returns the others, to decode as usual (the
-        MTP then extends over their step too, `after_decode`)."""
-        if self.max_batch is not None and len(reqs) > self.max_batch:
-            return reqs  # decoded as usual; `after_decode` keeps the MTP's history
+        MTP then extends over their step too, `after_decode`, as over any plain step)."""
         ks = {id(r): self._room(r) for r in reqs}
         mine = [r for r in reqs if ks[id(r)] > 0]
         fresh = self.s.slots.allocate(sum(ks[id(r)] + 1 for r in mine)) if mine else None
@@ -212,7 +211,12 @@ class MtpSpeculator(Speculator):
 
     def after_decode(self, reqs: list[Request]) -> None:
         """The MTP over the position a plain decode step forwarded, for the requests whose history
-        reaches it (the target's hidden state of it, the token sampled after it)."""
+        reaches it (the target's hidden state of it, the token sampled after it); then the gate's
+        plain step ends, the extension included."""
+        self._follow(reqs)
+        super().after_decode(reqs)
+
+    def _follow(self, reqs: list[Request]) -> None:
         hidden = self.s.decoder.hidden
         if hidden is None or hidden.shape[0] < len(reqs):
             return
@@ -297,5 +301,6 @@ def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
     mtp = load_mtp(args.model, scheduler.decoder, scheduler.max_total_tokens + 1)
     scheduler.speculator = MtpSpeculator(scheduler, mtp, args.speculative_num_steps)
     scheduler.speculator.max_batch = args.speculative_max_batch
+    scheduler.speculator.gate = Gate() if args.speculative_adaptive else None
     log.info("speculative decoding: NEXTN, the MTP layer of %s, %d draft tokens per verify",
              args.model, args.speculative_num_steps)  # fmt: skip

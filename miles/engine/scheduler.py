@@ -429,6 +429,8 @@ class Scheduler(EngineThread):
         everyone = prefill + reqs
         ints, floats = sampling_rows(everyone, self.decoder.spec.vocab_size)
         self._sample(everyone, logits, (ints, floats))
+        if self.speculator is not None:  # a plain step of a speculating engine (its gate times it)
+            self.speculator.after_decode(reqs)
 
     def _decode(self, reqs: list[Request]) -> None:
         """One decode step: table entries, forward (graph replay when the shape is captured), sample."""

@@ -27,6 +27,7 @@ the engine releases its memory for a colocated trainer. Counters per request, as
 
 from __future__ import annotations
 
+import argparse
 import logging
 from types import SimpleNamespace
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from miles.engine.request import Request, prefill_batch
+from miles.engine.spec_gate import Gate
 
 log = logging.getLogger("miles.engine")
 
@@ -106,6 +108,11 @@ class Speculator:
 
     max_batch: int | None = None
     """Decode steps of more requests than this run without speculation (`--speculative-max-batch`)."""
+    gate: Gate | None = None
+    """Speculation switched off where it measures slower (miles/engine/spec_gate.py,
+    `--speculative-adaptive`); None: every step up to max_batch speculates."""
+    _plain: tuple[int, float] | None = None
+    """(requests, clock) of a plain step the gate chose, timed until `after_decode`."""
 
     def __init__(self, scheduler: Any, draft: Any, num_steps: int) -> None:
         if num_steps < 1:
@@ -149,9 +156,25 @@ class Speculator:
         return max(0, min(self.k, left - 1, room))
 
     def step(self, reqs: list[Request]) -> list[Request]:
-        """Speculate for the requests of `reqs` that can; returns the others, to decode as usual."""
+        """Speculate for the requests of `reqs` that can, where the gate lets it; returns the others,
+        to decode as usual."""
         if self.max_batch is not None and len(reqs) > self.max_batch:
             return reqs
+        gate = self.gate
+        if gate is None:
+            return self._round(reqs)
+        if not gate.speculate(len(reqs)):
+            self._plain = (len(reqs), gate.clock())
+            return reqs
+        start, before = gate.clock(), {id(r): r.num_tokens for r in reqs}
+        rest = self._round(reqs)
+        plain = {id(r) for r in rest}
+        tokens = sum(r.num_tokens - before[id(r)] for r in reqs if id(r) not in plain)
+        gate.record(len(reqs), True, gate.clock() - start, tokens)
+        return rest
+
+    def _round(self, reqs: list[Request]) -> list[Request]:
+        """One speculative round for the requests that can; returns the others."""
         ks = {id(r): self._room(r) for r in reqs}
         mine = [r for r in reqs if ks[id(r)] > 0]
         if not mine:
@@ -230,7 +253,11 @@ class Speculator:
         """Called after each prefill forward and its sampling (the MTP draft extends over it)."""
 
     def after_decode(self, reqs: list[Request]) -> None:
-        """Called after each plain decode step's tokens are recorded (the MTP draft extends over it)."""
+        """Called after each plain decode step's tokens are recorded (the MTP draft extends over it
+        first): the gate's plain step ends here."""
+        plain, self._plain = self._plain, None
+        if plain is not None and self.gate is not None:
+            self.gate.record(plain[0], False, self.gate.clock() - plain[1], len(reqs))
 
 
 PREFIX = "draft."
@@ -280,6 +307,13 @@ def add_args(p: Any) -> None:
         help="speculate only in decode steps of at most this many requests (this engine's own flag; "
         "default: every step)",
     )
+    p.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="per batch size, measure speculative rounds against plain decode steps and keep the faster, "
+        "probing the other now and then (this engine's own flag; miles/engine/spec_gate.py)",
+    )
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per step")
     p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches (1: a chain)")
     p.add_argument(
@@ -327,6 +361,7 @@ def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
     draft = build_decoder(spec, path, device, dtype, "none", DEFAULT_FP8_MIN_TOKENS)
     scheduler.speculator = Speculator(scheduler, draft, args.speculative_num_steps)
     scheduler.speculator.max_batch = args.speculative_max_batch
+    scheduler.speculator.gate = Gate() if args.speculative_adaptive else None
     log.info(
         "speculative decoding: STANDALONE, draft %s (%s), %d draft tokens per verify",
         path,

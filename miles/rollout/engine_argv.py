@@ -33,11 +33,13 @@ def engine_lora_argv(plan: Any) -> list[str]:
 def engine_argv(plan: Any) -> list[str]:
     spec = plan.engine.speculative
     own = ["--speculative-max-batch", str(spec.max_batch)] if spec is not None and spec.max_batch else []
+    if spec is not None and not spec.adaptive:
+        own.append("--no-speculative-adaptive")
     return (
         engine_quant_argv(plan)
         + engine_lora_argv(plan)
         + speculative_argv(plan)
-        + own  # the embedded engine's own switch (engine.speculative.max_batch)
+        + own  # the embedded engine's own switches (engine.speculative.max_batch, adaptive)
         + true_on_policy_argv(plan)
     )
 

@@ -1,5 +1,5 @@
 """bench/spec_gpu.py --smoke: the speculation benchmark runs end to end on the CPU (tiny model, both
-MTP brackets, plain and NEXTN engines, two batch sizes) and reports what each bracket stands for: the
+MTP brackets, plain, NEXTN and adaptive NEXTN engines, two batch sizes) and reports what each bracket stands for: the
 oracle layer keeps every proposal, the random one next to none; every output row is complete."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_smoke_run_brackets_the_acceptance(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(r["bracket"], r["arm"], r["batch"]) for r in rows} == {
-        (b, a, n) for b in ("random", "oracle") for a in ("plain", "NEXTN") for n in (1, 4)
+        (b, a, n) for b in ("random", "oracle") for a in ("plain", "NEXTN", "NEXTN adaptive") for n in (1, 4)
     }
     nextn = {(r["bracket"], r["batch"]): r for r in rows if r["arm"] == "NEXTN"}
     for batch in (1, 4):
@@ -32,4 +32,6 @@ def test_smoke_run_brackets_the_acceptance(tmp_path):
         assert oracle["spec_accept_token_num"] == oracle["spec_draft_token_num"]
         random = nextn[("random", batch)]
         assert random["spec_accept_token_num"] < random["spec_draft_token_num"] / 2
-    assert "| 0.5b | oracle | 1 |" in proc.stdout
+    adaptive = [r for r in rows if r["arm"] == "NEXTN adaptive"]  # the gate decides: counters stay whole
+    assert all(r["spec_accept_token_num"] <= r["spec_draft_token_num"] for r in adaptive)
+    assert "| 0.5b | oracle | NEXTN | 1 |" in proc.stdout

@@ -159,3 +159,22 @@ def test_a_stop_token_among_kept_proposals_ends_the_request_there(tmp_path):
         got.append(r)
     assert got[0].output == got[1].output and got[1].output[-1] == stop
     assert got[1].finish["type"] == "stop" and got[1].spec_verify_ct > 0
+
+
+def test_the_gate_alternates_speculation_and_plain_steps_and_keeps_the_history(tmp_path):
+    """With the gate (miles/engine/spec_gate.py) probing and switching every few steps, greedy output
+    is the plain engine's, both modes ran, and the oracle MTP layer still keeps every proposal: its
+    history follows the plain steps between the speculative ones."""
+    from miles.engine.spec_gate import Gate
+    from miles.models.tiny import init_tiny
+
+    model = oracle_mtp(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
+    plain = _run(_scheduler(model, False), 0.0, n=40)
+    sched = _scheduler(model, True)
+    sched.speculator.gate = Gate(window=2, reprobe=2)
+    spec = _run(sched, 0.0, n=40)
+    assert [r.output for r in spec] == [r.output for r in plain]
+    assert set(sched.speculator.gate.buckets[4].cost) == {"spec", "plain"}, "both modes ran at 4 requests"
+    proposed = sum(r.spec_draft_token_num for r in spec)
+    assert proposed > 0 and sum(r.spec_accept_token_num for r in spec) == proposed
+    assert sched.speculator._plain is None, "every plain step the gate chose was timed to its end"

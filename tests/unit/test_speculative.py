@@ -186,6 +186,12 @@ def test_recipe_keys_render_sglangs_flags_for_both_engines(tmp_path):
         resolve(mtp | {"engine": {"speculative": {"algorithm": "NEXTN", "num_steps": 2}}})
     )
     assert "--speculative-algorithm NEXTN --speculative-num-steps 2" in " ".join(embedded_nextn)
+    assert "--no-speculative-adaptive" not in embedded  # the gate is on by default
+    fixed = engine_argv(resolve(base | {"engine": {"speculative": spec | {"adaptive": False}}}))
+    assert "--no-speculative-adaptive" in fixed
+    server = sglang_server_command(resolve(base | {"engine": {"kind": "sglang", "speculative": spec | {"adaptive": False}}}),
+                                   host="127.0.0.1", port=1)  # fmt: skip
+    assert not [a for a in server if "adaptive" in a or "max-batch" in a], "the embedded engine's own flags"
     for engine, key in [({"speculative": {"algorithm": "EAGLE3"}}, "engine.kind=sglang"),
                         ({"speculative": {"algorithm": "NEXTN"}}, "model.tiny.mtp=true"),
                         ({"speculative": {}}, "draft_model_path")]:  # fmt: skip
@@ -210,3 +216,20 @@ def test_a_request_past_the_draft_cache_decodes_as_usual(models):
         outs.append(r)
     assert outs[0].output == outs[1].output and len(outs[1].output) == 16
     assert 0 < outs[1].spec_verify_ct < 16, "speculation until the run is full, then plain decoding"
+
+
+def test_the_gate_switches_modes_and_outputs_stay_the_plain_engines(models):
+    """STANDALONE under the gate (probes of two steps, another probe every two): the draft's cache
+    catches up after plain steps, and greedy output and log-probs stay the plain engine's."""
+    from miles.engine.spec_gate import Gate
+
+    target, draft = models
+    plain = _run(_scheduler(target), 0.0)
+    sched = _scheduler(target, draft)
+    sched.speculator.gate = Gate(window=2, reprobe=2)
+    spec = _run(sched, 0.0)
+    for a, b in zip(plain, spec, strict=True):
+        assert a.output == b.output
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert set(sched.speculator.gate.buckets[4].cost) == {"spec", "plain"}, "both modes ran at 4 requests"
+    assert all(r.spec_verify_ct > 0 for r in spec)

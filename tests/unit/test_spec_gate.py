@@ -1,0 +1,58 @@
+"""The speculation gate (miles/engine/spec_gate.py): per batch-size bucket it probes speculation, then
+plain decoding, keeps the mode of fewer seconds per generated token, and probes the other again after
+`reprobe` steps; the first step of a probe is not counted. Measurements are given, not timed."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.engine.spec_gate import Gate
+
+
+def drive(gate: Gate, n: int, steps: int, cost: dict[str, float], tokens: dict[str, int]) -> list[bool]:
+    """`steps` decode steps of `n` requests, each mode taking cost[mode] seconds for tokens[mode]."""
+    chosen = []
+    for _ in range(steps):
+        spec = gate.speculate(n)
+        mode = "spec" if spec else "plain"
+        gate.record(n, spec, cost[mode], tokens[mode])
+        chosen.append(spec)
+    return chosen
+
+
+def test_a_losing_draft_is_switched_off_after_both_probes_and_probed_again():
+    gate = Gate(window=3, reprobe=5)
+    # speculation: 4 tokens in 10 s (2.5 s a token); plain: 1 token in 1 s
+    chosen = drive(gate, 1, 4 + 4 + 5 + 4 + 2, {"spec": 10.0, "plain": 1.0}, {"spec": 4, "plain": 1})
+    assert chosen[:4] == [True] * 4  # the speculation probe (its first step not counted)
+    assert chosen[4:8] == [False] * 4  # the plain probe
+    assert chosen[8:13] == [False] * 5  # plain kept for `reprobe` steps
+    assert chosen[13:17] == [True] * 4  # speculation probed again, still slower
+    assert chosen[17:] == [False] * 2
+    assert gate.buckets[1].cost == pytest.approx({"spec": 2.5, "plain": 1.0})
+
+
+def test_a_winning_draft_is_kept_and_buckets_decide_apart():
+    gate = Gate(window=2, reprobe=100)
+    fast = drive(gate, 3, 12, {"spec": 1.0, "plain": 1.0}, {"spec": 3 * 3, "plain": 3})
+    assert fast[6:] == [True] * 6  # probes done: speculation kept (3 tokens a request per round)
+    slow = drive(gate, 200, 12, {"spec": 1.0, "plain": 1.0}, {"spec": 100, "plain": 200})
+    assert slow[6:] == [False] * 6  # another bucket (256): plain kept there
+    assert gate.speculate(4) and not gate.speculate(129)  # 3 and 4 share the bucket of 4
+
+
+def test_the_first_step_of_a_probe_is_not_counted():
+    gate = Gate(window=2, reprobe=100)
+    # the first speculative step pays 1000 s (a cache catching up, a graph captured): left out
+    gate.record(1, gate.speculate(1), 1000.0, 1)
+    for _ in range(2):
+        gate.record(1, gate.speculate(1), 1.0, 2)
+    for cost in (1000.0, 1.0, 1.0):
+        gate.record(1, gate.speculate(1), cost, 1)
+    assert gate.buckets[1].cost == {"spec": 0.5, "plain": 1.0}
+    assert gate.speculate(1)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="window"):
+        Gate(window=0)
