@@ -2,7 +2,8 @@
 the same tokenizer), the embedded engine gets SGLang's --speculative-* flags from it, and every step
 reports `rollout/spec_accept_rate` and `rollout/spec_accept_length`, the samples training as usual.
 With train.draft the draft (a STANDALONE model, or the model's own MTP layer under NEXTN) trains with the
-policy and rides every weight push."""
+policy and rides every weight push. The runs keep speculating in every step (`adaptive: false`): the
+gate's choice is not what they test (tests/unit/test_spec_gate.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_a_run_with_a_draft_model_reports_its_acceptance(recipe, tmp_path) -> No
     draft = init_tiny(tmp_path / "draft", seed=1)
     path, run_dir = recipe(
         run={"name": "spec"},
-        engine={"speculative": {"draft_model_path": str(draft), "num_steps": 2}},
+        engine={"speculative": {"draft_model_path": str(draft), "num_steps": 2, "adaptive": False}},
         rollout={"max_new_tokens": 6},
         train={"steps": 3},
     )
@@ -41,7 +42,7 @@ def test_a_run_trains_its_draft_online(recipe, tmp_path) -> None:
     draft = init_tiny(tmp_path / "draft", seed=1)
     path, run_dir = recipe(
         run={"name": "spec-online"},
-        engine={"speculative": {"draft_model_path": str(draft), "num_steps": 2}},
+        engine={"speculative": {"draft_model_path": str(draft), "num_steps": 2, "adaptive": False}},
         rollout={"max_new_tokens": 6, "group_requests": True},  # a prompt's samples in one /generate
         train={"steps": 3, "draft": {"lr": 1e-2}},
     )
@@ -57,7 +58,7 @@ def test_a_run_trains_the_models_mtp_layer_online(recipe, tmp_path) -> None:
     path, run_dir = recipe(
         run={"name": "spec-mtp"},
         model={"path": str(model)},
-        engine={"speculative": {"algorithm": "NEXTN", "num_steps": 2}},
+        engine={"speculative": {"algorithm": "NEXTN", "num_steps": 2, "adaptive": False}},
         rollout={"max_new_tokens": 6},
         train={"steps": 3, "draft": {"lr": 1e-2}},
     )
