@@ -27,11 +27,12 @@ run: setup
 	$(VENV)/bin/miles train $(RECIPE) --overwrite
 	$(VENV)/bin/miles plot runs/default
 
-# The in-process tests (unit, protocol, security) run on two workers; the ones that start runs,
-# engines and Slurm jobs of their own (e2e, integration) one at a time, as they load the cores themselves.
+# The in-process tests (unit, protocol, security) run on two workers; the ones that start runs, engines
+# and Slurm jobs of their own (e2e, integration) on two workers too, a file's tests on one worker
+# (--dist loadfile: a module's fixtures, engines and clusters are not shared across workers).
 test: setup lint
 	$(PYTEST) -n 2 --durations=20 tests/unit tests/protocol tests/security
-	$(PYTEST) --durations=30 tests/e2e tests/integration tests/gpu
+	$(PYTEST) -n 2 --dist loadfile --durations=30 tests/e2e tests/integration tests/gpu
 	$(MAKE) test-verifiers
 
 # The Verifiers adapter's contract test runs in an environment of its own: verifiers 0.4 pins
