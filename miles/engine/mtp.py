@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from miles.engine.request import Request, prefill_batch
 from miles.engine.spec_gate import Gate
-from miles.engine.speculative import Speculator, propose, split_draft
+from miles.engine.speculative import Speculator, propose_rows, read_rows, split_draft
 from miles.models.mtp import INPUT, OWN, mtp_prefix
 
 log = logging.getLogger("miles.engine")
@@ -195,10 +195,11 @@ class MtpSpeculator(Speculator):
         before = {id(r): r.num_tokens for r in mine}
         logits = self._verify(mine, ks, drafts, fresh)
         hidden = self.s.decoder.hidden  # the target's, of [x_{N-1}, d1..dk] per request
-        logits, runs, kept, at = logits.cpu(), [], [], 0
-        for r in mine:
+        rows = read_rows(mine, [ks[id(r)] + 1 for r in mine], logits)  # acceptance runs on the host
+        runs, kept, at = [], [], 0
+        for r, got in zip(mine, rows, strict=True):
             k, n0 = ks[id(r)], before[id(r)]
-            self._settle(r, k, drafts[id(r)], dists[id(r)], logits[at : at + k + 1])
+            self._settle(r, k, drafts[id(r)], dists[id(r)], got)
             new = r.num_tokens - n0  # the kept drafts and the target's token after them
             if r.finish is None:
                 runs.append((r.row, r.tokens[n0 : n0 + new], hidden[at : at + new], n0 - 1))
@@ -256,18 +257,17 @@ class MtpSpeculator(Speculator):
         positions N-1.. (slots the step allocated for them, their table entries written by `_prepare`)."""
         drafts: dict[int, list[int]] = {id(r): [] for r in mine}
         dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
-        logits = torch.stack([self.state[r].logits for r in mine]).cpu()
+        logits = torch.stack([self.state[r].logits for r in mine])
         hidden = [self.state[r].hidden for r in mine]
         live = list(mine)
         for i in range(max(ks.values())):
-            for r, z in zip(live, logits, strict=True):
-                propose(r, z, i, drafts[id(r)], dists[id(r)])
+            propose_rows(live, logits, i, drafts, dists)
             live_next = [(j, r) for j, r in enumerate(live) if ks[id(r)] > i + 1]
             if not live_next:
                 break
             runs = [(r.row, [drafts[id(r)][-1]], hidden[j][None], r.num_tokens - 1 + i) for j, r in live_next]
             z, h = self.mtp.forward(runs, self.s.table)
-            live, logits, hidden = [r for _, r in live_next], z.cpu(), list(h)
+            live, logits, hidden = [r for _, r in live_next], z, list(h)
         return drafts, dists
 
     def _prepare(self, mine: list[Request], ks: dict[int, int], fresh: list[int]) -> None:

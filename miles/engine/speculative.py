@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,11 +55,7 @@ def accept(
     probabilities at the k proposals and after them; `draft`: [k, V] the draft's (None: greedy, then
     `target` may hold logits, only its argmax is read); `proposed`: the k draft tokens."""
     if draft is None:
-        best = target.argmax(dim=-1).tolist()
-        n = 0
-        while n < len(proposed) and proposed[n] == best[n]:
-            n += 1
-        return proposed[:n] + [best[n]], n
+        return greedy_accept(target.argmax(dim=-1).tolist(), proposed)
     for i, tok in enumerate(proposed):
         p, q = float(target[i, tok]), float(draft[i, tok])
         if q > 0 and float(torch.rand((), generator=gen)) * q < p:  # u < p / q, without dividing
@@ -68,6 +65,71 @@ def accept(
         row = residual / total if total > 0 else target[i]
         return proposed[:i] + [int(torch.multinomial(row, 1, generator=gen))], i
     return proposed + [int(torch.multinomial(target[-1], 1, generator=gen))], len(proposed)
+
+
+def greedy_accept(best: list[int], proposed: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance from the target's argmax at the k proposals and after them (`best`, k + 1):
+    proposals are kept while they are the target's choice, then the target's token follows."""
+    n = 0
+    while n < len(proposed) and proposed[n] == best[n]:
+        n += 1
+    return proposed[:n] + [best[n]], n
+
+
+@dataclass(frozen=True)
+class GreedyRows:
+    """A greedy request's verify rows as acceptance reads them: each row's argmax and its log-prob."""
+
+    best: list[int]
+    logp: list[float]
+
+
+def read_rows(
+    reqs: list[Request], counts: list[int], logits: torch.Tensor
+) -> list[GreedyRows | torch.Tensor]:
+    """Per request, its `counts` rows of `logits` [sum(counts), V] (on the engine's device) as its
+    acceptance needs them on the host: a greedy request each row's argmax and log-prob (two numbers a
+    row, computed on the device), a sampled one its rows of logits. Nothing vocabulary-wide crosses for
+    greedy requests."""
+    greedy = [r.params.temperature <= 0 for r in reqs]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    out: list[GreedyRows | torch.Tensor] = []
+    picked = {}
+    if any(greedy):
+        rows = [s + j for s, n, g in zip(starts, counts, greedy, strict=True) if g for j in range(n)]
+        z = logits[torch.tensor(rows, device=logits.device)].float()
+        best = z.argmax(dim=-1)
+        logp = torch.log_softmax(z, dim=-1).gather(1, best[:, None])[:, 0]
+        pairs = torch.stack((best.double(), logp.double())).cpu().tolist()  # one read-back
+        picked = dict(zip(rows, zip(*pairs, strict=True), strict=True))
+    sampled = [s + j for s, n, g in zip(starts, counts, greedy, strict=True) if not g for j in range(n)]
+    host = logits[torch.tensor(sampled, device=logits.device)].float().cpu() if sampled else None
+    at = 0
+    for s, n, g in zip(starts, counts, greedy, strict=True):
+        if g:
+            out.append(
+                GreedyRows([int(picked[s + j][0]) for j in range(n)], [picked[s + j][1] for j in range(n)])
+            )
+        else:
+            out.append(host[at : at + n])
+            at += n
+    return out
+
+
+def propose_rows(live: list[Request], logits: torch.Tensor, i: int, drafts: dict, dists: dict) -> None:
+    """Draft token i of each request of `live` from the draft's logits [len(live), V] on the device:
+    greedy requests' argmax read back as ids, the sampled ones' rows read back for `propose`."""
+    greedy = [r.params.temperature <= 0 for r in live]
+    best = logits.argmax(dim=-1).tolist() if any(greedy) else []
+    sampled = [j for j, g in enumerate(greedy) if not g]
+    host = logits[torch.tensor(sampled, device=logits.device)].float().cpu() if sampled else None
+    at = 0
+    for j, r in enumerate(live):
+        if greedy[j]:
+            drafts[id(r)].append(best[j])
+        else:
+            propose(r, host[at], i, drafts[id(r)], dists[id(r)])
+            at += 1
 
 
 class DraftCache:
@@ -183,12 +245,10 @@ class Speculator:
         if fresh is None:  # the pool is full: the plain path retracts what it must
             return reqs
         drafts, dists = self._draft(mine, ks)
-        logits = self._verify(mine, ks, drafts, fresh).cpu()  # one read-back: acceptance runs on the host
-        at = 0
-        for r in mine:
-            k = ks[id(r)]
-            self._settle(r, k, drafts[id(r)], dists[id(r)], logits[at : at + k + 1])
-            at += k + 1
+        logits = self._verify(mine, ks, drafts, fresh)
+        rows = read_rows(mine, [ks[id(r)] + 1 for r in mine], logits)  # acceptance runs on the host
+        for r, got in zip(mine, rows, strict=True):
+            self._settle(r, ks[id(r)], drafts[id(r)], dists[id(r)], got)
         return [r for r in reqs if ks[id(r)] == 0]
 
     def _draft(self, mine: list[Request], ks: dict[int, int]):
@@ -197,10 +257,9 @@ class Speculator:
         dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
         for i in range(max(ks.values())):
             live = [r for r in mine if ks[id(r)] > i]
-            # one read-back per draft step: the sampling below runs on the host with host generators
-            logits = self.cache.forward(live, [r.tokens + drafts[id(r)] for r in live]).cpu()
-            for r, z in zip(live, logits, strict=True):
-                propose(r, z, i, drafts[id(r)], dists[id(r)])
+            # one read-back per draft step: ids, or rows sampled on the host with host generators
+            logits = self.cache.forward(live, [r.tokens + drafts[id(r)] for r in live])
+            propose_rows(live, logits, i, drafts, dists)
         return drafts, dists
 
     def _verify(self, mine: list[Request], ks: dict[int, int], drafts, fresh: list[int]) -> torch.Tensor:
@@ -222,15 +281,17 @@ class Speculator:
                 del r.output[len(r.output) - ks[id(r)] :]
 
     def _settle(self, r: Request, k: int, proposed: list[int], dist: list[torch.Tensor], z: torch.Tensor):
-        """Accept, record the step's tokens with the target's log-probs, keep the K/V of what stays."""
-        t = r.params.temperature
-        scaled = z / (t if t > 0 else 1.0)
-        logp = torch.log_softmax(scaled, dim=-1)
-        if t > 0:
+        """Accept, record the step's tokens with the target's log-probs, keep the K/V of what stays.
+        `z`: the target's rows as `read_rows` gives them (greedy: argmax and log-prob; else logits)."""
+        if isinstance(z, GreedyRows):
+            tokens, n = greedy_accept(z.best, proposed)
+            logps = z.logp[: len(tokens)]  # each emitted token is its row's argmax
+        else:
+            t = r.params.temperature
+            logp = torch.log_softmax(z / t, dim=-1)
             gen = torch.Generator().manual_seed(_seed(r, 0))
             tokens, n = accept(logp.exp(), torch.stack(dist), proposed, gen)
-        else:
-            tokens, n = accept(z, None, proposed, torch.Generator())
+            logps = [float(logp[j, tok]) for j, tok in enumerate(tokens)]
         base = len(r.slots) - (k + 1)  # N - 1
         kept = base + 1 + n  # the last token and the kept proposals
         self.s.slots.release(r.slots[kept:])
@@ -240,10 +301,10 @@ class Speculator:
         r.spec_verify_ct += 1
         r.spec_draft_token_num += k
         r.spec_accept_token_num += n
-        for j, tok in enumerate(tokens):
+        for tok, lp in zip(tokens, logps, strict=True):
             if r.finish is not None:
                 break
-            self.s._record([r], [tok], [float(logp[j, tok])], self.s.weight_version)
+            self.s._record([r], [tok], [lp], self.s.weight_version)
 
     def _draft_kept(self, r: Request, positions: int) -> None:
         """The draft's cache keeps `positions` of `r` (the rest was drafted past what stays)."""

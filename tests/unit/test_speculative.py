@@ -233,3 +233,29 @@ def test_the_gate_switches_modes_and_outputs_stay_the_plain_engines(models):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
     assert set(sched.speculator.gate.buckets[4].cost) == {"spec", "plain"}, "both modes ran at 4 requests"
     assert all(r.spec_verify_ct > 0 for r in spec)
+
+
+def test_greedy_and_sampled_requests_speculate_in_one_batch(models):
+    """One verify forward for greedy and sampled requests together (the greedy ones read back as argmax
+    and log-prob, the sampled ones as rows): greedy tokens are the plain engine's, and every token
+    carries the target's log-prob (transformers' forward)."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft = models
+    sched = _scheduler(target, draft)
+    temps = [0.0, 1.0, 0.0, 0.7]
+    reqs = [Request(str(i), [3 + i, 9, 17 + 2 * i, 5], SamplingParams(max_new_tokens=16, temperature=t),
+                    100 + i, frozenset()) for i, t in enumerate(temps)]  # fmt: skip
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_idle()
+    plain = _run(_scheduler(target), 0.0, n=16)
+    assert reqs[0].output == plain[0].output and reqs[2].output == plain[2].output
+    assert all(r.spec_verify_ct > 0 for r in reqs)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for r, t in zip(reqs, temps, strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([r.prompt + r.output])).logits[0].float()
+        logp = torch.log_softmax(logits[len(r.prompt) - 1 : -1] / (t or 1.0), dim=-1)
+        want = logp.gather(1, torch.tensor(r.output)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(r.logprobs), want, atol=1e-4), t
