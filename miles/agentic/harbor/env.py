@@ -116,7 +116,11 @@ class HarborEnv(ToolEnv):
         self.episode: Episode | None = None
         self.outcome: dict[str, Any] = {}
         self._submitted = False
-        self._tools = {
+        self._tools = self._coding_tools(bash_timeout_s)
+
+    def _coding_tools(self, bash_timeout_s: float) -> dict[str, Tool]:
+        """The episode's tools: bash, reading, writing and editing files, submitting."""
+        return {
             "bash": Tool("bash", "Run a shell command in /app and return its output.",
                          {"command": {"type": "string", "description": "the command"}}, self._bash,
                          timeout_s=bash_timeout_s + 5.0),

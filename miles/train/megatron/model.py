@@ -133,6 +133,16 @@ def packed_seq_params(mb: Any):
     )
 
 
+_FUSIONS_OFF = dict(
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+)
+"""Megatron's fused kernels that need Apex or Transformer Engine (or assume a layout Miles does not use)."""
+
+
 def transformer_config(
     hf_cfg: Any,
     dtype: torch.dtype,
@@ -175,11 +185,7 @@ def transformer_config(
         attention_dropout=0.0,
         # SwiGLU as one compiled kernel each way (megatron's torch.compile fuser; needs no TE)
         bias_activation_fusion=not use_cpu and torch.cuda.is_available(),
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        **_FUSIONS_OFF,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         bf16=dtype == torch.bfloat16,
