@@ -78,58 +78,60 @@ def greedy_accept(best: list[int], proposed: list[int]) -> tuple[list[int], int]
 
 @dataclass(frozen=True)
 class GreedyRows:
-    """A greedy request's verify rows as acceptance reads them: each row's argmax and its log-prob."""
+    """A greedy request's rows as acceptance reads them: each row's argmax and its log-prob (empty where
+    not asked for)."""
 
     best: list[int]
     logp: list[float]
 
 
 def read_rows(
-    reqs: list[Request], counts: list[int], logits: torch.Tensor
+    reqs: list[Request], counts: list[int], logits: torch.Tensor, logps: bool = True
 ) -> list[GreedyRows | torch.Tensor]:
     """Per request, its `counts` rows of `logits` [sum(counts), V] (on the engine's device) as its
-    acceptance needs them on the host: a greedy request each row's argmax and log-prob (two numbers a
-    row, computed on the device), a sampled one its rows of logits. Nothing vocabulary-wide crosses for
-    greedy requests."""
+    acceptance needs them on the host: a greedy request each row's argmax (and, with `logps`, its
+    log-prob), computed on the device; a sampled one its rows of logits. Nothing vocabulary-wide crosses
+    for greedy requests; one read-back of each kind."""
     greedy = [r.params.temperature <= 0 for r in reqs]
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    out: list[GreedyRows | torch.Tensor] = []
-    picked = {}
+
+    def rows_of(want: bool) -> torch.Tensor:
+        picked = [
+            s + j for s, n, g in zip(starts, counts, greedy, strict=True) if g == want for j in range(n)
+        ]
+        return torch.tensor(picked, dtype=torch.long, device=logits.device)
+
+    best: list = []
+    lp: list = []
     if any(greedy):
-        rows = [s + j for s, n, g in zip(starts, counts, greedy, strict=True) if g for j in range(n)]
-        z = logits[torch.tensor(rows, device=logits.device)].float()
-        best = z.argmax(dim=-1)
-        logp = torch.log_softmax(z, dim=-1).gather(1, best[:, None])[:, 0]
-        pairs = torch.stack((best.double(), logp.double())).cpu().tolist()  # one read-back
-        picked = dict(zip(rows, zip(*pairs, strict=True), strict=True))
-    sampled = [s + j for s, n, g in zip(starts, counts, greedy, strict=True) if not g for j in range(n)]
-    host = logits[torch.tensor(sampled, device=logits.device)].float().cpu() if sampled else None
-    at = 0
-    for s, n, g in zip(starts, counts, greedy, strict=True):
-        if g:
-            out.append(
-                GreedyRows([int(picked[s + j][0]) for j in range(n)], [picked[s + j][1] for j in range(n)])
-            )
+        z = logits[rows_of(True)].float()
+        ids = z.argmax(dim=-1)
+        if logps:
+            chosen = torch.log_softmax(z, dim=-1).gather(1, ids[:, None])[:, 0]
+            best, lp = torch.stack((ids.double(), chosen.double())).cpu().tolist()
         else:
-            out.append(host[at : at + n])
-            at += n
+            best = ids.tolist()
+    host = logits[rows_of(False)].float().cpu() if not all(greedy) else None
+    out: list[GreedyRows | torch.Tensor] = []
+    at_g = at_s = 0
+    for n, g in zip(counts, greedy, strict=True):
+        if g:
+            out.append(GreedyRows([int(t) for t in best[at_g : at_g + n]], lp[at_g : at_g + n]))
+            at_g += n
+        else:
+            out.append(host[at_s : at_s + n])
+            at_s += n
     return out
 
 
 def propose_rows(live: list[Request], logits: torch.Tensor, i: int, drafts: dict, dists: dict) -> None:
-    """Draft token i of each request of `live` from the draft's logits [len(live), V] on the device:
-    greedy requests' argmax read back as ids, the sampled ones' rows read back for `propose`."""
-    greedy = [r.params.temperature <= 0 for r in live]
-    best = logits.argmax(dim=-1).tolist() if any(greedy) else []
-    sampled = [j for j, g in enumerate(greedy) if not g]
-    host = logits[torch.tensor(sampled, device=logits.device)].float().cpu() if sampled else None
-    at = 0
-    for j, r in enumerate(live):
-        if greedy[j]:
-            drafts[id(r)].append(best[j])
+    """Draft token i of each request of `live` from the draft's logits [len(live), V] on the device
+    (`read_rows`: greedy requests' argmax as ids, the sampled ones' rows for `propose`)."""
+    for r, got in zip(live, read_rows(live, [1] * len(live), logits, logps=False), strict=True):
+        if isinstance(got, GreedyRows):
+            drafts[id(r)].append(got.best[0])
         else:
-            propose(r, host[at], i, drafts[id(r)], dists[id(r)])
-            at += 1
+            propose(r, got[0], i, drafts[id(r)], dists[id(r)])
 
 
 class DraftCache:

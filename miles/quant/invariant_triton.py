@@ -92,45 +92,26 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out
 
 
+def _stack(weights: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    """The weights stacked by rows in `dtype` (one weight: itself, no copy where it has the dtype)."""
+    return weights[0].to(dtype) if len(weights) == 1 else torch.cat([w.to(dtype) for w in weights])
+
+
 class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.weight_dtype = weight.dtype
-        weight = weight.to(x.dtype)  # a weight kept in another dtype computes in the input's
-        ctx.save_for_backward(x, weight)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return matmul(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = (grad.t() @ x).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x W^T (+ bias), the rows through `matmul`; differentiable (cuBLAS backward)."""
-    shape = x.shape
-    out = _Linear.apply(x.reshape(-1, shape[-1]), weight, bias)
-    return out.view(*shape[:-1], weight.shape[0])
-
-
-class _StackedLinear(torch.autograd.Function):
-    """x [M, K] times the member weights stacked by rows, [sum N_i, K], as one GEMM; the stack is built
-    again for the backward instead of being kept (the members stay referenced, as nn.Linear's are)."""
+    """x [M, K] times one weight, or several stacked by rows ([sum N_i, K]: q / k / v), as one GEMM;
+    a stack is built again for the backward instead of being kept (the members stay referenced, as
+    nn.Linear's are). A weight kept in another dtype computes in the input's."""
 
     @staticmethod
     def forward(ctx, x: Tensor, bias: Tensor | None, *weights: Tensor) -> Tensor:
         ctx.save_for_backward(x, *weights)
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return matmul(x, torch.cat([w.to(x.dtype) for w in weights]), bias)
+        return matmul(x, _stack(weights, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, *weights = ctx.saved_tensors
-        grad_x = grad @ torch.cat([w.to(x.dtype) for w in weights]) if ctx.needs_input_grad[0] else None
+        grad_x = grad @ _stack(weights, x.dtype) if ctx.needs_input_grad[0] else None
         grad_b = grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype and ctx.needs_input_grad[1] else None
         grad_ws = [None] * len(weights)
         if any(ctx.needs_input_grad[2:]):
@@ -139,10 +120,15 @@ class _StackedLinear(torch.autograd.Function):
         return grad_x, grad_b, *grad_ws
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T (+ bias), the rows through `matmul`; differentiable (cuBLAS backward)."""
+    return stacked_linear(x, [weight], bias)
+
+
 def stacked_linear(x: Tensor, weights: list[Tensor], bias: Tensor | None = None) -> Tensor:
     """x (W_0; W_1; ...)^T (+ bias): `linear` of the weights stacked by rows, without keeping the stack."""
     shape = x.shape
-    out = _StackedLinear.apply(x.reshape(-1, shape[-1]), bias, *weights)
+    out = _Linear.apply(x.reshape(-1, shape[-1]), bias, *weights)
     return out.view(*shape[:-1], out.shape[-1])
 
 
@@ -158,12 +144,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BLOCK: t
     w = tl.load(w_ptr + i, mask=live, other=0.0)
     out = w.to(tl.float32) * y.to(tl.float32)
     tl.store(out_ptr + row * stride_o + i, out.to(out_ptr.dtype.element_ty), mask=live)
-
-
-def _rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 @triton.jit

@@ -63,9 +63,19 @@ def test_draft_weights_arrive_by_their_prefix(tiny_model, draft, tmp_path):
     save_file(drafted, update / "draft.safetensors")
     flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
              "--speculative-num-steps", "2"]  # fmt: skip
-    eng = start_engine(tiny_model, device="cpu", log_path=tmp_path / "spec.log", extra_args=flags)
+    before, after, out = _update_and_read(tiny_model, flags, update, "draft.lm_head.weight", tmp_path)
+    import torch
+
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(before) * 0.5)
+    assert after != before and out["meta_info"]["spec_verify_ct"] >= 1
+
+
+def _update_and_read(model, flags: list[str], update, name: str, tmp_path) -> tuple[list, list, dict]:
+    """On an engine of `model` with `flags`: tensor `name` read back (its first rows) before and after a
+    weight update from the directory `update` (which must succeed), and a greedy answer after it."""
+    eng = start_engine(str(model), device="cpu", log_path=tmp_path / "spec.log", extra_args=flags)
     try:
-        ask = {"name": "draft.lm_head.weight", "truncate_size": 2}
+        ask = {"name": name, "truncate_size": 2}
         before = httpx.post(eng.url + "/get_weights_by_name", json=ask, timeout=30).json()
         reply = httpx.post(
             eng.url + "/update_weights_from_disk", json={"model_path": str(update)}, timeout=120
@@ -75,10 +85,7 @@ def test_draft_weights_arrive_by_their_prefix(tiny_model, draft, tmp_path):
     finally:
         eng.stop()
     assert reply.status_code == 200, reply.text
-    import torch
-
-    torch.testing.assert_close(torch.tensor(after), torch.tensor(before) * 0.5)
-    assert after != before and out["meta_info"]["spec_verify_ct"] >= 1
+    return before, after, out
 
 
 def test_a_lora_request_speculates_against_its_adapter(tiny_model, draft, tmp_path):
@@ -137,17 +144,6 @@ def test_mtp_weights_arrive_by_their_checkpoint_names(tmp_path):
     save_file(mtp, str(update / "mtp.safetensors"))
     name = next(n for n in mtp if n.endswith("eh_proj.weight"))
     flags = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"]
-    eng = start_engine(str(model), device="cpu", log_path=tmp_path / "spec.log", extra_args=flags)
-    try:
-        ask = {"name": name, "truncate_size": 2}
-        before = httpx.post(eng.url + "/get_weights_by_name", json=ask, timeout=30).json()
-        reply = httpx.post(
-            eng.url + "/update_weights_from_disk", json={"model_path": str(update)}, timeout=120
-        )
-        after = httpx.post(eng.url + "/get_weights_by_name", json=ask, timeout=30).json()
-        out = httpx.post(eng.url + "/generate", json=BODY, timeout=120).json()
-    finally:
-        eng.stop()
-    assert reply.status_code == 200, reply.text
+    before, after, out = _update_and_read(model, flags, update, name, tmp_path)
     torch.testing.assert_close(torch.tensor(after), torch.tensor(before) * 0.5)
     assert out["meta_info"]["spec_verify_ct"] >= 1

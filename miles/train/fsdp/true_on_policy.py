@@ -58,24 +58,24 @@ class _Stacked:
     def __init__(self, members: list[nn.Linear]) -> None:
         self.members = members
         self.sizes = [m.out_features for m in members]
-        self.pending: tuple[Tensor, list[Tensor | None]] | None = None
+        self.pending: tuple[Tensor, dict[int, Tensor]] | None = None
+        """The first member's input and the shares of the others not yet taken."""
 
     def forward(self, index: int, x: Tensor) -> Tensor:
         if index == 0:
-            ms = self.members
-            weights = [m.weight for m in ms]
-            bias = inv.stacked_bias([m.bias for m in ms], self.sizes, weights[0])
-            outs: list[Tensor | None] = list(inv.stacked_linear(x, weights, bias, self.sizes))
-            self.pending = (x, outs)
-            return outs[0]
-        pending, self.pending = self.pending, None
-        if pending is None or pending[0] is not x or pending[1][index] is None:
-            member = self.members[index]
-            return inv.linear(x, member.weight, member.bias)
-        out, pending[1][index] = pending[1][index], None
-        if index + 1 < len(self.members):
-            self.pending = pending
-        return out
+            weights = [m.weight for m in self.members]
+            bias = inv.stacked_bias([m.bias for m in self.members], self.sizes, weights[0])
+            first, *rest = inv.stacked_linear(x, weights, bias, self.sizes)
+            self.pending = (x, dict(enumerate(rest, start=1)))
+            return first
+        pending = self.pending
+        if pending is not None and pending[0] is x and index in pending[1]:
+            out = pending[1].pop(index)
+            if not pending[1]:
+                self.pending = None
+            return out
+        member = self.members[index]
+        return inv.linear(x, member.weight, member.bias)
 
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -125,7 +125,7 @@ def _sequences(positions: list[int]) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [len(positions)], strict=True))
 
 
-_rows_seen: tuple[Tensor, int, str, list] | None = None
+_rows_seen: tuple[Tensor, int, bool, list] | None = None
 """The last position_ids tensor (held, so no other tensor can be it), its version, the kernel path and
 its rows' sequences: every layer of a forward (and its backward) gets the same tensor, read to the
 host once."""
@@ -135,16 +135,15 @@ def _packed_rows(position_ids: Tensor, kernels: bool) -> list:
     """Per row of `position_ids` [B, S], its packed sequences: invariant_triton.PackedRow (on the
     device) with the Triton kernels, else (starts, lengths)."""
     global _rows_seen
-    key = "triton" if kernels else "torch"
     seen = _rows_seen
-    if seen is None or seen[0] is not position_ids or seen[1] != position_ids._version or seen[2] != key:
+    if seen is None or seen[0] is not position_ids or seen[1] != position_ids._version or seen[2] != kernels:
         rows = []
         for positions in position_ids.tolist():
             bounds = _sequences(positions)
             starts, lengths = [a for a, _ in bounds], [b - a for a, b in bounds]
             rows.append(inv.gpu_kernels().PackedRow.of(starts, lengths, position_ids.device) if kernels
                         else (starts, lengths))  # fmt: skip
-        _rows_seen = seen = (position_ids, position_ids._version, key, rows)
+        _rows_seen = seen = (position_ids, position_ids._version, kernels, rows)
     return seen[3]
 
 
