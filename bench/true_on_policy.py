@@ -7,9 +7,14 @@
    `--enable-deterministic-inference` (a real engine process each; on CUDA both with and without
    `--disable-cuda-graph`, graphs being the engine's default), `--requests` concurrent requests of `--prompt` random ids and exactly
    `--new` new tokens (ignore_eos), tok/s = generated tokens / wall seconds of the whole batch; and the
-   trainer's step (forward + backward of one packed row of `--train-seqs` sequences of `--train-len`
-   tokens, transformers' model with and without miles/train/fsdp/true_on_policy.py installed, the two
-   taking turns for `--rounds` rounds; median and fastest). Ratios: mode / anchor of the same run.
+   trainer's step: forward + backward of one packed row per `--train-rows` shape (`SEQSxLEN`: SEQS
+   sequences of LEN tokens; the default's 32x256 and 8x1024 fill the FSDP trainer's default
+   micro-batch, train.max_tokens_per_microbatch = 8192, and 8x256 shows a small one, where launching
+   kernels from the host bounds both arms). Mode: transformers' model with
+   miles/train/fsdp/true_on_policy.py installed, scored by its `logprobs`; anchor: the same model as the
+   trainer runs it with the mode off (sdpa attention, the fused log-prob kernel of
+   miles/train/losses/fused_logprob.py). The two take turns for `--rounds` rounds; median and fastest.
+   Ratios: mode / anchor of the same run and shape.
 2. learning (CPU, the tiny model): `miles train recipes/default.yaml` (the digits task) on a
    synchronous schedule, TIS off, `--steps` steps, per seed with the mode on and off: eval/reward_mean
    on the held-out prompts at every evaluation (step 0 included), and the per-step
@@ -66,18 +71,25 @@ def decode_tok_s(model: str, device: str, flags: list[str], args, log: Path) -> 
     return args.requests * args.new / wall
 
 
-def _train_step(model: str, device: str, on: bool, args):
-    """One packed row's forward + backward (transformers' model, optionally the invariant one)."""
+def _net(model: str, device: str, on: bool):
+    """transformers' model as the FSDP trainer builds it, the invariant forward installed when `on`."""
     from transformers import AutoModelForCausalLM
 
-    from miles.quant import invariant as inv
     from miles.train.fsdp import true_on_policy
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     net = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to(device)
     if on:
         true_on_policy.install(net)
-    n, length = args.train_seqs, args.train_len
+    return net
+
+
+def _train_step(net, device: str, on: bool, shape: str):
+    """One packed row's forward + backward: `shape` = SEQSxLEN, the log-probs of every next token."""
+    from miles.train.fsdp import true_on_policy
+    from miles.train.losses.fused_logprob import token_logprobs_entropy
+
+    n, length = (int(v) for v in shape.split("x"))
     ids = torch.randint(3, 300, (1, n * length), device=device)
     pos = torch.arange(length, device=device).repeat(n)[None]
     rows, targets = torch.arange(n * length - 1, device=device), ids[0, 1:]
@@ -86,18 +98,21 @@ def _train_step(model: str, device: str, on: bool, args):
         net.zero_grad(set_to_none=True)
         logits = net(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         if on:
-            logp = inv.token_logprobs(logits, targets, rows=rows)
+            logp = true_on_policy.logprobs(logits, rows, targets, 1.0)
         else:
-            logp = torch.log_softmax(logits[:-1].float(), -1).gather(1, targets[:, None])[:, 0]
+            logp = token_logprobs_entropy(logits, rows, targets)[0]
         logp.mean().backward()
 
     return step
 
 
 def train_step_s(model: str, device: str, args) -> dict[str, list[float]]:
-    """Seconds of each arm's step ("mode", "anchor"), the arms taking turns round by round (so that a
-    change in the host's load falls on both), after one untimed round each (compiles, warms caches)."""
-    steps = {arm: _train_step(model, device, arm == "mode", args) for arm in ("mode", "anchor")}
+    """Seconds of each arm's step ("mode SHAPE", "anchor SHAPE"), the arms taking turns round by round
+    (so that a change in the host's load falls on both), after one untimed round each (compiles, warms
+    caches)."""
+    nets = {on: _net(model, device, on) for on in (True, False)}
+    steps = {f"{'mode' if on else 'anchor'} {shape}": _train_step(nets[on], device, on, shape)
+             for shape in args.train_rows for on in (True, False)}  # fmt: skip
     times: dict[str, list[float]] = {arm: [] for arm in steps}
     for _ in range(args.rounds + 1):
         for arm, step in steps.items():
@@ -190,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
-    p.add_argument("--train-seqs", type=int, default=8)
-    p.add_argument("--train-len", type=int, default=256)
+    p.add_argument("--train-rows", nargs="+", default=["8x256", "32x256", "8x1024"], help="SEQSxLEN")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=25)
@@ -206,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, vals in result["train_step_s"].items():
             print(f"train step {name}: median {statistics.median(vals):.4f} s, fastest {min(vals):.4f} s "
                   f"(slowest {max(vals):.4f})")  # fmt: skip
-        if len(result["train_step_s"]) == 2:
-            mode, anchor = result["train_step_s"]["mode"], result["train_step_s"]["anchor"]
-            print(f"train step mode / anchor: median {statistics.median(mode) / statistics.median(anchor):.3f}x, "
+        steps = result["train_step_s"]
+        for shape in args.train_rows if steps else []:
+            mode, anchor = steps[f"mode {shape}"], steps[f"anchor {shape}"]
+            print(f"train step {shape} mode / anchor: median {statistics.median(mode) / statistics.median(anchor):.3f}x, "
                   f"fastest {min(mode) / min(anchor):.3f}x")  # fmt: skip
     else:
         print(json.dumps(result["rows"], indent=1))

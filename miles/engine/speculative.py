@@ -5,8 +5,9 @@ token has no K/V yet (the scheduler's decode state):
 1. draft: the draft model, over a KV cache of its own (one contiguous run of slots per scheduler
    row), catches up on the tokens it has not seen and proposes k tokens d1..dk one at a time, each
    sampled from its own distribution q_i = softmax(z_i / T) (greedy: its argmax);
-2. verify: one target forward over [last, d1..dk] (positions N-1 .. N+k-1, a prefill-shaped batch
-   over the request's own KV slots) gives the target's distributions p_1..p_{k+1};
+2. verify: one target forward over [last, d1..dk] (positions N-1 .. N+k-1, k + 1 rows of a decode
+   step over the request's own KV slots, replaying the decode step's CUDA graph of that many rows)
+   gives the target's distributions p_1..p_{k+1};
 3. accept (`accept`, standard speculative sampling): d_i is kept with probability min(1, p_i(d_i) /
    q_i(d_i)); at the first rejection a token is drawn from norm(max(0, p_i - q_i)) instead and the
    step ends; when all k are kept a bonus token is drawn from p_{k+1}. Greedy: d_i is kept while it
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from miles.engine.request import Request, prefill_batch
+from miles.engine.spec import Batch
 from miles.engine.spec_gate import Gate
 
 log = logging.getLogger("miles.engine")
@@ -265,19 +267,44 @@ class Speculator:
         return drafts, dists
 
     def _verify(self, mine: list[Request], ks: dict[int, int], drafts, fresh: list[int]) -> torch.Tensor:
-        """The target's logits [sum(k + 1), V] at [last, d1..dk] of every request, in order."""
+        """The target's logits [sum(k + 1), V] at [last, d1..dk] of every request, in order.
+
+        One decode step of sum(k + 1) rows: a request's row j holds its token at position N-1+j over the
+        request's own table row, so it attends that position's prefix (every row's K/V is written before
+        any row attends), and the step replays the scheduler's CUDA graph of that many rows where one is
+        captured. DeepSeek-V4's compressed caches pool a window's tokens per request, so its verify runs
+        as a prefill of the k + 1 tokens instead."""
         s, at = self.s, 0
+        head: list[list[int]] = [[], [], [], []]  # ids, positions, table rows, slots
         for r in mine:
             n = ks[id(r)] + 1
             new, at = fresh[at : at + n], at + n
             start = len(r.slots)  # = N - 1, the last token's position
             r.slots.extend(new)
-            s.table[r.row, start : start + n] = torch.tensor(new, device=s.table.device)
+            head[0] += [r.tokens[-1], *drafts[id(r)]]
+            head[1] += range(start, start + n)
+            head[2] += [r.row] * n
+            head[3] += new
+        ints = torch.tensor(head, dtype=torch.int64).to(s.table.device, non_blocking=True)
+        s.table[ints[2], ints[1]] = ints[3]
+        if s.decoder.spec.v4 is not None:
+            return self._verify_prefill(mine, ks, drafts)
+        context = s._decode_context(max(len(r.slots) for r in mine))
+        s.decoder.hidden = None
+        if s.graphs is not None and s.graphs.bucket(len(head[0]), context) is not None:
+            return s.graphs.run(ints[:3], context)
+        batch = Batch.decode(ints[0], ints[1], ints[2], s.table, context, s._lora_rows())
+        return s.decoder.forward(batch, s.pool)
+
+    def _verify_prefill(self, mine: list[Request], ks: dict[int, int], drafts) -> torch.Tensor:
+        """`_verify` as a prefill-shaped forward over each request's k + 1 new tokens."""
+        s = self.s
+        for r in mine:
             r.output.extend(drafts[id(r)])
         batch = s._prefill_batch(mine)
         batch.last_index = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
         try:
-            return s.decoder.forward(batch, s.pool).float()
+            return s.decoder.forward(batch, s.pool)
         finally:
             for r in mine:
                 del r.output[len(r.output) - ks[id(r)] :]
