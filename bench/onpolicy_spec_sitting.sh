@@ -3,12 +3,15 @@
 # seconds, in this order; 0 skips a part), so that a short device lease still brings back the first:
 #   1. tests/gpu/test_true_on_policy_gpu.py (the default plain-PyTorch forms and the Triton kernels,
 #      dense and MoE with routing replay, chunked prefill) and tests/gpu/test_speculative_gpu.py;
-#   2. bench.true_on_policy --part cost with the Triton kernels (decode eager / CUDA graphs, train step);
-#   3. bench.spec_gpu at the 0.5B shapes (decode tok/s with and without NEXTN at batch 1/8/32/256).
-#   [LIMITS="200 200 200"] bash bench/onpolicy_spec_sitting.sh OUT
+#   2. bench.true_on_policy --part cost with the Triton kernels (COST_ONLY=train|decode: one half; the
+#      train step at each of its default shapes);
+#   3. bench.spec_gpu --profile at the 0.5B shapes (batch 1 in process: ms per token, cProfile);
+#   4. bench.spec_gpu at the 0.5B shapes (decode tok/s with and without NEXTN at batch 1/8/32/256,
+#      SPEC_BRACKETS of random / oracle).
+#   [LIMITS="200 200 100 200"] bash bench/onpolicy_spec_sitting.sh OUT
 set -u
 out=${1:?usage: bench/onpolicy_spec_sitting.sh OUT}
-read -r t_tests t_cost t_spec <<< "${LIMITS:-200 200 200}"
+read -r t_tests t_cost t_profile t_spec <<< "${LIMITS:-200 200 100 200}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
@@ -22,11 +25,16 @@ part() {  # name limit command...
   [ "$limit" -gt 0 ] || return 0
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "$name rc $?"
-  grep -E "passed|failed|PASSED|FAILED|^decode|^train step|^\| " "$out/$name.log" | tail -20
+  grep -E "passed|failed|PASSED|FAILED|^decode|^train step|^profile|^\| " "$out/$name.log" | tail -24
 }
 
 part tests "$t_tests" $py -m pytest -v -p no:cacheprovider -s tests/gpu/test_true_on_policy_gpu.py \
   tests/gpu/test_speculative_gpu.py
-part cost "$t_cost" $py -m bench.true_on_policy --part cost --kernels triton --model 0.5b --rounds 3 \
-  --requests 64 --new 64 --out "$out/top_cost.json"
-part spec "$t_spec" $py -m bench.spec_gpu --sizes 0.5b --out "$out/spec_gpu.json"
+only=()
+[ -n "${COST_ONLY:-}" ] && only=(--only "$COST_ONLY")
+part cost "$t_cost" $py -m bench.true_on_policy --part cost --kernels triton --model 0.5b --rounds 10 \
+  --requests 64 --new 64 "${only[@]}" --out "$out/top_cost.json"
+part profile "$t_profile" $py -m bench.spec_gpu --profile --sizes 0.5b --new 64
+# shellcheck disable=SC2086
+part spec "$t_spec" $py -m bench.spec_gpu --sizes 0.5b --brackets ${SPEC_BRACKETS:-random oracle} \
+  --out "$out/spec_gpu.json"

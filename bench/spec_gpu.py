@@ -2,6 +2,7 @@
 
     python -m bench.spec_gpu [--sizes 0.5b 7b moe] [--batches 1 8 32 256] [--new 128] [--out F.json]
     python -m bench.spec_gpu --smoke           # the tiny model on the CPU: the script runs
+    python -m bench.spec_gpu --profile [--sizes 0.5b]   # where a batch-1 step's host time goes
 
 Random weights know nothing, so what a trained draft would keep is bracketed by two MTP layers:
 - "random": the random MTP layer `miles model init-tiny --mtp` style (miles/models/mtp.py): next to
@@ -95,7 +96,7 @@ def run(args) -> list[dict]:
     device = "cpu" if args.smoke else "cuda"
     rows = []
     for size in args.sizes:
-        for bracket in ("random", "oracle"):
+        for bracket in args.brackets:
             model = make_model(size, bracket, args)
             nextn = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(args.k)]
             arms = (
@@ -119,6 +120,48 @@ def run(args) -> list[dict]:
                 finally:
                     eng.stop()
     return rows
+
+
+def profile(args) -> None:
+    """In process, no server: one greedy request of `--new` tokens on the scheduler, plain and NEXTN
+    (every step speculating), per bracket; wall ms per generated token, then the functions taking the
+    most time of the NEXTN run under cProfile (its own overhead included)."""
+    import cProfile
+    import pstats
+
+    from miles.engine.fp8_weights import DEFAULT_FP8_MIN_TOKENS, build_decoder
+    from miles.engine.model import ModelSpec
+    from miles.engine.mtp import MtpSpeculator, load_mtp
+    from miles.engine.sampling import SamplingParams
+    from miles.engine.scheduler import Request, Scheduler
+
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    for bracket in ("random", "oracle"):
+        model = make_model(args.sizes[0], bracket, args)
+        for arm in ("plain", "NEXTN"):
+            sched = Scheduler(build_decoder(ModelSpec.from_dir(model), model, device, dtype, "none",
+                                            DEFAULT_FP8_MIN_TOKENS), 8, args.pool)  # fmt: skip
+            if arm == "NEXTN":
+                mtp = load_mtp(model, sched.decoder, sched.max_total_tokens + 1)
+                sched.speculator = MtpSpeculator(sched, mtp, args.k)
+
+            def once(i: int, sched=sched, arm=arm) -> float:
+                params = SamplingParams(max_new_tokens=args.new, temperature=0.0, ignore_eos=True)
+                req = Request(
+                    f"{arm}-{i}", [(7 * j) % 300 + 3 for j in range(args.prompt)], params, i, frozenset()
+                )
+                start = time.perf_counter()
+                sched.submit(req)
+                sched.run_until_idle()
+                return (time.perf_counter() - start) / len(req.output)
+
+            once(0)  # captures graphs, compiles kernels
+            ms = min(once(i) for i in range(1, 3)) * 1e3
+            print(f"profile {args.sizes[0]} {bracket} {arm}: {ms:.2f} ms per generated token", flush=True)
+            if arm == "NEXTN" and bracket == "random":
+                prof = cProfile.Profile()
+                prof.runcall(once, 3)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def table(rows: list[dict]) -> str:
@@ -148,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--pool", type=int, default=131072, help="the engines' --max-total-tokens")
+    p.add_argument("--brackets", nargs="+", choices=["random", "oracle"], default=["random", "oracle"])
+    p.add_argument("--profile", action="store_true", help="in process: batch 1, plain and NEXTN, cProfile")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-spec-gpu-"))
     p.add_argument("--out")
@@ -164,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --smoke)")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/mtp_oracle.py
+    if args.profile:
+        profile(args)
+        return 0
     rows = run(args)
     print(table(rows))
     if args.out:
