@@ -161,7 +161,9 @@ def profile(args) -> None:
             if arm == "NEXTN" and bracket == "random":
                 prof = cProfile.Profile()
                 prof.runcall(once, 3)
-                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                stats = pstats.Stats(prof)
+                stats.sort_stats("tottime").print_stats(25)
+                stats.sort_stats("cumulative").print_stats(30)
 
 
 def table(rows: list[dict]) -> str:

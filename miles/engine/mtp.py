@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.request import Request, prefill_batch
+from miles.engine.spec import Batch
 from miles.engine.spec_gate import Gate
 from miles.engine.speculative import Speculator, propose_rows, read_rows, split_draft
 from miles.models.mtp import INPUT, OWN, mtp_prefix
@@ -114,14 +115,24 @@ class MtpDraft:
         hidden states [m, hidden] of those positions, start): (logits [R, V] fp32 and final-normed
         hidden [R, hidden]) at each run's last position. K/V written at the table's slots."""
         self._bind_head()
-        fake = [SimpleNamespace(tokens=[0] * start + ids, kv_len=start, row=row, slots=range(start + len(ids)))
-                for row, ids, _, start in runs]  # fmt: skip
-        b = prefill_batch(fake, table)
+        b = _batch(runs, table)
         b.input_embeds = self._inputs(
             torch.cat([h for _, _, h, _ in runs]).to(self.decoder.dtype), b.input_ids
         )
         logits = self.decoder.forward(b, self.pool)
         return logits.float(), self.decoder.hidden[b.last_index]
+
+
+def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor) -> Batch:
+    """The MTP forward's batch: a decode-shaped one (one host-to-device copy) when every run has one
+    token, as the draft chain's steps and a plain step's extension do; else a prefill over the runs."""
+    if all(len(ids) == 1 for _, ids, _, _ in runs):
+        head = [[ids[0] for _, ids, _, _ in runs], [start for *_, start in runs], [row for row, *_ in runs]]
+        ints = torch.tensor(head, dtype=torch.int64).to(table.device, non_blocking=True)
+        return Batch.decode(ints[0], ints[1], ints[2], table, max(head[1]) + 1)
+    fake = [SimpleNamespace(tokens=[0] * start + ids, kv_len=start, row=row, slots=range(start + len(ids)))
+            for row, ids, _, start in runs]  # fmt: skip
+    return prefill_batch(fake, table)
 
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
