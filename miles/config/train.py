@@ -135,7 +135,7 @@ class DraftConfig(Section):
     cross-entropy on the rollout's own trained tokens, and every weight push carries it to the
     engines' draft. engine.speculative STANDALONE: the draft model of draft_model_path
     (miles/train/draft_model.py); NEXTN: the model's MTP layer on the policy's hidden states
-    (miles/train/mtp_training.py, FSDP)."""
+    (miles/train/mtp_training.py; FSDP, or Megatron with pipeline_parallel 1)."""
 
     lr: float = Field(1e-3, gt=0.0)
     """AdamW learning rate of the draft."""
@@ -293,10 +293,11 @@ def check_draft(plan: Plan) -> None:
             "train.draft trains the speculative draft: set engine.speculative.algorithm=STANDALONE with "
             "engine.speculative.draft_model_path, or NEXTN (the model's MTP layer)"
         )
-    if nextn and plan.train.backend != "fsdp":
+    if nextn and plan.train.backend == "megatron" and plan.train.pipeline_parallel > 1:
         raise ConfigError(
-            "train.draft with engine.speculative.algorithm=NEXTN trains the MTP layer on the FSDP "
-            "backend's hidden states: set train.backend=fsdp, or a STANDALONE draft"
+            "train.draft with engine.speculative.algorithm=NEXTN trains the MTP layer on the policy's "
+            "hidden states and LM head, which pipeline stages hold apart: set train.pipeline_parallel=1, "
+            "train.backend=fsdp, or a STANDALONE draft"
         )
     if e.kind != "embedded" or e.urls:
         raise ConfigError(

@@ -100,16 +100,18 @@ class DraftTraining:
         if plan.engine.speculative.algorithm == "NEXTN":  # the MTP layer, on every rank
             from miles.train.mtp_training import MtpTrainer
 
-            self.draft = MtpTrainer(plan, self.inner.model, torch.device(self.inner.device))
+            config, lm_weights = self.inner.mtp_source()
+            self.draft = MtpTrainer(plan, config, self._device(), lm_weights)
             self.inner.hidden_sink = self.draft.absorb
-            return
-        if dist.get_rank() == 0:  # the policy's device (Megatron's: this rank's current CUDA device)
-            device = getattr(self.inner, "device", None)
-            if device is None:
-                device = (
-                    torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-                )
-            self.draft = DraftTrainer(plan, torch.device(device))
+        elif dist.get_rank() == 0:
+            self.draft = DraftTrainer(plan, self._device())
+
+    def _device(self) -> torch.device:
+        """The policy's device (Megatron's: this rank's current CUDA device)."""
+        device = getattr(self.inner, "device", None)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        return torch.device(device)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         if self.draft is not None:

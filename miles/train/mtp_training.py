@@ -13,15 +13,20 @@ with m the trained-token mask (tokens the policy produced): both the input token
 the policy's. h, the embedding and the LM head are detached, so the policy's parameters and gradients
 are those of a run without it (tests/unit/test_draft_training.py); the layer has an AdamW of its own.
 
-The hidden states come from a forward hook on the policy's final norm during its update passes
-(FSDP backend: `hidden_sink`), so no forward is added: every rank trains the layer on its own
-micro-batches (gradients accumulated as they come), then the gradients are summed over the ranks,
-clipped and stepped once per training step. Rank 0 exports the layer under its checkpoint names
-(`model.layers.L.*`), which the engine loads into its MTP draft.
+The hidden states come from the policy's own update passes, so no forward is added: the FSDP
+backend's forward hook on the final norm, the Megatron backend's output processor (which receives the
+final-normed hidden states of the whole micro-batch), each calling `hidden_sink` (`absorb`). Every rank
+trains the layer on its own micro-batches (gradients accumulated as they come), then the gradients are
+summed over the ranks (a tensor-parallel group's ranks see the same micro-batches and add their equal
+shares to the sum and to the token count alike, leaving the mean as it is), clipped and stepped once per
+training step. The embedding and LM head come whole to every rank (`lm_weights`: FSDP2 shards gathered,
+Megatron's vocabulary shards gathered over the tensor-parallel group). Rank 0 exports the layer under
+its checkpoint names (`model.layers.L.*`), which the engine loads into its MTP draft.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,25 +42,35 @@ def _transformers_class(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if c.__module__.startswith("transformers."))
 
 
-def _full(t: Tensor) -> Tensor:
-    full = getattr(t, "full_tensor", None)  # a DTensor shard (FSDP2): every rank takes part
+def full_tensor(t: Tensor) -> Tensor:
+    """`t` whole on every rank: an FSDP2 DTensor shard gathered (every rank takes part), else itself."""
+    full = getattr(t, "full_tensor", None)
     return (full() if full is not None else t).detach()
 
 
-class MtpLayer(nn.Module):
-    """The MTP layer as a module of the policy's own transformers classes."""
+def _layer_classes(config) -> tuple[type, type, type]:
+    """(RMSNorm, decoder layer, rotary embedding): transformers' classes of `config`'s family, read off
+    a one-layer skeleton built on the meta device (no memory, whichever backend trains the policy)."""
+    from transformers import AutoModelForCausalLM
 
-    def __init__(self, policy: nn.Module, tensors: dict[str, Tensor]) -> None:
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(one_layer_config(config)).model
+    return (_transformers_class(base.norm), _transformers_class(base.layers[0]),
+            _transformers_class(base.rotary_emb))  # fmt: skip
+
+
+class MtpLayer(nn.Module):
+    """The MTP layer as a module of transformers' classes of the policy's family (HF config `config`)."""
+
+    def __init__(self, config: Any, tensors: dict[str, Tensor]) -> None:
         super().__init__()
-        config, base = policy.config, policy.model
-        norm_cls = _transformers_class(base.norm)
+        norm_cls, layer_cls, rotary_cls = _layer_classes(config)
         H, eps = config.hidden_size, config.rms_norm_eps
         self.enorm, self.hnorm, self.final = norm_cls(H, eps=eps), norm_cls(H, eps=eps), norm_cls(H, eps=eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        L = config.num_hidden_layers
-        self.layer = _transformers_class(base.layers[0])(one_layer_config(config), layer_idx=0)
-        self.rotary = _transformers_class(base.rotary_emb)(config=config)
-        self.prefix = mtp_prefix(L)
+        self.layer = layer_cls(one_layer_config(config), layer_idx=0)
+        self.rotary = rotary_cls(config=config)
+        self.prefix = mtp_prefix(config.num_hidden_layers)
         self.load_named(tensors)
 
     def _names(self) -> dict[str, Tensor]:
@@ -94,14 +109,17 @@ class MtpLayer(nn.Module):
 class MtpTrainer:
     """The MTP layer, its optimiser and its step on every trainer rank (module docstring)."""
 
-    def __init__(self, plan: Any, policy: nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, plan: Any, config: Any, device: torch.device, lm_weights: Callable[[], tuple[Tensor, Tensor]]
+    ) -> None:
+        """`config`: the policy's HF config; `lm_weights()`: its embedding and LM head, whole, on every
+        rank (a collective: every rank calls it at `begin`)."""
         from miles.engine.spec import load_weights
 
         cfg = plan.train.draft
-        prefix = mtp_prefix(policy.config.num_hidden_layers)
-        tensors = load_weights(plan.model.path, prefix=prefix)
-        self.policy, self.device = policy, device
-        self.layer = MtpLayer(policy, tensors).to(device=device, dtype=torch.float32)
+        tensors = load_weights(plan.model.path, prefix=mtp_prefix(config.num_hidden_layers))
+        self.device, self.lm_weights = device, lm_weights
+        self.layer = MtpLayer(config, tensors).to(device=device, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.layer.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.grad_clip = cfg.grad_clip
         self._head: tuple[Tensor, Tensor] | None = None
@@ -109,9 +127,11 @@ class MtpTrainer:
 
     def begin(self) -> None:
         """Before the policy's step: its embedding and LM head, whole, on every rank (a collective)."""
-        embed = _full(self.policy.get_input_embeddings().weight)
-        head = _full(self.policy.get_output_embeddings().weight)
-        self._head = (embed.to(self.device, torch.float32), head.to(self.device, torch.float32))
+        embed, head = self.lm_weights()
+        self._head = (
+            embed.detach().to(self.device, torch.float32),
+            head.detach().to(self.device, torch.float32),
+        )
         self.optimizer.zero_grad(set_to_none=True)
         self._sums.zero_()
 

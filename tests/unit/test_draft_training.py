@@ -157,7 +157,7 @@ def test_the_mtp_layer_learns_beside_a_bit_identical_policy(mtp_model, tmp_path)
     assert all(torch.equal(saved[n], t) for n, t in backend.draft.named_tensors())
 
 
-def test_nextn_draft_training_needs_fsdp() -> None:
-    with pytest.raises(ConfigError, match=r"train\.backend=fsdp"):
+def test_nextn_draft_training_on_megatron_needs_one_pipeline_stage() -> None:
+    with pytest.raises(ConfigError, match=r"train\.pipeline_parallel=1"):
         resolve({"engine": {"speculative": {"algorithm": "NEXTN"}}, "model": {"tiny": {"mtp": True}},
-                 "train": {"backend": "megatron", "draft": {}}})  # fmt: skip
+                 "train": {"backend": "megatron", "pipeline_parallel": 2, "draft": {}}})  # fmt: skip

@@ -487,6 +487,15 @@ class FSDPBackend:
 
     # ---- weights, checkpoints, memory -----------------------------------------------------------
 
+    def mtp_source(self) -> tuple[Any, Callable[[], tuple[Tensor, Tensor]]]:
+        """The policy's HF config and a function giving its embedding and LM head whole on every rank
+        (FSDP2 shards gathered: a collective), for the MTP layer's training (miles/train/mtp_training.py)."""
+        from miles.train.mtp_training import full_tensor
+
+        model = self.model
+        return model.config, lambda: (full_tensor(model.get_input_embeddings().weight),
+                                      full_tensor(model.get_output_embeddings().weight))  # fmt: skip
+
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
         """Full HF-named tensors in `plan.model.dtype`, on the trainer device, in bounded buckets.
 

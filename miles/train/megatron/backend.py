@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -127,6 +128,9 @@ class MegatronBackend:
         self.moe = None
         self.packed = True
         self._forward_kwargs = {}
+        self.hidden_sink = None
+        """fn(the micro-batch as one row, its final-normed hidden states [b, s, h]) called in each update
+        forward (the MTP layer's training, miles/train/mtp_training.py), or None."""
 
     # ---------------------------------------------------------------- setup
     def setup(self, plan: Any) -> None:
@@ -412,7 +416,9 @@ class MegatronBackend:
                 None,
                 packed_seq_params=M.packed_seq_params(mb),
                 **self._forward_kwargs,
-                output_processor=partial(B.response_head, mb=mb),
+                output_processor=partial(B.response_head, mb=mb)
+                if self.hidden_sink is None
+                else partial(_sink_then_head, self.hidden_sink, mb),
             )
         return out, partial(self._loss, mb, norm, scale, old, ref, measure)
 
@@ -510,6 +516,31 @@ class MegatronBackend:
         return found
 
     # ------------------------------------------------------- weights, state
+    def mtp_source(self) -> tuple[Any, Callable[[], tuple[Tensor, Tensor]]]:
+        """The policy's HF config and a function giving its embedding and LM head whole on every rank,
+        for the MTP layer's training (miles/train/mtp_training.py)."""
+        return self.hf_cfg, self._lm_weights
+
+    def _lm_weights(self) -> tuple[Tensor, Tensor]:
+        """The embedding and the LM head, vocabulary shards gathered over the tensor-parallel group (a
+        collective), cut to the HF vocabulary (pipeline_parallel 1: config.train.check_draft)."""
+        from megatron.core import parallel_state as ps
+
+        gpt, tp = self.gpt, ps.get_tensor_model_parallel_world_size()
+        embed = gpt.embedding.word_embeddings.weight
+        head = gpt.output_layer.weight if gpt.output_layer.weight is not None else embed  # tied
+
+        def whole(w: Tensor) -> Tensor:
+            w = w.detach().contiguous()
+            if tp == 1:
+                return w
+            parts = [torch.empty_like(w) for _ in range(tp)]
+            dist.all_gather(parts, w, group=ps.get_tensor_model_parallel_group())
+            return torch.cat(parts)
+
+        vocab = self.hf_cfg.vocab_size
+        return whole(embed)[:vocab], whole(head)[:vocab]
+
     def export_weights(self, bucket_bytes: int):
         """HF-named full tensors in buckets of at most bucket_bytes; rank 0 gets them, others empty lists.
         With a quantised engine (engine.quantization), covered weights leave in its layout.
@@ -557,6 +588,13 @@ class MegatronBackend:
     def onload(self) -> None:
         if self.offloader is not None:
             self.offloader.onload()
+
+
+def _sink_then_head(sink, mb: B.MicroBatch, hidden_states: Tensor, **kwargs) -> Tensor:
+    """`B.response_head`, after handing the micro-batch's final-normed hidden states [s, b, h] to
+    `sink` as [b, s, h], with the micro-batch as one row (`B.one_row`)."""
+    sink(B.one_row(mb), hidden_states.transpose(0, 1))
+    return B.response_head(hidden_states, mb=mb, **kwargs)
 
 
 def _all_reduce_sum(x: Tensor) -> Tensor:

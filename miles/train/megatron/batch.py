@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -184,6 +185,16 @@ def _one(
         seq_index=t(seq, torch.long),
         sample_ids=list(idx),
     )
+
+
+def one_row(mb: MicroBatch) -> SimpleNamespace:
+    """The micro-batch's rows back to back as one packed row, as the MTP layer's training reads a
+    micro-batch (miles/train/mtp_training.py): input_ids and position_ids [1, b * s] (a padded row's
+    positions run on over its padding, which no mask marks), logit_index the flat index of each
+    response token's scoring position, mask the response tokens' loss mask."""
+    s = mb.tokens.shape[1]
+    return SimpleNamespace(input_ids=mb.tokens.reshape(1, -1), position_ids=mb.positions.reshape(1, -1),
+                           logit_index=mb.rows * s + mb.cols, mask=mb.mask)  # fmt: skip
 
 
 def response_head(
