@@ -2,7 +2,8 @@
 # True on-policy and speculation on one GPU, one call, each part under its own time limit (LIMITS,
 # seconds, in this order; 0 skips a part), so that a short device lease still brings back the first:
 #   1. tests/gpu/test_true_on_policy_gpu.py (the default plain-PyTorch forms and the Triton kernels,
-#      dense and MoE with routing replay, chunked prefill) and tests/gpu/test_speculative_gpu.py;
+#      dense and MoE with routing replay, chunked prefill) and tests/gpu/test_speculative_gpu.py (and
+#      EXTRA_TESTS);
 #   2. bench.true_on_policy --part cost with the Triton kernels (COST_ONLY=train|decode: one half; the
 #      train step at each of its default shapes);
 #   3. bench.spec_gpu --profile at the 0.5B shapes (batch 1 in process: ms per token, cProfile);
@@ -28,8 +29,9 @@ part() {  # name limit command...
   grep -E "passed|failed|PASSED|FAILED|^decode|^train step|^profile|^\| " "$out/$name.log" | tail -24
 }
 
+# shellcheck disable=SC2086
 part tests "$t_tests" $py -m pytest -v -p no:cacheprovider -s tests/gpu/test_true_on_policy_gpu.py \
-  tests/gpu/test_speculative_gpu.py
+  tests/gpu/test_speculative_gpu.py ${EXTRA_TESTS:-}
 only=()
 [ -n "${COST_ONLY:-}" ] && only=(--only "$COST_ONLY")
 part cost "$t_cost" $py -m bench.true_on_policy --part cost --kernels triton --model 0.5b --rounds 10 \
