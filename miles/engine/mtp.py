@@ -115,24 +115,55 @@ class MtpDraft:
         hidden states [m, hidden] of those positions, start): (logits [R, V] fp32 and final-normed
         hidden [R, hidden]) at each run's last position. K/V written at the table's slots."""
         self._bind_head()
-        b = _batch(runs, table)
+        b, last = _batch(runs, table)
         b.input_embeds = self._inputs(
             torch.cat([h for _, _, h, _ in runs]).to(self.decoder.dtype), b.input_ids
         )
         logits = self.decoder.forward(b, self.pool)
-        return logits.float(), self.decoder.hidden[b.last_index]
+        return logits[last].float(), self.decoder.hidden[b.last_index[last]]
+
+    def chain(self, rows: torch.Tensor, start: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
+              steps: int, table: torch.Tensor, context: int) -> torch.Tensor:  # fmt: skip
+        """Greedy drafts [B, steps + 1] on the device, no host read between them: d1 = the argmax of
+        `logits` [B, V] (the kept MTP outputs), then `steps` MTP forwards, each at position start + i
+        (`start` [B]: N - 1) of table row `rows` [B] over its own output hidden state (`hidden` [B, h]
+        first) and the draft before. Shapes and addresses depend on B, steps and `context` alone, so
+        `ChainGraphs` captures it."""
+        self._bind_head()
+        ids = logits.argmax(dim=-1)
+        out = [ids]
+        for i in range(steps):
+            b = Batch.decode(ids, start + i, rows, table, context)
+            b.input_embeds = self._inputs(hidden.to(self.decoder.dtype), ids)
+            ids = self.decoder.forward(b, self.pool).argmax(dim=-1)
+            hidden = self.decoder.hidden
+            out.append(ids)
+        return torch.stack(out, dim=1)
 
 
-def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor) -> Batch:
-    """The MTP forward's batch: a decode-shaped one (one host-to-device copy) when every run has one
-    token, as the draft chain's steps and a plain step's extension do; else a prefill over the runs."""
-    if all(len(ids) == 1 for _, ids, _, _ in runs):
-        head = [[ids[0] for _, ids, _, _ in runs], [start for *_, start in runs], [row for row, *_ in runs]]
+SHORT_RUN = 8
+"""Runs of at most this many tokens (a verify's kept drafts, a chain step) forward decode-shaped."""
+
+
+def _batch(
+    runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor
+) -> tuple[Batch, list[int]]:
+    """The MTP forward's batch and the index of each run's last token in it. Short runs: decode-shaped,
+    one row per token over its run's table row (each row attends its own position's prefix, every row's
+    K/V written first), built from one host-to-device copy; else (a prefill's runs) prefill-shaped."""
+    if max(len(ids) for _, ids, _, _ in runs) <= SHORT_RUN:
+        head: list[list[int]] = [[], [], []]
+        last = []
+        for row, ids, _, start in runs:
+            head[0] += ids
+            head[1] += range(start, start + len(ids))
+            head[2] += [row] * len(ids)
+            last.append(len(head[0]) - 1)
         ints = torch.tensor(head, dtype=torch.int64).to(table.device, non_blocking=True)
-        return Batch.decode(ints[0], ints[1], ints[2], table, max(head[1]) + 1)
+        return Batch.decode(ints[0], ints[1], ints[2], table, max(head[1]) + 1), last
     fake = [SimpleNamespace(tokens=[0] * start + ids, kv_len=start, row=row, slots=range(start + len(ids)))
             for row, ids, _, start in runs]  # fmt: skip
-    return prefill_batch(fake, table)
+    return prefill_batch(fake, table), list(range(len(runs)))
 
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
@@ -163,6 +194,14 @@ class MtpSpeculator(Speculator):
         self.state: weakref.WeakKeyDictionary[Request, _State] = weakref.WeakKeyDictionary()
         scheduler.decoder.capture_hidden = True
         scheduler.decoder.row_decode = False  # the CPU row decode leaves no hidden states
+        self.chains = None
+        """The greedy chain's CUDA graphs (miles/engine/mtp_graphs.py) where the scheduler captures its
+        decode steps, else None (eager)."""
+        if scheduler.use_cuda_graph:
+            from miles.engine.mtp_graphs import ChainGraphs
+
+            self.chains = ChainGraphs(mtp, scheduler.table, scheduler.max_running, min(scheduler.graph_max_bs, 64),
+                                      min(scheduler.graph_max_context, scheduler.max_context))  # fmt: skip
 
     def load_draft(self, weights: dict[str, torch.Tensor]) -> None:
         """New MTP weights (a weight push); kept states draft on, verification keeps outputs exact."""
@@ -263,9 +302,25 @@ class MtpSpeculator(Speculator):
         for i, (r, (_, ids, _, start)) in enumerate(zip(reqs, runs, strict=True)):
             self.state[r] = _State(start + len(ids), logits[i], hidden[i])
 
+    def _draft_greedy(self, mine: list[Request], k: int) -> tuple[dict, dict]:
+        """`_draft` for greedy requests of k drafts each: the chain on the device, one read-back."""
+        dev = self.s.table.device
+        where = torch.tensor([[r.row for r in mine], [r.num_tokens - 1 for r in mine]]).to(
+            dev, non_blocking=True
+        )
+        logits = torch.stack([self.state[r].logits for r in mine])
+        hidden = torch.stack([self.state[r].hidden for r in mine])
+        context = self.s._decode_context(max(r.num_tokens for r in mine) + k)
+        run = self.chains.run if self.chains is not None else self.mtp.chain
+        ids = run(where[0], where[1], logits, hidden, k - 1, self.s.table, context).tolist()
+        return {id(r): d for r, d in zip(mine, ids, strict=True)}, {id(r): [] for r in mine}
+
     def _draft(self, mine: list[Request], ks: dict[int, int]):
         """d1 from each request's kept MTP logits, then d2.. from the MTP on its own hidden state, at
         positions N-1.. (slots the step allocated for them, their table entries written by `_prepare`)."""
+        k = max(ks.values())
+        if all(r.params.temperature <= 0 and ks[id(r)] == k for r in mine):
+            return self._draft_greedy(mine, k)
         drafts: dict[int, list[int]] = {id(r): [] for r in mine}
         dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
         logits = torch.stack([self.state[r].logits for r in mine])
