@@ -140,13 +140,19 @@ class DraftCache:
     """The draft model's K/V: scheduler row r owns slots [r * stride, (r + 1) * stride); `valid[r]`
     positions of its request are computed (0 when the row changes hands)."""
 
-    def __init__(self, decoder: Any, rows: int, stride: int) -> None:
+    def __init__(self, decoder: Any, rows: int, stride: int, graphs: bool = False) -> None:
         self.decoder, self.stride = decoder, stride
         self.pool = decoder.new_kv_pool(rows * stride + 1)
         base = torch.arange(rows + 1)[:, None] * stride + torch.arange(stride)[None, :]
         self.table = base.clamp_max(rows * stride).to(decoder.device)
         self.valid: dict[int, tuple[int, int]] = {}
         """row -> (id of its request, positions computed)."""
+        self.graphs = None
+        """The draft's decode steps captured (miles/engine/cuda_graph.py) on CUDA, else None."""
+        if graphs:
+            from miles.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(decoder, self.pool, self.table, rows, min(rows, 64), stride)
 
     def computed(self, req: Request) -> int:
         owner, n = self.valid.get(req.row, (None, 0))
@@ -162,6 +168,16 @@ class DraftCache:
         for r, ctx in zip(reqs, contexts, strict=True):
             self.valid[r.row] = (id(r), len(ctx))
         return logits.float()
+
+    def decode(self, inputs: torch.Tensor, context: int) -> torch.Tensor:
+        """The draft's logits [B, V] of one decode step: `inputs` [3, B] (ids, positions, rows) on the
+        device, each row's K/V written at its position; replayed from a CUDA graph where captured."""
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket(inputs.shape[1], context) is not None:
+            return graphs.run(inputs, context)
+        return self.decoder.forward(
+            Batch.decode(inputs[0], inputs[1], inputs[2], self.table, context), self.pool
+        )
 
     def keep(self, req: Request, positions: int) -> None:
         owner, n = self.valid.get(req.row, (None, 0))
@@ -194,7 +210,7 @@ class Speculator:
         # a request grown past it decodes as usual
         per_row = max(scheduler.max_total_tokens // scheduler.max_running, 256)
         stride = min(scheduler.max_context, per_row) + num_steps + 1
-        self.cache = DraftCache(draft, scheduler.max_running + 1, stride)
+        self.cache = DraftCache(draft, scheduler.max_running + 1, stride, scheduler.use_cuda_graph)
 
     def load_draft(self, weights: dict[str, torch.Tensor]) -> None:
         """New weights for the draft model (by HF name); its cached K/V is recomputed from then on."""
@@ -257,6 +273,9 @@ class Speculator:
 
     def _draft(self, mine: list[Request], ks: dict[int, int]):
         """k proposals per request and the draft's distributions at them (None when greedy)."""
+        k = max(ks.values())
+        if all(r.params.temperature <= 0 and ks[id(r)] == k for r in mine):
+            return self._draft_greedy(mine, k)
         drafts: dict[int, list[int]] = {id(r): [] for r in mine}
         dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
         for i in range(max(ks.values())):
@@ -265,6 +284,23 @@ class Speculator:
             logits = self.cache.forward(live, [r.tokens + drafts[id(r)] for r in live])
             propose_rows(live, logits, i, drafts, dists)
         return drafts, dists
+
+    def _draft_greedy(self, mine: list[Request], k: int) -> tuple[dict, dict]:
+        """`_draft` for greedy requests of k drafts each: after the catch-up forward, the draft's argmax
+        feeds its next decode step on the device (replaying the draft's decode graphs where it has
+        them), one read-back for the k drafts."""
+        cache, dev = self.cache, self.cache.table.device
+        ids = cache.forward(mine, [r.tokens for r in mine]).argmax(dim=-1)
+        out = [ids]
+        where = torch.tensor([[r.row for r in mine], [r.num_tokens for r in mine]]).to(dev, non_blocking=True)
+        context = min(self.s._decode_context(max(r.num_tokens for r in mine) + k), cache.stride)
+        for i in range(k - 1):  # d_{i+1} at position N + i
+            ids = cache.decode(torch.stack((ids, where[1] + i, where[0])), context).argmax(dim=-1)
+            out.append(ids)
+        for r in mine:
+            cache.valid[r.row] = (id(r), r.num_tokens + k - 1)
+        rows = torch.stack(out, dim=1).tolist()
+        return {id(r): d for r, d in zip(mine, rows, strict=True)}, {id(r): [] for r in mine}
 
     def _verify(self, mine: list[Request], ks: dict[int, int], drafts, fresh: list[int]) -> torch.Tensor:
         """The target's logits [sum(k + 1), V] at [last, d1..dk] of every request, in order.
