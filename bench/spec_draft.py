@@ -2,6 +2,7 @@
 
     python -m bench.spec_draft [--steps 200] [--seed 0] [--draft-lr 3e-4] [--out F.json] [--plot F.png]
     python -m bench.spec_draft --draft mtp ...   # NEXTN: the policy's own MTP layer
+    python -m bench.spec_draft --arms plain frozen online ...   # rollout seconds per step beside plain
 
 The policy: recipes/default.yaml's tiny model and digits task, with room for speculation (up to
 `--new` new tokens a response, `--k` draft tokens per verify) and a synchronous schedule. The draft:
@@ -11,6 +12,10 @@ while the online draft learns the policy's own samples every step. Per arm, per 
 rollout/spec_accept_rate (draft tokens kept / proposed) and rollout/spec_accept_length (tokens per
 verify forward), plus the eval reward at every `--eval-every` steps. Writes the per-step curves to
 --out and draws both acceptance curves to --plot.
+
+`--arms` adds "plain" (no speculation) to "frozen" and "online": each arm's time/rollout_s per step
+(median and the steps' sum) is reported beside the curves, so on a GPU (devices `auto`) the same command
+gives the rollout time with and without speculation, plain first.
 
 `--draft mtp`: the tiny policy gets a random MTP layer (`model.tiny.mtp`) and the engine drafts with it
 (engine.speculative.algorithm NEXTN); frozen, the random layer keeps what chance gives it, online
@@ -30,7 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_arm(name: str, online: bool, args, work: Path, model: Path) -> dict:
+def run_arm(name: str, online: bool | None, args, work: Path, model: Path) -> dict:
+    """One arm: `online` True / False (the draft trained / frozen), None (no speculation)."""
     from miles.launch.local import train_main
     from miles.metrics import read_metrics
 
@@ -39,7 +45,10 @@ def run_arm(name: str, online: bool, args, work: Path, model: Path) -> dict:
             "rollout.schedule=sync", f"train.steps={args.steps}", "train.checkpoint.every_steps=0",
             f"eval.every_steps={args.eval_every}", f"engine.speculative.num_steps={args.k}",
             "engine.speculative.max_batch=1000000", "engine.speculative.adaptive=false"]  # every step speculates: acceptance over whole steps  # fmt: skip
-    if args.draft == "mtp":
+    if online is None:
+        sets = [x for x in sets if not x.startswith("engine.speculative.")]
+        sets.append("engine.speculative=null")
+    elif args.draft == "mtp":
         sets.append("engine.speculative.algorithm=NEXTN")
     else:
         draft = work / "draft"  # the initial policy's weights, written once
@@ -58,7 +67,8 @@ def run_arm(name: str, online: bool, args, work: Path, model: Path) -> dict:
         if "eval/reward_mean" in r
     ]
     kind = "MTP layer (NEXTN)" if args.draft == "mtp" else "draft model (STANDALONE)"
-    return dict(name=name, online=online, rc=rc, curve=curve, evals=evals, kind=kind)
+    rollout_s = [r["time/rollout_s"] for r in rows if "time/rollout_s" in r]
+    return dict(name=name, online=online, rc=rc, curve=curve, evals=evals, kind=kind, rollout_s=rollout_s)
 
 
 def _window(curve: list, lo: int, hi: int) -> float:
@@ -74,6 +84,8 @@ def plot(arms: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for arm in arms:
+        if arm["online"] is None:
+            continue
         steps = [s for s, _, _ in arm["curve"]]
         ax.plot(
             steps,
@@ -98,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-lr", type=float, default=3e-4)
     p.add_argument("--draft", choices=["model", "mtp"], default="model", help="STANDALONE or NEXTN")
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--arms", nargs="+", choices=["plain", "frozen", "online"], default=["frozen", "online"])
     p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-spec-draft-"))
     p.add_argument("--out")
     p.add_argument("--plot")
@@ -108,12 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     model = work / "policy"
     if not (model / "config.json").exists():
         init_tiny(model, seed=args.seed, mtp=args.draft == "mtp")
-    arms = [run_arm("frozen", False, args, work, model), run_arm("online", True, args, work, model)]
+    online = {"plain": None, "frozen": False, "online": True}
+    arms = [run_arm(name, online[name], args, work, model) for name in args.arms]
     n = args.steps
     for arm in arms:
         first, last = _window(arm["curve"], 1, 20), _window(arm["curve"], n - 19, n)
+        times = arm["rollout_s"]
+        median = statistics.median(times) if times else float("nan")
         print(f"{arm['name']}: rc {arm['rc']}, accept rate steps 1-20 {first:.3f}, steps {n - 19}-{n} {last:.3f}, "
-              f"eval {arm['evals']}")  # fmt: skip
+              f"rollout s/step median {median:.3f} (sum {sum(times):.1f}), eval {arm['evals']}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(dict(args=vars(args), arms=arms), indent=1))
     if args.plot:
