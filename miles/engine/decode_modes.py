@@ -53,7 +53,7 @@ class StepAhead(InStep):
         """Sample on the device and leave the tokens in flight (recorded at once while a request with
         per-step options runs)."""
         s = self.s
-        if s._special:
+        if s._special or s._in_step(len(reqs)):
             return s._sample(reqs, logits, (ints[4:], floats))
         tokens, logps = s._sample_on_device(reqs, logits, (ints[4:], floats))
         rows = step_rows(reqs, logits, floats[0]) if s._rows else None
@@ -62,7 +62,9 @@ class StepAhead(InStep):
         else:  # rows queued before the tokens' readback event, which then covers both
             rows = rows.to_host(s._row_buffers) if rows is not None else None
             host, ready = s._staging.fetch(tokens, logps)
-        self.inflight = InFlight(reqs, tokens, host, ready, s.weight_version, rows, head)
+        hidden = s.decoder.hidden  # an MTP draft's input, which the next step's forward overwrites
+        hidden = hidden.clone() if s.speculator is not None and hidden is not None else None
+        self.inflight = InFlight(reqs, tokens, host, ready, s.weight_version, rows, head, hidden)
 
     def advance(self) -> bool:
         """Launch the next decode step of the requests in flight from their device-side tokens, then
@@ -73,6 +75,8 @@ class StepAhead(InStep):
         keep = self._going_on(prev.reqs)
         if keep is None:
             return False  # requests joined since (their first decode goes with everyone's, landed)
+        if s._in_step(len(keep)):
+            return False  # a batch a speculating engine may speculate in: landed, then its own choice
         reqs = [prev.reqs[i] for i in keep]
         fresh = s.slots.allocate(len(reqs)) if reqs else None
         if fresh is None:
@@ -89,6 +93,7 @@ class StepAhead(InStep):
         s.table[ints[2], ints[1]] = ints[3]
         s._launch_decode(reqs, ints, floats, context, head)
         s._record_rows(prev.reqs, *prev.read(), prev.version, prev.rows)
+        s._landed(prev)
         return True
 
     def _going_on(self, reqs: list[Request]) -> list[int] | None:
@@ -109,3 +114,4 @@ class StepAhead(InStep):
         prev, self.inflight = self.inflight, None
         if prev is not None:
             self.s._record_rows(prev.reqs, *prev.read(), prev.version, prev.rows)
+            self.s._landed(prev)

@@ -142,7 +142,11 @@ class MtpDraft:
 
 
 SHORT_RUN = 8
-"""Runs of at most this many tokens (a verify's kept drafts, a chain step) forward decode-shaped."""
+"""Runs of at most this many tokens (a verify's kept drafts, a chain step) forward decode-shaped..."""
+SHORT_TOTAL = 256
+"""... while they hold at most this many tokens together (each row gathers its whole context)."""
+FOLLOW_EVERY = 8
+"""Plain steps of a batch above --speculative-max-batch whose hidden states the MTP takes at once."""
 
 
 def _batch(
@@ -151,7 +155,8 @@ def _batch(
     """The MTP forward's batch and the index of each run's last token in it. Short runs: decode-shaped,
     one row per token over its run's table row (each row attends its own position's prefix, every row's
     K/V written first), built from one host-to-device copy; else (a prefill's runs) prefill-shaped."""
-    if max(len(ids) for _, ids, _, _ in runs) <= SHORT_RUN:
+    lengths = [len(ids) for _, ids, _, _ in runs]
+    if max(lengths) <= SHORT_RUN and sum(lengths) <= SHORT_TOTAL:
         head: list[list[int]] = [[], [], []]
         last = []
         for row, ids, _, start in runs:
@@ -192,6 +197,8 @@ class MtpSpeculator(Speculator):
             raise ValueError(f"--speculative-num-steps must be at least 1, got {num_steps}")
         self.s, self.k, self.mtp = scheduler, num_steps, mtp
         self.state: weakref.WeakKeyDictionary[Request, _State] = weakref.WeakKeyDictionary()
+        self.pending: weakref.WeakKeyDictionary[Request, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+        """Hidden states [h] of plain steps past `state`'s position, not yet taken by the MTP."""
         scheduler.decoder.capture_hidden = True
         scheduler.decoder.row_decode = False  # the CPU row decode leaves no hidden states
         self.chains = None
@@ -235,6 +242,7 @@ class MtpSpeculator(Speculator):
     def _round(self, reqs: list[Request]) -> list[Request]:
         """Speculate for the requests that can (`_room`); returns the others, to decode as usual (the
         MTP then extends over their step too, `after_decode`, as over any plain step)."""
+        self._flush([r for r in reqs if r in self.pending])  # rows of big batches' plain steps
         ks = {id(r): self._room(r) for r in reqs}
         mine = [r for r in reqs if ks[id(r)] > 0]
         fresh = self.s.slots.allocate(sum(ks[id(r)] + 1 for r in mine)) if mine else None
@@ -260,22 +268,42 @@ class MtpSpeculator(Speculator):
         self._extend(kept, runs)
         return [r for r in reqs if ks[id(r)] == 0]
 
-    def after_decode(self, reqs: list[Request]) -> None:
-        """The MTP over the position a plain decode step forwarded, for the requests whose history
-        reaches it (the target's hidden state of it, the token sampled after it); then the gate's
-        plain step ends, the extension included."""
-        self._follow(reqs)
+    def after_decode(self, reqs: list[Request], hidden: torch.Tensor | None = None) -> None:
+        """The MTP over the position a plain decode step forwarded (`hidden`: the step's hidden states,
+        the decoder's last by default; the token sampled after it), for the requests whose history
+        reaches it; then the gate's plain step ends, the extension included."""
+        self._follow(reqs, self.s.decoder.hidden if hidden is None else hidden)
         super().after_decode(reqs)
 
-    def _follow(self, reqs: list[Request]) -> None:
-        hidden = self.s.decoder.hidden
+    def _follow(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
+        """Each request's hidden state of the step joins its pending rows (a gap drops its history);
+        the MTP takes pending rows in one forward where the batch may speculate, else every
+        FOLLOW_EVERY steps (a big batch's plain steps pay one MTP launch sequence per that many)."""
         if hidden is None or hidden.shape[0] < len(reqs):
             return
-        runs, kept = [], []
         for i, r in enumerate(reqs):
             st = self.state.get(r)
-            if st is not None and r.finish is None and st.upto == r.num_tokens - 2:
-                runs.append((r.row, [r.tokens[-1]], hidden[i : i + 1], r.num_tokens - 2))
+            if st is None or r.finish is not None:
+                continue
+            rows = self.pending.setdefault(r, [])
+            if st.upto + len(rows) == r.num_tokens - 2:  # the step forwarded position num_tokens - 2
+                rows.append(hidden[i])
+            else:
+                self.pending.pop(r, None)
+                self.state.pop(r, None)
+        small = self.max_batch is None or len(reqs) <= self.max_batch
+        self._flush([r for r in reqs if len(self.pending.get(r, ())) >= (1 if small else FOLLOW_EVERY)])
+
+    def _flush(self, reqs: list[Request]) -> None:
+        """The MTP over the pending rows of `reqs` (positions upto.. with the tokens one ahead)."""
+        runs, kept = [], []
+        for r in reqs:
+            rows = self.pending.pop(r, None)
+            st = self.state.get(r)
+            if rows and st is not None and r.finish is None:
+                runs.append(
+                    (r.row, r.tokens[st.upto + 1 : st.upto + 1 + len(rows)], torch.stack(rows), st.upto)
+                )
                 kept.append(r)
         self._extend(kept, runs)
 

@@ -229,7 +229,7 @@ class Scheduler(EngineThread):
             self._alloc_memory()
         if self.decoding.inflight is not None:
             self._fault_point()
-            if not self._would_admit() and self.decoding.advance():
+            if not self._would_admit() and not self._in_step(len(self.running)) and self.decoding.advance():
                 self._retire()
                 self.num_steps += 1
                 return True
@@ -459,8 +459,21 @@ class Scheduler(EngineThread):
             batch = Batch.decode(ints[0], ints[1], ints[2], self.table, context, self._lora_rows())
             logits = self.decoder.forward(batch, self.pool)
         self.decoding.take(reqs, logits, ints, floats, head)
-        if self.speculator is not None:  # the step's tokens are recorded (speculation decodes in step)
+        if self.speculator is not None and self.decoding.inflight is None:  # recorded in step
             self.speculator.after_decode(reqs)
+
+    def _in_step(self, n: int) -> bool:
+        """Whether a decode step of `n` requests records its tokens before the next step: a speculating
+        engine's steps of a batch it may speculate in (the gate times a plain step to its end, and the
+        next step's choice needs this one's tokens)."""
+        sp = self.speculator
+        return sp is not None and (sp.max_batch is None or n <= sp.max_batch)
+
+    def _landed(self, step: Any) -> None:
+        """A decode step recorded from flight (staging.InFlight): the speculator follows it, from the
+        hidden states kept with it."""
+        if self.speculator is not None:
+            self.speculator.after_decode(step.reqs, step.hidden)
 
     def _would_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_running and bool(self._free_rows)

@@ -378,9 +378,10 @@ class Speculator:
     def after_prefill(self, group: list[Request], batch: Any) -> None:
         """Called after each prefill forward and its sampling (the MTP draft extends over it)."""
 
-    def after_decode(self, reqs: list[Request]) -> None:
+    def after_decode(self, reqs: list[Request], hidden: torch.Tensor | None = None) -> None:
         """Called after each plain decode step's tokens are recorded (the MTP draft extends over it
-        first): the gate's plain step ends here."""
+        first, from `hidden`, the step's hidden states when it was recorded from flight): the gate's
+        plain step ends here."""
         plain, self._plain = self._plain, None
         if plain is not None and self.gate is not None:
             self.gate.record(plain[0], False, self.gate.clock() - plain[1], len(reqs))

@@ -35,6 +35,8 @@ class InFlight:
     """Extra log-prob rows of the requests that ask for them, copied beside the tokens."""
     head: np.ndarray | None = None
     """The step's first input rows on the host, int64 [4, B]: ids (or indices), positions, rows, slots."""
+    hidden: torch.Tensor | None = None
+    """[B, h] the step's final hidden states, kept for a speculating engine's MTP draft, else None."""
 
     def read(self) -> tuple[list[int], list[float]]:
         if self.ready is not None:

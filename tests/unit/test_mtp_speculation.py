@@ -25,9 +25,9 @@ from miles.engine.sampling import SamplingParams
 from miles.engine.scheduler import Request, Scheduler
 
 
-def _scheduler(path: str, nextn: bool, steps: int = 3) -> Scheduler:
+def _scheduler(path: str, nextn: bool, steps: int = 3, overlap: bool = False) -> Scheduler:
     dec = build_decoder(ModelSpec.from_dir(path), path, "cpu", torch.float32, "none", DEFAULT_FP8_MIN_TOKENS)
-    sched = Scheduler(dec, 8, 4096, overlap=False)
+    sched = Scheduler(dec, 8, 4096, overlap=overlap)
     if nextn:
         sched.speculator = MtpSpeculator(sched, load_mtp(path, dec, sched.max_total_tokens + 1), steps)
     return sched
@@ -119,18 +119,21 @@ def test_init_tiny_mtp_layer_is_left_out_by_transformers(mtp_model):
     assert len(hf.model.layers) == cfg["num_hidden_layers"]
 
 
-def test_above_max_batch_steps_decode_plainly_and_keep_the_mtp_history(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_above_max_batch_steps_decode_plainly_and_keep_the_mtp_history(tmp_path, overlap):
     """--speculative-max-batch 1: while four requests decode, no step speculates; once the short ones
-    finish, the long one speculates with its MTP history intact (the oracle keeps every proposal)."""
+    finish, the long one speculates with its MTP history intact (the oracle keeps every proposal). With
+    `overlap` the big batch's steps run one ahead of their readback (as on a GPU): the MTP follows them
+    from the hidden states kept with each step in flight, a few steps at a time."""
     from miles.models.tiny import init_tiny
 
     model = oracle_mtp(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
     outs = []
     for nextn in (False, True):
-        sched = _scheduler(model, nextn)
+        sched = _scheduler(model, nextn, overlap=overlap)
         if nextn:
             sched.speculator.max_batch = 1
-        reqs = [Request(str(i), [3 + i, 9, 17], SamplingParams(max_new_tokens=6 if i else 30, temperature=0.0),
+        reqs = [Request(str(i), [3 + i, 9, 17], SamplingParams(max_new_tokens=14 if i else 40, temperature=0.0),
                         i, frozenset()) for i in range(4)]  # fmt: skip
         for r in reqs:
             sched.submit(r)
@@ -161,7 +164,8 @@ def test_a_stop_token_among_kept_proposals_ends_the_request_there(tmp_path):
     assert got[1].finish["type"] == "stop" and got[1].spec_verify_ct > 0
 
 
-def test_the_gate_alternates_speculation_and_plain_steps_and_keeps_the_history(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_gate_alternates_speculation_and_plain_steps_and_keeps_the_history(tmp_path, overlap):
     """With the gate (miles/engine/spec_gate.py) probing and switching every few steps, greedy output
     is the plain engine's, both modes ran, and the oracle MTP layer still keeps every proposal: its
     history follows the plain steps between the speculative ones."""
@@ -170,7 +174,7 @@ def test_the_gate_alternates_speculation_and_plain_steps_and_keeps_the_history(t
 
     model = oracle_mtp(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
     plain = _run(_scheduler(model, False), 0.0, n=40)
-    sched = _scheduler(model, True)
+    sched = _scheduler(model, True, overlap=overlap)
     sched.speculator.gate = Gate(window=2, reprobe=2)
     spec = _run(sched, 0.0, n=40)
     assert [r.output for r in spec] == [r.output for r in plain]
