@@ -52,6 +52,7 @@ from miles.train.megatron import architectures, checkpoint, memory
 from miles.train.megatron import batch as B
 from miles.train.megatron import model as M
 from miles.train.megatron.moe import MoERouting
+from miles.train.megatron.mtp import lm_weights, sink_then_head
 from miles.train.optim import lr_factor
 
 
@@ -418,7 +419,7 @@ class MegatronBackend:
                 **self._forward_kwargs,
                 output_processor=partial(B.response_head, mb=mb)
                 if self.hidden_sink is None
-                else partial(_sink_then_head, self.hidden_sink, mb),
+                else partial(sink_then_head, self.hidden_sink, mb),
             )
         return out, partial(self._loss, mb, norm, scale, old, ref, measure)
 
@@ -517,29 +518,8 @@ class MegatronBackend:
 
     # ------------------------------------------------------- weights, state
     def mtp_source(self) -> tuple[Any, Callable[[], tuple[Tensor, Tensor]]]:
-        """The policy's HF config and a function giving its embedding and LM head whole on every rank,
-        for the MTP layer's training (miles/train/mtp_training.py)."""
-        return self.hf_cfg, self._lm_weights
-
-    def _lm_weights(self) -> tuple[Tensor, Tensor]:
-        """The embedding and the LM head, vocabulary shards gathered over the tensor-parallel group (a
-        collective), cut to the HF vocabulary (pipeline_parallel 1: config.train.check_draft)."""
-        from megatron.core import parallel_state as ps
-
-        gpt, tp = self.gpt, ps.get_tensor_model_parallel_world_size()
-        embed = gpt.embedding.word_embeddings.weight
-        head = gpt.output_layer.weight if gpt.output_layer.weight is not None else embed  # tied
-
-        def whole(w: Tensor) -> Tensor:
-            w = w.detach().contiguous()
-            if tp == 1:
-                return w
-            parts = [torch.empty_like(w) for _ in range(tp)]
-            dist.all_gather(parts, w, group=ps.get_tensor_model_parallel_group())
-            return torch.cat(parts)
-
-        vocab = self.hf_cfg.vocab_size
-        return whole(embed)[:vocab], whole(head)[:vocab]
+        """The HF config, and the embedding and LM head whole on every rank (miles/train/megatron/mtp.py)."""
+        return self.hf_cfg, partial(lm_weights, self.gpt, self.hf_cfg.vocab_size)
 
     def export_weights(self, bucket_bytes: int):
         """HF-named full tensors in buckets of at most bucket_bytes; rank 0 gets them, others empty lists.
@@ -588,13 +568,6 @@ class MegatronBackend:
     def onload(self) -> None:
         if self.offloader is not None:
             self.offloader.onload()
-
-
-def _sink_then_head(sink, mb: B.MicroBatch, hidden_states: Tensor, **kwargs) -> Tensor:
-    """`B.response_head`, after handing the micro-batch's final-normed hidden states [s, b, h] to
-    `sink` as [b, s, h], with the micro-batch as one row (`B.one_row`)."""
-    sink(B.one_row(mb), hidden_states.transpose(0, 1))
-    return B.response_head(hidden_states, mb=mb, **kwargs)
 
 
 def _all_reduce_sum(x: Tensor) -> Tensor:
