@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from miles.engine.request import Request, prefill_batch
 from miles.engine.spec import Batch
 from miles.engine.spec_gate import Gate
-from miles.engine.speculative import Speculator, propose_rows, read_rows, split_draft
+from miles.engine.speculative import Speculator, greedy_chain, propose_rows, read_rows, split_draft
 from miles.models.mtp import INPUT, OWN, mtp_prefix
 
 log = logging.getLogger("miles.engine")
@@ -346,8 +346,8 @@ class MtpSpeculator(Speculator):
     def _draft(self, mine: list[Request], ks: dict[int, int]):
         """d1 from each request's kept MTP logits, then d2.. from the MTP on its own hidden state, at
         positions N-1.. (slots the step allocated for them, their table entries written by `_prepare`)."""
-        k = max(ks.values())
-        if all(r.params.temperature <= 0 and ks[id(r)] == k for r in mine):
+        k = greedy_chain(mine, ks)
+        if k:
             return self._draft_greedy(mine, k)
         drafts: dict[int, list[int]] = {id(r): [] for r in mine}
         dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}

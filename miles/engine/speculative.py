@@ -69,6 +69,13 @@ def accept(
     return proposed + [int(torch.multinomial(target[-1], 1, generator=gen))], len(proposed)
 
 
+def greedy_chain(mine: list[Request], ks: dict[int, int]) -> int:
+    """k when every request of `mine` is greedy and drafts k tokens (its chain can run on the device
+    with one read-back), else 0."""
+    k = max(ks.values())
+    return k if all(r.params.temperature <= 0 and ks[id(r)] == k for r in mine) else 0
+
+
 def greedy_accept(best: list[int], proposed: list[int]) -> tuple[list[int], int]:
     """Greedy acceptance from the target's argmax at the k proposals and after them (`best`, k + 1):
     proposals are kept while they are the target's choice, then the target's token follows."""
@@ -273,8 +280,8 @@ class Speculator:
 
     def _draft(self, mine: list[Request], ks: dict[int, int]):
         """k proposals per request and the draft's distributions at them (None when greedy)."""
-        k = max(ks.values())
-        if all(r.params.temperature <= 0 and ks[id(r)] == k for r in mine):
+        k = greedy_chain(mine, ks)
+        if k:
             return self._draft_greedy(mine, k)
         drafts: dict[int, list[int]] = {id(r): [] for r in mine}
         dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
