@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # True on-policy and speculation on one GPU, one call, each part under its own time limit (LIMITS,
 # seconds, in this order; 0 skips a part), so that a short device lease still brings back the first:
-#   1. tests/gpu/test_true_on_policy_gpu.py (the default plain-PyTorch forms and the Triton kernels,
+#   1. (TESTS, by default) tests/gpu/test_true_on_policy_gpu.py (the default plain-PyTorch forms and the Triton kernels,
 #      dense and MoE with routing replay, chunked prefill) and tests/gpu/test_speculative_gpu.py (and
 #      EXTRA_TESTS);
 #   2. bench.true_on_policy --part cost with the Triton kernels (COST_ONLY=train|decode: one half; the
 #      train step at each of its default shapes);
-#   3. bench.spec_gpu --profile at the 0.5B shapes (batch 1 in process: ms per token, cProfile);
+#   3. bench.spec_gpu --profile at the 0.5B shapes (in process, PROFILE_BATCHES: ms per token of a
+#      request, cProfile at the largest);
 #   4. bench.spec_gpu at the 0.5B shapes (decode tok/s with and without NEXTN at batch 1/8/32/256,
 #      SPEC_BRACKETS of random / oracle).
 #   [LIMITS="200 200 100 200"] bash bench/onpolicy_spec_sitting.sh OUT
@@ -30,13 +31,15 @@ part() {  # name limit command...
 }
 
 # shellcheck disable=SC2086
-part tests "$t_tests" $py -m pytest -v -p no:cacheprovider -s tests/gpu/test_true_on_policy_gpu.py \
-  tests/gpu/test_speculative_gpu.py ${EXTRA_TESTS:-}
+part tests "$t_tests" $py -m pytest -v -p no:cacheprovider -s \
+  ${TESTS:-tests/gpu/test_true_on_policy_gpu.py tests/gpu/test_speculative_gpu.py} ${EXTRA_TESTS:-}
 only=()
 [ -n "${COST_ONLY:-}" ] && only=(--only "$COST_ONLY")
 part cost "$t_cost" $py -m bench.true_on_policy --part cost --kernels triton --model 0.5b --rounds 10 \
   --requests 64 --new 64 "${only[@]}" --out "$out/top_cost.json"
-part profile "$t_profile" $py -m bench.spec_gpu --profile --sizes 0.5b --new 64
+# shellcheck disable=SC2086
+part profile "$t_profile" $py -m bench.spec_gpu --profile --sizes 0.5b --new 64 \
+  --batches ${PROFILE_BATCHES:-1 8 32} --brackets ${SPEC_BRACKETS:-random oracle}
 # shellcheck disable=SC2086
 part spec "$t_spec" $py -m bench.spec_gpu --sizes 0.5b --brackets ${SPEC_BRACKETS:-random oracle} \
   --out "$out/spec_gpu.json"

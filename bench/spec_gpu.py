@@ -2,7 +2,7 @@
 
     python -m bench.spec_gpu [--sizes 0.5b 7b moe] [--batches 1 8 32 256] [--new 128] [--out F.json]
     python -m bench.spec_gpu --smoke           # the tiny model on the CPU: the script runs
-    python -m bench.spec_gpu --profile [--sizes 0.5b]   # where a batch-1 step's host time goes
+    python -m bench.spec_gpu --profile [--sizes 0.5b] [--batches 1 8]  # where a step's host time goes
 
 Random weights know nothing, so what a trained draft would keep is bracketed by two MTP layers:
 - "random": the random MTP layer `miles model init-tiny --mtp` style (miles/models/mtp.py): next to
@@ -11,9 +11,9 @@ Random weights know nothing, so what a trained draft would keep is bracketed by 
   outputs zero) and the MTP layer passing the next token's embedding through (tests/mtp_oracle.py):
   every proposal kept, the most speculation can give at `--k` drafts a verify.
 Per size and bracket a plain engine and a NEXTN engine (`--speculative-num-steps K`) each serve, for
-every batch B of `--batches`, B concurrent greedy requests of `--prompt` random ids and exactly `--new`
-new tokens; tok/s = B * new / wall seconds of the batch (the best of `--rounds`). The NEXTN engine
-runs with `--speculative-max-batch` at its default (32): above it steps decode plainly, which is how
+every batch B of `--batches`, one batched /generate of B greedy requests of `--prompt` random ids and
+exactly `--new` new tokens (`--max-running-requests` the largest B); tok/s = B * new / wall seconds of
+the batch (the best of `--rounds`). The NEXTN engine runs with `--speculative-max-batch` at its default (32): above it steps decode plainly, which is how
 speculation stays out of the way at batch 256. Two NEXTN arms: "NEXTN" speculates in every step up to
 that (`--no-speculative-adaptive`: the speculation's own cost or gain), "NEXTN adaptive" as the engine
 does by default (miles/engine/spec_gate.py: per batch size the faster of speculating and plain decoding,
@@ -28,7 +28,6 @@ import json
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -73,20 +72,19 @@ def make_model(size: str, bracket: str, args) -> str:
 
 
 def throughput(url: str, batch: int, args) -> tuple[float, dict]:
-    """tok/s of `batch` concurrent greedy requests, and the speculative counters summed."""
-    body = lambda i: {"input_ids": [(13 * i + 7 * j) % 300 + 3 for j in range(args.prompt)],  # noqa: E731
-                      "sampling_params": {"max_new_tokens": args.new, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
-    post = lambda i: httpx.post(url + "/generate", json=body(i), timeout=1200).json()  # noqa: E731
+    """tok/s of `batch` greedy requests sent in one batched /generate (all admitted together, as a
+    rollout's step hands them over), and the speculative counters summed over the replies."""
+    body = {"input_ids": [[(13 * i + 7 * j) % 300 + 3 for j in range(args.prompt)] for i in range(batch)],
+            "sampling_params": {"max_new_tokens": args.new, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
     best, counters = 0.0, {}
-    with ThreadPoolExecutor(batch) as pool:
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            outs = list(pool.map(post, range(batch)))
-            wall = time.perf_counter() - start
-            assert all(len(o["output_ids"]) == args.new for o in outs), "a request ended early"
-            best = max(best, batch * args.new / wall)
-            counters = {k: sum(o["meta_info"].get(k, 0) for o in outs)
-                        for k in ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")}  # fmt: skip
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        outs = httpx.post(url + "/generate", json=body, timeout=1200).json()
+        wall = time.perf_counter() - start
+        assert all(len(o["output_ids"]) == args.new for o in outs), "a request ended early"
+        best = max(best, batch * args.new / wall)
+        counters = {k: sum(o["meta_info"].get(k, 0) for o in outs)
+                    for k in ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")}  # fmt: skip
     return best, counters
 
 
@@ -107,7 +105,12 @@ def run(args) -> list[dict]:
             for arm, flags in arms:
                 log = Path(args.workdir) / f"engine-{size}-{bracket}-{arm}.log"
                 eng = start_engine(
-                    model, device=device, log_path=log, extra_args=flags, max_total_tokens=args.pool
+                    model,
+                    device=device,
+                    log_path=log,
+                    extra_args=flags,
+                    max_total_tokens=args.pool,
+                    max_running_requests=max(args.batches),
                 )
                 try:
                     throughput(eng.url, 1, args)  # warm-up
@@ -123,9 +126,10 @@ def run(args) -> list[dict]:
 
 
 def profile(args) -> None:
-    """In process, no server: one greedy request of `--new` tokens on the scheduler, plain and NEXTN
-    (every step speculating), per bracket; wall ms per generated token, then the functions taking the
-    most time of the NEXTN run under cProfile (its own overhead included)."""
+    """In process, no server: for each batch B of `--batches`, B greedy requests of `--new` tokens
+    submitted together to the scheduler, plain and NEXTN (every step speculating), per bracket; wall ms
+    per token of one request (a plain decode step's time), then the functions taking the most time of the
+    NEXTN run at the largest B under cProfile (its own overhead included)."""
     import cProfile
     import pstats
 
@@ -136,34 +140,37 @@ def profile(args) -> None:
     from miles.engine.scheduler import Request, Scheduler
 
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
-    for bracket in ("random", "oracle"):
+    top = max(args.batches)
+    for bracket in args.brackets:
         model = make_model(args.sizes[0], bracket, args)
         for arm in ("plain", "NEXTN"):
             sched = Scheduler(build_decoder(ModelSpec.from_dir(model), model, device, dtype, "none",
-                                            DEFAULT_FP8_MIN_TOKENS), 8, args.pool)  # fmt: skip
+                                            DEFAULT_FP8_MIN_TOKENS), top, args.pool)  # fmt: skip
             if arm == "NEXTN":
                 mtp = load_mtp(model, sched.decoder, sched.max_total_tokens + 1)
                 sched.speculator = MtpSpeculator(sched, mtp, args.k)
 
-            def once(i: int, sched=sched, arm=arm) -> float:
+            def once(i: int, batch: int, sched=sched, arm=arm) -> float:
                 params = SamplingParams(max_new_tokens=args.new, temperature=0.0, ignore_eos=True)
-                req = Request(
-                    f"{arm}-{i}", [(7 * j) % 300 + 3 for j in range(args.prompt)], params, i, frozenset()
-                )
+                reqs = [Request(f"{arm}-{i}-{b}", [(13 * b + 7 * j) % 300 + 3 for j in range(args.prompt)],
+                                params, i, frozenset()) for b in range(batch)]  # fmt: skip
                 start = time.perf_counter()
-                sched.submit(req)
+                for req in reqs:
+                    sched.submit(req)
                 sched.run_until_idle()
-                return (time.perf_counter() - start) / len(req.output)
+                return (time.perf_counter() - start) / len(reqs[0].output)
 
-            once(0)  # captures graphs, compiles kernels
-            ms = min(once(i) for i in range(1, 3)) * 1e3
-            print(f"profile {args.sizes[0]} {bracket} {arm}: {ms:.2f} ms per generated token", flush=True)
-            if arm == "NEXTN" and bracket == "random":
+            for batch in args.batches:
+                once(0, batch)  # captures graphs, compiles kernels
+                ms = min(once(i, batch) for i in range(1, 1 + args.rounds)) * 1e3
+                print(f"profile {args.sizes[0]} {bracket} {arm} batch {batch}: {ms:.2f} ms per token of a request",
+                      flush=True)  # fmt: skip
+            if arm == "NEXTN" and bracket == args.brackets[0]:
                 prof = cProfile.Profile()
-                prof.runcall(once, 3)
+                prof.runcall(once, 99, top)
                 stats = pstats.Stats(prof)
-                stats.sort_stats("tottime").print_stats(25)
-                stats.sort_stats("cumulative").print_stats(30)
+                stats.sort_stats("tottime").print_stats(30)
+                stats.sort_stats("cumulative").print_stats(40)
 
 
 def table(rows: list[dict]) -> str:
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--pool", type=int, default=131072, help="the engines' --max-total-tokens")
     p.add_argument("--brackets", nargs="+", choices=["random", "oracle"], default=["random", "oracle"])
-    p.add_argument("--profile", action="store_true", help="in process: batch 1, plain and NEXTN, cProfile")
+    p.add_argument("--profile", action="store_true", help="in process: plain and NEXTN per batch, cProfile")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-spec-gpu-"))
     p.add_argument("--out")
