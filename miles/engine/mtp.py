@@ -48,7 +48,14 @@ import torch.nn.functional as F
 from miles.engine.request import Request, prefill_batch
 from miles.engine.spec import Batch
 from miles.engine.spec_gate import Gate
-from miles.engine.speculative import Speculator, greedy_chain, propose_rows, read_rows, split_draft
+from miles.engine.speculative import (
+    GreedyRows,
+    Speculator,
+    greedy_chain,
+    propose_rows,
+    read_rows,
+    split_draft,
+)
 from miles.models.mtp import INPUT, OWN, mtp_prefix
 
 log = logging.getLogger("miles.engine")
@@ -122,6 +129,17 @@ class MtpDraft:
         logits = self.decoder.forward(b, self.pool)
         return logits[last].float(), self.decoder.hidden[b.last_index[last]]
 
+    def rows(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor,
+             table: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One decode-shaped MTP forward, all on the device: row i at position `positions[i]` of table
+        row `rows[i]` over the hidden state `hidden[i]` and the token one ahead `ids[i]` (each row
+        attends its own position's prefix, every row's K/V written first): (logits [R, V], the MTP's
+        final-normed hidden states [R, h])."""
+        self._bind_head()
+        b = Batch.decode(ids, positions, rows, table, context)
+        b.input_embeds = self._inputs(hidden.to(self.decoder.dtype), ids)
+        return self.decoder.forward(b, self.pool), self.decoder.hidden
+
     def chain(self, rows: torch.Tensor, start: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
               steps: int, table: torch.Tensor, context: int) -> torch.Tensor:  # fmt: skip
         """Greedy drafts [B, steps + 1] on the device, no host read between them: d1 = the argmax of
@@ -129,14 +147,11 @@ class MtpDraft:
         (`start` [B]: N - 1) of table row `rows` [B] over its own output hidden state (`hidden` [B, h]
         first) and the draft before. Shapes and addresses depend on B, steps and `context` alone, so
         `ChainGraphs` captures it."""
-        self._bind_head()
         ids = logits.argmax(dim=-1)
         out = [ids]
         for i in range(steps):
-            b = Batch.decode(ids, start + i, rows, table, context)
-            b.input_embeds = self._inputs(hidden.to(self.decoder.dtype), ids)
-            ids = self.decoder.forward(b, self.pool).argmax(dim=-1)
-            hidden = self.decoder.hidden
+            z, hidden = self.rows(ids, start + i, rows, hidden, table, context)
+            ids = z.argmax(dim=-1)
             out.append(ids)
         return torch.stack(out, dim=1)
 
@@ -146,7 +161,8 @@ SHORT_RUN = 8
 SHORT_TOTAL = 256
 """... while they hold at most this many tokens together (each row gathers its whole context)."""
 FOLLOW_EVERY = 8
-"""Plain steps of a batch above --speculative-max-batch whose hidden states the MTP takes at once."""
+"""Plain decode steps whose hidden states the MTP takes in one forward (sooner when a round needs them):
+a plain step then pays for one MTP launch sequence in that many."""
 
 
 def _batch(
@@ -197,8 +213,11 @@ class MtpSpeculator(Speculator):
             raise ValueError(f"--speculative-num-steps must be at least 1, got {num_steps}")
         self.s, self.k, self.mtp = scheduler, num_steps, mtp
         self.state: weakref.WeakKeyDictionary[Request, _State] = weakref.WeakKeyDictionary()
-        self.pending: weakref.WeakKeyDictionary[Request, list[torch.Tensor]] = weakref.WeakKeyDictionary()
-        """Hidden states [h] of plain steps past `state`'s position, not yet taken by the MTP."""
+        self.frontier: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        """Per request with a state, the next position the MTP takes: its state's, plus its rows queued."""
+        self.queue: list[tuple[list[Request], list[int], torch.Tensor]] = []
+        """Plain steps not yet taken by the MTP: the requests it follows, their rows in the step, and
+        the step's hidden states [B, h] (a copy)."""
         scheduler.decoder.capture_hidden = True
         scheduler.decoder.row_decode = False  # the CPU row decode leaves no hidden states
         self.chains = None
@@ -242,13 +261,23 @@ class MtpSpeculator(Speculator):
     def _round(self, reqs: list[Request]) -> list[Request]:
         """Speculate for the requests that can (`_room`); returns the others, to decode as usual (the
         MTP then extends over their step too, `after_decode`, as over any plain step)."""
-        self._flush([r for r in reqs if r in self.pending])  # rows of big batches' plain steps
+        self._flush()  # the rows of plain steps not taken yet
         ks = {id(r): self._room(r) for r in reqs}
         mine = [r for r in reqs if ks[id(r)] > 0]
         fresh = self.s.slots.allocate(sum(ks[id(r)] + 1 for r in mine)) if mine else None
         if fresh is None:
             return reqs
         self._prepare(mine, ks, fresh)
+        k = greedy_chain(mine, ks) if self.s.decoder.spec.v4 is None else 0
+        if k:
+            self._round_greedy(mine, k, fresh)
+        else:
+            self._round_any(mine, ks, fresh)
+        return [r for r in reqs if ks[id(r)] == 0]
+
+    def _round_any(self, mine: list[Request], ks: dict[int, int], fresh: list[int]) -> None:
+        """A round of any requests: drafts read back before the verify is built, acceptance on the
+        host, then the MTP over each request's kept positions."""
         drafts, dists = self._draft(mine, ks)
         before = {id(r): r.num_tokens for r in mine}
         logits = self._verify(mine, ks, drafts, fresh)
@@ -263,49 +292,117 @@ class MtpSpeculator(Speculator):
                 runs.append((r.row, r.tokens[n0 : n0 + new], hidden[at : at + new], n0 - 1))
                 kept.append(r)
             else:
-                self.state.pop(r, None)
+                self._drop(r)
             at += k + 1
         self._extend(kept, runs)
-        return [r for r in reqs if ks[id(r)] == 0]
 
-    def after_decode(self, reqs: list[Request], hidden: torch.Tensor | None = None) -> None:
+    def _round_greedy(self, mine: list[Request], k: int, fresh: list[int]) -> None:
+        """A round of greedy requests of k drafts each, on the device up to one read-back: the chain,
+        the verify over [x_{N-1}, d1..dk] (its ids the chain's output), the target's argmax and
+        log-prob per row, the kept count n per request, and the MTP over all k + 1 positions with the
+        target's argmax one ahead (equal to the kept tokens up to position N-1+n; what it writes past
+        that is rewritten before it is read, as the chain's drafts are), its output at N-1+n kept."""
+        s, n1, dev = self.s, k + 1, self.s.table.device
+        for r, at in zip(mine, range(0, len(fresh), n1), strict=True):
+            r.slots.extend(fresh[at : at + n1])
+        ints = torch.tensor([[r.row for r in mine], [r.num_tokens - 1 for r in mine],
+                             [r.tokens[-1] for r in mine]]).to(dev, non_blocking=True)  # fmt: skip
+        context = s._decode_context(max(len(r.slots) for r in mine))
+        logits = torch.stack([self.state[r].logits for r in mine])
+        hidden = torch.stack([self.state[r].hidden for r in mine])
+        run = self.chains.run if self.chains is not None else self.mtp.chain
+        drafts = run(ints[0], ints[1], logits, hidden, k - 1, s.table, context)  # [B, k]
+        grid = (torch.cat((ints[2][:, None], drafts), 1), ints[1][:, None] + torch.arange(n1, device=dev),
+                ints[0][:, None].expand(-1, n1))  # fmt: skip
+        flat = torch.stack(grid).reshape(3, -1)  # ids, positions, table rows of the B * (k + 1) rows
+        z = self._target_rows(flat, context)
+        best = z.argmax(dim=-1)
+        logp = torch.log_softmax(z.float(), dim=-1).gather(1, best[:, None])[:, 0]
+        n = (drafts == best.view(-1, n1)[:, :k]).int().cumprod(dim=1).sum(dim=1)
+        zm, hm = self.mtp.rows(best, flat[1], flat[2], s.decoder.hidden, s.table, context)
+        pick = torch.arange(len(mine), device=dev) * n1 + n
+        kept_z, kept_h = zm[pick].float(), hm[pick]
+        host = torch.cat((drafts.reshape(-1).double(), best.double(), logp.double())).cpu().tolist()
+        at_best, at_logp = len(mine) * k, len(mine) * (k + n1)
+        for i, r in enumerate(mine):
+            got = GreedyRows([int(t) for t in host[at_best + i * n1 : at_best + (i + 1) * n1]],
+                             host[at_logp + i * n1 : at_logp + (i + 1) * n1])  # fmt: skip
+            self._settle(r, k, [int(t) for t in host[i * k : (i + 1) * k]], [], got)
+            if r.finish is None:
+                self._keep(r, r.num_tokens - 1, kept_z[i], kept_h[i])
+            else:
+                self._drop(r)
+
+    def after_decode(
+        self, reqs: list[Request], hidden: torch.Tensor | None = None, ahead: bool = False
+    ) -> None:
         """The MTP over the position a plain decode step forwarded (`hidden`: the step's hidden states,
-        the decoder's last by default; the token sampled after it), for the requests whose history
-        reaches it; then the gate's plain step ends, the extension included."""
-        self._follow(reqs, self.s.decoder.hidden if hidden is None else hidden)
-        super().after_decode(reqs)
+        a copy kept with a step recorded from flight, else the decoder's last; the token sampled after
+        it), for the requests whose history reaches it; then the gate's plain step ends."""
+        if hidden is None and self.s.decoder.hidden is not None:
+            hidden = self.s.decoder.hidden.clone()  # a CUDA graph's buffer, rewritten by the next step
+        self._follow(reqs, hidden)
+        super().after_decode(reqs, hidden, ahead)
 
     def _follow(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
-        """Each request's hidden state of the step joins its pending rows (a gap drops its history);
-        the MTP takes pending rows in one forward where the batch may speculate, else every
-        FOLLOW_EVERY steps (a big batch's plain steps pay one MTP launch sequence per that many)."""
+        """Queue the step's rows of the requests whose history reaches it (a gap drops the history);
+        the MTP takes the queue in one forward every FOLLOW_EVERY steps, or before a round."""
         if hidden is None or hidden.shape[0] < len(reqs):
             return
+        rows, keep, frontier = [], [], self.frontier
         for i, r in enumerate(reqs):
-            st = self.state.get(r)
-            if st is None or r.finish is not None:
+            at = frontier.get(r)
+            if at is None or r.finish is not None:
                 continue
-            rows = self.pending.setdefault(r, [])
-            if st.upto + len(rows) == r.num_tokens - 2:  # the step forwarded position num_tokens - 2
-                rows.append(hidden[i])
+            if at == r.num_tokens - 2:  # the step forwarded position num_tokens - 2
+                rows.append(i)
+                keep.append(r)
+                frontier[r] = at + 1
             else:
-                self.pending.pop(r, None)
-                self.state.pop(r, None)
-        small = self.max_batch is None or len(reqs) <= self.max_batch
-        self._flush([r for r in reqs if len(self.pending.get(r, ())) >= (1 if small else FOLLOW_EVERY)])
+                self._drop(r)
+        if keep:
+            self.queue.append((keep, rows, hidden))
+        if len(self.queue) >= FOLLOW_EVERY:
+            self._flush()
 
-    def _flush(self, reqs: list[Request]) -> None:
-        """The MTP over the pending rows of `reqs` (positions upto.. with the tokens one ahead)."""
-        runs, kept = [], []
-        for r in reqs:
-            rows = self.pending.pop(r, None)
+    def _flush(self) -> None:
+        """The MTP over the queued rows (per request positions upto.., the tokens one ahead), in one
+        forward: the queued hidden states gathered request by request with one index."""
+        steps, self.queue = self.queue, []
+        if not steps:
+            return
+        where: dict[Request, list[int]] = {}
+        base = 0
+        for reqs, rows, hidden in steps:
+            for r, i in zip(reqs, rows, strict=True):
+                where.setdefault(r, []).append(base + i)
+            base += hidden.shape[0]
+        order: list[int] = []
+        spans, kept = [], []
+        for r, ix in where.items():
             st = self.state.get(r)
-            if rows and st is not None and r.finish is None:
-                runs.append(
-                    (r.row, r.tokens[st.upto + 1 : st.upto + 1 + len(rows)], torch.stack(rows), st.upto)
-                )
-                kept.append(r)
+            if st is None or r.finish is not None or r.row < 0 or self.frontier.get(r) != st.upto + len(ix):
+                self._drop(r)
+                continue
+            spans.append((r.row, r.tokens[st.upto + 1 : st.upto + 1 + len(ix)], len(order), st.upto))
+            kept.append(r)
+            order += ix
+        if not kept:
+            return
+        dev = steps[0][2].device
+        gathered = torch.cat([h for _, _, h in steps])[torch.tensor(order).to(dev, non_blocking=True)]
+        runs = [(row, ids, gathered[at : at + len(ids)], start) for row, ids, at, start in spans]
         self._extend(kept, runs)
+
+    def _keep(self, r: Request, upto: int, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The MTP's output after position upto - 1 of `r`: the state its next draft starts from."""
+        self.state[r] = _State(upto, logits, hidden)
+        self.frontier[r] = upto
+
+    def _drop(self, r: Request) -> None:
+        """`r` has no MTP history from here on (it decodes as usual)."""
+        self.state.pop(r, None)
+        self.frontier.pop(r, None)
 
     def _draft_kept(self, r: Request, positions: int) -> None:
         """The MTP's own positions are rewritten by the extend after each verify."""
@@ -313,9 +410,10 @@ class MtpSpeculator(Speculator):
     def after_prefill(self, group: list[Request], batch) -> None:
         """The MTP over each prefilled request's new positions (the target's hidden states of them)."""
         hidden, ends = self.s.decoder.hidden, batch.last_index[: len(group)].tolist()
+        begins = [0] + [e + 1 for e in ends[:-1]]
+        starts = batch.positions[torch.tensor(begins, device=batch.positions.device)].tolist()
         runs, kept, begin = [], [], 0
-        for r, end in zip(group, ends, strict=True):
-            start = int(batch.positions[begin])
+        for r, end, start in zip(group, ends, starts, strict=True):
             if r.finish is None and r.opts is None and len(r.output) and r.row >= 0:
                 ids = r.tokens[start + 1 : end - begin + start + 2]
                 runs.append((r.row, ids, hidden[begin : end + 1], start))
@@ -328,27 +426,11 @@ class MtpSpeculator(Speculator):
             return
         logits, hidden = self.mtp.forward(runs, self.s.table)
         for i, (r, (_, ids, _, start)) in enumerate(zip(reqs, runs, strict=True)):
-            self.state[r] = _State(start + len(ids), logits[i], hidden[i])
-
-    def _draft_greedy(self, mine: list[Request], k: int) -> tuple[dict, dict]:
-        """`_draft` for greedy requests of k drafts each: the chain on the device, one read-back."""
-        dev = self.s.table.device
-        where = torch.tensor([[r.row for r in mine], [r.num_tokens - 1 for r in mine]]).to(
-            dev, non_blocking=True
-        )
-        logits = torch.stack([self.state[r].logits for r in mine])
-        hidden = torch.stack([self.state[r].hidden for r in mine])
-        context = self.s._decode_context(max(r.num_tokens for r in mine) + k)
-        run = self.chains.run if self.chains is not None else self.mtp.chain
-        ids = run(where[0], where[1], logits, hidden, k - 1, self.s.table, context).tolist()
-        return {id(r): d for r, d in zip(mine, ids, strict=True)}, {id(r): [] for r in mine}
+            self._keep(r, start + len(ids), logits[i], hidden[i])
 
     def _draft(self, mine: list[Request], ks: dict[int, int]):
         """d1 from each request's kept MTP logits, then d2.. from the MTP on its own hidden state, at
         positions N-1.. (slots the step allocated for them, their table entries written by `_prepare`)."""
-        k = greedy_chain(mine, ks)
-        if k:
-            return self._draft_greedy(mine, k)
         drafts: dict[int, list[int]] = {id(r): [] for r in mine}
         dists: dict[int, list[torch.Tensor]] = {id(r): [] for r in mine}
         logits = torch.stack([self.state[r].logits for r in mine])
@@ -366,14 +448,15 @@ class MtpSpeculator(Speculator):
 
     def _prepare(self, mine: list[Request], ks: dict[int, int], fresh: list[int]) -> None:
         """Table entries of the step's fresh slots before drafting (the chain writes K/V there)."""
-        at = 0
+        rows, positions = [], []
         for r in mine:
             n = ks[id(r)] + 1
-            start = len(r.slots)
-            self.s.table[r.row, start : start + n] = torch.tensor(
-                fresh[at : at + n], device=self.s.table.device
-            )
-            at += n
+            rows += [r.row] * n
+            positions += range(len(r.slots), len(r.slots) + n)
+        ints = torch.tensor([rows, positions, fresh], dtype=torch.int64).to(
+            self.s.table.device, non_blocking=True
+        )
+        self.s.table[ints[0], ints[1]] = ints[2]
 
 
 def load_mtp(model_dir: str | Path, target: Any, num_slots: int) -> MtpDraft:

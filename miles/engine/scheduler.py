@@ -465,15 +465,19 @@ class Scheduler(EngineThread):
     def _in_step(self, n: int) -> bool:
         """Whether a decode step of `n` requests records its tokens before the next step: a speculating
         engine's steps of a batch it may speculate in (the gate times a plain step to its end, and the
-        next step's choice needs this one's tokens)."""
+        next step's choice needs this one's tokens), unless the gate keeps that batch plain for now."""
         sp = self.speculator
-        return sp is not None and (sp.max_batch is None or n <= sp.max_batch)
+        return (
+            sp is not None
+            and (sp.max_batch is None or n <= sp.max_batch)
+            and (sp.gate is None or not sp.gate.plain_ahead(n))
+        )
 
     def _landed(self, step: Any) -> None:
         """A decode step recorded from flight (staging.InFlight): the speculator follows it, from the
         hidden states kept with it."""
         if self.speculator is not None:
-            self.speculator.after_decode(step.reqs, step.hidden)
+            self.speculator.after_decode(step.reqs, step.hidden, ahead=True)
 
     def _would_admit(self) -> bool:
         return bool(self.waiting) and len(self.running) < self.max_running and bool(self._free_rows)

@@ -9,10 +9,13 @@ of wall time per generated token:
 - a bucket first probes speculation for `window` steps, then plain decoding for `window` steps (the first
   step of each probe is not counted: it pays for a draft cache catching up or a CUDA graph captured),
   and keeps the faster mode;
-- every `reprobe` steps in the kept mode it probes the other one again, so a draft that learns (train.draft)
-  or a policy that drifts changes the choice;
+- after `reprobe` steps in the kept mode, times how many times slower the other mode measured (so the
+  probes of a mode that loses cost at most about window / reprobe of the time), it probes the other
+  one again, so a draft that learns (train.draft) or a policy that drifts changes the choice;
 - each probe's figure is the mean over its counted steps; the kept mode's is refreshed as it runs.
 
+While a bucket keeps plain decoding (`plain_ahead`), the engine decodes its steps one ahead of their
+readback as an engine without speculation does, and they count toward the next probe.
 `--speculative-max-batch` still caps the batches that may speculate at all; `--no-speculative-adaptive`
 speculates in every step it allows (the acceptance benchmarks use it).
 """
@@ -26,7 +29,9 @@ from dataclasses import dataclass, field
 WINDOW = 8
 """Counted steps of a probe."""
 REPROBE = 256
-"""Steps in the kept mode before the other one is probed again."""
+"""Steps in the kept mode before the other one is probed again (times how much slower it was)."""
+MAX_SPACING = 16
+"""The most the reprobe interval is stretched for a mode that lost by far."""
 
 
 @dataclass
@@ -56,13 +61,25 @@ class Gate:
         return self.buckets.setdefault(1 << max(n - 1, 0).bit_length(), _Bucket())
 
     def speculate(self, n: int) -> bool:
-        """Whether the next decode step of `n` requests speculates."""
+        """Whether the next decode step of `n` requests speculates (the step counts toward the next
+        probe)."""
         b = self._bucket(n)
         if b.probing is None:
             b.since += 1
-            if b.since > self.reprobe:  # probe the mode not kept
+            if b.since > self._interval(b):  # probe the mode not kept
                 b.probing, b.seen = ("plain" if b.kept == "spec" else "spec"), []
         return (b.probing or b.kept) == "spec"
+
+    def plain_ahead(self, n: int) -> bool:
+        """Whether steps of `n` requests decode plainly with no probe due: nothing to time or choose."""
+        b = self.buckets.get(1 << max(n - 1, 0).bit_length())
+        return b is not None and b.probing is None and b.kept == "plain" and b.since < self._interval(b)
+
+    def _interval(self, b: _Bucket) -> float:
+        other = b.cost.get("spec" if b.kept == "plain" else "plain")
+        kept = b.cost.get(b.kept)
+        ratio = other / kept if other and kept else 1.0
+        return self.reprobe * min(max(ratio, 1.0), MAX_SPACING)
 
     def record(self, n: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A decode step of `n` requests took `seconds` for `tokens` generated tokens."""

@@ -332,10 +332,15 @@ class Speculator:
         s.table[ints[2], ints[1]] = ints[3]
         if s.decoder.spec.v4 is not None:
             return self._verify_prefill(mine, ks, drafts)
-        context = s._decode_context(max(len(r.slots) for r in mine))
+        return self._target_rows(ints[:3], s._decode_context(max(len(r.slots) for r in mine)))
+
+    def _target_rows(self, ints: torch.Tensor, context: int) -> torch.Tensor:
+        """The target's logits of one decode step over `ints` [3, R] (ids, positions, table rows) on
+        the device, replaying the scheduler's CUDA graph of R rows where one is captured."""
+        s = self.s
         s.decoder.hidden = None
-        if s.graphs is not None and s.graphs.bucket(len(head[0]), context) is not None:
-            return s.graphs.run(ints[:3], context)
+        if s.graphs is not None and s.graphs.bucket(ints.shape[1], context) is not None:
+            return s.graphs.run(ints, context)
         batch = Batch.decode(ints[0], ints[1], ints[2], s.table, context, s._lora_rows())
         return s.decoder.forward(batch, s.pool)
 
@@ -385,13 +390,21 @@ class Speculator:
     def after_prefill(self, group: list[Request], batch: Any) -> None:
         """Called after each prefill forward and its sampling (the MTP draft extends over it)."""
 
-    def after_decode(self, reqs: list[Request], hidden: torch.Tensor | None = None) -> None:
+    def after_decode(
+        self, reqs: list[Request], hidden: torch.Tensor | None = None, ahead: bool = False
+    ) -> None:
         """Called after each plain decode step's tokens are recorded (the MTP draft extends over it
-        first, from `hidden`, the step's hidden states when it was recorded from flight): the gate's
-        plain step ends here."""
+        first, from `hidden`, the step's hidden states kept when it was recorded from flight, `ahead`): the gate's
+        plain step ends here; a step decoded ahead of the gate (its bucket keeps plain decoding)
+        counts toward the gate's next probe."""
         plain, self._plain = self._plain, None
-        if plain is not None and self.gate is not None:
-            self.gate.record(plain[0], False, self.gate.clock() - plain[1], len(reqs))
+        gate = self.gate
+        if gate is None:
+            return
+        if plain is not None:
+            gate.record(plain[0], False, gate.clock() - plain[1], len(reqs))
+        elif ahead and (self.max_batch is None or len(reqs) <= self.max_batch):
+            gate.speculate(len(reqs))
 
 
 PREFIX = "draft."

@@ -23,13 +23,33 @@ def drive(gate: Gate, n: int, steps: int, cost: dict[str, float], tokens: dict[s
 def test_a_losing_draft_is_switched_off_after_both_probes_and_probed_again():
     gate = Gate(window=3, reprobe=5)
     # speculation: 4 tokens in 10 s (2.5 s a token); plain: 1 token in 1 s
-    chosen = drive(gate, 1, 4 + 4 + 5 + 4 + 2, {"spec": 10.0, "plain": 1.0}, {"spec": 4, "plain": 1})
+    chosen = drive(gate, 1, 4 + 4 + 12 + 4 + 2, {"spec": 10.0, "plain": 1.0}, {"spec": 4, "plain": 1})
     assert chosen[:4] == [True] * 4  # the speculation probe (its first step not counted)
     assert chosen[4:8] == [False] * 4  # the plain probe
-    assert chosen[8:13] == [False] * 5  # plain kept for `reprobe` steps
-    assert chosen[13:17] == [True] * 4  # speculation probed again, still slower
-    assert chosen[17:] == [False] * 2
+    # plain kept for reprobe x 2.5 steps (speculation measured 2.5 times slower): its probes cost at
+    # most about window / reprobe of the time
+    assert chosen[8:20] == [False] * 12
+    assert chosen[20:24] == [True] * 4  # speculation probed again, still slower
+    assert chosen[24:] == [False] * 2
     assert gate.buckets[1].cost == pytest.approx({"spec": 2.5, "plain": 1.0})
+
+
+def test_steps_kept_plain_may_run_ahead_until_a_probe_is_due():
+    """`plain_ahead`: nothing to time or choose while a bucket keeps plain decoding and no probe is due;
+    the steps decoded ahead count toward the probe (the engine calls `speculate` as they land), and the
+    interval is stretched at most MAX_SPACING times however badly speculation lost."""
+    from miles.engine.spec_gate import MAX_SPACING
+
+    gate = Gate(window=2, reprobe=4)
+    assert not gate.plain_ahead(8)  # an unseen bucket probes first
+    drive(gate, 8, 6, {"spec": 1000.0, "plain": 1.0}, {"spec": 8, "plain": 8})
+    assert gate.plain_ahead(8) and gate.plain_ahead(5) and not gate.plain_ahead(9)
+    ahead = 0
+    while gate.plain_ahead(8):
+        assert not gate.speculate(8)
+        ahead += 1
+    assert ahead == 4 * MAX_SPACING
+    assert gate.speculate(8)  # the probe of speculation is due
 
 
 def test_a_winning_draft_is_kept_and_buckets_decide_apart():
