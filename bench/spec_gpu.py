@@ -13,9 +13,8 @@ Random weights know nothing, so what a trained draft would keep is bracketed by 
 Per size and bracket a plain engine and a NEXTN engine (`--speculative-num-steps K`) each serve, for
 every batch B of `--batches`, one batched /generate of B greedy requests of `--prompt` random ids and
 exactly `--new` new tokens (`--max-running-requests` the largest B); tok/s = B * new / wall seconds of
-the batch (the best of `--rounds`). The NEXTN engine runs with `--speculative-max-batch` at its default (32): above it steps decode plainly, which is how
-speculation stays out of the way at batch 256. Two NEXTN arms: "NEXTN" speculates in every step up to
-that (`--no-speculative-adaptive`: the speculation's own cost or gain), "NEXTN adaptive" as the engine
+the batch (the best of `--rounds`). Two NEXTN arms, both with no `--speculative-max-batch` (any batch
+may speculate): "NEXTN" speculates in every step (`--no-speculative-adaptive`: the speculation's own cost or gain), "NEXTN adaptive" as the engine
 does by default (miles/engine/spec_gate.py: per batch size the faster of speculating and plain decoding,
 measured; its probes are part of the figure). Ratios: each arm / plain of the same bracket and batch.
 Sizes: Qwen2.5-0.5B and -7B shapes, and the MoE of bench/moe_gpu.py (Qwen3-30B-A3B's layers, 4 of them).
@@ -127,7 +126,8 @@ def run(args) -> list[dict]:
 
 def profile(args) -> None:
     """In process, no server: for each batch B of `--batches`, B greedy requests of `--new` tokens
-    submitted together to the scheduler, plain and NEXTN (every step speculating), per bracket; wall ms
+    submitted together to the scheduler, plain, NEXTN (every step speculating) and NEXTN with the gate,
+    per bracket; wall ms
     per token of one request (a plain decode step's time), then the functions taking the most time of the
     NEXTN run at the largest B under cProfile (its own overhead included)."""
     import cProfile
@@ -138,17 +138,20 @@ def profile(args) -> None:
     from miles.engine.mtp import MtpSpeculator, load_mtp
     from miles.engine.sampling import SamplingParams
     from miles.engine.scheduler import Request, Scheduler
+    from miles.engine.spec_gate import Gate
 
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     top = max(args.batches)
     for bracket in args.brackets:
         model = make_model(args.sizes[0], bracket, args)
-        for arm in ("plain", "NEXTN"):
+        for arm in ("plain", "NEXTN", "NEXTN adaptive"):
+            # running slots (and so CUDA graphs) for a verify's top * (k + 1) rows
             sched = Scheduler(build_decoder(ModelSpec.from_dir(model), model, device, dtype, "none",
-                                            DEFAULT_FP8_MIN_TOKENS), top, args.pool)  # fmt: skip
-            if arm == "NEXTN":
+                                            DEFAULT_FP8_MIN_TOKENS), top * (args.k + 1), args.pool)  # fmt: skip
+            if arm != "plain":
                 mtp = load_mtp(model, sched.decoder, sched.max_total_tokens + 1)
                 sched.speculator = MtpSpeculator(sched, mtp, args.k)
+                sched.speculator.gate = Gate() if arm == "NEXTN adaptive" else None
 
             def once(i: int, batch: int, sched=sched, arm=arm) -> float:
                 params = SamplingParams(max_new_tokens=args.new, temperature=0.0, ignore_eos=True)
