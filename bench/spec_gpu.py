@@ -129,7 +129,7 @@ def profile(args) -> None:
     submitted together to the scheduler, plain, NEXTN (every step speculating) and NEXTN with the gate,
     per bracket; wall ms
     per token of one request (a plain decode step's time), then the functions taking the most time of the
-    NEXTN run at the largest B under cProfile (its own overhead included)."""
+    `--profile-arm` run at the largest B under cProfile (its own overhead included)."""
     import cProfile
     import pstats
 
@@ -153,7 +153,9 @@ def profile(args) -> None:
                 sched.speculator = MtpSpeculator(sched, mtp, args.k)
                 sched.speculator.gate = Gate() if arm == "NEXTN adaptive" else None
 
-            def once(i: int, batch: int, sched=sched, arm=arm) -> float:
+            rounds: list[float] = []  # speculative rounds a request, per run
+
+            def once(i: int, batch: int, sched=sched, arm=arm, rounds=rounds) -> float:
                 params = SamplingParams(max_new_tokens=args.new, temperature=0.0, ignore_eos=True)
                 reqs = [Request(f"{arm}-{i}-{b}", [(13 * b + 7 * j) % 300 + 3 for j in range(args.prompt)],
                                 params, i, frozenset()) for b in range(batch)]  # fmt: skip
@@ -161,14 +163,20 @@ def profile(args) -> None:
                 for req in reqs:
                     sched.submit(req)
                 sched.run_until_idle()
+                rounds.append(sum(r.spec_verify_ct for r in reqs) / batch)
                 return (time.perf_counter() - start) / len(reqs[0].output)
 
             for batch in args.batches:
+                rounds.clear()
                 once(0, batch)  # captures graphs, compiles kernels
-                ms = min(once(i, batch) for i in range(1, 1 + args.rounds)) * 1e3
-                print(f"profile {args.sizes[0]} {bracket} {arm} batch {batch}: {ms:.2f} ms per token of a request",
-                      flush=True)  # fmt: skip
-            if arm == "NEXTN" and bracket == args.brackets[0]:
+                times = [once(i, batch) * 1e3 for i in range(1, 1 + args.rounds)]
+                gate = sched.speculator.gate if sched.speculator is not None else None
+                kept = {k: (b.kept, {m: round(c * 1e3, 3) for m, c in b.cost.items()})
+                        for k, b in gate.buckets.items()} if gate is not None else ""  # fmt: skip
+                print(f"profile {args.sizes[0]} {bracket} {arm} batch {batch}: {min(times):.2f} ms per token of a "
+                      f"request (rounds {' '.join(f'{t:.2f}' for t in times)}; speculative rounds a request "
+                      f"{rounds}) {kept}", flush=True)  # fmt: skip
+            if arm == args.profile_arm and bracket == args.brackets[0]:
                 prof = cProfile.Profile()
                 prof.runcall(once, 99, top)
                 stats = pstats.Stats(prof)
@@ -205,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", type=int, default=131072, help="the engines' --max-total-tokens")
     p.add_argument("--brackets", nargs="+", choices=["random", "oracle"], default=["random", "oracle"])
     p.add_argument("--profile", action="store_true", help="in process: plain and NEXTN per batch, cProfile")
+    p.add_argument(
+        "--profile-arm",
+        default="NEXTN",
+        choices=["plain", "NEXTN", "NEXTN adaptive"],
+        help="the arm --profile runs under cProfile (at the largest batch, the first bracket)",
+    )
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-spec-gpu-"))
     p.add_argument("--out")
