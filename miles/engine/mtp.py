@@ -122,12 +122,12 @@ class MtpDraft:
         hidden states [m, hidden] of those positions, start): (logits [R, V] fp32 and final-normed
         hidden [R, hidden]) at each run's last position. K/V written at the table's slots."""
         self._bind_head()
-        b, last = _batch(runs, table)
+        b = _batch(runs, table)
         b.input_embeds = self._inputs(
             torch.cat([h for _, _, h, _ in runs]).to(self.decoder.dtype), b.input_ids
         )
         logits = self.decoder.forward(b, self.pool)
-        return logits[last].float(), self.decoder.hidden[b.last_index[last]]
+        return logits.float(), self.decoder.hidden[b.last_index]
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor,
              table: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -157,22 +157,17 @@ class MtpDraft:
 
 
 SHORT_RUN = 8
-"""Runs of at most this many tokens (a verify's kept drafts, a chain step) forward decode-shaped..."""
-SHORT_TOTAL = 256
-"""... while they hold at most this many tokens together (each row gathers its whole context)."""
+"""Runs of at most this many tokens (a verify's kept drafts, queued plain steps) forward decode-shaped."""
 FOLLOW_EVERY = 8
 """Plain decode steps whose hidden states the MTP takes in one forward (sooner when a round needs them):
 a plain step then pays for one MTP launch sequence in that many."""
 
 
-def _batch(
-    runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor
-) -> tuple[Batch, list[int]]:
-    """The MTP forward's batch and the index of each run's last token in it. Short runs: decode-shaped,
-    one row per token over its run's table row (each row attends its own position's prefix, every row's
+def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor) -> Batch:
+    """The MTP forward's batch, its `last_index` each run's last token. Short runs: decode-shaped, one
+    row per token over its run's table row (each row attends its own position's prefix, every row's
     K/V written first), built from one host-to-device copy; else (a prefill's runs) prefill-shaped."""
-    lengths = [len(ids) for _, ids, _, _ in runs]
-    if max(lengths) <= SHORT_RUN and sum(lengths) <= SHORT_TOTAL:
+    if max(len(ids) for _, ids, _, _ in runs) <= SHORT_RUN:
         head: list[list[int]] = [[], [], []]
         last = []
         for row, ids, _, start in runs:
@@ -180,11 +175,14 @@ def _batch(
             head[1] += range(start, start + len(ids))
             head[2] += [row] * len(ids)
             last.append(len(head[0]) - 1)
-        ints = torch.tensor(head, dtype=torch.int64).to(table.device, non_blocking=True)
-        return Batch.decode(ints[0], ints[1], ints[2], table, max(head[1]) + 1), last
+        ints = torch.tensor([*head, last + [0] * (len(head[0]) - len(last))], dtype=torch.int64)
+        ints = ints.to(table.device, non_blocking=True)
+        b = Batch.decode(ints[0], ints[1], ints[2], table, max(head[1]) + 1)
+        b.last_index = ints[3, : len(last)]
+        return b
     fake = [SimpleNamespace(tokens=[0] * start + ids, kv_len=start, row=row, slots=range(start + len(ids)))
             for row, ids, _, start in runs]  # fmt: skip
-    return prefill_batch(fake, table), list(range(len(runs)))
+    return prefill_batch(fake, table)
 
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
@@ -213,8 +211,6 @@ class MtpSpeculator(Speculator):
             raise ValueError(f"--speculative-num-steps must be at least 1, got {num_steps}")
         self.s, self.k, self.mtp = scheduler, num_steps, mtp
         self.state: weakref.WeakKeyDictionary[Request, _State] = weakref.WeakKeyDictionary()
-        self.frontier: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
-        """Per request with a state, the next position the MTP takes: its state's, plus its rows queued."""
         self.queue: list[tuple[list[Request], list[int], torch.Tensor]] = []
         """Plain steps not yet taken by the MTP: the requests it follows, their rows in the step, and
         the step's hidden states [B, h] (a copy)."""
@@ -349,15 +345,15 @@ class MtpSpeculator(Speculator):
         the MTP takes the queue in one forward every FOLLOW_EVERY steps, or before a round."""
         if hidden is None or hidden.shape[0] < len(reqs):
             return
-        rows, keep, frontier = [], [], self.frontier
+        rows, keep = [], []
         for i, r in enumerate(reqs):
-            at = frontier.get(r)
-            if at is None or r.finish is not None:
+            at = r.draft_next  # -1: no history
+            if at < 0 or r.finish is not None:
                 continue
-            if at == r.num_tokens - 2:  # the step forwarded position num_tokens - 2
+            if at == len(r.prompt) + len(r.output) - 2:  # the step forwarded position num_tokens - 2
                 rows.append(i)
                 keep.append(r)
-                frontier[r] = at + 1
+                r.draft_next = at + 1
             else:
                 self._drop(r)
         if keep:
@@ -381,7 +377,7 @@ class MtpSpeculator(Speculator):
         spans, kept = [], []
         for r, ix in where.items():
             st = self.state.get(r)
-            if st is None or r.finish is not None or r.row < 0 or self.frontier.get(r) != st.upto + len(ix):
+            if st is None or r.finish is not None or r.row < 0 or r.draft_next != st.upto + len(ix):
                 self._drop(r)
                 continue
             spans.append((r.row, r.tokens[st.upto + 1 : st.upto + 1 + len(ix)], len(order), st.upto))
@@ -397,12 +393,12 @@ class MtpSpeculator(Speculator):
     def _keep(self, r: Request, upto: int, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """The MTP's output after position upto - 1 of `r`: the state its next draft starts from."""
         self.state[r] = _State(upto, logits, hidden)
-        self.frontier[r] = upto
+        r.draft_next = upto
 
     def _drop(self, r: Request) -> None:
         """`r` has no MTP history from here on (it decodes as usual)."""
         self.state.pop(r, None)
-        self.frontier.pop(r, None)
+        r.draft_next = -1
 
     def _draft_kept(self, r: Request, positions: int) -> None:
         """The MTP's own positions are rewritten by the extend after each verify."""

@@ -43,6 +43,7 @@ class Request:
     finish: dict[str, Any] | None = None
     abort_requested: bool = False
     opts: RequestOptions | None = None
+    """Logprob and sampling options beyond the plain path (miles/engine/options.py); None for most."""
     lora: str | None = None
     """The LoRA adapter the request runs with (`lora_path`), None for the base model."""
     return_routed_experts: bool = False
@@ -50,11 +51,13 @@ class Request:
     routed_experts: torch.Tensor | None = None
     """At finish, with return_routed_experts: int32 [rows, num_layers, top_k] expert ids of positions
     routed_experts_start_len .. num_tokens - 2 (miles/engine/replies.py encodes them)."""
-    """Logprob and sampling options beyond the plain path (miles/engine/options.py); None for most."""
     spec_verify_ct: int = 0
     """Speculative decoding (miles/engine/speculative.py): verify forwards, tokens proposed, kept."""
     spec_draft_token_num: int = 0
     spec_accept_token_num: int = 0
+    draft_next: int = -1
+    """A speculating engine's MTP layer (miles/engine/mtp.py): the next position it takes of this
+    request, its history so far and plain steps queued (-1: none)."""
     done: Future = field(default_factory=Future)
     created_s: float = field(default_factory=time.monotonic)
 

@@ -12,7 +12,8 @@ of wall time per generated token:
 - after `reprobe` steps in the kept mode, times how many times slower the other mode measured (so the
   probes of a mode that loses cost at most about window / reprobe of the time), it probes the other
   one again, so a draft that learns (train.draft) or a policy that drifts changes the choice;
-- each probe's figure is the mean over its counted steps; the kept mode's is refreshed as it runs.
+- each probe's figure is the median of its counted steps (a step that captured a CUDA graph is an
+  outlier); the kept mode's is refreshed as it runs.
 
 While a bucket keeps plain decoding (`plain_ahead`), the engine decodes its steps one ahead of their
 readback as an engine without speculation does, and they count toward the next probe.
@@ -22,6 +23,7 @@ speculates in every step it allows (the acceptance benchmarks use it).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,13 +90,15 @@ class Gate:
         b, mode = self._bucket(n), "spec" if speculated else "plain"
         per_token = seconds / tokens
         if b.probing != mode:
-            if b.probing is None and mode == b.kept:  # the kept mode's figure follows it
-                b.cost[mode] = 0.9 * b.cost.get(mode, per_token) + 0.1 * per_token
+            if b.probing is None and mode == b.kept:  # the kept mode's figure follows it (an outlier, a
+                was = b.cost.get(mode, per_token)  # CUDA graph captured, moves it at most 10%)
+                b.cost[mode] = 0.9 * was + 0.1 * min(per_token, 2 * was)
             return
         b.seen.append(per_token)
         if len(b.seen) <= self.window:
             return
-        b.cost[mode] = sum(b.seen[1:]) / self.window  # the probe's first step left out
+        b.cost[mode] = statistics.median(b.seen[1:])  # the first step left out; a CUDA graph captured
+        # in a later step (a longer context) is one outlier the median ignores
         b.seen = []
         if "plain" not in b.cost:  # the first probes: speculation, then plain decoding
             b.probing = "plain"

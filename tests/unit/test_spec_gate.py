@@ -76,3 +76,14 @@ def test_the_first_step_of_a_probe_is_not_counted():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="window"):
         Gate(window=0)
+
+
+def test_a_step_that_captured_a_graph_does_not_decide_a_probe():
+    """One counted step of the plain probe 100 times slower (a CUDA graph captured for a longer
+    context) leaves the median, and plain decoding, which is faster in every other step, is kept."""
+    gate = Gate(window=5, reprobe=100)
+    drive(gate, 4, 6, {"spec": 3.0, "plain": 1.0}, {"spec": 4, "plain": 4})  # speculation: 0.75 s a token
+    for step in range(6):
+        assert not gate.speculate(4)
+        gate.record(4, False, 100.0 if step == 3 else 1.0, 4)  # plain: 0.25 s a token, one outlier
+    assert gate.buckets[4].kept == "plain" and gate.buckets[4].cost["plain"] == pytest.approx(0.25)
