@@ -140,6 +140,22 @@ class MtpDraft:
         b.input_embeds = self._inputs(hidden.to(self.decoder.dtype), ids)
         return self.decoder.forward(b, self.pool), self.decoder.hidden
 
+    def rows_hidden(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor,
+                    table: torch.Tensor, context: int) -> torch.Tensor:  # fmt: skip
+        """`rows` without the LM head: the final-normed hidden states [R, h] alone (`logits` gives the
+        rows wanted their logits), so a captured forward holds no [R, V] output."""
+        self._bind_head()
+        b = Batch.decode(ids, positions, rows, table, context)
+        b.last_index = b.last_index[:1]
+        b.input_embeds = self._inputs(hidden.to(self.decoder.dtype), ids)
+        self.decoder.forward(b, self.pool)
+        return self.decoder.hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed MTP hidden states [n, h] (the target's LM head)."""
+        self._bind_head()
+        return self.decoder._logits(hidden)
+
     def chain(self, rows: torch.Tensor, start: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
               steps: int, table: torch.Tensor, context: int) -> torch.Tensor:  # fmt: skip
         """Greedy drafts [B, steps + 1] on the device, no host read between them: d1 = the argmax of
@@ -216,14 +232,18 @@ class MtpSpeculator(Speculator):
         the step's hidden states [B, h] (a copy)."""
         scheduler.decoder.capture_hidden = True
         scheduler.decoder.row_decode = False  # the CPU row decode leaves no hidden states
-        self.chains = None
-        """The greedy chain's CUDA graphs (miles/engine/mtp_graphs.py) where the scheduler captures its
-        decode steps, else None (eager)."""
+        self.chains = self.row_graphs = None
+        """The CUDA graphs (miles/engine/mtp_graphs.py) of the greedy chain and of the layer over a round's
+        rows, where the scheduler captures its decode steps, else None (eager)."""
         if scheduler.use_cuda_graph:
-            from miles.engine.mtp_graphs import ChainGraphs
+            from miles.engine.mtp_graphs import ChainGraphs, RowsGraphs
 
-            self.chains = ChainGraphs(mtp, scheduler.table, scheduler.max_running, min(scheduler.graph_max_bs, 64),
-                                      min(scheduler.graph_max_context, scheduler.max_context))  # fmt: skip
+            batch = min(scheduler.graph_max_bs, 64)
+            context = min(scheduler.graph_max_context, scheduler.max_context)
+            self.chains = ChainGraphs(mtp, scheduler.table, scheduler.max_running, batch, context)
+            self.row_graphs = RowsGraphs(
+                mtp, scheduler.table, scheduler.max_running, batch * (num_steps + 1), context
+            )
 
     def load_draft(self, weights: dict[str, torch.Tensor]) -> None:
         """New MTP weights (a weight push); kept states draft on, verification keeps outputs exact."""
@@ -315,9 +335,10 @@ class MtpSpeculator(Speculator):
         best = z.argmax(dim=-1)
         logp = torch.log_softmax(z.float(), dim=-1).gather(1, best[:, None])[:, 0]
         n = (drafts == best.view(-1, n1)[:, :k]).int().cumprod(dim=1).sum(dim=1)
-        zm, hm = self.mtp.rows(best, flat[1], flat[2], s.decoder.hidden, s.table, context)
-        pick = torch.arange(len(mine), device=dev) * n1 + n
-        kept_z, kept_h = zm[pick].float(), hm[pick]
+        run = self.row_graphs.run if self.row_graphs is not None else self.mtp.rows_hidden
+        hm = run(best, flat[1], flat[2], s.decoder.hidden, s.table, context)
+        kept_h = hm[torch.arange(len(mine), device=dev) * n1 + n]
+        kept_z = self.mtp.logits(kept_h)
         host = torch.cat((drafts.reshape(-1).double(), best.double(), logp.double())).cpu().tolist()
         at_best, at_logp = len(mine) * k, len(mine) * (k + n1)
         for i, r in enumerate(mine):
