@@ -215,8 +215,19 @@ def _layer_name(n: str) -> str:
 class _State:
     upto: int
     """MTP positions computed: 0 .. upto - 1 (valid for drafting when upto == num_tokens - 1)."""
-    logits: torch.Tensor
-    hidden: torch.Tensor
+    all_logits: torch.Tensor
+    all_hidden: torch.Tensor
+    i: int
+    """The MTP's output of the request: row i of the forward's logits and hidden states (indexed when
+    drafting, so a forward over many requests makes no view per request)."""
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.all_logits[self.i]
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.all_hidden[self.i]
 
 
 class MtpSpeculator(Speculator):
@@ -346,7 +357,7 @@ class MtpSpeculator(Speculator):
                              host[at_logp + i * n1 : at_logp + (i + 1) * n1])  # fmt: skip
             self._settle(r, k, [int(t) for t in host[i * k : (i + 1) * k]], [], got)
             if r.finish is None:
-                self._keep(r, r.num_tokens - 1, kept_z[i], kept_h[i])
+                self._keep(r, r.num_tokens - 1, kept_z, kept_h, i)
             else:
                 self._drop(r)
 
@@ -411,9 +422,10 @@ class MtpSpeculator(Speculator):
         runs = [(row, ids, gathered[at : at + len(ids)], start) for row, ids, at, start in spans]
         self._extend(kept, runs)
 
-    def _keep(self, r: Request, upto: int, logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The MTP's output after position upto - 1 of `r`: the state its next draft starts from."""
-        self.state[r] = _State(upto, logits, hidden)
+    def _keep(self, r: Request, upto: int, logits: torch.Tensor, hidden: torch.Tensor, i: int) -> None:
+        """The MTP's output after position upto - 1 of `r` (row i of `logits`, `hidden`): the state its
+        next draft starts from."""
+        self.state[r] = _State(upto, logits, hidden, i)
         r.draft_next = upto
 
     def _drop(self, r: Request) -> None:
@@ -443,7 +455,7 @@ class MtpSpeculator(Speculator):
             return
         logits, hidden = self.mtp.forward(runs, self.s.table)
         for i, (r, (_, ids, _, start)) in enumerate(zip(reqs, runs, strict=True)):
-            self._keep(r, start + len(ids), logits[i], hidden[i])
+            self._keep(r, start + len(ids), logits, hidden, i)
 
     def _draft(self, mine: list[Request], ks: dict[int, int]):
         """d1 from each request's kept MTP logits, then d2.. from the MTP on its own hidden state, at
