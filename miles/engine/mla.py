@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from miles.engine.kv_cache import gather_slots
 from miles.engine.packing import to_tokens
 from miles.engine.rope import yarn_softmax_scale
+from miles.engine.sdpa import masked_sdpa
 
 if TYPE_CHECKING:
     from miles.engine.model import Decoder
@@ -141,7 +141,5 @@ class LatentAttention:
         scale = (self.m.qk_nope_head_dim + self.m.qk_rope_head_dim) ** -0.5
         if self.d.spec.rope_scaling is not None:
             scale = yarn_softmax_scale(self.d.spec.rope_scaling, scale)
-        out = F.scaled_dot_product_attention(
-            qb, keys, keys[..., : self.m.kv_lora_rank], attn_mask=mask, scale=scale
-        )
+        out = masked_sdpa(qb, keys, keys[..., : self.m.kv_lora_rank], mask, scale)
         return out.view(B, H, Q, -1).transpose(1, 2)

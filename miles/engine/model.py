@@ -45,6 +45,7 @@ from miles.engine.kv_cache import gather_slots as _gather_slots
 from miles.engine.mla import LatentAttention
 from miles.engine.packing import to_tokens
 from miles.engine.rope import decoder_frequencies
+from miles.engine.sdpa import masked_sdpa
 from miles.engine.spec import Batch, ModelSpec, load_weights
 
 __all__ = ["Batch", "Decoder", "ModelSpec", "load_weights"]
@@ -343,7 +344,7 @@ class Decoder:
         kb = _gather_slots(k_pool, b.context_slots).view(KVH * B, 1, L, D)
         vb = _gather_slots(v_pool, b.context_slots).view(KVH * B, 1, L, D)
         qb = q[b.query_index].view(B, Q, KVH, G, D).permute(2, 0, 3, 1, 4).reshape(KVH * B, 1, G * Q, D)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
+        out = masked_sdpa(qb, kb, vb, mask)
         out = out.view(KVH, B, G, Q, D).permute(1, 3, 0, 2, 4).reshape(B * Q, s.num_heads * D)
         return to_tokens(out, b, T)
 
