@@ -310,10 +310,10 @@ class MtpSpeculator(Speculator):
         logits = self._verify(mine, ks, drafts, fresh)
         hidden = self.s.decoder.hidden  # the target's, of [x_{N-1}, d1..dk] per request
         rows = read_rows(mine, [ks[id(r)] + 1 for r in mine], logits)  # acceptance runs on the host
+        self._settle(mine, ks, drafts, dists, rows)
         runs, kept, at = [], [], 0
-        for r, got in zip(mine, rows, strict=True):
+        for r in mine:
             k, n0 = ks[id(r)], before[id(r)]
-            self._settle(r, k, drafts[id(r)], dists[id(r)], got)
             new = r.num_tokens - n0  # the kept drafts and the target's token after them
             if r.finish is None:
                 runs.append((r.row, r.tokens[n0 : n0 + new], hidden[at : at + new], n0 - 1))
@@ -352,10 +352,11 @@ class MtpSpeculator(Speculator):
         kept_z = self.mtp.logits(kept_h)
         host = torch.cat((drafts.reshape(-1).double(), best.double(), logp.double())).cpu().tolist()
         at_best, at_logp = len(mine) * k, len(mine) * (k + n1)
+        rows = [GreedyRows([int(t) for t in host[at_best + i * n1 : at_best + (i + 1) * n1]],
+                           host[at_logp + i * n1 : at_logp + (i + 1) * n1]) for i in range(len(mine))]  # fmt: skip
+        drafts = {id(r): [int(t) for t in host[i * k : (i + 1) * k]] for i, r in enumerate(mine)}
+        self._settle(mine, dict.fromkeys(drafts, k), drafts, dict.fromkeys(drafts, []), rows)
         for i, r in enumerate(mine):
-            got = GreedyRows([int(t) for t in host[at_best + i * n1 : at_best + (i + 1) * n1]],
-                             host[at_logp + i * n1 : at_logp + (i + 1) * n1])  # fmt: skip
-            self._settle(r, k, [int(t) for t in host[i * k : (i + 1) * k]], [], got)
             if r.finish is None:
                 self._keep(r, r.num_tokens - 1, kept_z, kept_h, i)
             else:

@@ -274,8 +274,7 @@ class Speculator:
         drafts, dists = self._draft(mine, ks)
         logits = self._verify(mine, ks, drafts, fresh)
         rows = read_rows(mine, [ks[id(r)] + 1 for r in mine], logits)  # acceptance runs on the host
-        for r, got in zip(mine, rows, strict=True):
-            self._settle(r, ks[id(r)], drafts[id(r)], dists[id(r)], got)
+        self._settle(mine, ks, drafts, dists, rows)
         return [r for r in reqs if ks[id(r)] == 0]
 
     def _draft(self, mine: list[Request], ks: dict[int, int]):
@@ -357,9 +356,29 @@ class Speculator:
             for r in mine:
                 del r.output[len(r.output) - ks[id(r)] :]
 
-    def _settle(self, r: Request, k: int, proposed: list[int], dist: list[torch.Tensor], z: torch.Tensor):
-        """Accept, record the step's tokens with the target's log-probs, keep the K/V of what stays.
-        `z`: the target's rows as `read_rows` gives them (greedy: argmax and log-prob; else logits)."""
+    def _settle(self, mine: list[Request], ks: dict[int, int], drafts: dict, dists: dict, rows: list) -> None:
+        """Accept for every request of the round (`_accept`), then record its tokens one depth at a time,
+        one `_record` call each (a token past a request's finish is dropped there)."""
+        out = [
+            self._accept(r, ks[id(r)], drafts[id(r)], dists[id(r)], z)
+            for r, z in zip(mine, rows, strict=True)
+        ]
+        for j in range(max(len(tokens) for tokens, _ in out)):
+            live = [
+                (r, tokens[j], logps[j])
+                for r, (tokens, logps) in zip(mine, out, strict=True)
+                if j < len(tokens)
+            ]
+            self.s._record(
+                [x[0] for x in live], [x[1] for x in live], [x[2] for x in live], self.s.weight_version
+            )
+
+    def _accept(
+        self, r: Request, k: int, proposed: list[int], dist: list[torch.Tensor], z
+    ) -> tuple[list, list]:
+        """Acceptance for request `r`: keep the K/V of what stays, count, and return the tokens the step
+        appends with the target's log-probs. `z`: the target's rows as `read_rows` gives them (greedy:
+        argmax and log-prob; else logits)."""
         if isinstance(z, GreedyRows):
             tokens, n = greedy_accept(z.best, proposed)
             logps = z.logp[: len(tokens)]  # each emitted token is its row's argmax
@@ -378,10 +397,7 @@ class Speculator:
         r.spec_verify_ct += 1
         r.spec_draft_token_num += k
         r.spec_accept_token_num += n
-        for tok, lp in zip(tokens, logps, strict=True):
-            if r.finish is not None:
-                break
-            self.s._record([r], [tok], [lp], self.s.weight_version)
+        return tokens, logps
 
     def _draft_kept(self, r: Request, positions: int) -> None:
         """The draft's cache keeps `positions` of `r` (the rest was drafted past what stays)."""
