@@ -3,6 +3,7 @@
     python -m bench.spec_draft [--steps 200] [--seed 0] [--draft-lr 3e-4] [--out F.json] [--plot F.png]
     python -m bench.spec_draft --draft mtp ...   # NEXTN: the policy's own MTP layer
     python -m bench.spec_draft --arms plain frozen online ...   # rollout seconds per step beside plain
+    python -m bench.spec_draft --task longtail --new 512 --arms plain frozen online --steps 10   # a long tail
 
 The policy: recipes/default.yaml's tiny model and digits task, with room for speculation (up to
 `--new` new tokens a response, `--k` draft tokens per verify) and a synchronous schedule. The draft:
@@ -16,6 +17,13 @@ verify forward), plus the eval reward at every `--eval-every` steps. Writes the 
 `--arms` adds "plain" (no speculation) to "frozen" and "online": each arm's time/rollout_s per step
 (median and the steps' sum) is reported beside the curves, so on a GPU (devices `auto`) the same command
 gives the rollout time with and without speculation, plain first.
+
+`--task longtail` swaps the digits task for `longtail` (rollout.task: response lengths Pareto(`--alpha`)
+between 8 and `--new` tokens, enforced with ignore_eos; no eval): each synchronous step ends with its
+few longest responses decoding at small batch, the case speculation is for, so `--arms plain frozen
+online --task longtail --new 512` gives the rollout time of a long-tailed step with and without it. The
+engine then chooses where to speculate as it does by default (engine.speculative max_batch 32, adaptive);
+the digits arms speculate in every step (their figure is the acceptance).
 
 `--draft mtp`: the tiny policy gets a random MTP layer (`model.tiny.mtp`) and the engine drafts with it
 (engine.speculative.algorithm NEXTN); frozen, the random layer keeps what chance gives it, online
@@ -45,6 +53,15 @@ def run_arm(name: str, online: bool | None, args, work: Path, model: Path) -> di
             "rollout.schedule=sync", f"train.steps={args.steps}", "train.checkpoint.every_steps=0",
             f"eval.every_steps={args.eval_every}", f"engine.speculative.num_steps={args.k}",
             "engine.speculative.max_batch=1000000", "engine.speculative.adaptive=false"]  # every step speculates: acceptance over whole steps  # fmt: skip
+    if args.task == "longtail":  # a few long responses per step, decoded at small batch at its end
+        # the engine's own choice of when to speculate (engine.speculative.max_batch 32, adaptive)
+        sets = [
+            x
+            for x in sets
+            if x.split("=")[0] not in ("engine.speculative.max_batch", "engine.speculative.adaptive")
+        ]
+        sets += [f"rollout.task={{name: longtail, eval_size: 8, options: {{min_tokens: 8, max_tokens: {args.new}, "
+                 f"alpha: {args.alpha}}}}}", "eval.every_steps=0"]  # fmt: skip
     if online is None:
         sets = [x for x in sets if not x.startswith("engine.speculative.")]
         sets.append("engine.speculative=null")
@@ -110,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-lr", type=float, default=3e-4)
     p.add_argument("--draft", choices=["model", "mtp"], default="model", help="STANDALONE or NEXTN")
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument(
+        "--task",
+        choices=["digits", "longtail"],
+        default="digits",
+        help="longtail: Pareto(--alpha) response lengths from 8 to --new tokens (ignore_eos), no eval",
+    )
+    p.add_argument("--alpha", type=float, default=0.8)
     p.add_argument("--arms", nargs="+", choices=["plain", "frozen", "online"], default=["frozen", "online"])
     p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-spec-draft-"))
     p.add_argument("--out")
