@@ -409,10 +409,10 @@ class Speculator:
     def after_decode(
         self, reqs: list[Request], hidden: torch.Tensor | None = None, ahead: bool = False
     ) -> None:
-        """Called after each plain decode step's tokens are recorded (the MTP draft extends over it
-        first, from `hidden`, the step's hidden states kept when it was recorded from flight, `ahead`): the gate's
-        plain step ends here; a step decoded ahead of the gate (its bucket keeps plain decoding)
-        counts toward the gate's next probe."""
+        """Called after each plain decode step's tokens are recorded; `hidden`: the step's hidden states
+        kept with it, `ahead`: it was decoded one step ahead of its readback. The MTP draft extends over
+        it first; the gate's plain step ends here, and a step decoded ahead (its bucket keeps plain
+        decoding) counts toward the gate's next probe."""
         plain, self._plain = self._plain, None
         gate = self.gate
         if gate is None:
