@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # True on-policy and speculation on one GPU, one call, each part under its own time limit (LIMITS,
 # seconds, in this order; 0 skips a part), so that a short device lease still brings back the first:
-#   1. (TESTS, by default) tests/gpu/test_true_on_policy_gpu.py (the default plain-PyTorch forms and the Triton kernels,
+#   1. (TESTS, by default) tests/gpu/test_true_on_policy_gpu.py, tests/gpu/test_sdpa_gpu.py (the default plain-PyTorch forms and the Triton kernels,
 #      dense and MoE with routing replay, chunked prefill) and tests/gpu/test_speculative_gpu.py (and
 #      EXTRA_TESTS);
 #   2. bench.true_on_policy --part cost with the Triton kernels (COST_ONLY=train|decode: one half; the
@@ -32,7 +32,7 @@ part() {  # name limit command...
 
 # shellcheck disable=SC2086
 part tests "$t_tests" $py -m pytest -v -p no:cacheprovider -s \
-  ${TESTS:-tests/gpu/test_true_on_policy_gpu.py tests/gpu/test_speculative_gpu.py} ${EXTRA_TESTS:-}
+  ${TESTS:-tests/gpu/test_true_on_policy_gpu.py tests/gpu/test_speculative_gpu.py tests/gpu/test_sdpa_gpu.py} ${EXTRA_TESTS:-}
 only=()
 [ -n "${COST_ONLY:-}" ] && only=(--only "$COST_ONLY")
 part cost "$t_cost" $py -m bench.true_on_policy --part cost --kernels triton --model 0.5b --rounds 10 \
