@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # True on-policy and speculation on one GPU, one call, each part under its own time limit (LIMITS,
 # seconds, in this order; 0 skips a part), so that a short device lease still brings back the first:
-#   1. (TESTS, by default) tests/gpu/test_true_on_policy_gpu.py, tests/gpu/test_sdpa_gpu.py (the default plain-PyTorch forms and the Triton kernels,
-#      dense and MoE with routing replay, chunked prefill) and tests/gpu/test_speculative_gpu.py (and
-#      EXTRA_TESTS);
+#   1. (TESTS, by default) tests/gpu/test_true_on_policy_gpu.py (the default plain-PyTorch forms and the Triton kernels,
+#      dense and MoE with routing replay, chunked prefill), tests/gpu/test_speculative_gpu.py and tests/gpu/test_sdpa_gpu.py
+#      (and EXTRA_TESTS);
 #   2. bench.true_on_policy --part cost with the Triton kernels (COST_ONLY=train|decode: one half; the
 #      train step at each of its default shapes);
 #   3. bench.spec_gpu --profile at the 0.5B shapes (in process, PROFILE_BATCHES: ms per token of a
