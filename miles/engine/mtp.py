@@ -129,21 +129,13 @@ class MtpDraft:
         logits = self.decoder.forward(b, self.pool)
         return logits.float(), self.decoder.hidden[b.last_index]
 
-    def rows(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor,
-             table: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """One decode-shaped MTP forward, all on the device: row i at position `positions[i]` of table
-        row `rows[i]` over the hidden state `hidden[i]` and the token one ahead `ids[i]` (each row
-        attends its own position's prefix, every row's K/V written first): (logits [R, V], the MTP's
-        final-normed hidden states [R, h])."""
-        self._bind_head()
-        b = Batch.decode(ids, positions, rows, table, context)
-        b.input_embeds = self._inputs(hidden.to(self.decoder.dtype), ids)
-        return self.decoder.forward(b, self.pool), self.decoder.hidden
-
     def rows_hidden(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor,
                     table: torch.Tensor, context: int) -> torch.Tensor:  # fmt: skip
-        """`rows` without the LM head: the final-normed hidden states [R, h] alone (`logits` gives the
-        rows wanted their logits), so a captured forward holds no [R, V] output."""
+        """One decode-shaped MTP forward, all on the device: row i at position `positions[i]` of table row
+        `rows[i]` over the hidden state `hidden[i]` and the token one ahead `ids[i]` (each row attends
+        its own position's prefix, every row's K/V written first); the MTP's final-normed hidden states
+        [R, h], without the LM head (`logits` gives the rows wanted theirs), so a captured forward
+        holds no [R, V] output."""
         self._bind_head()
         b = Batch.decode(ids, positions, rows, table, context)
         b.last_index = b.last_index[:1]
@@ -166,8 +158,8 @@ class MtpDraft:
         ids = logits.argmax(dim=-1)
         out = [ids]
         for i in range(steps):
-            z, hidden = self.rows(ids, start + i, rows, hidden, table, context)
-            ids = z.argmax(dim=-1)
+            hidden = self.rows_hidden(ids, start + i, rows, hidden, table, context)
+            ids = self.logits(hidden).argmax(dim=-1)
             out.append(ids)
         return torch.stack(out, dim=1)
 

@@ -36,6 +36,11 @@ MAX_SPACING = 16
 """The most the reprobe interval is stretched for a mode that lost by far."""
 
 
+def _key(n: int) -> int:
+    """The bucket of a batch of `n` requests: the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @dataclass
 class _Bucket:
     cost: dict[str, float] = field(default_factory=dict)
@@ -60,7 +65,7 @@ class Gate:
         self.buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, n: int) -> _Bucket:
-        return self.buckets.setdefault(1 << max(n - 1, 0).bit_length(), _Bucket())
+        return self.buckets.setdefault(_key(n), _Bucket())
 
     def speculate(self, n: int) -> bool:
         """Whether the next decode step of `n` requests speculates (the step counts toward the next
@@ -74,7 +79,7 @@ class Gate:
 
     def plain_ahead(self, n: int) -> bool:
         """Whether steps of `n` requests decode plainly with no probe due: nothing to time or choose."""
-        b = self.buckets.get(1 << max(n - 1, 0).bit_length())
+        b = self.buckets.get(_key(n))
         return b is not None and b.probing is None and b.kept == "plain" and b.since < self._interval(b)
 
     def _interval(self, b: _Bucket) -> float:
