@@ -8,7 +8,7 @@ forward launches them at once. As the decode graphs (miles/engine/cuda_graph.py)
 static buffers the replay reads (the spare rows of a bucket point at the table's padding row, whose
 slots are the pool's scratch slot), the slot table, the MTP's K/V pool and weights read in place. The
 target's embedding and LM head, which the MTP shares, are read in place too: a weight push or a memory
-release that gives the target new tensors for them drops the graphs (`_current` compares their
+release that gives the target new tensors for them drops the graphs (`_replay` compares their
 addresses).
 """
 
