@@ -9,7 +9,7 @@
 #   3. bench.spec_gpu --profile at the 0.5B shapes (in process, PROFILE_BATCHES: ms per token of a
 #      request, cProfile at the largest);
 #   4. bench.spec_gpu at the 0.5B shapes (decode tok/s with and without NEXTN at batch 1/8/32/256,
-#      SPEC_BRACKETS of random / oracle).
+#      SPEC_BRACKETS of random / oracle, SPEC_ARMS of nextn / adaptive / default).
 #   [LIMITS="200 200 100 200"] bash bench/onpolicy_spec_sitting.sh OUT
 set -u
 out=${1:?usage: bench/onpolicy_spec_sitting.sh OUT}
@@ -41,5 +41,6 @@ part cost "$t_cost" $py -m bench.true_on_policy --part cost --kernels triton --m
 part profile "$t_profile" $py -m bench.spec_gpu --profile --sizes 0.5b --new 64 \
   --batches ${PROFILE_BATCHES:-1 8 32} --brackets ${SPEC_BRACKETS:-random oracle}
 # shellcheck disable=SC2086
-part spec "$t_spec" $py -m bench.spec_gpu --sizes 0.5b --brackets ${SPEC_BRACKETS:-random oracle} \
+part spec "$t_spec" $py -m bench.spec_gpu --sizes ${SPEC_SIZES:-0.5b} --brackets ${SPEC_BRACKETS:-random oracle} \
+  --arms ${SPEC_ARMS:-nextn adaptive default} \
   --out "$out/spec_gpu.json"

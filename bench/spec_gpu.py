@@ -16,7 +16,9 @@ exactly `--new` new tokens (`--max-running-requests` the largest B); tok/s = B *
 the batch (the best of `--rounds`). Two NEXTN arms, both with no `--speculative-max-batch` (any batch
 may speculate): "NEXTN" speculates in every step (`--no-speculative-adaptive`: the speculation's own cost or gain), "NEXTN adaptive" as the engine
 does by default (miles/engine/spec_gate.py: per batch size the faster of speculating and plain decoding,
-measured; its probes are part of the figure). Ratios: each arm / plain of the same bracket and batch.
+measured; its probes are part of the figure). "NEXTN default" (`--arms default`): what a recipe gets by default,
+the gate plus `--speculative-max-batch 32` (engine.speculative.max_batch). Ratios: each arm / plain of the
+same bracket and batch.
 Sizes: Qwen2.5-0.5B and -7B shapes, and the MoE of bench/moe_gpu.py (Qwen3-30B-A3B's layers, 4 of them).
 """
 
@@ -31,6 +33,9 @@ from pathlib import Path
 
 import httpx
 import torch
+
+ARMS = {"nextn": "NEXTN", "adaptive": "NEXTN adaptive", "default": "NEXTN default"}
+"""`--arms`: the NEXTN arms by their short names (plain always runs: the ratios' anchor)."""
 
 
 def _shape(size: str, smoke: bool) -> tuple[dict | None, str, int]:
@@ -96,12 +101,14 @@ def run(args) -> list[dict]:
         for bracket in args.brackets:
             model = make_model(size, bracket, args)
             nextn = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(args.k)]
-            arms = (
-                ("plain", []),
-                ("NEXTN", [*nextn, "--no-speculative-adaptive"]),
-                ("NEXTN adaptive", nextn),
-            )
-            for arm, flags in arms:
+            flags_of = {
+                "plain": [],
+                "NEXTN": [*nextn, "--no-speculative-adaptive"],
+                "NEXTN adaptive": nextn,
+                "NEXTN default": [*nextn, "--speculative-max-batch", "32"],
+            }
+            for arm in ["plain", *(ARMS[a] for a in args.arms)]:
+                flags = flags_of[arm]
                 log = Path(args.workdir) / f"engine-{size}-{bracket}-{arm}.log"
                 eng = start_engine(
                     model,
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--pool", type=int, default=131072, help="the engines' --max-total-tokens")
     p.add_argument("--brackets", nargs="+", choices=["random", "oracle"], default=["random", "oracle"])
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["nextn", "adaptive"])
     p.add_argument("--profile", action="store_true", help="in process: plain and NEXTN per batch, cProfile")
     p.add_argument(
         "--profile-arm",
