@@ -19,6 +19,9 @@ does by default (miles/engine/spec_gate.py: per batch size the faster of specula
 measured; its probes are part of the figure). "NEXTN default" (`--arms default`): what a recipe gets by default,
 the gate plus `--speculative-max-batch 32` (engine.speculative.max_batch). Ratios: each arm / plain of the
 same bracket and batch.
+`--longtail`: each batch is a long-tailed rollout instead, request i asking for L_i new tokens, Pareto
+(`--alpha`) from 8 to `--new` (`--batches 256 --new 1024`: a step's rollout, its last requests decoding
+at small batch); tok/s = sum(L) / wall, so a ratio is the rollout's time, plain's / the arm's.
 Sizes: Qwen2.5-0.5B and -7B shapes, and the MoE of bench/moe_gpu.py (Qwen3-30B-A3B's layers, 4 of them).
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -75,18 +79,28 @@ def make_model(size: str, bracket: str, args) -> str:
     return str(out)
 
 
+def lengths(batch: int, args) -> list[int]:
+    """New tokens per request: `--new` each, or with `--longtail` a Pareto(`--alpha`) tail from 8 to
+    `--new` (seeded; the same for every arm): L = min(new, floor(8 * U^(-1/alpha)))."""
+    if not args.longtail:
+        return [args.new] * batch
+    rng = random.Random(0)
+    return [min(args.new, int(8 * (1.0 - rng.random()) ** (-1.0 / args.alpha))) for _ in range(batch)]
+
+
 def throughput(url: str, batch: int, args) -> tuple[float, dict]:
     """tok/s of `batch` greedy requests sent in one batched /generate (all admitted together, as a
     rollout's step hands them over), and the speculative counters summed over the replies."""
+    new = lengths(batch, args)
     body = {"input_ids": [[(13 * i + 7 * j) % 300 + 3 for j in range(args.prompt)] for i in range(batch)],
-            "sampling_params": {"max_new_tokens": args.new, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+            "sampling_params": [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in new]}  # fmt: skip
     best, counters = 0.0, {}
     for _ in range(args.rounds):
         start = time.perf_counter()
         outs = httpx.post(url + "/generate", json=body, timeout=1200).json()
         wall = time.perf_counter() - start
-        assert all(len(o["output_ids"]) == args.new for o in outs), "a request ended early"
-        best = max(best, batch * args.new / wall)
+        assert [len(o["output_ids"]) for o in outs] == new, "a request ended early"
+        best = max(best, sum(new) / wall)
         counters = {k: sum(o["meta_info"].get(k, 0) for o in outs)
                     for k in ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")}  # fmt: skip
     return best, counters
@@ -219,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--pool", type=int, default=131072, help="the engines' --max-total-tokens")
     p.add_argument("--brackets", nargs="+", choices=["random", "oracle"], default=["random", "oracle"])
+    p.add_argument("--longtail", action="store_true", help="Pareto(--alpha) lengths from 8 to --new")
+    p.add_argument("--alpha", type=float, default=0.8)
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["nextn", "adaptive"])
     p.add_argument("--profile", action="store_true", help="in process: plain and NEXTN per batch, cProfile")
     p.add_argument(
