@@ -10,10 +10,12 @@
 #      request, cProfile at the largest);
 #   4. bench.spec_gpu at the 0.5B shapes (decode tok/s with and without NEXTN at batch 1/8/32/256,
 #      SPEC_BRACKETS of random / oracle, SPEC_ARMS of nextn / adaptive / default).
-#   [LIMITS="200 200 100 200"] bash bench/onpolicy_spec_sitting.sh OUT
+#   5. bench.spec_gpu --longtail: one long-tailed rollout (256 requests, Pareto(0.8) lengths from 8 to
+#      1024 new tokens) at SPEC_SIZES, plain against the recipe default.
+#   [LIMITS="200 200 100 200 0"] bash bench/onpolicy_spec_sitting.sh OUT
 set -u
 out=${1:?usage: bench/onpolicy_spec_sitting.sh OUT}
-read -r t_tests t_cost t_profile t_spec <<< "${LIMITS:-200 200 100 200}"
+read -r t_tests t_cost t_profile t_spec t_tail <<< "${LIMITS:-200 200 100 200 0}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
@@ -44,3 +46,6 @@ part profile "$t_profile" $py -m bench.spec_gpu --profile --sizes 0.5b --new 64 
 part spec "$t_spec" $py -m bench.spec_gpu --sizes ${SPEC_SIZES:-0.5b} --brackets ${SPEC_BRACKETS:-random oracle} \
   --arms ${SPEC_ARMS:-nextn adaptive default} \
   --out "$out/spec_gpu.json"
+# shellcheck disable=SC2086
+part longtail "${t_tail:-0}" $py -m bench.spec_gpu --longtail --sizes ${SPEC_SIZES:-0.5b} --batches 256 --new 1024 \
+  --brackets ${SPEC_BRACKETS:-random oracle} --arms default --out "$out/longtail.json"
