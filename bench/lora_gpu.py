@@ -126,11 +126,11 @@ def decode_part(args, device: str) -> list[dict]:
         for a in rotated(names, r):
             tok_s[a].append(run(a, ps))
             print(f"decode round {r + 1} {a}: {tok_s[a][-1]:.0f} tok/s", flush=True)
-    if args.profile and device == "cuda":  # the kernels of one eager decode step, base and one adapter
+    if args.profile and device == "cuda":  # the kernels of one eager decode step: base, bank unused
         from bench.engine_gpu import profile_decode
 
         shape = argparse.Namespace(requests=batch, prompt=prompt, completion=new)
-        for a in ("base", "1 adapter, bank of 1"):
+        for a in ("base", "bank of 8, no adapter"):
             print(f"#### kernels of one decode step: {a}")
             profile_decode(scheds[a], shape)
     scheds.clear()
