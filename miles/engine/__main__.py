@@ -364,8 +364,6 @@ def build_state(args: argparse.Namespace) -> EngineState:
         and not (deterministic(args) and not _graph_safe_invariant(spec)),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_max_context=args.cuda_graph_max_context,
-        # speculation records each step's tokens at once: no decode step runs ahead of its readback
-        overlap=False if args.speculative_algorithm else None,
         stuck_timeout_s=args.scheduler_stuck_timeout_s,
     )
     try:

@@ -51,6 +51,7 @@ from miles.engine.spec_gate import Gate
 from miles.engine.speculative import (
     GreedyRows,
     Speculator,
+    fit_verify_graphs,
     greedy_chain,
     propose_rows,
     read_rows,
@@ -501,5 +502,6 @@ def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
     scheduler.speculator = MtpSpeculator(scheduler, mtp, args.speculative_num_steps)
     scheduler.speculator.max_batch = args.speculative_max_batch
     scheduler.speculator.gate = Gate() if args.speculative_adaptive else None
+    fit_verify_graphs(scheduler)
     log.info("speculative decoding: NEXTN, the MTP layer of %s, %d draft tokens per verify",
              args.model, args.speculative_num_steps)  # fmt: skip

@@ -104,6 +104,9 @@ class Scheduler(EngineThread):
         self._staging: Staging | None = None
         self.graph_max_bs = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
         self.graph_max_context = cuda_graph_max_context
+        self.graph_rows = self.graph_max_bs
+        """Rows of the largest captured decode step: graph_max_bs, or a speculative verify's rows
+        (miles/engine/speculative.py `fit_verify_graphs`)."""
         # decode contexts are padded to this multiple: few graph shapes on GPU, little waste on CPU
         self.context_step = 128 if on_gpu else 16
         self.graphs: DecodeGraphs | None = None
@@ -154,7 +157,7 @@ class Scheduler(EngineThread):
                 self.pool,
                 self.table,
                 self.max_running,
-                self.graph_max_bs,
+                self.graph_rows,
                 min(self.graph_max_context, self.max_context),
             )
 

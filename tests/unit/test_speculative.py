@@ -38,11 +38,11 @@ def test_acceptance_keeps_the_target_distribution():
     assert n == k and len(tokens) == k + 1, "a draft equal to the target keeps every proposal"
 
 
-def _scheduler(path: str, draft: str | None = None, steps: int = 3) -> Scheduler:
+def _scheduler(path: str, draft: str | None = None, steps: int = 3, overlap: bool = False) -> Scheduler:
     def decoder(p: str):
         return build_decoder(ModelSpec.from_dir(p), p, "cpu", torch.float32, "none", DEFAULT_FP8_MIN_TOKENS)
 
-    sched = Scheduler(decoder(path), 8, 4096, overlap=False)
+    sched = Scheduler(decoder(path), 8, 4096, overlap=overlap)
     if draft is not None:
         sched.speculator = speculative.Speculator(sched, decoder(draft), steps)
     return sched
@@ -84,11 +84,12 @@ def models(tmp_path_factory) -> tuple[str, str]:
     return str(init_tiny(root / "target", seed=0)), str(init_tiny(root / "draft", seed=1))
 
 
-def test_greedy_equals_the_plain_engine(models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_equals_the_plain_engine(models, overlap):
     target, draft = models
     plain = _run(_scheduler(target), 0.0)
     for name, model in (("other weights", draft), ("the target itself", target)):
-        spec = _run(_scheduler(target, model), 0.0)
+        spec = _run(_scheduler(target, model, overlap=overlap), 0.0)
         for a, b in zip(plain, spec, strict=True):
             assert a.output == b.output, name
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5), name
@@ -218,14 +219,16 @@ def test_a_request_past_the_draft_cache_decodes_as_usual(models):
     assert 0 < outs[1].spec_verify_ct < 16, "speculation until the run is full, then plain decoding"
 
 
-def test_the_gate_switches_modes_and_outputs_stay_the_plain_engines(models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_gate_switches_modes_and_outputs_stay_the_plain_engines(models, overlap):
     """STANDALONE under the gate (probes of two steps, another probe every two): the draft's cache
-    catches up after plain steps, and greedy output and log-probs stay the plain engine's."""
+    catches up after plain steps, and greedy output and log-probs stay the plain engine's. With
+    `overlap` the plain steps run one ahead of their readback, as on a GPU."""
     from miles.engine.spec_gate import Gate
 
     target, draft = models
     plain = _run(_scheduler(target), 0.0)
-    sched = _scheduler(target, draft)
+    sched = _scheduler(target, draft, overlap=overlap)
     sched.speculator.gate = Gate(window=2, reprobe=2)
     spec = _run(sched, 0.0)
     for a, b in zip(plain, spec, strict=True):
@@ -259,3 +262,14 @@ def test_greedy_and_sampled_requests_speculate_in_one_batch(models):
         logp = torch.log_softmax(logits[len(r.prompt) - 1 : -1] / (t or 1.0), dim=-1)
         want = logp.gather(1, torch.tensor(r.output)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(r.logprobs), want, atol=1e-4), t
+
+
+@pytest.mark.parametrize(("max_batch", "rows"), [(None, 8 * 4), (4, 4 * 4), (1, 8)])
+def test_captured_steps_widen_to_a_verify_of_the_largest_speculating_batch(models, max_batch, rows):
+    """A verify of B requests is a decode-shaped step of B (k + 1) rows: the captured steps reach the
+    rows of the largest batch that may speculate (k = 3 here; never narrower than the scheduler's own)."""
+    target, draft = models
+    sched = _scheduler(target, draft)
+    sched.speculator.max_batch = max_batch
+    speculative.fit_verify_graphs(sched)
+    assert sched.graph_max_bs == 8 and sched.graph_rows == rows
