@@ -35,3 +35,18 @@ def test_smoke_run_brackets_the_acceptance(tmp_path):
     adaptive = [r for r in rows if r["arm"] == "NEXTN adaptive"]  # the gate decides: counters stay whole
     assert all(r["spec_accept_token_num"] <= r["spec_draft_token_num"] for r in adaptive)
     assert "| 0.5b | oracle | NEXTN | 1 |" in proc.stdout
+
+
+def test_longtail_lengths_are_a_seeded_pareto_tail():
+    """`--longtail`: every arm asks for the same lengths, from 8 to --new, most short and a few at the cap."""
+    from argparse import Namespace
+
+    from bench.spec_gpu import lengths
+
+    args = Namespace(longtail=True, new=1024, alpha=0.8)
+    got = lengths(256, args)
+    assert got == lengths(256, args) and len(got) == 256
+    assert min(got) >= 8 and max(got) == 1024
+    assert sorted(got)[128] < 64, "half the requests are short"
+    assert 0 < sum(n == 1024 for n in got) < 16, "a few run to the cap: the tail"
+    assert lengths(4, Namespace(longtail=False, new=32, alpha=0.8)) == [32] * 4
