@@ -19,10 +19,9 @@ if not torch.cuda.is_available():
 def test_masked_attention_runs_no_cudnn_kernel_and_matches_math(length):
     gen = torch.Generator(device="cuda").manual_seed(length)
     q, k, v = (
-        torch.randn(16, 1, 7, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)
+        torch.randn(16, 1, rows, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for rows in (7, length, length)
     )
-    k, v = (t.expand(16, 1, length, 64).contiguous() if t.shape[2] != length else t for t in (k, v))
-    k = k + torch.randn(k.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     seen = (
         torch.arange(length, device="cuda")[None, :]
         <= torch.randint(0, length, (16,), device="cuda")[:, None]
