@@ -167,9 +167,10 @@ class MtpDraft:
 
 SHORT_RUN = 8
 """Runs of at most this many tokens (a verify's kept drafts, queued plain steps) forward decode-shaped."""
-FOLLOW_EVERY = 8
+FOLLOW_EVERY = 32
 """Plain decode steps whose hidden states the MTP takes in one forward (sooner when a round needs them):
-a plain step then pays for one MTP launch sequence in that many."""
+a plain step then pays for one MTP launch sequence in that many, and the queue holds that many copies of
+a step's hidden states."""
 
 
 def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor) -> Batch:
@@ -231,9 +232,9 @@ class MtpSpeculator(Speculator):
             raise ValueError(f"--speculative-num-steps must be at least 1, got {num_steps}")
         self.s, self.k, self.mtp = scheduler, num_steps, mtp
         self.state: weakref.WeakKeyDictionary[Request, _State] = weakref.WeakKeyDictionary()
-        self.queue: list[tuple[list[Request], list[int], torch.Tensor]] = []
-        """Plain steps not yet taken by the MTP: the requests it follows, their rows in the step, and
-        the step's hidden states [B, h] (a copy)."""
+        self.queue: list[tuple[tuple[Request, ...], torch.Tensor]] = []
+        """Plain steps not yet taken by the MTP: the step's requests and its hidden states [B, h] (a
+        copy), row i request i's."""
         scheduler.decoder.capture_hidden = True
         scheduler.decoder.row_decode = False  # the CPU row decode leaves no hidden states
         self.chains = self.row_graphs = None
@@ -367,43 +368,40 @@ class MtpSpeculator(Speculator):
         super().after_decode(reqs, hidden, ahead)
 
     def _follow(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
-        """Queue the step's rows of the requests whose history reaches it (a gap drops the history);
-        the MTP takes the queue in one forward every FOLLOW_EVERY steps, or before a round."""
+        """Queue the step (its requests and hidden states, no per-request work); the MTP takes the queue
+        in one forward every FOLLOW_EVERY steps, or before a round. A step without hidden states leaves
+        a gap in its requests' histories, which `_flush` finds."""
         if hidden is None or hidden.shape[0] < len(reqs):
             return
-        rows, keep = [], []
-        for i, r in enumerate(reqs):
-            at = r.draft_next  # -1: no history
-            if at < 0 or r.finish is not None:
-                continue
-            if at == len(r.prompt) + len(r.output) - 2:  # the step forwarded position num_tokens - 2
-                rows.append(i)
-                keep.append(r)
-                r.draft_next = at + 1
-            else:
-                self._drop(r)
-        if keep:
-            self.queue.append((keep, rows, hidden))
+        self.queue.append((tuple(reqs), hidden))
         if len(self.queue) >= FOLLOW_EVERY:
             self._flush()
 
     def _flush(self) -> None:
-        """The MTP over the queued rows (per request positions upto.., the tokens one ahead), in one
-        forward: the queued hidden states gathered request by request with one index."""
+        """The MTP over the queued steps' rows of each request whose history they continue (positions
+        upto.. of its kept state, the tokens one ahead), in one forward: the queued hidden states gathered
+        request by request with one index. A request's n queued steps forwarded its positions
+        num_tokens - 1 - n .. num_tokens - 2 (one token each, recorded before the flush); unless they
+        start where its kept state ends, a step is missing and its history ends. Consecutive steps of
+        the same requests are taken in one pass."""
         steps, self.queue = self.queue, []
         if not steps:
             return
         where: dict[Request, list[int]] = {}
-        base = 0
-        for reqs, rows, hidden in steps:
-            for r, i in zip(reqs, rows, strict=True):
-                where.setdefault(r, []).append(base + i)
-            base += hidden.shape[0]
+        base, at = 0, 0
+        while at < len(steps):
+            reqs, bases = steps[at][0], []
+            while at < len(steps) and steps[at][0] == reqs:  # identical tuples: identity, element-wise in C
+                bases.append(base)
+                base += steps[at][1].shape[0]
+                at += 1
+            for i, r in enumerate(reqs):
+                where.setdefault(r, []).extend([b + i for b in bases])
         order: list[int] = []
         spans, kept = [], []
         for r, ix in where.items():
             st = self.state.get(r)
-            if st is None or r.finish is not None or r.row < 0 or r.draft_next != st.upto + len(ix):
+            if st is None or r.finish is not None or r.row < 0 or r.num_tokens - 1 - len(ix) != st.upto:
                 self._drop(r)
                 continue
             spans.append((r.row, r.tokens[st.upto + 1 : st.upto + 1 + len(ix)], len(order), st.upto))
@@ -411,8 +409,8 @@ class MtpSpeculator(Speculator):
             order += ix
         if not kept:
             return
-        dev = steps[0][2].device
-        gathered = torch.cat([h for _, _, h in steps])[torch.tensor(order).to(dev, non_blocking=True)]
+        dev = steps[0][1].device
+        gathered = torch.cat([h for _, h in steps])[torch.tensor(order).to(dev, non_blocking=True)]
         runs = [(row, ids, gathered[at : at + len(ids)], start) for row, ids, at, start in spans]
         self._extend(kept, runs)
 
@@ -420,12 +418,10 @@ class MtpSpeculator(Speculator):
         """The MTP's output after position upto - 1 of `r` (row i of `logits`, `hidden`): the state its
         next draft starts from."""
         self.state[r] = _State(upto, logits, hidden, i)
-        r.draft_next = upto
 
     def _drop(self, r: Request) -> None:
         """`r` has no MTP history from here on (it decodes as usual)."""
         self.state.pop(r, None)
-        r.draft_next = -1
 
     def _draft_kept(self, r: Request, positions: int) -> None:
         """The MTP's own positions are rewritten by the extend after each verify."""

@@ -55,9 +55,6 @@ class Request:
     """Speculative decoding (miles/engine/speculative.py): verify forwards, tokens proposed, kept."""
     spec_draft_token_num: int = 0
     spec_accept_token_num: int = 0
-    draft_next: int = -1
-    """A speculating engine's MTP layer (miles/engine/mtp.py): the next position it takes of this
-    request, its history so far and plain steps queued (-1: none)."""
     done: Future = field(default_factory=Future)
     created_s: float = field(default_factory=time.monotonic)
 
