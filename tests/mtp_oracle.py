@@ -7,7 +7,7 @@ import torch
 
 
 def oracle_mtp(path) -> str:
-    """The tiny model with zero attention / MLP outputs in the target and the MTP layer, and an MTP
+    """The tiny model with zero attention / MLP (and MoE experts') outputs in the target and the MTP layer, and an MTP
     input projection that keeps the next token's embedding: the target predicts x_{t+1} = f(x_t) and
     the layer f(x_{t+1}) = x_{t+2} (tests/unit/test_mtp_speculation.py)."""
     from safetensors.torch import load_file, save_file
@@ -15,7 +15,7 @@ def oracle_mtp(path) -> str:
     for name in ("model.safetensors", "mtp.safetensors"):
         tensors = load_file(str(path / name))
         for n, t in tensors.items():
-            if n.endswith(("o_proj.weight", "down_proj.weight")):
+            if n.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):  # stacked experts too
                 t.zero_()
             if n.endswith("eh_proj.weight"):
                 hidden = t.shape[0]

@@ -44,10 +44,20 @@ def _run(sched: Scheduler, temperature: float, n: int = 20, routes: bool = False
     return reqs
 
 
-def test_an_oracle_mtp_layer_keeps_every_proposal(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_an_oracle_mtp_layer_keeps_every_proposal(tmp_path, arch):
+    """The oracle (tests/mtp_oracle.py) of a dense and of a mixture-of-experts model, whose stacked
+    experts' outputs it zeroes too (made large first, so that experts left alone would change the
+    tokens): every proposal kept."""
+    from safetensors.torch import load_file, save_file
+
     from miles.models.tiny import init_tiny
 
-    model = oracle_mtp(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
+    path = init_tiny(tmp_path / "oracle", arch=arch, seed=0, mtp=True)
+    for f in path.glob("*.safetensors"):
+        tensors = {n: t * 100 if n.endswith("experts.down_proj") else t for n, t in load_file(str(f)).items()}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    model = oracle_mtp(path)
     plain = _run(_scheduler(model, False), 0.0)
     spec = _run(_scheduler(model, True), 0.0)
     assert [r.output for r in spec] == [r.output for r in plain]
