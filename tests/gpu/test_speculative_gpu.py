@@ -2,8 +2,9 @@
 embedded engine's scheduler with a STANDALONE draft (the target itself) and with NEXTN (an oracle
 MTP layer, tests/unit/test_mtp_speculation.py) gives the plain engine's greedy tokens, and the drafts
 that must be kept are kept: eager, with CUDA graphs (the verify's decode step of 4 requests' k + 1 = 4
-rows each replayed from the graph of 16 rows, the draft's greedy chain from its own), or with graphs of
-8 rows at most (the verify eager, the chain still replayed)."""
+rows each replayed from the graph of 16 rows, the draft's greedy chain from its own), with graphs of
+8 rows at most (the verify eager, the chain still replayed), or in a scheduler of 4 running slots whose
+captured steps `fit_verify_graphs` widens to the verify's 16 rows (as the engine process does)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _run(sched: Scheduler) -> list[Request]:
     return reqs
 
 
-@pytest.mark.parametrize("graphs", ["eager", "graphs", "small"])
+@pytest.mark.parametrize("graphs", ["eager", "graphs", "small", "widened"])
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "NEXTN"])
 def test_greedy_speculation_on_cuda_equals_plain_decoding(algorithm, graphs, tmp_path) -> None:
     from miles.models.tiny import init_tiny
@@ -50,17 +51,21 @@ def test_greedy_speculation_on_cuda_equals_plain_decoding(algorithm, graphs, tmp
         oracle_mtp(path)
     path = str(path)
     plain = _run(Scheduler(_decoder(path), 8, 4096))
-    sched = Scheduler(_decoder(path), 8 if graphs == "small" else 16, 4096, cuda_graph=graphs != "eager")
+    running = {"small": 8, "widened": 4}.get(graphs, 16)
+    sched = Scheduler(_decoder(path), running, 4096, cuda_graph=graphs != "eager")
     if algorithm == "NEXTN":
         sched.speculator = MtpSpeculator(sched, load_mtp(path, sched.decoder, sched.max_total_tokens + 1), 3)
     else:
         sched.speculator = speculative.Speculator(sched, _decoder(path), 3)
+    if graphs == "widened":
+        speculative.fit_verify_graphs(sched)
+        assert sched.graph_max_bs == 4 and sched.graph_rows == 16
     spec = _run(sched)
     assert [r.output for r in spec] == [r.output for r in plain]
     proposed = sum(r.spec_draft_token_num for r in spec)
     assert proposed > 0 and sum(r.spec_accept_token_num for r in spec) == proposed
     captured = {rows for rows, _, _ in sched.graphs.graphs} if sched.graphs is not None else set()
     # 4 requests decode plainly in at most 4 rows: 16 rows are a verify's (8 at most in "small")
-    assert (16 in captured) == (graphs == "graphs")
+    assert (16 in captured) == (graphs in ("graphs", "widened"))
     spec_graphs = sched.speculator.chains if algorithm == "NEXTN" else sched.speculator.cache.graphs
     assert (spec_graphs is not None and len(spec_graphs.graphs) > 0) == (graphs != "eager")
