@@ -106,7 +106,7 @@ class Scheduler(EngineThread):
         self.graph_max_context = cuda_graph_max_context
         self.graph_rows = self.graph_max_bs
         """Rows of the largest captured decode step: graph_max_bs, or a speculative verify's rows
-        (miles/engine/speculative.py `fit_verify_graphs`)."""
+        (`capture_up_to`, miles/engine/speculative.py `fit_verify_graphs`)."""
         # decode contexts are padded to this multiple: few graph shapes on GPU, little waste on CPU
         self.context_step = 128 if on_gpu else 16
         self.graphs: DecodeGraphs | None = None
@@ -151,15 +151,15 @@ class Scheduler(EngineThread):
             self.row_kv = RowKV(
                 s.num_layers, self.max_running, s.num_kv_heads, s.head_dim, self.decoder.dtype, cap
             )
-        if self.use_cuda_graph:
-            self.graphs = DecodeGraphs(
-                self.decoder,
-                self.pool,
-                self.table,
-                self.max_running,
-                self.graph_rows,
-                min(self.graph_max_context, self.max_context),
-            )
+        self.capture_up_to(self.graph_rows)
+
+    def capture_up_to(self, rows: int) -> None:
+        """Decode steps of up to `rows` rows replay CUDA graphs, each captured on its first use (a
+        speculative verify's rows may pass graph_max_bs); the graphs so far are dropped."""
+        self.graph_rows = rows
+        if self.use_cuda_graph and not self._needs_memory:  # else `_alloc_memory` builds them
+            context = min(self.graph_max_context, self.max_context)
+            self.graphs = DecodeGraphs(self.decoder, self.pool, self.table, self.max_running, rows, context)
 
     # ---- called from other threads ----
     def run_until_idle(self) -> None:

@@ -510,21 +510,13 @@ def problem(args: Any) -> str | None:
 
 
 def fit_verify_graphs(scheduler: Any) -> None:
-    """Widen the scheduler's decode graphs to a verify's rows: k + 1 per request of the largest batch
-    that may speculate, min(the captured batch size, max_batch), so that a verify replays a graph rather
-    than running eagerly. Graphs are captured on first use: only the sizes that come cost memory."""
+    """Widen the scheduler's captured decode steps to a verify's rows: k + 1 per request of the largest
+    batch that may speculate, min(the captured batch size, max_batch), so that a verify replays a graph
+    rather than running eagerly. Graphs are captured on first use: only the sizes that come cost memory."""
     sp = scheduler.speculator
     rows = min(scheduler.graph_max_bs, sp.max_batch or scheduler.graph_max_bs) * (sp.k + 1)
-    if rows <= scheduler.graph_rows:
-        return
-    scheduler.graph_rows = rows
-    if scheduler.graphs is not None:  # memory is allocated (on a GPU, at start-up): none captured yet
-        from miles.engine.cuda_graph import DecodeGraphs
-
-        g = scheduler.graphs
-        scheduler.graphs = DecodeGraphs(
-            scheduler.decoder, g.pool, g.table, scheduler.max_running, rows, g.max_context
-        )
+    if rows > scheduler.graph_rows:
+        scheduler.capture_up_to(rows)
 
 
 def attach(args: Any, scheduler: Any, device: str, dtype: torch.dtype) -> None:
