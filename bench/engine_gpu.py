@@ -147,8 +147,9 @@ def graph_gpu_time(sched, args) -> float:
     return start.elapsed_time(end) / 20
 
 
-def profile_decode(sched, args) -> None:
-    """Print the CUDA kernels of one eager decode forward at full batch, by total time."""
+def profile_decode(sched, args, lora_slots: torch.Tensor | None = None) -> None:
+    """Print the CUDA kernels of one eager decode forward at full batch, by total time (`lora_slots`:
+    each request's LoRA slot)."""
     from torch.profiler import ProfilerActivity, profile
 
     from miles.engine.model import Batch
@@ -157,6 +158,7 @@ def profile_decode(sched, args) -> None:
     inputs = torch.zeros(3, args.requests, dtype=torch.int64, device="cuda")
     inputs[2] = sched.max_running
     batch = Batch.decode(inputs[0], inputs[1], inputs[2], sched.table, context)
+    batch.lora_slots = lora_slots  # every request writes the padding row: slots given per token
     sched.decoder.forward(batch, sched.pool)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -59,17 +59,18 @@ def rows(arch: int) -> list[dict]:
     # Qwen2.5-0.5B: 14 heads and 2 key/value heads of 64; the RoPE kernel's JB as rope_store_kv picks it
     shape = dict(H=14, KVH=2, D=64, H_PAD=16, KVH_PAD=2, HALF_PAD=32, QK_NORM=False)
     kernels = [
-        ("lora_split / lora_add_ (expand)", tl._lora_expand_kernel, bf16, dict(BT=tl.BT, BN=tl.BN), dict(num_warps=4)),
+        ("lora_split / lora_add_ (expand)", tl._lora_expand_kernel, bf16, dict(BT=tl.BT, BN=tl.BN, C=tl.CHUNK), dict(num_warps=8)),
         ("lora_split_silu", tl._lora_silu_kernel, bf16,
-         dict(BT=tl.SILU_BT, BN=tl.SILU_BN, LIBDEVICE=True), dict(num_warps=8, **exact)),
+         dict(BT=tl.SILU_BT, BN=tl.SILU_BN, C=tl.CHUNK, LIBDEVICE=True), dict(num_warps=8, **exact)),
         ("lora_split_add_rms_norm_", tl._lora_add_norm_kernel, bf16,
-         dict(BT=tl.NORM_BT, BN=tl.NORM_BN), dict(num_warps=4, **exact)),
+         dict(BN=tl.NORM_BN, JB=16), dict(num_warps=4, **exact)),
         ("rope_store_kv with lora", tf._rope_store_kernel, rope, dict(shape, LORA=True, JB=8), dict(num_warps=4, **exact)),
     ]  # fmt: skip
     out = []
     for name, fn, types, consts, options in kernels:
         for width in (16, 128):
-            r = resources(fn, types, consts | dict(R=16, SR=width), options, arch)
+            wide = {n: v for n, v in dict(R=16, SR=width).items() if n in fn.arg_names}
+            r = resources(fn, types, consts | wide, options, arch)
             out.append(dict(kernel=name, slot_columns=width, num_warps=options["num_warps"], **r))
     r = resources(
         tf._rope_store_kernel,

@@ -7,12 +7,14 @@
    temperature 1, ignore_eos) on Qwen2.5-0.5B shapes, 256 requests, prompt 128, 128 new tokens. Arms:
    `base` (no LoRA bank); banks of 1, 4 or 8 slots (--max-loras-per-batch), rank 16, every attention
    and MLP projection, with every request on the base model, on one adapter, or spread round-robin
-   over 4 or 8 adapters; and three anchors for the bank of 1: its A in tensors of its own (an A GEMM,
-   then the Triton kernel: the path before A was stacked under the weights), with the kernels that
-   read a layer's output (gate/up's activation; o's and down's residual add and norm; q/k/v's RoPE
-   and K/V store) apart from the adapters' kernel (`fuse_consumers` off), and without the Triton
-   kernels (miles/engine/triton_lora.py), as the CPU computes it (A GEMM, mask, B GEMM-accumulate). Adapters are random (A, B ~ N(0, 0.02)). One untimed run
-   per arm, then `--rounds` rounds, arms rotated; vs base = tok/s / base tok/s of the same round.
+   over 4 or 8 adapters; and anchors for the bank of 1: its A in tensors of its own (an A GEMM, then
+   the Triton kernel: the path before A was stacked under the weights); the kernels that read a
+   layer's output (gate/up's activation "silu"; o's and down's residual add and norm "norm"; q/k/v's
+   RoPE and K/V store "rope") apart from the adapters' kernel, all of them ("next kernels apart") or
+   one (LoraTerms.fuse_consumers); and without the Triton kernels (miles/engine/triton_lora.py), as
+   the CPU computes it (A GEMM, mask, B GEMM-accumulate). Adapters are random (A, B ~ N(0, 0.02)). One
+   untimed run per arm, then `--rounds` rounds, arms rotated; vs base = tok/s / base tok/s of the same
+   round. `--profile [ARM ...]`: the CUDA kernels of one eager decode step of those arms.
 2. push: Qwen2.5-0.5B and -7B shapes: bytes of a rank-16 adapter on every projection against the whole
    model in bf16, and the time to move each into an engine in process: the full weights by
    `Decoder.load` from GPU tensors; the adapter as the wire carries it (tensors pickled inline from the
@@ -56,6 +58,7 @@ def _adapter(bank, seed: int) -> dict[str, torch.Tensor]:
 def decode_part(args, device: str) -> list[dict]:
     from miles.engine.fp8_weights import build_decoder
     from miles.engine.lora import AdapterConfig
+    from miles.engine.lora_terms import CONSUMERS
     from miles.engine.model import ModelSpec
     from miles.engine.sampling import SamplingParams
     from miles.engine.scheduler import Request, Scheduler
@@ -64,35 +67,35 @@ def decode_part(args, device: str) -> list[dict]:
     path = make_model(Path(args.workdir), "tiny" if args.smoke else "0.5b", str(dtype).removeprefix("torch."))
     batch, prompt, new = (4, 8, 4) if args.smoke else (256, 128, 128)
     spec = ModelSpec.from_dir(path)
-    plain = build_decoder(spec, path, device, dtype, "none", 1024)
     config = AdapterConfig(RANK, 2.0 * RANK, TARGETS)
-    banks = {}
-    for size in (1, 4, 8):  # a bank of `size` slots, each holding an adapter
-        banks[size] = build_decoder(spec, path, device, dtype, "none", 1024)
-        banks[size].lora = _bank(banks[size], size, batch)
-        for k in range(size):
-            banks[size].lora.load(f"a{k}", config, _adapter(banks[size].lora, k), "random")
-    torch_path = build_decoder(spec, path, device, dtype, "none", 1024)  # the same, without the fused kernel
-    torch_path.lora = _bank(torch_path, 1, batch)
-    torch_path.lora.load("a0", config, _adapter(torch_path.lora, 0), "random")
-    torch_path.lora.terms.blocks = {}
-    apart = build_decoder(spec, path, device, dtype, "none", 1024)  # A in its own tensors: a GEMM of its own
-    apart.lora = _bank(apart, 1, batch, stack=None)
-    apart.lora.load("a0", config, _adapter(apart.lora, 0), "random")
-    apart_next = build_decoder(spec, path, device, dtype, "none", 1024)  # split, then the next kernel
-    apart_next.lora = _bank(apart_next, 1, batch)
-    apart_next.lora.load("a0", config, _adapter(apart_next.lora, 0), "random")
-    apart_next.lora.terms.fuse_consumers = False
-    aligned = {}
-    for align in args.align or []:  # the stacked block padded to other multiples (the A rows alone: 1)
-        aligned[align] = build_decoder(spec, path, device, dtype, "none", 1024)
-        aligned[align].lora = _bank(aligned[align], 1, batch, stack=align)
-        aligned[align].lora.load("a0", config, _adapter(aligned[align].lora, 0), "random")
+
+    def bank(slots: int, loaded: int, fuse: frozenset[str] | None = None, kernels: bool = True, **stack):
+        """A decoder with a bank of `slots` slots, `loaded` of them holding an adapter; `fuse`: the
+        consumer kernels that add the term (LoraTerms.fuse_consumers; None: the default)."""
+        d = build_decoder(spec, path, device, dtype, "none", 1024)
+        d.lora = _bank(d, slots, batch, **stack)
+        for k in range(loaded):
+            d.lora.load(f"a{k}", config, _adapter(d.lora, k), "random")
+        if fuse is not None:
+            d.lora.terms.fuse_consumers = fuse
+        if not kernels:  # the PyTorch path (A GEMM, mask, B GEMM-accumulate)
+            d.lora.terms.blocks = {}
+        return d
+
+    banks = {size: bank(size, size) for size in (1, 4, 8)}
     slots = batch * (prompt + new) + 4096
-    arms = {"base": (plain, 0), "bank of 8, no adapter": (banks[8], 0), "1 adapter, bank of 1": (banks[1], 1),
-            "1 adapter, bank of 1, A GEMM apart": (apart, 1), "1 adapter, bank of 1, next kernels apart": (apart_next, 1), "1 adapter, bank of 1, PyTorch path": (torch_path, 1), "1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
-            "8 adapters, bank of 8": (banks[8], 8)}  # fmt: skip
-    arms.update({f"1 adapter, bank of 1, stacked rows a multiple of {k}": (d, 1) for k, d in aligned.items()})
+    one = "1 adapter, bank of 1"
+    arms = {"base": (build_decoder(spec, path, device, dtype, "none", 1024), 0),
+            "bank of 8, no adapter": (banks[8], 0), one: (banks[1], 1),
+            f"{one}, A GEMM apart": (bank(1, 1, stack=None), 1),  # A in tensors of its own
+            f"{one}, next kernels apart": (bank(1, 1, fuse=frozenset()), 1),  # split, then the next kernel
+            f"{one}, PyTorch path": (bank(1, 1, kernels=False), 1)}  # fmt: skip
+    for c in sorted(CONSUMERS):  # one consumer kernel apart
+        arms[f"{one}, {c} apart"] = (bank(1, 1, fuse=CONSUMERS - {c}), 1)
+    arms |= {"1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
+             "8 adapters, bank of 8": (banks[8], 8)}  # fmt: skip
+    for align in args.align or []:  # the stacked block padded to other multiples (the A rows alone: 1)
+        arms[f"{one}, stacked rows a multiple of {align}"] = (bank(1, 1, stack=align), 1)
     scheds = {a: Scheduler(d, batch, slots) for a, (d, _) in arms.items()}
     rng = random.Random(args.seed)
 
@@ -126,13 +129,15 @@ def decode_part(args, device: str) -> list[dict]:
         for a in rotated(names, r):
             tok_s[a].append(run(a, ps))
             print(f"decode round {r + 1} {a}: {tok_s[a][-1]:.0f} tok/s", flush=True)
-    if args.profile and device == "cuda":  # the kernels of one eager decode step: base, bank unused
+    if args.profile and device == "cuda":  # the kernels of one eager decode step of some arms
         from bench.engine_gpu import profile_decode
 
         shape = argparse.Namespace(requests=batch, prompt=prompt, completion=new)
-        for a in ("base", "bank of 8, no adapter"):
+        for a in args.profile:
+            d, n = arms[a]
+            lora = torch.tensor([d.lora.slots[f"a{i % n}"] for i in range(batch)], device=device) if n else None
             print(f"#### kernels of one decode step: {a}")
-            profile_decode(scheds[a], shape)
+            profile_decode(scheds[a], shape, lora)
     scheds.clear()
     free_memory()
     return [
@@ -144,6 +149,7 @@ def decode_part(args, device: str) -> list[dict]:
 def push_part(args, device: str) -> list[dict]:
     from miles.engine.fp8_weights import build_decoder
     from miles.engine.lora import AdapterConfig
+    from miles.engine.lora_terms import CONSUMERS
     from miles.engine.model import ModelSpec, load_weights
     from miles.weights.tensor import deserialize, serialize_inline
 
@@ -211,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
     p.add_argument(
-        "--profile", action="store_true", help="decode: print the kernels of one step, base and 1 adapter"
+        "--profile",
+        nargs="*",
+        default=None,
+        help="decode: print the kernels of one eager step of these arms (none named: base, a bank of 8 "
+        "with no adapter, one adapter)",
     )
     p.add_argument(
         "--align",
@@ -220,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         help="decode: also the bank of 1 with its stacked block a multiple of N rows",
     )
     args = p.parse_args(argv)
+    if args.profile == []:
+        args.profile = ["base", "bank of 8, no adapter", "1 adapter, bank of 1"]
     args.workdir = str(Path(args.workdir).resolve())
     device, start = bench_device(args, "bench.lora_gpu"), utc_now()
     results, errors = run_parts(

@@ -81,7 +81,7 @@ class FusedForward:
         group's A stacked under the weight, (the base projection, the adapters' part), which that kernel
         adds."""
         d = self.d
-        if d.lora is not None and d.lora.terms.fuses_next(module):
+        if d.lora is not None and d.lora.terms.fuses_next(module, "rope"):
             wide_bias = None if bias is None else d.wide[module + ".bias"]
             return d.lora.terms.rope_parts(F.linear(x, d.wide[module + ".weight"], wide_bias), module)
         return d._project(x, module + ".weight", bias), None
@@ -96,7 +96,7 @@ class FusedForward:
 
         d = self.d
         module, eps = name.removesuffix(".weight"), d.spec.rms_norm_eps
-        if d.lora is not None and d.lora.terms.fuses_next(module):
+        if d.lora is not None and d.lora.terms.fuses_next(module, "norm"):
             return d.lora.terms.split_add_norm(F.linear(inp, d.wide[name]), module, x, norm, eps, d.dtype)
         return add_rms_norm_(x, d._project(inp, name), norm, eps, d.dtype)
 
@@ -107,6 +107,6 @@ class FusedForward:
 
         d = self.d
         module = name.removesuffix(".weight")
-        if d.lora is not None and d.lora.terms.fuses_next(module):
+        if d.lora is not None and d.lora.terms.fuses_next(module, "silu"):
             return d.lora.terms.split_silu(F.linear(x, d.wide[name]), module)
         return silu_mul(d._project(x, name))

@@ -38,6 +38,10 @@ def kernel_blocks(
     return out
 
 
+CONSUMERS = frozenset({"rope", "silu", "norm"})
+"""The kernels that can add a stacked layer's adapters' term as they read its output (`fuses_next`)."""
+
+
 class LoraTerms:
     """The forward's adapter terms of one bank (module docstring)."""
 
@@ -46,11 +50,11 @@ class LoraTerms:
         self.blocks = blocks
         """Group or module (a group's members too: the per-op forward multiplies them one by one) -> the
         member of each column block, for the Triton kernels (empty: the PyTorch path everywhere)."""
-        self.fuse_consumers = True
-        """A stacked layer's adapters' term is computed by the kernel that reads its output next: gate/up's
-        activation (`split_silu`), o's and down's residual add and norm (`split_add_norm`), q/k/v's RoPE
-        and K/V store (`rope_parts`). False: `split` writes the output and the next kernel reads it (the
-        benchmark's anchor)."""
+        self.fuse_consumers: frozenset[str] = CONSUMERS
+        """The kernels that compute a stacked layer's adapters' term as they read its output: "silu"
+        (gate/up's activation, `split_silu`), "norm" (o's and down's residual add and norm,
+        `split_add_norm`), "rope" (q/k/v's RoPE and K/V store, `rope_parts`). For the others, `split`
+        writes the output and the next kernel reads it (the benchmark's anchors)."""
         self.column_slot = torch.arange(bank.width, device=bank.device) // bank.max_rank
         self.tokens: torch.Tensor | None = None
         """Slot of each token of the current forward (set by the decoder), or None: no adapter at all."""
@@ -92,12 +96,11 @@ class LoraTerms:
             both, b, self.blocks[key], self.tokens, self.bank.scale, self.bank.max_rank, self.bank.width
         )
 
-    def fuses_next(self, key: str) -> bool:
+    def fuses_next(self, key: str, consumer: str) -> bool:
         """Whether layer or group `key` should run as one GEMM over its weight with A stacked under it,
-        its adapters' term then added by the kernel that reads the output next (`rope_parts` for q/k/v,
-        `split_silu` for gate/up, `split_add_norm` for o and down): `stacks`, unless `fuse_consumers` is
-        off."""
-        return self.fuse_consumers and self.stacks(key)
+        its adapters' term then added by `consumer`, the kernel that reads the output next ("rope" for
+        q/k/v, "silu" for gate/up, "norm" for o and down): `stacks`, and `consumer` is fused."""
+        return consumer in self.fuse_consumers and self.stacks(key)
 
     def rope_parts(self, both: torch.Tensor, key: str) -> tuple[torch.Tensor, tuple]:
         """(x W^T, the `lora` argument of miles/engine/triton_fused.py's `rope_store_kv`) of q/k/v group

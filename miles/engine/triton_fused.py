@@ -91,20 +91,17 @@ def _lora_cols(
 ):  # fmt: skip
     """Token t's values at the fused projection's columns `cols` (a [heads, D/2] block of B's rows):
     its base output `base` (fp32) plus the LoRA term of member M (q 0, k 1, v 2), rounded once to out_ty,
-    as miles/engine/triton_lora.py's `lora_split` writes them (the B product summed in another order)."""
+    as miles/engine/triton_lora.py's `lora_split` writes them (the B product summed in another order).
+    Only the token's own slot's R columns are read (the other slots' are zero in that product)."""
     slot = tl.load(slot_ptr + t)
-    scale = tl.load(scale_ptr + tl.maximum(slot, 0)) * (slot >= 0).to(tl.float32)
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0))
     low = b_ptr.dtype.element_ty
     term = tl.zeros(base.shape, dtype=tl.float32)
-    for j0 in tl.static_range(0, SR, JB):
-        j = j0 + tl.arange(0, JB)
-        h = tl.load(h_ptr + t * stride_h + M * SR + j).to(tl.float32)
-        h = tl.where(j // R == slot, h * scale, 0.0).to(low).to(tl.float32)
-        b = tl.load(
-            b_ptr + cols[:, :, None] * stride_b + (M * SR + j)[None, None, :],
-            mask=mask[:, :, None],
-            other=0.0,
-        )
+    for j0 in tl.static_range(0, R, JB):
+        j = M * SR + tl.maximum(slot, 0) * R + j0 + tl.arange(0, JB)
+        h = tl.where(slot >= 0, tl.load(h_ptr + t * stride_h + j).to(tl.float32) * scale, 0.0)
+        h = h.to(low).to(tl.float32)
+        b = tl.load(b_ptr + cols[:, :, None] * stride_b + j[None, None, :], mask=mask[:, :, None], other=0.0)
         term += tl.sum(b.to(tl.float32) * h[None, None, :], axis=2)
     return (base + term).to(out_ty).to(tl.float32)
 
@@ -205,7 +202,7 @@ def rope_store_kv(
     else:
         h, b, lora_slots, scale, rank, width = lora
         assert h.shape == (T, 3 * width) and h.stride(1) == 1 and b.shape == (qkv.shape[1], 3 * width)
-        jb = min(width, max(1, 4096 // (h_pad * half_pad)))  # [heads, D/2, jb] products at a time
+        jb = min(rank, max(1, 4096 // (h_pad * half_pad)))  # [heads, D/2, jb] products at a time
     _rope_store_kernel[(T,)](
         qkv, cos, sin, slots, q, k_pool, v_pool, qn, kn, h, b, lora_slots, scale,
         qkv.stride(0), cos.stride(0), k_pool.stride(0), k_pool.stride(1), h.stride(0), b.stride(0), eps,

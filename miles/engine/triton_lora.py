@@ -29,26 +29,43 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 BT, BN = 64, 128
+"""Tiles of `_expand`: with 8 warps its fp32 accumulator stays in registers (4 spill)."""
+CHUNK = 16
+"""Slot columns a tensor-core product takes at a time: a tile multiplies only the chunks of slots one of
+its tokens is on, so a bank's cost follows the adapters in use, not its size (a slot of rank >= 16 is
+a chunk or more of its own)."""
 SILU_BT, SILU_BN = 64, 64
 """Tiles of `lora_split_silu`: two accumulators, so half the columns of `_expand`'s; with 8 warps
-Triton's sm_90 build keeps every value in registers up to 128 slot columns (`python -m
-bench.kernel_registers`), where 128 columns spill."""
-NORM_BT, NORM_BN = 16, 128
-"""Tiles of `lora_split_add_rms_norm_`: each program holds whole rows (the norm needs them), so few
-rows (16: tensor-core tiles need 16) and their columns in blocks."""
+Triton's sm_90 build keeps every value in registers (`python -m bench.kernel_registers`)."""
+NORM_BN = 128
+"""Columns a block of `lora_split_add_rms_norm_`, whose programs each take one token's row (the norm
+needs whole rows; tensor-core tiles of 16 rows would leave most of the GPU idle at decode batches)
+and multiply only its own slot's B columns."""
+
+
+@triton.jit
+def _token_slots(t, live, slot_ptr, scale_ptr):
+    """Tokens t's slots (-1: the base model, or past the end) and their adapters' scales (0 for -1)."""
+    slot = tl.load(slot_ptr + t, mask=live, other=-1)
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
+    return slot, scale
+
+
+@triton.jit
+def _in_chunk(slot, c0, R: tl.constexpr, C: tl.constexpr):
+    """Whether any of the tile's tokens has its slot among slot columns [c0, c0 + C)."""
+    return tl.max(((slot >= c0 // R) & (slot <= (c0 + C - 1) // R)).to(tl.int32), axis=0) > 0
 
 
 @triton.jit
 def _slot_columns(
-    h_ptr, stride_h, t, live, slot_ptr, scale_ptr, col0, R: tl.constexpr, SR: tl.constexpr, low: tl.constexpr,
+    h_ptr, stride_h, t, live, slot, scale, col0, c0, R: tl.constexpr, C: tl.constexpr, low: tl.constexpr,
 ):  # fmt: skip
-    """Tokens t's columns [col0, col0 + SR) of h (one member's slots): each token's own slot's columns
-    times its adapter's scale, the other slots' zero (and a base-model token's all zero), in `low`, B's
-    dtype, for the tensor-core product with B."""
-    j = tl.arange(0, SR)
+    """Tokens t's columns [col0 + c0, col0 + c0 + C) of h (a chunk of one member's slots): each token's
+    own slot's columns times its adapter's scale, the other slots' zero (and a base-model token's all
+    zero), in `low`, B's dtype, for the tensor-core product with B."""
+    j = c0 + tl.arange(0, C)
     h = tl.load(h_ptr + t[:, None] * stride_h + (col0 + j)[None, :], mask=live[:, None], other=0.0)
-    slot = tl.load(slot_ptr + t, mask=live, other=-1)
-    scale = tl.load(scale_ptr + tl.maximum(slot, 0), mask=live & (slot >= 0), other=0.0)
     return tl.where((j[None, :] // R) == slot[:, None], h.to(tl.float32) * scale[:, None], 0.0).to(low)
 
 
@@ -56,17 +73,21 @@ def _slot_columns(
 def _lora_expand_kernel(
     h_ptr, b_ptr, base_ptr, y_ptr, slot_ptr, scale_ptr, member_ptr,
     T, stride_h, stride_b, stride_base, stride_y,
-    R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+    R: tl.constexpr, SR: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     m = tl.load(member_ptr + pid_n)
     t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
     live = t < T
-    cols = m * SR + tl.arange(0, SR)  # this member's slot columns of h and B
-    h = _slot_columns(h_ptr, stride_h, t, live, slot_ptr, scale_ptr, m * SR, R, SR, b_ptr.dtype.element_ty)
+    slot, scale = _token_slots(t, live, slot_ptr, scale_ptr)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    b = tl.load(b_ptr + n[None, :] * stride_b + cols[:, None])
-    out = tl.dot(h, b)
+    low = b_ptr.dtype.element_ty
+    out = tl.zeros((BT, BN), dtype=tl.float32)
+    for c0 in tl.static_range(0, SR, C):  # only the chunks of slots some token of the tile is on
+        if _in_chunk(slot, c0, R, C):
+            h = _slot_columns(h_ptr, stride_h, t, live, slot, scale, m * SR, c0, R, C, low)
+            b = tl.load(b_ptr + n[None, :] * stride_b + (m * SR + c0 + tl.arange(0, C))[:, None])
+            out = tl.dot(h, b, out)
     y = tl.load(base_ptr + t[:, None] * stride_base + n[None, :], mask=live[:, None], other=0.0)
     tl.store(
         y_ptr + t[:, None] * stride_y + n[None, :],
@@ -79,24 +100,29 @@ def _lora_expand_kernel(
 def _lora_silu_kernel(
     h_ptr, b_ptr, base_ptr, y_ptr, slot_ptr, scale_ptr,
     T, inter, stride_h, stride_b, stride_base, stride_y,
-    R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, LIBDEVICE: tl.constexpr,
+    R: tl.constexpr, SR: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
     live = t < T
-    j = tl.arange(0, SR)
+    slot, scale = _token_slots(t, live, slot_ptr, scale_ptr)
     low = b_ptr.dtype.element_ty
-    hg = _slot_columns(h_ptr, stride_h, t, live, slot_ptr, scale_ptr, 0, R, SR, low)  # gate's columns
-    hu = _slot_columns(h_ptr, stride_h, t, live, slot_ptr, scale_ptr, SR, R, SR, low)  # then up's
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    b = b_ptr + n[None, :] * stride_b + j[:, None]  # gate's rows of B, then up's (rows inter on)
+    tg = tl.zeros((BT, BN), dtype=tl.float32)
+    tu = tl.zeros((BT, BN), dtype=tl.float32)
+    for c0 in tl.static_range(0, SR, C):  # gate's slot columns, then up's (B's rows inter on)
+        if _in_chunk(slot, c0, R, C):
+            j = (c0 + tl.arange(0, C))[:, None]
+            hg = _slot_columns(h_ptr, stride_h, t, live, slot, scale, 0, c0, R, C, low)
+            tg = tl.dot(hg, tl.load(b_ptr + n[None, :] * stride_b + j), tg)
+            hu = _slot_columns(h_ptr, stride_h, t, live, slot, scale, SR, c0, R, C, low)
+            tu = tl.dot(hu, tl.load(b_ptr + (inter + n[None, :]) * stride_b + SR + j), tu)
     base = base_ptr + t[:, None] * stride_base + n[None, :]
     out_ty = y_ptr.dtype.element_ty
     # y of each member as `lora_split` writes it (one rounding), then silu(gate) * up as `silu_mul`
-    g = tl.load(base, mask=live[:, None], other=0.0).to(tl.float32) + tl.dot(hg, tl.load(b))
-    g = g.to(out_ty).to(tl.float32)
-    u = tl.load(base + inter, mask=live[:, None], other=0.0).to(tl.float32)
-    u = (u + tl.dot(hu, tl.load(b + inter * stride_b + SR))).to(out_ty).to(tl.float32)
+    g = (tl.load(base, mask=live[:, None], other=0.0).to(tl.float32) + tg).to(out_ty).to(tl.float32)
+    u = (tl.load(base + inter, mask=live[:, None], other=0.0).to(tl.float32) + tu).to(out_ty).to(tl.float32)
     if LIBDEVICE:
         e = libdevice.exp(-g)
     else:
@@ -108,33 +134,35 @@ def _lora_silu_kernel(
 @triton.jit
 def _lora_add_norm_kernel(
     h_ptr, b_ptr, base_ptr, x_ptr, w_ptr, y_ptr, slot_ptr, scale_ptr,
-    T, N, stride_h, stride_b, stride_base, stride_x, stride_y, eps,
-    R: tl.constexpr, SR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+    N, stride_h, stride_b, stride_base, stride_x, stride_y, eps,
+    R: tl.constexpr, BN: tl.constexpr, JB: tl.constexpr,
 ):  # fmt: skip
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-    live = t < T
-    j = tl.arange(0, SR)
-    h = _slot_columns(h_ptr, stride_h, t, live, slot_ptr, scale_ptr, 0, R, SR, b_ptr.dtype.element_ty)
+    t = tl.program_id(0).to(tl.int64)  # one token's row
+    slot = tl.load(slot_ptr + t)
+    scale = tl.load(scale_ptr + tl.maximum(slot, 0))
     low = base_ptr.dtype.element_ty
-    squares = tl.zeros((BT,), dtype=tl.float32)
+    squares = tl.zeros((BN,), dtype=tl.float32)
     for n0 in range(0, N, BN):  # x += y block by block (y as `lora_split` writes it), summing squares
         n = n0 + tl.arange(0, BN)
-        both = live[:, None] & (n < N)[None, :]
-        b = tl.load(b_ptr + n[None, :] * stride_b + j[:, None], mask=(n < N)[None, :], other=0.0)
-        y = tl.load(base_ptr + t[:, None] * stride_base + n[None, :], mask=both, other=0.0).to(tl.float32)
-        y = (y + tl.dot(h, b)).to(low).to(tl.float32)
-        x = tl.load(x_ptr + t[:, None] * stride_x + n[None, :], mask=both, other=0.0) + y
-        tl.store(x_ptr + t[:, None] * stride_x + n[None, :], x, mask=both)
-        squares += tl.sum(x * x, axis=1)
-    rstd = tl.math.rsqrt(squares / N + eps)[:, None]
-    for n0 in range(0, N, BN):  # then the normed rows, as `add_rms_norm_`
+        live = n < N
+        term = tl.zeros((BN,), dtype=tl.float32)
+        if slot >= 0:  # the token's own slot's R columns of h and B
+            for j0 in tl.static_range(0, R, JB):
+                j = slot * R + j0 + tl.arange(0, JB)
+                h = (tl.load(h_ptr + t * stride_h + j).to(tl.float32) * scale).to(b_ptr.dtype.element_ty)
+                b = tl.load(b_ptr + n[:, None] * stride_b + j[None, :], mask=live[:, None], other=0.0)
+                term += tl.sum(b.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+        y = tl.load(base_ptr + t * stride_base + n, mask=live, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + t * stride_x + n, mask=live, other=0.0) + (y + term).to(low).to(tl.float32)
+        tl.store(x_ptr + t * stride_x + n, x, mask=live)
+        squares += x * x
+    rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / N + eps)
+    for n0 in range(0, N, BN):  # then the normed row, as `add_rms_norm_`
         n = n0 + tl.arange(0, BN)
-        both = live[:, None] & (n < N)[None, :]
-        x = tl.load(x_ptr + t[:, None] * stride_x + n[None, :], mask=both, other=0.0)
-        w = tl.load(w_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            y_ptr + t[:, None] * stride_y + n[None, :], (w * (x * rstd)).to(y_ptr.dtype.element_ty), mask=both
-        )
+        live = n < N
+        x = tl.load(x_ptr + t * stride_x + n, mask=live, other=0.0)
+        w = tl.load(w_ptr + n, mask=live, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * stride_y + n, (w * (x * rstd)).to(y_ptr.dtype.element_ty), mask=live)
 
 
 def member_blocks(outs: list[int], block: int = BN) -> torch.Tensor | None:
@@ -206,7 +234,7 @@ def lora_split_silu(
         _lora_silu_kernel[grid](
             both2[:, 2 * inter :], b, both2, y, token_slots, scale,
             T, inter, both2.stride(0), b.stride(0), both2.stride(0), y.stride(0), R=rank, SR=width,
-            BT=SILU_BT, BN=SILU_BN, LIBDEVICE=both.is_cuda, num_warps=8, enable_fp_fusion=False,
+            C=CHUNK, BT=SILU_BT, BN=SILU_BN, LIBDEVICE=both.is_cuda, num_warps=8, enable_fp_fusion=False,
         )  # fmt: skip
     return y.view(*both.shape[:-1], inter)
 
@@ -233,10 +261,10 @@ def lora_split_add_rms_norm_(
     assert b.shape == (N, width) and both.shape[0] == T and both.shape[1] >= N + width and both.stride(1) == 1
     y = torch.empty(T, N, dtype=out_dtype, device=x.device)
     if T:
-        _lora_add_norm_kernel[(triton.cdiv(T, NORM_BT),)](
+        _lora_add_norm_kernel[(T,)](
             both[:, N:], b, both, x, weight, y, token_slots, scale,
-            T, N, both.stride(0), b.stride(0), both.stride(0), x.stride(0), y.stride(0), eps,
-            R=rank, SR=width, BT=NORM_BT, BN=NORM_BN, num_warps=4, enable_fp_fusion=False,
+            N, both.stride(0), b.stride(0), both.stride(0), x.stride(0), y.stride(0), eps,
+            R=rank, BN=NORM_BN, JB=min(rank, 32), num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return y
 
@@ -247,5 +275,5 @@ def _expand(h, b, base, y, members, token_slots, scale, rank: int, width: int) -
     grid = (triton.cdiv(T, BT), members.numel())
     _lora_expand_kernel[grid](
         h, b, base, y, token_slots, scale, members, T, h.stride(0), b.stride(0), base.stride(0), y.stride(0),
-        R=rank, SR=width, BT=BT, BN=BN,
+        R=rank, SR=width, C=CHUNK, BT=BT, BN=BN, num_warps=8,
     )  # fmt: skip

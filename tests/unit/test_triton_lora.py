@@ -20,7 +20,19 @@ from interpreted import run_cases
 pytest.importorskip("triton", reason="Triton is not installed (it ships with PyTorch's CUDA builds)")
 
 
-def _case(outs: list[int], width_in: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
+def _token_slots(tokens: int, slots: int, g, used: list[int] | None = None):
+    """Each token's slot: any of the bank's or the base model's (-1), or one of `used` (a tile's
+    kernels then skip the slot columns of the others)."""
+    import torch
+
+    if used is None:
+        return torch.randint(-1, slots, (tokens,), generator=g)
+    return torch.tensor(used)[torch.randint(len(used), (tokens,), generator=g)]
+
+
+def _case(
+    outs: list[int], width_in: int, tokens: int, slots: int, rank: int, seed: int, used: list[int] | None = None
+) -> dict:
     import torch
 
     from miles.engine.triton_lora import lora_add_, lora_split, member_blocks
@@ -35,7 +47,7 @@ def _case(outs: list[int], width_in: int, tokens: int, slots: int, rank: int, se
         b[r0 : r0 + o, k * width : (k + 1) * width] = torch.randn(o, width, generator=g) * 0.1
     a.view(n, slots, rank, width_in)[:, :, rank // 2 :] = 0  # adapters of half the bank's rank
     scale = torch.rand(slots, generator=g) + 0.5
-    token_slots = torch.randint(-1, slots, (tokens,), generator=g)
+    token_slots = _token_slots(tokens, slots, g, used)
     y0 = torch.randn(tokens, sum(outs), generator=g)
     # the PyTorch path of LoraBank.add_fused
     hit = (torch.arange(width)[None, :] // rank == token_slots[:, None]).float()
@@ -55,7 +67,7 @@ def _case(outs: list[int], width_in: int, tokens: int, slots: int, rank: int, se
     }
 
 
-def _silu_case(inter: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
+def _silu_case(inter: int, tokens: int, slots: int, rank: int, seed: int, used: list[int] | None = None) -> dict:
     """lora_split_silu against lora_split then silu_mul, the two kernels it replaces, in fp32 on values
     whose products and sums are exact in any order (multiples of 1/32 of a few units), so that the two
     tilings of the B product agree bit for bit. (bf16 is left to the GPU tests: the interpreter's bf16
@@ -78,7 +90,7 @@ def _silu_case(inter: int, tokens: int, slots: int, rank: int, seed: int) -> dic
         (dyadic(tokens, 2 * inter) * 4, dyadic(tokens, 2 * width), torch.zeros(tokens, 7)), dim=1
     )
     scale = torch.tensor([0.5, 1.5, 2.0, 1.0] * slots)[:slots]
-    token_slots = torch.randint(-1, slots, (tokens,), generator=g)
+    token_slots = _token_slots(tokens, slots, g, used)
     want = silu_mul(lora_split(both, b, member_blocks([inter, inter]), token_slots, scale, rank, width))
     got = lora_split_silu(both, b, token_slots, scale, rank, width)
     return {"equal": bool(torch.equal(got, want)), "shape": list(got.shape), "scale": float(want.abs().max())}
@@ -94,7 +106,7 @@ def _reference_split(both, b, token_slots, scale, rank: int, width: int, members
     return both[:, :n] + (both[:, n : n + members * width] * mask) @ b.t()
 
 
-def _norm_case(n: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
+def _norm_case(n: int, tokens: int, slots: int, rank: int, seed: int, used: list[int] | None = None) -> dict:
     """lora_split_add_rms_norm_ against lora_split then add_rms_norm_, the two kernels it replaces, on
     values whose sums are exact in any order (as `_silu_case`), squares and their sum included."""
     import torch
@@ -111,7 +123,7 @@ def _norm_case(n: int, tokens: int, slots: int, rank: int, seed: int) -> dict:
     b = dyadic(n, width) / 4
     both = torch.cat((dyadic(tokens, n) * 4, dyadic(tokens, width), torch.zeros(tokens, 5)), dim=1)
     scale = torch.tensor([0.5, 1.5, 2.0, 1.0] * slots)[:slots]
-    token_slots = torch.randint(-1, slots, (tokens,), generator=g)
+    token_slots = _token_slots(tokens, slots, g, used)
     x0, weight = dyadic(tokens, n) * 2, dyadic(n)
     x_want, x_got = x0.clone(), x0.clone()
     if n % 128 == 0:  # lora_split's column blocks
@@ -215,10 +227,10 @@ def _decoder_case(seed: int) -> dict:
     )  # fmt: skip
     dec.lora.terms.begin(prefill.lora_slots)
     fused = dec.fused_forward.forward(prefill, dec.new_kv_pool(8))
-    into_next = sorted(k for k in dec.lora.stacked if dec.lora.terms.fuses_next(k))
-    silu_groups = [k for k in into_next if k.endswith(".gate_up_proj")]
-    norm_groups = [k for k in into_next if k.endswith((".o_proj", ".down_proj"))]
-    rope_groups = [k for k in into_next if k.endswith(".qkv_proj")]
+    fused_into = {c: sorted(k for k in dec.lora.stacked if dec.lora.terms.fuses_next(k, c)) for c in calls}
+    silu_groups = [k for k in fused_into["silu"] if k.endswith(".gate_up_proj")]
+    norm_groups = [k for k in fused_into["norm"] if k.endswith((".o_proj", ".down_proj"))]
+    rope_groups = [k for k in fused_into["rope"] if k.endswith(".qkv_proj")]
     dec.lora.terms.blocks = {}  # the per-op forward and the bank's PyTorch path (A read from the stacked rows)
     per_op = dec.forward(prefill, dec.new_kv_pool(8))
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), {k: v * 0 for k, v in tensors.items()}, "t")
@@ -243,17 +255,22 @@ ROPE_CASES = {
 NORM_CASES = {
     "norm_two_blocks": dict(n=200, tokens=19, slots=2, rank=8, seed=6),  # a partial second column block
     "norm_eight_slots": dict(n=128, tokens=40, slots=8, rank=16, seed=7),
+    "norm_one_slot_of_two_rank_32": dict(n=128, tokens=20, slots=2, rank=32, seed=10, used=[-1, 1]),
 }
 
 SILU_CASES = {  # the stacked block's padding columns after A's (7 here) are never read
     "silu_one_block": dict(inter=128, tokens=70, slots=2, rank=8, seed=3),
     "silu_eight_slots": dict(inter=256, tokens=9, slots=8, rank=16, seed=4),
+    "silu_one_slot_of_eight": dict(inter=128, tokens=70, slots=8, rank=16, seed=11, used=[5]),
 }
 
 CASES = {
     "qkv": dict(outs=[256, 128, 128], width_in=96, tokens=70, slots=4, rank=8, seed=0),
     "single": dict(outs=[128], width_in=64, tokens=5, slots=2, rank=16, seed=1),
     "one_slot": dict(outs=[128, 384], width_in=128, tokens=130, slots=1, rank=16, seed=2),
+    # tiles whose tokens use few of the slots (their other slot columns skipped); a rank above the chunk
+    "two_of_eight": dict(outs=[256, 128], width_in=64, tokens=70, slots=8, rank=16, seed=12, used=[-1, 3, 6]),
+    "one_of_two_rank_32": dict(outs=[128], width_in=64, tokens=70, slots=2, rank=32, seed=13, used=[1]),
 }
 
 
@@ -326,12 +343,12 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     types = dict(h_ptr="*bf16", b_ptr="*bf16", base_ptr="*bf16", y_ptr="*bf16", slot_ptr="*i64",
                  scale_ptr="*fp32", member_ptr="*i32", x_ptr="*fp32", w_ptr="*bf16", eps="fp32")  # fmt: skip
     for fn, consts, options in (
-        (k._lora_expand_kernel, dict(BT=k.BT, BN=k.BN), dict(num_warps=4)),
+        (k._lora_expand_kernel, dict(BT=k.BT, BN=k.BN), dict(num_warps=8)),
         (k._lora_silu_kernel, dict(BT=k.SILU_BT, BN=k.SILU_BN, LIBDEVICE=True), dict(num_warps=8, enable_fp_fusion=False)),
-        (k._lora_add_norm_kernel, dict(BT=k.NORM_BT, BN=k.NORM_BN), dict(num_warps=4, enable_fp_fusion=False)),
+        (k._lora_add_norm_kernel, dict(BN=k.NORM_BN, JB=16), dict(num_warps=4, enable_fp_fusion=False)),
     ):  # fmt: skip
         for width in (16, 128):
-            c = consts | dict(R=16, SR=width)
+            c = consts | {n: v for n, v in dict(R=16, SR=width, C=k.CHUNK).items() if n in fn.arg_names}
             sig = {n: "constexpr" if n in c else types.get(n, "i32") for n in fn.arg_names}
             attrs = {
                 (fn.arg_names.index(n),): [["tt.divisibility", 16]]
