@@ -62,8 +62,6 @@ def rows(arch: int) -> list[dict]:
         ("lora_split / lora_add_ (expand)", tl._lora_expand_kernel, bf16, dict(BT=tl.BT, BN=tl.BN, C=tl.CHUNK), dict(num_warps=8)),
         ("lora_split_silu", tl._lora_silu_kernel, bf16,
          dict(BT=tl.SILU_BT, BN=tl.SILU_BN, C=tl.CHUNK, LIBDEVICE=True), dict(num_warps=8, **exact)),
-        ("lora_split_add_rms_norm_", tl._lora_add_norm_kernel, bf16,
-         dict(BN=tl.NORM_BN, JB=16), dict(num_warps=4, **exact)),
         ("rope_store_kv with lora", tf._rope_store_kernel, rope, dict(shape, LORA=True, JB=8), dict(num_warps=4, **exact)),
     ]  # fmt: skip
     out = []

@@ -135,7 +135,9 @@ def decode_part(args, device: str) -> list[dict]:
         shape = argparse.Namespace(requests=batch, prompt=prompt, completion=new)
         for a in args.profile:
             d, n = arms[a]
-            lora = torch.tensor([d.lora.slots[f"a{i % n}"] for i in range(batch)], device=device) if n else None
+            lora = (
+                torch.tensor([d.lora.slots[f"a{i % n}"] for i in range(batch)], device=device) if n else None
+            )
             print(f"#### kernels of one decode step: {a}")
             profile_decode(scheds[a], shape, lora)
     scheds.clear()
@@ -149,7 +151,6 @@ def decode_part(args, device: str) -> list[dict]:
 def push_part(args, device: str) -> list[dict]:
     from miles.engine.fp8_weights import build_decoder
     from miles.engine.lora import AdapterConfig
-    from miles.engine.lora_terms import CONSUMERS
     from miles.engine.model import ModelSpec, load_weights
     from miles.weights.tensor import deserialize, serialize_inline
 

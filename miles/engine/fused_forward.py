@@ -90,15 +90,11 @@ class FusedForward:
         self, inp: torch.Tensor, name: str, x: torch.Tensor, norm: torch.Tensor
     ) -> torch.Tensor:
         """x += `_project(inp, name)` in place (the fp32 residual stream) and the rows normed by `norm`
-        (CUDA forward); with the LoRA A of `name` stacked under its weight, one kernel finishes the
-        GEMM, adds and norms."""
+        (CUDA forward)."""
         from miles.engine.triton_fused import add_rms_norm_
 
         d = self.d
-        module, eps = name.removesuffix(".weight"), d.spec.rms_norm_eps
-        if d.lora is not None and d.lora.terms.fuses_next(module, "norm"):
-            return d.lora.terms.split_add_norm(F.linear(inp, d.wide[name]), module, x, norm, eps, d.dtype)
-        return add_rms_norm_(x, d._project(inp, name), norm, eps, d.dtype)
+        return add_rms_norm_(x, d._project(inp, name), norm, d.spec.rms_norm_eps, d.dtype)
 
     def _gate_up_act(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up weight `name` (CUDA forward); with the LoRA group's A

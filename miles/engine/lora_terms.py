@@ -8,7 +8,7 @@ adapters' term, by one of three routes:
 - a layer whose A is stacked under its weight (`stacks`, `split`): the layer's GEMM yields x W^T and
   x A^T at once and one kernel finishes;
 - the same, with the adapters' term added by the kernel that reads the layer's output next
-  (`fuses_next`; `rope_parts` for q/k/v, `split_silu` for gate/up, `split_add_norm` for o and down).
+  (`fuses_next`; `rope_parts` for q/k/v, `split_silu` for gate/up).
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ def kernel_blocks(
     return out
 
 
-CONSUMERS = frozenset({"rope", "silu", "norm"})
-"""The kernels that can add a stacked layer's adapters' term as they read its output (`fuses_next`)."""
+CONSUMERS = frozenset({"rope", "silu"})
+"""The kernels that can add a stacked layer's adapters' term as they read its output (`fuses_next`). o's
+and down's term is `split`'s, then the residual add and norm: on an H100 the two kernels (3.5 + 2.1 us
+a layer at Qwen2.5-0.5B shapes, batch 256) took less time than one doing both (9 us; bench/RESULTS.md)."""
 
 
 class LoraTerms:
@@ -52,9 +54,8 @@ class LoraTerms:
         member of each column block, for the Triton kernels (empty: the PyTorch path everywhere)."""
         self.fuse_consumers: frozenset[str] = CONSUMERS
         """The kernels that compute a stacked layer's adapters' term as they read its output: "silu"
-        (gate/up's activation, `split_silu`), "norm" (o's and down's residual add and norm,
-        `split_add_norm`), "rope" (q/k/v's RoPE and K/V store, `rope_parts`). For the others, `split`
-        writes the output and the next kernel reads it (the benchmark's anchors)."""
+        (gate/up's activation, `split_silu`), "rope" (q/k/v's RoPE and K/V store, `rope_parts`). For
+        the others, `split` writes the output and the next kernel reads it (the benchmark's anchors)."""
         self.column_slot = torch.arange(bank.width, device=bank.device) // bank.max_rank
         self.tokens: torch.Tensor | None = None
         """Slot of each token of the current forward (set by the decoder), or None: no adapter at all."""
@@ -99,7 +100,7 @@ class LoraTerms:
     def fuses_next(self, key: str, consumer: str) -> bool:
         """Whether layer or group `key` should run as one GEMM over its weight with A stacked under it,
         its adapters' term then added by `consumer`, the kernel that reads the output next ("rope" for
-        q/k/v, "silu" for gate/up, "norm" for o and down): `stacks`, and `consumer` is fused."""
+        q/k/v, "silu" for gate/up): `stacks`, and `consumer` is fused."""
         return consumer in self.fuse_consumers and self.stacks(key)
 
     def rope_parts(self, both: torch.Tensor, key: str) -> tuple[torch.Tensor, tuple]:
@@ -115,33 +116,6 @@ class LoraTerms:
             self.bank.scale,
             self.bank.max_rank,
             width,
-        )
-
-    def split_add_norm(
-        self,
-        both: torch.Tensor,
-        key: str,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """x += y in place and the RMS-normed rows (as `add_rms_norm_`), y = `split(both, key)`, in one
-        kernel."""
-        from miles.engine.triton_lora import lora_split_add_rms_norm_
-
-        assert self.tokens is not None
-        return lora_split_add_rms_norm_(
-            both,
-            self.bank.B[key],
-            self.tokens,
-            self.bank.scale,
-            self.bank.max_rank,
-            self.bank.width,
-            x,
-            weight,
-            eps,
-            dtype,
         )
 
     def split_silu(self, both: torch.Tensor, key: str) -> torch.Tensor:

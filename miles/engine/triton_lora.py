@@ -37,10 +37,6 @@ a chunk or more of its own)."""
 SILU_BT, SILU_BN = 64, 64
 """Tiles of `lora_split_silu`: two accumulators, so half the columns of `_expand`'s; with 8 warps
 Triton's sm_90 build keeps every value in registers (`python -m bench.kernel_registers`)."""
-NORM_BN = 128
-"""Columns a block of `lora_split_add_rms_norm_`, whose programs each take one token's row (the norm
-needs whole rows; tensor-core tiles of 16 rows would leave most of the GPU idle at decode batches)
-and multiply only its own slot's B columns."""
 
 
 @triton.jit
@@ -131,40 +127,6 @@ def _lora_silu_kernel(
     tl.store(y_ptr + t[:, None] * stride_y + n[None, :], (a * u).to(out_ty), mask=live[:, None])
 
 
-@triton.jit
-def _lora_add_norm_kernel(
-    h_ptr, b_ptr, base_ptr, x_ptr, w_ptr, y_ptr, slot_ptr, scale_ptr,
-    N, stride_h, stride_b, stride_base, stride_x, stride_y, eps,
-    R: tl.constexpr, BN: tl.constexpr, JB: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)  # one token's row
-    slot = tl.load(slot_ptr + t)
-    scale = tl.load(scale_ptr + tl.maximum(slot, 0))
-    low = base_ptr.dtype.element_ty
-    squares = tl.zeros((BN,), dtype=tl.float32)
-    for n0 in range(0, N, BN):  # x += y block by block (y as `lora_split` writes it), summing squares
-        n = n0 + tl.arange(0, BN)
-        live = n < N
-        term = tl.zeros((BN,), dtype=tl.float32)
-        if slot >= 0:  # the token's own slot's R columns of h and B
-            for j0 in tl.static_range(0, R, JB):
-                j = slot * R + j0 + tl.arange(0, JB)
-                h = (tl.load(h_ptr + t * stride_h + j).to(tl.float32) * scale).to(b_ptr.dtype.element_ty)
-                b = tl.load(b_ptr + n[:, None] * stride_b + j[None, :], mask=live[:, None], other=0.0)
-                term += tl.sum(b.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
-        y = tl.load(base_ptr + t * stride_base + n, mask=live, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + t * stride_x + n, mask=live, other=0.0) + (y + term).to(low).to(tl.float32)
-        tl.store(x_ptr + t * stride_x + n, x, mask=live)
-        squares += x * x
-    rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / N + eps)
-    for n0 in range(0, N, BN):  # then the normed row, as `add_rms_norm_`
-        n = n0 + tl.arange(0, BN)
-        live = n < N
-        x = tl.load(x_ptr + t * stride_x + n, mask=live, other=0.0)
-        w = tl.load(w_ptr + n, mask=live, other=0.0).to(tl.float32)
-        tl.store(y_ptr + t * stride_y + n, (w * (x * rstd)).to(y_ptr.dtype.element_ty), mask=live)
-
-
 def member_blocks(outs: list[int], block: int = BN) -> torch.Tensor | None:
     """The member of each BN-column block of a group with these member output sizes (int32), or None
     when a member's size is not a multiple of the block (the PyTorch path then runs)."""
@@ -237,36 +199,6 @@ def lora_split_silu(
             C=CHUNK, BT=SILU_BT, BN=SILU_BN, LIBDEVICE=both.is_cuda, num_warps=8, enable_fp_fusion=False,
         )  # fmt: skip
     return y.view(*both.shape[:-1], inter)
-
-
-def lora_split_add_rms_norm_(
-    both: torch.Tensor,
-    b: torch.Tensor,
-    token_slots: torch.Tensor,
-    scale: torch.Tensor,
-    rank: int,
-    width: int,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """`lora_split` of a lone projection (o, down) then `add_rms_norm_` (miles/engine/triton_fused.py)
-    in one kernel: x [T, N] fp32 += y in place, where y [T, N] = x' W^T + the adapters' term from both
-    [T, N + width (+ padding)] = [x' W^T | x' A^T] (b [N, width]), and the normed rows [T, N] in
-    out_dtype are returned. Rounds as the two kernels do; only the sum of squares is taken block by
-    block (fp32 ulps, before the one rounding of the normed rows)."""
-    T, N = x.shape
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and weight.shape == (N,) and weight.is_contiguous()
-    assert b.shape == (N, width) and both.shape[0] == T and both.shape[1] >= N + width and both.stride(1) == 1
-    y = torch.empty(T, N, dtype=out_dtype, device=x.device)
-    if T:
-        _lora_add_norm_kernel[(T,)](
-            both[:, N:], b, both, x, weight, y, token_slots, scale,
-            N, both.stride(0), b.stride(0), both.stride(0), x.stride(0), y.stride(0), eps,
-            R=rank, BN=NORM_BN, JB=min(rank, 32), num_warps=4, enable_fp_fusion=False,
-        )  # fmt: skip
-    return y
 
 
 def _expand(h, b, base, y, members, token_slots, scale, rank: int, width: int) -> None:

@@ -31,7 +31,13 @@ def _token_slots(tokens: int, slots: int, g, used: list[int] | None = None):
 
 
 def _case(
-    outs: list[int], width_in: int, tokens: int, slots: int, rank: int, seed: int, used: list[int] | None = None
+    outs: list[int],
+    width_in: int,
+    tokens: int,
+    slots: int,
+    rank: int,
+    seed: int,
+    used: list[int] | None = None,
 ) -> dict:
     import torch
 
@@ -67,7 +73,9 @@ def _case(
     }
 
 
-def _silu_case(inter: int, tokens: int, slots: int, rank: int, seed: int, used: list[int] | None = None) -> dict:
+def _silu_case(
+    inter: int, tokens: int, slots: int, rank: int, seed: int, used: list[int] | None = None
+) -> dict:
     """lora_split_silu against lora_split then silu_mul, the two kernels it replaces, in fp32 on values
     whose products and sums are exact in any order (multiples of 1/32 of a few units), so that the two
     tilings of the B product agree bit for bit. (bf16 is left to the GPU tests: the interpreter's bf16
@@ -104,42 +112,6 @@ def _reference_split(both, b, token_slots, scale, rank: int, width: int, members
     hit = (torch.arange(width)[None, :] // rank == token_slots[:, None]).float()
     mask = (hit * scale[torch.arange(width) // rank][None, :]).repeat(1, members)
     return both[:, :n] + (both[:, n : n + members * width] * mask) @ b.t()
-
-
-def _norm_case(n: int, tokens: int, slots: int, rank: int, seed: int, used: list[int] | None = None) -> dict:
-    """lora_split_add_rms_norm_ against lora_split then add_rms_norm_, the two kernels it replaces, on
-    values whose sums are exact in any order (as `_silu_case`), squares and their sum included."""
-    import torch
-
-    from miles.engine.triton_fused import add_rms_norm_
-    from miles.engine.triton_lora import lora_split, lora_split_add_rms_norm_, member_blocks
-
-    g = torch.Generator().manual_seed(seed)
-
-    def dyadic(*shape: int) -> torch.Tensor:
-        return torch.randint(-8, 9, shape, generator=g).float() / 8
-
-    width = slots * rank
-    b = dyadic(n, width) / 4
-    both = torch.cat((dyadic(tokens, n) * 4, dyadic(tokens, width), torch.zeros(tokens, 5)), dim=1)
-    scale = torch.tensor([0.5, 1.5, 2.0, 1.0] * slots)[:slots]
-    token_slots = _token_slots(tokens, slots, g, used)
-    x0, weight = dyadic(tokens, n) * 2, dyadic(n)
-    x_want, x_got = x0.clone(), x0.clone()
-    if n % 128 == 0:  # lora_split's column blocks
-        y = lora_split(both, b, member_blocks([n]), token_slots, scale, rank, width)
-    else:  # the PyTorch path, exact on these values
-        y = _reference_split(both, b, token_slots, scale, rank, width, members=1)
-    want = add_rms_norm_(x_want, y, weight, 1e-6, torch.float32)
-    got = lora_split_add_rms_norm_(
-        both, b, token_slots, scale, rank, width, x_got, weight, 1e-6, torch.float32
-    )
-    return {
-        "equal": bool(torch.equal(got, want)),
-        "x_equal": bool(torch.equal(x_got, x_want)),
-        "x_moved": bool(not torch.equal(x_got, x0)),
-        "shape": list(got.shape),
-    }
 
 
 def _rope_case(
@@ -194,6 +166,7 @@ def _decoder_case(seed: int) -> dict:
 
     from miles.engine import triton_lora
     from miles.engine.lora import TARGETS, AdapterConfig, LoraBank
+    from miles.engine.lora_terms import CONSUMERS
     from miles.engine.model import Batch, Decoder, ModelSpec
 
     spec = ModelSpec("Qwen2ForCausalLM", 50, 128, 2, 4, 2, 64, 10000.0, EPS, False, 512, (1,))
@@ -205,9 +178,8 @@ def _decoder_case(seed: int) -> dict:
     dec.lora = LoraBank.for_decoder(dec, slots, rank, TARGETS, 4, kernels=True)  # Triton's interpreter
     tensors = peft_tensors(dec.lora, rank, gen, 0.2)
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), tensors, "t")
-    calls = {"silu": 0, "norm": 0, "rope": 0}
-    silu, norm = triton_lora.lora_split_silu, triton_lora.lora_split_add_rms_norm_
-    rope = dec.lora.terms.rope_parts
+    calls = {"silu": 0, "split": 0, "rope": 0}
+    silu, split, rope = triton_lora.lora_split_silu, dec.lora.terms.split, dec.lora.terms.rope_parts
 
     def counted(kind, fn):
         def call(*args):
@@ -217,7 +189,7 @@ def _decoder_case(seed: int) -> dict:
         return call
 
     triton_lora.lora_split_silu = counted("silu", silu)
-    triton_lora.lora_split_add_rms_norm_ = counted("norm", norm)
+    dec.lora.terms.split = counted("split", split)
     dec.lora.terms.rope_parts = counted("rope", rope)
     prefill = Batch(
         input_ids=torch.tensor([5, 6, 7, 8, 9]), positions=torch.tensor([0, 1, 2, 0, 1]),
@@ -227,9 +199,13 @@ def _decoder_case(seed: int) -> dict:
     )  # fmt: skip
     dec.lora.terms.begin(prefill.lora_slots)
     fused = dec.fused_forward.forward(prefill, dec.new_kv_pool(8))
-    fused_into = {c: sorted(k for k in dec.lora.stacked if dec.lora.terms.fuses_next(k, c)) for c in calls}
+    fused_into = {
+        c: sorted(k for k in dec.lora.stacked if dec.lora.terms.fuses_next(k, c)) for c in CONSUMERS
+    }
     silu_groups = [k for k in fused_into["silu"] if k.endswith(".gate_up_proj")]
-    norm_groups = [k for k in fused_into["norm"] if k.endswith((".o_proj", ".down_proj"))]
+    split_groups = sorted(
+        k for k in dec.lora.stacked if dec.lora.terms.stacks(k) and k.endswith(("o_proj", "down_proj"))
+    )
     rope_groups = [k for k in fused_into["rope"] if k.endswith(".qkv_proj")]
     dec.lora.terms.blocks = {}  # the per-op forward and the bank's PyTorch path (A read from the stacked rows)
     per_op = dec.forward(prefill, dec.new_kv_pool(8))
@@ -241,7 +217,7 @@ def _decoder_case(seed: int) -> dict:
         "adapter_shows": float((per_op[0] - base[0]).abs().max()),
         "base_row_err": float((per_op[1] - base[1]).abs().max()),
         "silu_groups": silu_groups,
-        "norm_groups": norm_groups,
+        "split_groups": split_groups,
         "rope_groups": rope_groups,
         "calls": calls,
     }
@@ -250,12 +226,6 @@ def _decoder_case(seed: int) -> dict:
 ROPE_CASES = {
     "rope": dict(heads=4, kv_heads=2, head_dim=16, tokens=7, slots=2, rank=8, qk_norm=False, seed=8),
     "rope_qk_norm": dict(heads=6, kv_heads=2, head_dim=8, tokens=5, slots=8, rank=16, qk_norm=True, seed=9),
-}
-
-NORM_CASES = {
-    "norm_two_blocks": dict(n=200, tokens=19, slots=2, rank=8, seed=6),  # a partial second column block
-    "norm_eight_slots": dict(n=128, tokens=40, slots=8, rank=16, seed=7),
-    "norm_one_slot_of_two_rank_32": dict(n=128, tokens=20, slots=2, rank=32, seed=10, used=[-1, 1]),
 }
 
 SILU_CASES = {  # the stacked block's padding columns after A's (7 here) are never read
@@ -295,13 +265,6 @@ def test_split_with_the_activation_equals_split_then_silu_mul(measured, case):
     assert m["equal"], m  # the same products, sums and roundings in one kernel
 
 
-@pytest.mark.parametrize("case", sorted(NORM_CASES))
-def test_split_with_the_add_and_norm_equals_split_then_add_rms_norm(measured, case):
-    m = measured[case]
-    assert m["shape"] == [NORM_CASES[case]["tokens"], NORM_CASES[case]["n"]]
-    assert m["equal"] and m["x_equal"] and m["x_moved"], m  # normed rows, and the residual updated in place
-
-
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
 def test_rope_with_the_adapters_term_equals_split_then_rope(measured, case):
     m = measured[case]
@@ -311,12 +274,12 @@ def test_rope_with_the_adapters_term_equals_split_then_rope(measured, case):
 def test_decoder_forward_with_stacked_adapters_equals_the_per_op_path(measured):
     m = measured["decoder"]
     assert m["silu_groups"] == [f"model.layers.{i}.mlp.gate_up_proj" for i in range(2)], m
-    norms = [f"model.layers.{i}.{p}" for i in range(2) for p in ("mlp.down_proj", "self_attn.o_proj")]
-    assert m["norm_groups"] == norms, m
+    splits = [f"model.layers.{i}.{p}" for i in range(2) for p in ("mlp.down_proj", "self_attn.o_proj")]
+    assert m["split_groups"] == splits, m
     assert m["rope_groups"] == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)], m
-    # each layer's gate/up went through lora_split_silu, its o and down through lora_split_add_rms_norm_,
-    # its q/k/v's adapters' part to the RoPE kernel
-    assert m["calls"] == {"silu": 2, "norm": 4, "rope": 2}, m
+    # each layer's gate/up went through lora_split_silu, its o and down through split (then the residual
+    # add and norm), its q/k/v's adapters' part to the RoPE kernel
+    assert m["calls"] == {"silu": 2, "split": 4, "rope": 2}, m
     assert m["adapter_shows"] > 1e-2 and m["base_row_err"] < 1e-5, m
     assert m["err"] <= 1e-5 * max(1.0, m["scale"]), m
 
@@ -345,7 +308,6 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     for fn, consts, options in (
         (k._lora_expand_kernel, dict(BT=k.BT, BN=k.BN), dict(num_warps=8)),
         (k._lora_silu_kernel, dict(BT=k.SILU_BT, BN=k.SILU_BN, LIBDEVICE=True), dict(num_warps=8, enable_fp_fusion=False)),
-        (k._lora_add_norm_kernel, dict(BN=k.NORM_BN, JB=16), dict(num_warps=4, enable_fp_fusion=False)),
     ):  # fmt: skip
         for width in (16, 128):
             c = consts | {n: v for n, v in dict(R=16, SR=width, C=k.CHUNK).items() if n in fn.arg_names}
@@ -365,8 +327,6 @@ if __name__ == "__main__":
         print(json.dumps({name: _case(**kwargs)}), flush=True)
     for name, kwargs in SILU_CASES.items():
         print(json.dumps({name: _silu_case(**kwargs)}), flush=True)
-    for name, kwargs in NORM_CASES.items():
-        print(json.dumps({name: _norm_case(**kwargs)}), flush=True)
     for name, kwargs in ROPE_CASES.items():
         print(json.dumps({name: _rope_case(**kwargs)}), flush=True)
     print(json.dumps({"decoder": _decoder_case(seed=5)}), flush=True)
