@@ -48,7 +48,7 @@ def rows(arch: int) -> list[dict]:
     from miles.engine import triton_lora as tl
 
     bf16 = dict(h_ptr="*bf16", b_ptr="*bf16", base_ptr="*bf16", y_ptr="*bf16", w_ptr="*bf16", x_ptr="*fp32",
-                slot_ptr="*i64", scale_ptr="*fp32", member_ptr="*i32", eps="fp32")  # fmt: skip
+                slot_ptr="*i64", order_ptr="*i64", scale_ptr="*fp32", member_ptr="*i32", eps="fp32")  # fmt: skip
     rope = {
         n: "*bf16"
         for n in ("qkv_ptr", "q_ptr", "k_pool_ptr", "v_pool_ptr", "qn_ptr", "kn_ptr", "h_ptr", "b_ptr")
@@ -59,9 +59,9 @@ def rows(arch: int) -> list[dict]:
     # Qwen2.5-0.5B: 14 heads and 2 key/value heads of 64; the RoPE kernel's JB as rope_store_kv picks it
     shape = dict(H=14, KVH=2, D=64, H_PAD=16, KVH_PAD=2, HALF_PAD=32, QK_NORM=False)
     kernels = [
-        ("lora_split / lora_add_ (expand)", tl._lora_expand_kernel, bf16, dict(BT=tl.BT, BN=tl.BN, C=tl.CHUNK), dict(num_warps=8)),
+        ("lora_split / lora_add_ (expand)", tl._lora_expand_kernel, bf16, dict(BT=tl.BT, BN=tl.BN, C=tl.CHUNK, SORTED=True), dict(num_warps=8)),
         ("lora_split_silu", tl._lora_silu_kernel, bf16,
-         dict(BT=tl.SILU_BT, BN=tl.SILU_BN, C=tl.CHUNK, LIBDEVICE=True), dict(num_warps=8, **exact)),
+         dict(BT=tl.SILU_BT, BN=tl.SILU_BN, C=tl.CHUNK, SORTED=True, LIBDEVICE=True), dict(num_warps=8, **exact)),
         ("rope_store_kv with lora", tf._rope_store_kernel, rope, dict(shape, LORA=True, JB=8), dict(num_warps=4, **exact)),
     ]  # fmt: skip
     out = []

@@ -9,9 +9,9 @@
    and MLP projection, with every request on the base model, on one adapter, or spread round-robin
    over 4 or 8 adapters; and anchors for the bank of 1: its A in tensors of its own (an A GEMM, then
    the Triton kernel: the path before A was stacked under the weights); the kernels that read a
-   layer's output (gate/up's activation "silu"; o's and down's residual add and norm "norm"; q/k/v's
-   RoPE and K/V store "rope") apart from the adapters' kernel, all of them ("next kernels apart") or
-   one (LoraTerms.fuse_consumers); and without the Triton kernels (miles/engine/triton_lora.py), as
+   layer's output (gate/up's activation "silu"; q/k/v's RoPE and K/V store "rope") all apart from the
+   adapters' kernel ("next kernels apart"), or one of them apart or fused beside the default
+   (miles/engine/lora_terms.py FUSED); and without the Triton kernels (miles/engine/triton_lora.py), as
    the CPU computes it (A GEMM, mask, B GEMM-accumulate). Adapters are random (A, B ~ N(0, 0.02)). One
    untimed run per arm, then `--rounds` rounds, arms rotated; vs base = tok/s / base tok/s of the same
    round. `--profile [ARM ...]`: the CUDA kernels of one eager decode step of those arms.
@@ -58,7 +58,7 @@ def _adapter(bank, seed: int) -> dict[str, torch.Tensor]:
 def decode_part(args, device: str) -> list[dict]:
     from miles.engine.fp8_weights import build_decoder
     from miles.engine.lora import AdapterConfig
-    from miles.engine.lora_terms import CONSUMERS
+    from miles.engine.lora_terms import CONSUMERS, FUSED
     from miles.engine.model import ModelSpec
     from miles.engine.sampling import SamplingParams
     from miles.engine.scheduler import Request, Scheduler
@@ -90,8 +90,8 @@ def decode_part(args, device: str) -> list[dict]:
             f"{one}, A GEMM apart": (bank(1, 1, stack=None), 1),  # A in tensors of its own
             f"{one}, next kernels apart": (bank(1, 1, fuse=frozenset()), 1),  # split, then the next kernel
             f"{one}, PyTorch path": (bank(1, 1, kernels=False), 1)}  # fmt: skip
-    for c in sorted(CONSUMERS):  # one consumer kernel apart
-        arms[f"{one}, {c} apart"] = (bank(1, 1, fuse=CONSUMERS - {c}), 1)
+    for c in sorted(CONSUMERS):  # one consumer kernel apart from, or fused with, the default
+        arms[f"{one}, {c} {'apart' if c in FUSED else 'fused too'}"] = (bank(1, 1, fuse=FUSED ^ {c}), 1)
     arms |= {"1 adapter, bank of 8": (banks[8], 1), "4 adapters, bank of 4": (banks[4], 4),
              "8 adapters, bank of 8": (banks[8], 8)}  # fmt: skip
     for align in args.align or []:  # the stacked block padded to other multiples (the A rows alone: 1)

@@ -42,6 +42,9 @@ CONSUMERS = frozenset({"rope", "silu"})
 """The kernels that can add a stacked layer's adapters' term as they read its output (`fuses_next`). o's
 and down's term is `split`'s, then the residual add and norm: on an H100 the two kernels (3.5 + 2.1 us
 a layer at Qwen2.5-0.5B shapes, batch 256) took less time than one doing both (9 us; bench/RESULTS.md)."""
+FUSED = frozenset({"silu"})
+"""The consumers fused by default: on that H100, decode with one adapter ran at 0.84-0.85x of the base
+model with q/k/v's term `split`'s before the RoPE kernel, 0.81-0.84x with it in that kernel."""
 
 
 class LoraTerms:
@@ -52,13 +55,16 @@ class LoraTerms:
         self.blocks = blocks
         """Group or module (a group's members too: the per-op forward multiplies them one by one) -> the
         member of each column block, for the Triton kernels (empty: the PyTorch path everywhere)."""
-        self.fuse_consumers: frozenset[str] = CONSUMERS
+        self.fuse_consumers: frozenset[str] = FUSED
         """The kernels that compute a stacked layer's adapters' term as they read its output: "silu"
         (gate/up's activation, `split_silu`), "rope" (q/k/v's RoPE and K/V store, `rope_parts`). For
         the others, `split` writes the output and the next kernel reads it (the benchmark's anchors)."""
         self.column_slot = torch.arange(bank.width, device=bank.device) // bank.max_rank
         self.tokens: torch.Tensor | None = None
         """Slot of each token of the current forward (set by the decoder), or None: no adapter at all."""
+        self.order: torch.Tensor | None = None
+        """The current forward's tokens by slot (miles/engine/triton_lora.py `slot_order`) for the Triton
+        kernels, or None: tiles of consecutive tokens (a bank of one slot)."""
         self._mask: torch.Tensor | None = None
         self._masks: dict[int, torch.Tensor] = {}
 
@@ -66,8 +72,12 @@ class LoraTerms:
         """Set the slots of the next forward's tokens (None: no token has an adapter)."""
         self.tokens = token_slots
         if token_slots is None:
-            self._mask = None
+            self._mask, self.order = None, None
             return
+        if self.blocks and self.bank.max_loras > 1:  # the Triton kernels' tiles take tokens by slot
+            from miles.engine.triton_lora import slot_order
+
+            self.order = slot_order(token_slots, self.bank.max_loras)
         hit = self.column_slot[None, :] == token_slots[:, None]
         self._mask = (hit.to(torch.float32) * self.bank.scale[self.column_slot][None, :]).to(self.bank.dtype)
         self._masks = {n: self._mask.repeat(1, n) for n in {len(g[2]) for g in self.bank.groups.values()}}
@@ -94,7 +104,14 @@ class LoraTerms:
         assert self.tokens is not None
         b = self.bank.groups[key][1] if key in self.bank.groups else self.bank.B[key]
         return lora_split(
-            both, b, self.blocks[key], self.tokens, self.bank.scale, self.bank.max_rank, self.bank.width
+            both,
+            b,
+            self.blocks[key],
+            self.tokens,
+            self.bank.scale,
+            self.bank.max_rank,
+            self.bank.width,
+            self.order,
         )
 
     def fuses_next(self, key: str, consumer: str) -> bool:
@@ -125,7 +142,13 @@ class LoraTerms:
 
         assert self.tokens is not None
         return lora_split_silu(
-            both, self.bank.groups[key][1], self.tokens, self.bank.scale, self.bank.max_rank, self.bank.width
+            both,
+            self.bank.groups[key][1],
+            self.tokens,
+            self.bank.scale,
+            self.bank.max_rank,
+            self.bank.width,
+            self.order,
         )
 
     def add(self, y: torch.Tensor, x: torch.Tensor, module: str) -> bool:
@@ -165,6 +188,7 @@ class LoraTerms:
                 self.bank.scale,
                 self.bank.max_rank,
                 self.bank.width,
+                self.order,
             )
             return
         h = x.reshape(-1, x.shape[-1]) @ a.t()

@@ -33,10 +33,24 @@ BT, BN = 64, 128
 CHUNK = 16
 """Slot columns a tensor-core product takes at a time: a tile multiplies only the chunks of slots one of
 its tokens is on, so a bank's cost follows the adapters in use, not its size (a slot of rank >= 16 is
-a chunk or more of its own)."""
+a chunk or more of its own). With several slots the tiles take the tokens in slot order (`slot_order`),
+so that a tile of a batch mixing 8 adapters meets one or two of them, not all 8."""
 SILU_BT, SILU_BN = 64, 64
 """Tiles of `lora_split_silu`: two accumulators, so half the columns of `_expand`'s; with 8 warps
 Triton's sm_90 build keeps every value in registers (`python -m bench.kernel_registers`)."""
+
+
+@triton.jit
+def _tile_tokens(pid_t, T, order_ptr, BT: tl.constexpr, SORTED: tl.constexpr):
+    """The tokens (rows) of tile `pid_t`: BT consecutive ones, or of the slot order (`slot_order`), and
+    which are live (the last tile may pass T)."""
+    i = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
+    live = i < T
+    if SORTED:
+        t = tl.load(order_ptr + i, mask=live, other=0).to(tl.int64)
+    else:
+        t = i
+    return t, live
 
 
 @triton.jit
@@ -67,14 +81,14 @@ def _slot_columns(
 
 @triton.jit
 def _lora_expand_kernel(
-    h_ptr, b_ptr, base_ptr, y_ptr, slot_ptr, scale_ptr, member_ptr,
+    h_ptr, b_ptr, base_ptr, y_ptr, slot_ptr, order_ptr, scale_ptr, member_ptr,
     T, stride_h, stride_b, stride_base, stride_y,
     R: tl.constexpr, SR: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+    SORTED: tl.constexpr,
 ):  # fmt: skip
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     m = tl.load(member_ptr + pid_n)
-    t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
-    live = t < T
+    t, live = _tile_tokens(pid_t, T, order_ptr, BT, SORTED)
     slot, scale = _token_slots(t, live, slot_ptr, scale_ptr)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     low = b_ptr.dtype.element_ty
@@ -94,14 +108,13 @@ def _lora_expand_kernel(
 
 @triton.jit
 def _lora_silu_kernel(
-    h_ptr, b_ptr, base_ptr, y_ptr, slot_ptr, scale_ptr,
+    h_ptr, b_ptr, base_ptr, y_ptr, slot_ptr, order_ptr, scale_ptr,
     T, inter, stride_h, stride_b, stride_base, stride_y,
     R: tl.constexpr, SR: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    SORTED: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
-    t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
-    live = t < T
+    t, live = _tile_tokens(pid_t, T, order_ptr, BT, SORTED)
     slot, scale = _token_slots(t, live, slot_ptr, scale_ptr)
     low = b_ptr.dtype.element_ty
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -152,12 +165,14 @@ def lora_add_(
     scale: torch.Tensor,
     rank: int,
     width: int,
+    order: torch.Tensor | None = None,
 ) -> None:
     """y [T, sum out] += the adapters' term of one group in place (module docstring): x [T, in], a
     [n width, in], b [sum out, n width] (block-diagonal over the n members; width = S r), members:
-    member_blocks() on y's device, token_slots [T] (-1: base), scale [S] fp32."""
+    member_blocks() on y's device, token_slots [T] (-1: base), scale [S] fp32; `order`: the tokens
+    by slot (`slot_order`), which the tiles then take, or None: tiles of consecutive tokens."""
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-    _expand(x2 @ a.t(), b, y2, y2, members, token_slots, scale, rank, width)
+    _expand(x2 @ a.t(), b, y2, y2, members, token_slots, scale, rank, width, order)
 
 
 def lora_split(
@@ -168,6 +183,7 @@ def lora_split(
     scale: torch.Tensor,
     rank: int,
     width: int,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [..., sum out] from both [..., sum out + n width] = [x W^T | x A^T], the output of a GEMM over a
     weight with the group's A stacked under it: y = x W^T + the adapters' term (arguments as
@@ -175,17 +191,23 @@ def lora_split(
     out = b.shape[0]
     both2 = both.view(-1, both.shape[-1])
     y = both.new_empty(both2.shape[0], out)
-    _expand(both2[:, out:], b, both2[:, :out], y, members, token_slots, scale, rank, width)
+    _expand(both2[:, out:], b, both2[:, :out], y, members, token_slots, scale, rank, width, order)
     return y.view(*both.shape[:-1], out)
 
 
 def lora_split_silu(
-    both: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, scale: torch.Tensor, rank: int, width: int
+    both: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scale: torch.Tensor,
+    rank: int,
+    width: int,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(gate) * up [..., I] of a gate/up group from both [..., 2I + 2 width (+ padding)] = [x W^T | x A^T]:
     `lora_split` then `silu_mul` (miles/engine/triton_fused.py) in one kernel, with the same roundings,
     so the group's [..., 2I] output is never written; b [2I, 2 width] block-diagonal over gate and up,
-    I a multiple of the block (`member_blocks`)."""
+    I a multiple of the block (`member_blocks`); `order` as `lora_add_`'s."""
     inter = b.shape[0] // 2
     assert b.shape[1] == 2 * width and inter % SILU_BN == 0 and both.shape[-1] >= 2 * inter + 2 * width
     both2 = both.view(-1, both.shape[-1])
@@ -194,18 +216,34 @@ def lora_split_silu(
     if T:
         grid = (triton.cdiv(T, SILU_BT), inter // SILU_BN)
         _lora_silu_kernel[grid](
-            both2[:, 2 * inter :], b, both2, y, token_slots, scale,
+            both2[:, 2 * inter :], b, both2, y, token_slots, token_slots if order is None else order, scale,
             T, inter, both2.stride(0), b.stride(0), both2.stride(0), y.stride(0), R=rank, SR=width,
-            C=CHUNK, BT=SILU_BT, BN=SILU_BN, LIBDEVICE=both.is_cuda, num_warps=8, enable_fp_fusion=False,
+            C=CHUNK, BT=SILU_BT, BN=SILU_BN, SORTED=order is not None, LIBDEVICE=both.is_cuda, num_warps=8,
+            enable_fp_fusion=False,
         )  # fmt: skip
     return y.view(*both.shape[:-1], inter)
 
 
-def _expand(h, b, base, y, members, token_slots, scale, rank: int, width: int) -> None:
+def _expand(h, b, base, y, members, token_slots, scale, rank: int, width: int, order=None) -> None:
     """y = base + ((h * mask) b^T) by member blocks (y may be base itself)."""
     T = h.shape[0]
     grid = (triton.cdiv(T, BT), members.numel())
     _lora_expand_kernel[grid](
-        h, b, base, y, token_slots, scale, members, T, h.stride(0), b.stride(0), base.stride(0), y.stride(0),
-        R=rank, SR=width, C=CHUNK, BT=BT, BN=BN, num_warps=8,
+        h, b, base, y, token_slots, token_slots if order is None else order, scale, members,
+        T, h.stride(0), b.stride(0), base.stride(0), y.stride(0),
+        R=rank, SR=width, C=CHUNK, BT=BT, BN=BN, SORTED=order is not None, num_warps=8,
     )  # fmt: skip
+
+
+def slot_order(token_slots: torch.Tensor, slots: int) -> torch.Tensor:
+    """The tokens' indices ordered by slot (the base model's first), for tiles that each meet few
+    slots: a counting sort in tensor ops of static shapes with no host read, so a CUDA graph captures
+    it (one per forward; the kernels of every layer then read it)."""
+    key = token_slots + 1  # 0: the base model
+    hits = (key[:, None] == torch.arange(slots + 1, device=key.device)[None, :]).to(torch.int32)
+    counts = hits.sum(dim=0)
+    ahead = hits.cumsum(dim=0) - hits  # tokens of the same slot before each one
+    pos = (counts.cumsum(dim=0) - counts)[key] + ahead.gather(1, key[:, None]).squeeze(1)
+    order = torch.empty_like(key)
+    order[pos] = torch.arange(key.shape[0], device=key.device, dtype=key.dtype)
+    return order

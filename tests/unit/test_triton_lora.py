@@ -41,7 +41,7 @@ def _case(
 ) -> dict:
     import torch
 
-    from miles.engine.triton_lora import lora_add_, lora_split, member_blocks
+    from miles.engine.triton_lora import lora_add_, lora_split, member_blocks, slot_order
 
     g = torch.Generator().manual_seed(seed)
     n, width = len(outs), slots * rank
@@ -63,10 +63,28 @@ def _case(
     lora_add_(y, x, a, b, member_blocks(outs), token_slots, scale, rank, width)
     both = torch.cat((y0, x @ a.t()), dim=-1)  # what one GEMM over [W; A] yields
     split = lora_split(both, b, member_blocks(outs), token_slots, scale, rank, width)
+    # the tiles taking the tokens by slot
+    by_slot = lora_split(
+        both, b, member_blocks(outs), token_slots, scale, rank, width, slot_order(token_slots, slots)
+    )
+    y_by_slot = y0.clone()
+    lora_add_(
+        y_by_slot,
+        x,
+        a,
+        b,
+        member_blocks(outs),
+        token_slots,
+        scale,
+        rank,
+        width,
+        slot_order(token_slots, slots),
+    )
     base = token_slots < 0
     return {
         "err": float((y - ref).abs().max()),
         "split_err": float((split - ref).abs().max()),
+        "by_slot_err": max(float((by_slot - ref).abs().max()), float((y_by_slot - ref).abs().max())),
         "split_shape": list(split.shape),
         "scale": float(ref.abs().max()),
         "base_untouched": bool(torch.equal(y[base], y0[base]) and torch.equal(split[base], y0[base])),
@@ -83,7 +101,7 @@ def _silu_case(
     import torch
 
     from miles.engine.triton_fused import silu_mul
-    from miles.engine.triton_lora import lora_split, lora_split_silu, member_blocks
+    from miles.engine.triton_lora import lora_split, lora_split_silu, member_blocks, slot_order
 
     g = torch.Generator().manual_seed(seed)
 
@@ -101,7 +119,13 @@ def _silu_case(
     token_slots = _token_slots(tokens, slots, g, used)
     want = silu_mul(lora_split(both, b, member_blocks([inter, inter]), token_slots, scale, rank, width))
     got = lora_split_silu(both, b, token_slots, scale, rank, width)
-    return {"equal": bool(torch.equal(got, want)), "shape": list(got.shape), "scale": float(want.abs().max())}
+    by_slot = lora_split_silu(both, b, token_slots, scale, rank, width, slot_order(token_slots, slots))
+    return {
+        "equal": bool(torch.equal(got, want)),
+        "by_slot_equal": bool(torch.equal(by_slot, want)),
+        "shape": list(got.shape),
+        "scale": float(want.abs().max()),
+    }
 
 
 def _reference_split(both, b, token_slots, scale, rank: int, width: int, members: int):
@@ -178,6 +202,7 @@ def _decoder_case(seed: int) -> dict:
     dec.lora = LoraBank.for_decoder(dec, slots, rank, TARGETS, 4, kernels=True)  # Triton's interpreter
     tensors = peft_tensors(dec.lora, rank, gen, 0.2)
     dec.lora.load("x", AdapterConfig(rank, 16.0, TARGETS[:-1]), tensors, "t")
+    dec.lora.terms.fuse_consumers = CONSUMERS  # every consumer kernel that can add the term (default: FUSED)
     calls = {"silu": 0, "split": 0, "rope": 0}
     silu, split, rope = triton_lora.lora_split_silu, dec.lora.terms.split, dec.lora.terms.rope_parts
 
@@ -254,6 +279,7 @@ def test_fused_lora_kernel_equals_the_pytorch_path(measured, case):
     m = measured[case]
     assert m["err"] <= 1e-4 * max(1.0, m["scale"]), m
     assert m["split_err"] <= 1e-4 * max(1.0, m["scale"]), m
+    assert m["by_slot_err"] <= 1e-4 * max(1.0, m["scale"]), m
     assert m["split_shape"] == [CASES[case]["tokens"], sum(CASES[case]["outs"])]
     assert m["base_untouched"], "a base-model token (slot -1) was changed"
 
@@ -263,6 +289,7 @@ def test_split_with_the_activation_equals_split_then_silu_mul(measured, case):
     m = measured[case]
     assert m["shape"] == [SILU_CASES[case]["tokens"], SILU_CASES[case]["inter"]]
     assert m["equal"], m  # the same products, sums and roundings in one kernel
+    assert m["by_slot_equal"], m  # and with the tiles taking the tokens by slot
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
@@ -284,6 +311,18 @@ def test_decoder_forward_with_stacked_adapters_equals_the_per_op_path(measured):
     assert m["err"] <= 1e-5 * max(1.0, m["scale"]), m
 
 
+def test_slot_order_is_a_permutation_by_slot():
+    import torch
+
+    from miles.engine.triton_lora import slot_order
+
+    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0, 0, 3])
+    order = slot_order(slots, 4)
+    assert sorted(order.tolist()) == list(range(len(slots)))  # each token once
+    assert slots[order].tolist() == sorted(slots.tolist())  # the base model's first, then by slot
+    assert slot_order(torch.tensor([], dtype=torch.int64), 2).shape == (0,)
+
+
 def test_blocks_follow_members_and_unfit_shapes_fall_back():
     from miles.engine.triton_lora import fits, member_blocks
 
@@ -303,11 +342,11 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
     from miles.engine import triton_lora as k
 
-    types = dict(h_ptr="*bf16", b_ptr="*bf16", base_ptr="*bf16", y_ptr="*bf16", slot_ptr="*i64",
+    types = dict(h_ptr="*bf16", b_ptr="*bf16", base_ptr="*bf16", y_ptr="*bf16", slot_ptr="*i64", order_ptr="*i64",
                  scale_ptr="*fp32", member_ptr="*i32", x_ptr="*fp32", w_ptr="*bf16", eps="fp32")  # fmt: skip
     for fn, consts, options in (
-        (k._lora_expand_kernel, dict(BT=k.BT, BN=k.BN), dict(num_warps=8)),
-        (k._lora_silu_kernel, dict(BT=k.SILU_BT, BN=k.SILU_BN, LIBDEVICE=True), dict(num_warps=8, enable_fp_fusion=False)),
+        (k._lora_expand_kernel, dict(BT=k.BT, BN=k.BN, SORTED=True), dict(num_warps=8)),
+        (k._lora_silu_kernel, dict(BT=k.SILU_BT, BN=k.SILU_BN, SORTED=True, LIBDEVICE=True), dict(num_warps=8, enable_fp_fusion=False)),
     ):  # fmt: skip
         for width in (16, 128):
             c = consts | {n: v for n, v in dict(R=16, SR=width, C=k.CHUNK).items() if n in fn.arg_names}
