@@ -36,12 +36,14 @@ MTP only sets how many drafts are kept.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -165,30 +167,32 @@ class MtpDraft:
         return torch.stack(out, dim=1)
 
 
-SHORT_RUN = 8
-"""Runs of at most this many tokens (a verify's kept drafts, queued plain steps) forward decode-shaped."""
 FOLLOW_EVERY = 32
 """Plain decode steps whose hidden states the MTP takes in one forward (sooner when a round needs them):
 a plain step then pays for one MTP launch sequence in that many, and the queue holds that many copies of
 a step's hidden states."""
+SHORT_RUN = 8
+"""Runs of at most this many tokens (a verify's kept drafts) forward decode-shaped on the CPU, whose
+attention gathers every row's context; on a GPU, runs of up to FOLLOW_EVERY (a flush of queued plain
+steps too: its batch is then built in a few numpy operations, not request by request)."""
 
 
 def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor) -> Batch:
     """The MTP forward's batch, its `last_index` each run's last token. Short runs: decode-shaped, one
     row per token over its run's table row (each row attends its own position's prefix, every row's
     K/V written first), built from one host-to-device copy; else (a prefill's runs) prefill-shaped."""
-    if max(len(ids) for _, ids, _, _ in runs) <= SHORT_RUN:
-        head: list[list[int]] = [[], [], []]
-        last = []
-        for row, ids, _, start in runs:
-            head[0] += ids
-            head[1] += range(start, start + len(ids))
-            head[2] += [row] * len(ids)
-            last.append(len(head[0]) - 1)
-        ints = torch.tensor([*head, last + [0] * (len(head[0]) - len(last))], dtype=torch.int64)
-        ints = ints.to(table.device, non_blocking=True)
-        b = Batch.decode(ints[0], ints[1], ints[2], table, max(head[1]) + 1)
-        b.last_index = ints[3, : len(last)]
+    lens = np.array([len(ids) for _, ids, _, _ in runs])
+    if lens.max() <= (FOLLOW_EVERY if table.is_cuda else SHORT_RUN):  # numpy: B x FOLLOW_EVERY rows
+        total, ends = int(lens.sum()), np.cumsum(lens)
+        ints = np.zeros((4, total), dtype=np.int64)
+        ints[0] = np.fromiter(itertools.chain.from_iterable(ids for _, ids, _, _ in runs), np.int64, total)
+        starts = np.array([start for *_, start in runs])
+        ints[1] = np.arange(total) - np.repeat(ends - lens - starts, lens)  # start, start + 1, ...
+        ints[2] = np.repeat([row for row, *_ in runs], lens)
+        ints[3, : len(runs)] = ends - 1
+        dev = torch.from_numpy(ints).to(table.device, non_blocking=True)
+        b = Batch.decode(dev[0], dev[1], dev[2], table, int(ints[1].max()) + 1)
+        b.last_index = dev[3, : len(runs)]
         return b
     fake = [SimpleNamespace(tokens=[0] * start + ids, kv_len=start, row=row, slots=range(start + len(ids)))
             for row, ids, _, start in runs]  # fmt: skip
@@ -379,39 +383,48 @@ class MtpSpeculator(Speculator):
 
     def _flush(self) -> None:
         """The MTP over the queued steps' rows of each request whose history they continue (positions
-        upto.. of its kept state, the tokens one ahead), in one forward: the queued hidden states gathered
-        request by request with one index. A request's n queued steps forwarded its positions
-        num_tokens - 1 - n .. num_tokens - 2 (one token each, recorded before the flush); unless they
-        start where its kept state ends, a step is missing and its history ends. Consecutive steps of
-        the same requests are taken in one pass."""
+        upto.. of its kept state, the tokens one ahead), in one forward. A request's n queued steps
+        forwarded its positions num_tokens - 1 - n .. num_tokens - 2 (one token each, recorded before
+        the flush); unless they start where its kept state ends, a step is missing and its history ends."""
         steps, self.queue = self.queue, []
         if not steps:
             return
+        if all(reqs == steps[0][0] for reqs, _ in steps):  # the same requests each step (tuples: in C)
+            reqs, n = steps[0][0], len(steps)
+            hidden = torch.stack([h[: len(reqs)] for _, h in steps], dim=1)  # [B, n, h], request by request
+            where = {r: range(i * n, (i + 1) * n) for i, r in enumerate(reqs)}
+            self._extend_from(where, hidden.flatten(0, 1), in_order=True)
+            return
         where: dict[Request, list[int]] = {}
         base, at = 0, 0
-        while at < len(steps):
+        while at < len(steps):  # consecutive steps of the same requests in one pass
             reqs, bases = steps[at][0], []
-            while at < len(steps) and steps[at][0] == reqs:  # identical tuples: identity, element-wise in C
+            while at < len(steps) and steps[at][0] == reqs:
                 bases.append(base)
                 base += steps[at][1].shape[0]
                 at += 1
             for i, r in enumerate(reqs):
                 where.setdefault(r, []).extend([b + i for b in bases])
-        order: list[int] = []
-        spans, kept = [], []
+        self._extend_from(where, torch.cat([h for _, h in steps]), in_order=False)
+
+    def _extend_from(self, where: dict[Request, Any], hidden: torch.Tensor, in_order: bool) -> None:
+        """`_flush`'s forward: request r's queued rows are `hidden[where[r]]`, in step order (`in_order`:
+        `where` lists hidden's rows in order, so with no request dropped no gather is needed)."""
+        spans, kept, order = [], [], []
         for r, ix in where.items():
             st = self.state.get(r)
             if st is None or r.finish is not None or r.row < 0 or r.num_tokens - 1 - len(ix) != st.upto:
                 self._drop(r)
+                in_order = False
                 continue
             spans.append((r.row, r.tokens[st.upto + 1 : st.upto + 1 + len(ix)], len(order), st.upto))
             kept.append(r)
             order += ix
         if not kept:
             return
-        dev = steps[0][1].device
-        gathered = torch.cat([h for _, h in steps])[torch.tensor(order).to(dev, non_blocking=True)]
-        runs = [(row, ids, gathered[at : at + len(ids)], start) for row, ids, at, start in spans]
+        if not in_order:
+            hidden = hidden[torch.tensor(order).to(hidden.device, non_blocking=True)]
+        runs = [(row, ids, hidden[at : at + len(ids)], start) for row, ids, at, start in spans]
         self._extend(kept, runs)
 
     def _keep(self, r: Request, upto: int, logits: torch.Tensor, hidden: torch.Tensor, i: int) -> None:

@@ -130,12 +130,19 @@ def test_init_tiny_mtp_layer_is_left_out_by_transformers(mtp_model):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_above_max_batch_steps_decode_plainly_and_keep_the_mtp_history(tmp_path, overlap):
+@pytest.mark.parametrize("short_run", [8, 32])
+def test_above_max_batch_steps_decode_plainly_and_keep_the_mtp_history(
+    tmp_path, monkeypatch, overlap, short_run
+):
     """--speculative-max-batch 1: while four requests decode, no step speculates; once the short ones
     finish, the long one speculates with its MTP history intact (the oracle keeps every proposal). With
     `overlap` the big batch's steps run one ahead of their readback (as on a GPU): the MTP follows them
-    from the hidden states kept with each step in flight, a few steps at a time."""
+    from the hidden states kept with each step in flight, a few steps at a time. `short_run` 32: the
+    queued steps' MTP forward is decode-shaped, as on a GPU."""
+    from miles.engine import mtp
     from miles.models.tiny import init_tiny
+
+    monkeypatch.setattr(mtp, "SHORT_RUN", short_run)
 
     model = oracle_mtp(init_tiny(tmp_path / "oracle", seed=0, mtp=True))
     outs = []
