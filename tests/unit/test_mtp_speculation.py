@@ -199,3 +199,45 @@ def test_the_gate_alternates_speculation_and_plain_steps_and_keeps_the_history(t
     proposed = sum(r.spec_draft_token_num for r in spec)
     assert proposed > 0 and sum(r.spec_accept_token_num for r in spec) == proposed
     assert sched.speculator._plain is None, "every plain step the gate chose was timed to its end"
+
+
+@pytest.mark.parametrize("short_run", [8, 32])
+def test_the_mtp_state_after_queued_plain_steps_equals_one_forward_over_the_history(
+    mtp_model, monkeypatch, short_run
+):
+    """Three requests decode plain steps only (`max_batch` 0); the MTP takes the queued steps in one
+    flush. A request's kept MTP output then equals that of an engine whose MTP took the same history in
+    one prefill: the flush forwarded the right tokens at the right positions over the right hidden
+    states (the oracle layer, which ignores positions and hidden states, cannot show this). `short_run`
+    32: that forward decode-shaped, as on a GPU."""
+    from miles.engine import mtp
+
+    monkeypatch.setattr(mtp, "SHORT_RUN", short_run)
+    sched = _scheduler(mtp_model, True)
+    sched.speculator.max_batch = 0
+    reqs = [Request(str(i), [3 + i, 9, 17, 5], SamplingParams(max_new_tokens=30, temperature=0.0), i, frozenset())
+            for i in range(3)]  # fmt: skip
+    for r in reqs:
+        sched.submit(r)
+    sched._drain_inbox()  # what run_until_idle does first: the submitted requests wait for a step
+    for _ in range(100):  # prefill, then plain steps
+        if len(reqs[1].output) >= 12 or reqs[1].finish is not None:
+            break
+        sched.step()
+    assert len(reqs[1].output) >= 12 and reqs[1].finish is None, reqs[1].finish
+    assert sched.speculator.queue, "the plain steps were queued"
+    sched.speculator._flush()
+    r = reqs[1]
+    kept = sched.speculator.state[r]
+    assert kept.upto == r.num_tokens - 1  # every position but the newest token's
+
+    fresh = _scheduler(mtp_model, True)
+    history = list(r.tokens[: r.num_tokens - 1])
+    one = Request("h", history, SamplingParams(max_new_tokens=3, temperature=0.0), 0, frozenset())
+    fresh.submit(one)
+    fresh._drain_inbox()
+    fresh.step()  # the prefill; the MTP extends over it
+    assert one.output[0] == r.tokens[-1], "the target's greedy token differs: the comparison needs it equal"
+    want = fresh.speculator.state[one]
+    assert want.upto == kept.upto
+    torch.testing.assert_close(kept.logits, want.logits, atol=1e-4, rtol=1e-4)
