@@ -172,9 +172,10 @@ FOLLOW_EVERY = 32
 a plain step then pays for one MTP launch sequence in that many, and the queue holds that many copies of
 a step's hidden states."""
 SHORT_RUN = 8
-"""Runs of at most this many tokens (a verify's kept drafts) forward decode-shaped on the CPU, whose
-attention gathers every row's context; on a GPU, runs of up to FOLLOW_EVERY (a flush of queued plain
-steps too: its batch is then built in a few numpy operations, not request by request)."""
+"""Runs of at most this many tokens (a verify's kept drafts, a few queued plain steps) forward
+decode-shaped: the MTP decoder's attention gathers each row's context (its forward is the per-op one,
+on a GPU too), so a decode-shaped forward of B x FOLLOW_EVERY rows would gather B x FOLLOW_EVERY
+contexts."""
 
 
 def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Tensor) -> Batch:
@@ -182,7 +183,7 @@ def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Te
     row per token over its run's table row (each row attends its own position's prefix, every row's
     K/V written first), built from one host-to-device copy; else (a prefill's runs) prefill-shaped."""
     lens = np.array([len(ids) for _, ids, _, _ in runs])
-    if lens.max() <= (FOLLOW_EVERY if table.is_cuda else SHORT_RUN):  # numpy: B x FOLLOW_EVERY rows
+    if lens.max() <= SHORT_RUN:  # in numpy: a flush may have B x SHORT_RUN rows
         total, ends = int(lens.sum()), np.cumsum(lens)
         ints = np.zeros((4, total), dtype=np.int64)
         ints[0] = np.fromiter(itertools.chain.from_iterable(ids for _, ids, _, _ in runs), np.int64, total)

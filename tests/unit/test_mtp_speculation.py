@@ -138,7 +138,7 @@ def test_above_max_batch_steps_decode_plainly_and_keep_the_mtp_history(
     finish, the long one speculates with its MTP history intact (the oracle keeps every proposal). With
     `overlap` the big batch's steps run one ahead of their readback (as on a GPU): the MTP follows them
     from the hidden states kept with each step in flight, a few steps at a time. `short_run` 32: the
-    queued steps' MTP forward is decode-shaped, as on a GPU."""
+    queued steps' MTP forward is decode-shaped."""
     from miles.engine import mtp
     from miles.models.tiny import init_tiny
 
@@ -209,7 +209,7 @@ def test_the_mtp_state_after_queued_plain_steps_equals_one_forward_over_the_hist
     flush. A request's kept MTP output then equals that of an engine whose MTP took the same history in
     one prefill: the flush forwarded the right tokens at the right positions over the right hidden
     states (the oracle layer, which ignores positions and hidden states, cannot show this). `short_run`
-    32: that forward decode-shaped, as on a GPU."""
+    32: that forward decode-shaped."""
     from miles.engine import mtp
 
     monkeypatch.setattr(mtp, "SHORT_RUN", short_run)
