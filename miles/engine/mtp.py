@@ -40,14 +40,13 @@ import itertools
 import logging
 import weakref
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from miles.engine.request import Request, prefill_batch
+from miles.engine.request import Request, packed_batch
 from miles.engine.spec import Batch
 from miles.engine.spec_gate import Gate
 from miles.engine.speculative import (
@@ -195,9 +194,8 @@ def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Te
         b = Batch.decode(dev[0], dev[1], dev[2], table, int(ints[1].max()) + 1)
         b.last_index = dev[3, : len(runs)]
         return b
-    fake = [SimpleNamespace(tokens=[0] * start + ids, kv_len=start, row=row, slots=range(start + len(ids)))
-            for row, ids, _, start in runs]  # fmt: skip
-    return prefill_batch(fake, table)
+    rows, new, starts = [row for row, *_ in runs], [ids for _, ids, _, _ in runs], [s for *_, s in runs]
+    return packed_batch(rows, starts, new, [s + len(ids) for s, ids in zip(starts, new, strict=True)], table)
 
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")

@@ -8,6 +8,7 @@ per-request sampling rows (seeds, steps, top-k, temperature, top-p).
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -150,30 +151,37 @@ def prefill_groups(reqs: list[Request]) -> list[list[Request]]:
 
 def prefill_batch(reqs: list[Request], table: torch.Tensor) -> Batch:
     """The packed not-yet-cached tokens of `reqs`; `table[row, p]` is the slot of position p."""
+    return packed_batch(
+        [r.row for r in reqs], [r.kv_len for r in reqs], [r.tokens[r.kv_len :] for r in reqs],
+        [len(r.slots) for r in reqs], table,
+    )  # fmt: skip
+
+
+def packed_batch(
+    rows: list[int], firsts: list[int], new: list[list[int]], lengths: list[int], table: torch.Tensor
+) -> Batch:
+    """A prefill-shaped batch: request i at table row rows[i] forwards tokens new[i] at positions
+    firsts[i].., attending its lengths[i] first positions; built in numpy, one host-to-device copy."""
+    counts = np.fromiter(map(len, new), np.int64, len(new))
+    total, ends = int(counts.sum()), np.cumsum(counts)
+    starts = ends - counts
+    host = np.empty((3, total), dtype=np.int64)
+    host[0] = np.fromiter(itertools.chain.from_iterable(new), np.int64, total)  # ids
+    host[1] = np.arange(total) - np.repeat(starts - np.asarray(firsts, dtype=np.int64), counts)  # positions
+    host[2] = np.repeat(np.asarray(rows, dtype=np.int64), counts)  # table rows
+    small = np.stack((np.asarray(rows, dtype=np.int64), starts, counts))
     dev = table.device
-    starts, counts, ids, pos = [], [], [], []
-    for req in reqs:
-        tokens = req.tokens
-        first = req.kv_len
-        starts.append(len(ids))
-        counts.append(len(tokens) - first)
-        ids.extend(tokens[first:])
-        pos.extend(range(first, len(tokens)))
-    positions = torch.tensor(pos, device=dev)
-    rows = torch.tensor([r.row for r in reqs], device=dev)
-    start_t = torch.tensor(starts, device=dev)
-    count_t = torch.tensor(counts, device=dev)
-    j = torch.arange(max(counts), device=dev)
+    ids, positions, token_rows = torch.from_numpy(host).to(dev, non_blocking=True)
+    rows_t, start_t, count_t = torch.from_numpy(small).to(dev, non_blocking=True)
+    j = torch.arange(int(counts.max()), device=dev)
     valid = j[None, :] < count_t[:, None]
     query_index = torch.where(valid, start_t[:, None] + j[None, :], 0)
-    lengths = [len(r.slots) for r in reqs]
-    row_pos = positions.new_tensor([i for i, c in enumerate(counts) for _ in range(c)])
     return Batch(
-        input_ids=torch.tensor(ids, device=dev),
+        input_ids=ids,
         positions=positions,
-        write_slots=table[rows[row_pos], positions],
+        write_slots=table[token_rows, positions],
         query_index=query_index,
         query_pos=torch.where(valid, positions[query_index], -1),
-        context_slots=table[rows, : max(lengths)],
+        context_slots=table[rows_t, : max(lengths)],
         last_index=start_t + count_t - 1,
     )

@@ -31,12 +31,11 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from miles.engine.request import Request, prefill_batch
+from miles.engine.request import Request, packed_batch
 from miles.engine.spec import Batch
 from miles.engine.spec_gate import Gate
 
@@ -167,11 +166,10 @@ class DraftCache:
 
     def forward(self, reqs: list[Request], contexts: list[list[int]]) -> torch.Tensor:
         """The draft's logits [B, V] after each context (its new positions computed and kept)."""
-        fake = [
-            SimpleNamespace(tokens=ctx, kv_len=self.computed(r), row=r.row, slots=ctx)
-            for r, ctx in zip(reqs, contexts, strict=True)
-        ]
-        logits = self.decoder.forward(prefill_batch(fake, self.table), self.pool)
+        firsts = [self.computed(r) for r in reqs]
+        new = [ctx[k:] for ctx, k in zip(contexts, firsts, strict=True)]
+        batch = packed_batch([r.row for r in reqs], firsts, new, [len(c) for c in contexts], self.table)
+        logits = self.decoder.forward(batch, self.pool)
         for r, ctx in zip(reqs, contexts, strict=True):
             self.valid[r.row] = (id(r), len(ctx))
         return logits.float()
