@@ -101,18 +101,14 @@ class LoraTerms:
         """y = x W^T + the adapters' term of `key`, from both = [x W^T | x A^T] (one kernel)."""
         from miles.engine.triton_lora import lora_split
 
-        assert self.tokens is not None
         b = self.bank.groups[key][1] if key in self.bank.groups else self.bank.B[key]
-        return lora_split(
-            both,
-            b,
-            self.blocks[key],
-            self.tokens,
-            self.bank.scale,
-            self.bank.max_rank,
-            self.bank.width,
-            self.order,
-        )
+        return lora_split(both, b, self.blocks[key], *self._slots(), order=self.order)
+
+    def _slots(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The Triton kernels' arguments of the current forward's tokens: their slots, the slots'
+        scales, the bank's rank and width (miles/engine/triton_lora.py)."""
+        assert self.tokens is not None
+        return self.tokens, self.bank.scale, self.bank.max_rank, self.bank.width
 
     def fuses_next(self, key: str, consumer: str) -> bool:
         """Whether layer or group `key` should run as one GEMM over its weight with A stacked under it,
@@ -140,16 +136,7 @@ class LoraTerms:
         activation in one kernel."""
         from miles.engine.triton_lora import lora_split_silu
 
-        assert self.tokens is not None
-        return lora_split_silu(
-            both,
-            self.bank.groups[key][1],
-            self.tokens,
-            self.bank.scale,
-            self.bank.max_rank,
-            self.bank.width,
-            self.order,
-        )
+        return lora_split_silu(both, self.bank.groups[key][1], *self._slots(), order=self.order)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, module: str) -> bool:
         """y += the adapters' term of HF module `module` in place (a GEMM, the mask, a GEMM-accumulate);
@@ -177,19 +164,7 @@ class LoraTerms:
         if key in self.blocks:
             from miles.engine.triton_lora import lora_add_
 
-            assert self.tokens is not None
-            lora_add_(
-                y,
-                x,
-                a,
-                b,
-                self.blocks[key],
-                self.tokens,
-                self.bank.scale,
-                self.bank.max_rank,
-                self.bank.width,
-                self.order,
-            )
+            lora_add_(y, x, a, b, self.blocks[key], *self._slots(), order=self.order)
             return
         h = x.reshape(-1, x.shape[-1]) @ a.t()
         h.mul_(mask)

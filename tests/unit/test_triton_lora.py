@@ -207,9 +207,9 @@ def _decoder_case(seed: int) -> dict:
     silu, split, rope = triton_lora.lora_split_silu, dec.lora.terms.split, dec.lora.terms.rope_parts
 
     def counted(kind, fn):
-        def call(*args):
+        def call(*args, **kwargs):
             calls[kind] += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return call
 
