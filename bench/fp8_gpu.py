@@ -13,7 +13,8 @@ the `miles train` child processes of the first find the GPU empty:
    GEMM in FP8, decode included; 1 is the lowest value the key takes; the two arms of a layout share
    its weights). Workloads: decode-heavy (256 requests, prompt 128, 512 new tokens) and prefill-heavy
    (64 requests, prompt 2048, 8 new tokens). The arms run one after another, each with a KV pool of
-   its own that is freed before the next (five pools beside the three 7B decoders do not fit an 80 GB
+   its own that is freed before the next, and each layout's decoder is built before its arms and freed
+   after them (five pools beside the three 7B decoders, or one pool beside them, did not fit an 80 GB
    card): each workload once untimed (graph captures, Triton compiles), then each round each
    workload, with fresh random prompts per round (the same for every arm).
 2. train: the FSDP backend on one GPU with bench/gpu_train.py's shapes and batch (Qwen2.5-0.5B, 64 x
@@ -191,26 +192,29 @@ def rollout_size(args, size: str, device: str) -> list[dict]:
     model = make_model(Path(args.workdir), size, dtype)
     arms, loads = rollout_arms(), workloads(args.smoke)
     vocab = SIZES[size][1]
-    decoders = build_decoders(model, arms, device, getattr(torch, dtype))
 
     def prompts(w: Workload, seed: int) -> list[list[int]]:
         rng = random.Random(seed)
         return [[rng.randrange(vocab) for _ in range(w.prompt)] for _ in range(w.requests)]
 
     tok_s: dict[tuple[str, Arm], list[float]] = {(w.name, a): [] for w in loads for a in arms}
-    for a in arms:  # one arm's KV pool at a time: five beside the 7B decoders overflow an 80 GB card
-        sched = scheduler_for(decoders[a.quantization], loads)
-        for w in loads:  # untimed: graph captures, Triton compiles, allocator growth
-            engine_run(sched, a, prompts(w, 10_000), w, device)
-        for r in range(args.rounds):
-            for w in loads:
-                tok_s[(w.name, a)].append(engine_run(sched, a, prompts(w, r), w, device))
-                print(f"rollout {size} {w.name} round {r + 1} {a.label}: {tok_s[(w.name, a)][-1]:.0f} tok/s")
-        del sched
+    for q in dict.fromkeys(a.quantization for a in arms):  # one decoder and one KV pool at a time: the
+        decoder = build_decoders(model, [Arm(q, None)], device, getattr(torch, dtype))[q]  # 7B's three
+        for a in (a for a in arms if a.quantization == q):  # decoders with their pools overflow 80 GB
+            sched = scheduler_for(decoder, loads)
+            for w in loads:  # untimed: graph captures, Triton compiles, allocator growth
+                engine_run(sched, a, prompts(w, 10_000), w, device)
+            for r in range(args.rounds):
+                for w in loads:
+                    tok_s[(w.name, a)].append(engine_run(sched, a, prompts(w, r), w, device))
+                    print(
+                        f"rollout {size} {w.name} round {r + 1} {a.label}: {tok_s[(w.name, a)][-1]:.0f} tok/s"
+                    )
+            del sched
+            free_memory()
+        del decoder
         free_memory()
     refused = block_gemm_refused()
-    del decoders
-    free_memory()
     rows = []
     for w in loads:
         ref = tok_s[(w.name, arms[0])]
