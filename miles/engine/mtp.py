@@ -36,7 +36,6 @@ MTP only sets how many drafts are kept.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import weakref
 from pathlib import Path
@@ -46,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from miles.engine.request import Request, packed_batch
+from miles.engine.request import Request, pack_tokens, packed_batch
 from miles.engine.spec import Batch
 from miles.engine.spec_gate import Gate
 from miles.engine.speculative import (
@@ -181,21 +180,18 @@ def _batch(runs: list[tuple[int, list[int], torch.Tensor, int]], table: torch.Te
     """The MTP forward's batch, its `last_index` each run's last token. Short runs: decode-shaped, one
     row per token over its run's table row (each row attends its own position's prefix, every row's
     K/V written first), built from one host-to-device copy; else (a prefill's runs) prefill-shaped."""
-    lens = np.array([len(ids) for _, ids, _, _ in runs])
-    if lens.max() <= SHORT_RUN:  # in numpy: a flush may have B x SHORT_RUN rows
-        total, ends = int(lens.sum()), np.cumsum(lens)
-        ints = np.zeros((4, total), dtype=np.int64)
-        ints[0] = np.fromiter(itertools.chain.from_iterable(ids for _, ids, _, _ in runs), np.int64, total)
-        starts = np.array([start for *_, start in runs])
-        ints[1] = np.arange(total) - np.repeat(ends - lens - starts, lens)  # start, start + 1, ...
-        ints[2] = np.repeat([row for row, *_ in runs], lens)
-        ints[3, : len(runs)] = ends - 1
-        dev = torch.from_numpy(ints).to(table.device, non_blocking=True)
-        b = Batch.decode(dev[0], dev[1], dev[2], table, int(ints[1].max()) + 1)
-        b.last_index = dev[3, : len(runs)]
-        return b
     rows, new, starts = [row for row, *_ in runs], [ids for _, ids, _, _ in runs], [s for *_, s in runs]
-    return packed_batch(rows, starts, new, [s + len(ids) for s, ids in zip(starts, new, strict=True)], table)
+    if max(map(len, new)) > SHORT_RUN:
+        return packed_batch(
+            rows, starts, new, [s + len(ids) for s, ids in zip(starts, new, strict=True)], table
+        )
+    host, counts = pack_tokens(rows, starts, new)  # decode-shaped: ids, positions, rows, then last indices
+    ints = np.zeros((4, host.shape[1]), dtype=np.int64)
+    ints[:3], ints[3, : len(runs)] = host, np.cumsum(counts) - 1
+    dev = torch.from_numpy(ints).to(table.device, non_blocking=True)
+    b = Batch.decode(dev[0], dev[1], dev[2], table, int(host[1].max()) + 1)
+    b.last_index = dev[3, : len(runs)]
+    return b
 
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")

@@ -157,18 +157,28 @@ def prefill_batch(reqs: list[Request], table: torch.Tensor) -> Batch:
     )  # fmt: skip
 
 
+def pack_tokens(rows: list[int], firsts: list[int], new: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """([3, T] int64: the packed ids of `new`, their positions (firsts[i], firsts[i] + 1, ...) and
+    table rows (rows[i]), one column a token; the token count of each request)."""
+    counts = np.fromiter(map(len, new), np.int64, len(new))
+    total = int(counts.sum())
+    host = np.empty((3, total), dtype=np.int64)
+    host[0] = np.fromiter(itertools.chain.from_iterable(new), np.int64, total)
+    host[1] = np.arange(total) - np.repeat(
+        np.cumsum(counts) - counts - np.asarray(firsts, dtype=np.int64), counts
+    )
+    host[2] = np.repeat(np.asarray(rows, dtype=np.int64), counts)
+    return host, counts
+
+
 def packed_batch(
     rows: list[int], firsts: list[int], new: list[list[int]], lengths: list[int], table: torch.Tensor
 ) -> Batch:
     """A prefill-shaped batch: request i at table row rows[i] forwards tokens new[i] at positions
-    firsts[i].., attending its lengths[i] first positions; built in numpy, one host-to-device copy."""
-    counts = np.fromiter(map(len, new), np.int64, len(new))
-    total, ends = int(counts.sum()), np.cumsum(counts)
-    starts = ends - counts
-    host = np.empty((3, total), dtype=np.int64)
-    host[0] = np.fromiter(itertools.chain.from_iterable(new), np.int64, total)  # ids
-    host[1] = np.arange(total) - np.repeat(starts - np.asarray(firsts, dtype=np.int64), counts)  # positions
-    host[2] = np.repeat(np.asarray(rows, dtype=np.int64), counts)  # table rows
+    firsts[i].., attending its lengths[i] first positions; built in numpy (`pack_tokens`), two
+    host-to-device copies."""
+    host, counts = pack_tokens(rows, firsts, new)
+    starts = np.cumsum(counts) - counts
     small = np.stack((np.asarray(rows, dtype=np.int64), starts, counts))
     dev = table.device
     ids, positions, token_rows = torch.from_numpy(host).to(dev, non_blocking=True)
